@@ -1,0 +1,70 @@
+// qcommit map: which layer provides each byte, with qemu-img map's JSON keys.
+#include <cinttypes>
+#include <cstdio>
+
+#include "cli/json.h"
+#include "cli/options.h"
+#include "qcow2/chain.h"
+
+namespace qcommit::cli {
+
+int cmd_map(const Args& args) {
+  po::options_description opts("options");
+  std::string image, output = "human";
+  opts.add_options()("image", po::value(&image)->required(), "image file")(
+      "output", po::value(&output), "human or json (same entries as qemu-img map --output=json)");
+  po::positional_options_description pos;
+  pos.add("image", 1);
+  po::variables_map vm;
+  if (!parse(args, opts, pos, vm, "qcommit map IMAGE [--output=json]",
+             "examples:\n  qcommit map vm.qcow2\n  qcommit map --output=json vm.qcow2 | jq .\n"))
+    return kExitOk;
+  const Output out = parse_output(output);
+  qcow2::Chain chain = qcow2::Chain::open(image);
+  auto entries = chain.map();
+  std::string buf;
+  buf.reserve(entries.size() * 120);
+  char line[320];
+  if (out == Output::kJson) {
+    buf += "[";
+    for (size_t i = 0; i < entries.size(); ++i) {
+      const auto& e = entries[i];
+      int n = std::snprintf(line, sizeof line,
+                            "%s{ \"start\": %" PRIu64 ", \"length\": %" PRIu64
+                            ", \"depth\": %u, \"present\": %s, \"zero\": %s, \"data\": %s",
+                            i ? ",\n" : "", e.start, e.length, e.depth, json_bool(e.present),
+                            json_bool(e.zero), json_bool(e.data));
+      buf.append(line, size_t(n));
+      if (e.offset) {
+        n = std::snprintf(line, sizeof line, ", \"offset\": %" PRIu64, *e.offset);
+        buf.append(line, size_t(n));
+      }
+      buf += "}";
+    }
+    buf += "]\n";
+  } else {
+    int n = std::snprintf(line, sizeof line, "%-20s%-20s%-7s%-10s%-20s%s\n", "Offset", "Length",
+                          "Depth", "Kind", "Mapped to", "File");
+    buf.append(line, size_t(n));
+    for (const auto& e : entries) {
+      const char* kind = e.data ? (e.compressed ? "compressed" : (e.zero ? "data/zero" : "data"))
+                                : (e.zero ? (e.present ? "zero" : "hole") : "backing");
+      std::string mapped = e.offset ? "0x" + [&] {
+        char h[24];
+        std::snprintf(h, sizeof h, "%" PRIx64, *e.offset);
+        return std::string(h);
+      }() : "-";
+      const auto& L = chain.layer(e.depth);
+      std::string file = e.offset && L.qcow2 && L.qcow2->has_data_file()
+                             ? L.qcow2->data_device().name() : L.path;
+      n = std::snprintf(line, sizeof line, "0x%-18" PRIx64 "0x%-18" PRIx64 "%-7u%-10s%-20s%s\n",
+                        e.start, e.length, e.depth, kind, mapped.c_str(),
+                        e.present ? file.c_str() : "-");
+      buf.append(line, size_t(n));
+    }
+  }
+  std::fwrite(buf.data(), 1, buf.size(), stdout);
+  return kExitOk;
+}
+
+}  // namespace qcommit::cli

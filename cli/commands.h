@@ -1,0 +1,24 @@
+// Subcommands of the qcommit CLI. Each returns the process exit code.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace qcommit::cli {
+
+// Exit codes (documented in README.md).
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitError = 1;      // bad input, I/O error, refused operation
+inline constexpr int kExitUsage = 2;      // bad command line
+inline constexpr int kExitCorrupt = 3;    // check found corruption
+
+using Args = std::vector<std::string>;
+
+int cmd_info(const Args& args);
+int cmd_map(const Args& args);
+int cmd_demo(const Args& args);
+
+// "1.5 GiB (1610612736 bytes)"
+std::string human_size(unsigned long long bytes);
+
+}  // namespace qcommit::cli

@@ -1,0 +1,56 @@
+// qcommit: merge qcow2 snapshots without stalling the guests that share the storage.
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <string>
+
+#include "cli/commands.h"
+#include "qcow2/error.h"
+
+namespace {
+
+void usage(FILE* f) {
+  std::fputs(
+      "usage: qcommit COMMAND [ARGS...]\n"
+      "\n"
+      "commands:\n"
+      "  info IMAGE [--output=json]   format, features and backing chain of an image\n"
+      "  map IMAGE [--output=json]    which layer provides each byte (like qemu-img map)\n"
+      "  demo                         build a small qcow2 chain and show what qcommit sees\n"
+      "\n"
+      "Run 'qcommit COMMAND --help' for the options of one command.\n",
+      f);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace qcommit::cli;
+  if (argc < 2) {
+    usage(stderr);
+    return kExitUsage;
+  }
+  const std::string cmd = argv[1];
+  Args args(argv + 2, argv + argc);
+  try {
+    if (cmd == "info") return cmd_info(args);
+    if (cmd == "map") return cmd_map(args);
+    if (cmd == "demo") return cmd_demo(args);
+    if (cmd == "-h" || cmd == "--help" || cmd == "help") {
+      usage(stdout);
+      return kExitOk;
+    }
+    std::fprintf(stderr, "qcommit: unknown command '%s'\n", cmd.c_str());
+    usage(stderr);
+    return kExitUsage;
+  } catch (const qcommit::qcow2::CorruptionError& e) {
+    std::fprintf(stderr, "qcommit: %s (image is corrupt)\n", e.what());
+    return kExitCorrupt;
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "qcommit: out of memory\n");
+    return kExitError;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "qcommit: %s\n", e.what());
+    return kExitError;
+  }
+}

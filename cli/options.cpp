@@ -1,0 +1,45 @@
+#include "cli/options.h"
+
+#include <iostream>
+
+namespace qcommit::cli {
+
+bool parse(const Args& args, po::options_description& opts, po::positional_options_description& pos,
+           po::variables_map& vm, const char* synopsis, const char* examples) {
+  opts.add_options()("help,h", "show this help");
+  try {
+    po::store(po::command_line_parser(args).options(opts).positional(pos).run(), vm);
+    if (vm.count("help")) {
+      std::cout << "usage: " << synopsis << "\n\n" << opts << "\n" << examples;
+      return false;
+    }
+    po::notify(vm);
+  } catch (const po::error& e) {
+    throw UsageError(std::string(e.what()) + " (usage: " + synopsis + ")");
+  }
+  return true;
+}
+
+Output parse_output(const std::string& s) {
+  if (s == "json") return Output::kJson;
+  if (s == "human") return Output::kHuman;
+  throw UsageError("--output must be 'human' or 'json', not '" + s + "'");
+}
+
+std::string human_size(unsigned long long bytes) {
+  static const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  double v = double(bytes);
+  int u = 0;
+  while (v >= 1024 && u < 6) {
+    v /= 1024;
+    ++u;
+  }
+  char buf[64];
+  if (u == 0)
+    std::snprintf(buf, sizeof buf, "%llu B", bytes);
+  else
+    std::snprintf(buf, sizeof buf, "%.3g %s (%llu bytes)", v, units[u], bytes);
+  return buf;
+}
+
+}  // namespace qcommit::cli

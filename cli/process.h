@@ -1,0 +1,20 @@
+// Running helper programs (qemu-img) without a shell: arguments are passed as data.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace qcommit::cli {
+
+struct ProcessResult {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr together
+};
+
+// Runs argv[0] (looked up in PATH) and captures its output.
+ProcessResult run_process(const std::vector<std::string>& argv);
+
+// Runs and throws std::runtime_error with the output if the exit code is not 0.
+std::string run_checked(const std::vector<std::string>& argv);
+
+}  // namespace qcommit::cli

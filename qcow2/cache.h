@@ -1,0 +1,77 @@
+// A size-bounded LRU cache of metadata tables (L2 tables, refcount blocks), keyed by host offset.
+// Metadata memory stays bounded whatever the image size.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <list>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+namespace qcommit::qcow2 {
+
+class TableCache {
+ public:
+  using Table = std::shared_ptr<std::vector<uint8_t>>;
+  explicit TableCache(size_t capacity_bytes) : capacity_(capacity_bytes) {}
+
+  // Returns the cached table at `offset`, loading it with `load` on a miss.
+  [[nodiscard]] Table get(uint64_t offset, size_t bytes,
+                          const std::function<void(std::vector<uint8_t>&)>& load) {
+    if (auto it = index_.find(offset); it != index_.end()) {
+      lru_.splice(lru_.begin(), lru_, it->second);
+      return it->second->table;
+    }
+    auto table = std::make_shared<std::vector<uint8_t>>(bytes);
+    load(*table);
+    insert(offset, table);
+    return table;
+  }
+
+  // Replaces (or inserts) the cached copy of a table.
+  void put(uint64_t offset, Table table) {
+    erase(offset);
+    insert(offset, std::move(table));
+  }
+
+  void erase(uint64_t offset) {
+    if (auto it = index_.find(offset); it != index_.end()) {
+      used_ -= it->second->table->size();
+      lru_.erase(it->second);
+      index_.erase(it);
+    }
+  }
+
+  void clear() {
+    lru_.clear();
+    index_.clear();
+    used_ = 0;
+  }
+
+  [[nodiscard]] size_t used_bytes() const { return used_; }
+
+ private:
+  struct Slot {
+    uint64_t offset;
+    Table table;
+  };
+  void insert(uint64_t offset, Table table) {
+    used_ += table->size();
+    lru_.push_front(Slot{offset, std::move(table)});
+    index_[offset] = lru_.begin();
+    // Keep at least two tables so a caller holding one can still load another.
+    while (used_ > capacity_ && lru_.size() > 2) {
+      auto& victim = lru_.back();
+      used_ -= victim.table->size();
+      index_.erase(victim.offset);
+      lru_.pop_back();
+    }
+  }
+  size_t capacity_;
+  size_t used_ = 0;
+  std::list<Slot> lru_;
+  std::unordered_map<uint64_t, std::list<Slot>::iterator> index_;
+};
+
+}  // namespace qcommit::qcow2

@@ -1,0 +1,276 @@
+#include "qcow2/chain.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <set>
+
+#include "qcow2/error.h"
+
+namespace qcommit::qcow2 {
+
+namespace fs = std::filesystem;
+
+const char* to_string(Format f) { return f == Format::kQcow2 ? "qcow2" : "raw"; }
+
+uint64_t Layer::virtual_size() const { return qcow2 ? qcow2->virtual_size() : raw->size(); }
+
+Format probe_format(BlockDevice& dev) {
+  if (dev.size() >= 4) {
+    uint8_t m[4];
+    dev.read(0, m);
+    if (boost::endian::load_big_u32(m) == kMagic) return Format::kQcow2;
+  }
+  return Format::kRaw;
+}
+
+std::string resolve_backing(const std::string& image_path, const std::string& name) {
+  if (name.rfind("json:", 0) == 0)
+    throw UnsupportedError(image_path, "backing file name '" + name.substr(0, 64) +
+                                           "' is a json: specification; only plain file names are followed");
+  // A protocol prefix ("nbd:", "http:", ...) before any slash: QEMU would treat it as a protocol.
+  const auto colon = name.find(':');
+  const auto slash = name.find('/');
+  if (colon != std::string::npos && (slash == std::string::npos || colon < slash)) {
+    const std::string proto = name.substr(0, colon);
+    bool word = !proto.empty() && std::all_of(proto.begin(), proto.end(), [](char c) {
+      return std::isalnum(static_cast<unsigned char>(c)) || c == '+' || c == '-' || c == '.';
+    });
+    if (word && proto != "file")
+      throw UnsupportedError(image_path, "backing file name '" + name.substr(0, 64) +
+                                             "' uses protocol '" + proto +
+                                             "'; only local files are followed");
+  }
+  std::string plain = name.rfind("file:", 0) == 0 ? name.substr(5) : name;
+  if (plain.empty()) throw Error(image_path, "empty backing file name");
+  fs::path p(plain);
+  if (p.is_absolute()) return p.lexically_normal().string();
+  fs::path dir = fs::path(image_path).parent_path();
+  return (dir / p).lexically_normal().string();
+}
+
+namespace {
+
+Format parse_format(const std::string& image, const std::string& fmt) {
+  if (fmt == "qcow2") return Format::kQcow2;
+  if (fmt == "raw" || fmt == "file" || fmt == "host_device") return Format::kRaw;
+  throw UnsupportedError(image, "backing format '" + fmt + "' is not supported (only qcow2 and raw)");
+}
+
+void check_allowed(const std::string& image, const std::string& backing,
+                   const std::vector<std::string>& allowed) {
+  if (allowed.empty()) return;
+  std::error_code ec;
+  const fs::path real = fs::canonical(backing, ec);
+  if (ec) return;  // open() reports a missing file
+  for (const auto& dir : allowed) {
+    const fs::path d = fs::weakly_canonical(dir, ec);
+    if (ec) continue;
+    auto rel = real.lexically_relative(d);
+    if (!rel.empty() && *rel.begin() != "..") return;
+  }
+  throw Error(image, "backing file '" + backing + "' (resolves to " + real.string() +
+                         ") lies outside the allowed directories");
+}
+
+}  // namespace
+
+Chain Chain::open(const std::string& path, ChainOptions options, std::optional<Format> format) {
+  Chain chain;
+  std::set<std::pair<dev_t, ino_t>> seen;
+  std::string current = path;
+  std::string named_as;
+  std::string named_by;
+  std::optional<Format> fmt = format;
+  for (size_t depth = 0;; ++depth) {
+    if (depth >= options.max_depth)
+      throw Error(path, "backing chain deeper than " + std::to_string(options.max_depth) + " layers");
+    const bool writable = depth == 0 && options.writable_top;
+    std::unique_ptr<FileDevice> dev;
+    try {
+      dev = FileDevice::open(current, {.writable = writable});
+    } catch (const IoError& e) {
+      if (depth == 0) throw;
+      throw Error(named_by, "cannot open backing file '" + named_as + "': " + e.problem());
+    }
+    if (!seen.insert({dev->st_dev(), dev->st_ino()}).second)
+      throw Error(named_by.empty() ? path : named_by,
+                  "backing chain loop: '" + current + "' is already in the chain");
+    auto layer = std::make_unique<Layer>();
+    layer->path = current;
+    layer->backing_name = named_as;
+    layer->format = fmt ? *fmt : probe_format(*dev);
+    if (layer->format == Format::kRaw) {
+      layer->raw = std::move(dev);
+      chain.layers_.push_back(std::move(layer));
+      break;
+    }
+    layer->qcow2 = Image::open(std::move(dev), {.writable = writable, .cache_bytes = options.cache_bytes});
+    Image& img = *layer->qcow2;
+    if (img.has_data_file()) {
+      if (!img.data_file_name())
+        throw Error(current, "image uses an external data file but does not name it");
+      const std::string dpath = resolve_backing(current, *img.data_file_name());
+      try {
+        img.attach_data_file(FileDevice::open(dpath, {.writable = writable}));
+      } catch (const IoError& e) {
+        throw Error(current, "cannot open external data file '" + *img.data_file_name() +
+                                 "': " + e.problem());
+      }
+    }
+    std::optional<std::string> next = img.backing_name();
+    std::optional<std::string> next_fmt = img.backing_format();
+    chain.layers_.push_back(std::move(layer));
+    if (!next) break;
+    named_by = current;
+    named_as = *next;
+    current = resolve_backing(named_by, named_as);
+    check_allowed(named_by, current, options.allowed_backing_dirs);
+    fmt = next_fmt ? std::optional<Format>(parse_format(named_by, *next_fmt)) : std::nullopt;
+  }
+  return chain;
+}
+
+Chain::LayerStatus Chain::layer_status(size_t i, uint64_t offset, uint64_t len) {
+  Layer& L = *layers_[i];
+  LayerStatus st;
+  const uint64_t size = L.virtual_size();
+  len = std::min(len, size - offset);
+  if (L.format == Format::kRaw) {
+    AllocationRun a = L.raw->allocation(offset, len);
+    st.length = a.length;
+    st.data = a.data;
+    st.zero = !a.data;
+    st.allocated = true;
+    st.offset = offset;
+    return st;
+  }
+  Image& img = *L.qcow2;
+  Run run = img.lookup(offset, len);
+  st.length = run.length;
+  switch (run.type) {
+    case SubclusterType::kNormal: st.data = true; st.offset = run.host_offset; break;
+    case SubclusterType::kZeroAlloc: st.zero = true; st.offset = run.host_offset; break;
+    case SubclusterType::kUnallocatedAlloc: st.offset = run.host_offset; break;
+    case SubclusterType::kZeroPlain: st.zero = true; break;
+    case SubclusterType::kCompressed: st.data = true; st.compressed = true; break;
+    case SubclusterType::kUnallocatedPlain: break;
+  }
+  if (st.data || st.zero) {
+    st.allocated = true;
+  } else if (i + 1 == layers_.size() || offset >= layers_[i + 1]->virtual_size()) {
+    st.zero = true;  // no backing, or past the backing file's end: reads as zeros
+  }
+  // preallocation=metadata: ask the file whether the data cluster is a hole (QEMU's RECURSE).
+  if (st.data && !st.zero && st.offset && img.metadata_preallocated()) {
+    BlockDevice& f = img.data_device();
+    const uint64_t host = *st.offset;
+    const uint64_t fsize = f.size();
+    if (host >= fsize) {
+      st.zero = true;
+    } else {
+      AllocationRun a = f.allocation(host, std::min(st.length, fsize - host));
+      const bool eof = host + a.length >= fsize;
+      if (eof && !a.data) {
+        st.zero = true;
+      } else {
+        st.length = a.length;
+        st.zero = !a.data;
+      }
+    }
+  }
+  return st;
+}
+
+MapEntry Chain::status(uint64_t offset, uint64_t len, size_t from_depth) {
+  uint64_t n = len;
+  size_t i = from_depth;
+  LayerStatus st;
+  for (;; ++i) {
+    st = layer_status(i, offset, n);
+    n = st.length;
+    if (st.data || st.zero || i + 1 == layers_.size()) break;
+  }
+  MapEntry e;
+  e.start = offset;
+  e.length = n;
+  e.depth = uint32_t(i);
+  e.present = st.allocated;
+  e.zero = st.zero;
+  e.data = st.data;
+  e.offset = st.offset;
+  e.compressed = st.compressed;
+  return e;
+}
+
+bool mergeable(const MapEntry& a, const MapEntry& b) {
+  if (a.length == 0) return false;
+  if (a.depth != b.depth || a.data != b.data || a.zero != b.zero || a.present != b.present)
+    return false;
+  if (a.offset.has_value() != b.offset.has_value()) return false;
+  if (a.offset && *a.offset + a.length != *b.offset) return false;
+  return a.start + a.length == b.start;
+}
+
+std::vector<MapEntry> Chain::map(uint64_t offset, std::optional<uint64_t> len) {
+  const uint64_t size = virtual_size();
+  const uint64_t end = len ? std::min(size, offset + *len) : size;
+  std::vector<MapEntry> out;
+  while (offset < end) {
+    MapEntry e = status(offset, end - offset);
+    if (e.length == 0) throw Error(top().name(), "block status made no progress at " + hex(offset));
+    offset += e.length;
+    if (!out.empty() && mergeable(out.back(), e)) {
+      out.back().length += e.length;
+      out.back().compressed = out.back().compressed || e.compressed;
+    } else {
+      out.push_back(e);
+    }
+  }
+  return out;
+}
+
+void Chain::read(uint64_t offset, std::span<uint8_t> out, size_t from_depth) {
+  if (from_depth >= layers_.size()) {
+    std::fill(out.begin(), out.end(), uint8_t{0});
+    return;
+  }
+  Layer& L = *layers_[from_depth];
+  const uint64_t size = L.virtual_size();
+  size_t pos = 0;
+  while (pos < out.size()) {
+    const uint64_t off = offset + pos;
+    auto rest = out.subspan(pos);
+    if (off >= size) {
+      std::fill(rest.begin(), rest.end(), uint8_t{0});
+      return;
+    }
+    const uint64_t want = std::min<uint64_t>(rest.size(), size - off);
+    if (L.format == Format::kRaw) {
+      L.raw->read(off, rest.first(want));
+      pos += want;
+      continue;
+    }
+    Run run = L.qcow2->lookup(off, want);
+    auto piece = rest.first(run.length);
+    switch (run.type) {
+      case SubclusterType::kNormal:
+      case SubclusterType::kCompressed:
+        L.qcow2->read_run(run, off, piece);
+        break;
+      case SubclusterType::kZeroPlain:
+      case SubclusterType::kZeroAlloc:
+        std::fill(piece.begin(), piece.end(), uint8_t{0});
+        break;
+      case SubclusterType::kUnallocatedPlain:
+      case SubclusterType::kUnallocatedAlloc:
+        read(off, piece, from_depth + 1);
+        break;
+    }
+    pos += run.length;
+  }
+}
+
+}  // namespace qcommit::qcow2

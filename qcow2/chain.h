@@ -1,0 +1,102 @@
+// A backing chain: the top image and every image below it (qcow2 or raw), with block status and
+// reads through the whole chain.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "qcow2/device.h"
+#include "qcow2/image.h"
+
+namespace qcommit::qcow2 {
+
+inline constexpr size_t kMaxChainDepth = 256;
+
+enum class Format { kQcow2, kRaw };
+[[nodiscard]] const char* to_string(Format f);
+
+// One layer of a chain.
+struct Layer {
+  std::string path;          // as opened (resolved)
+  std::string backing_name;  // as written in the image above (empty for the top)
+  Format format = Format::kQcow2;
+  std::unique_ptr<Image> qcow2;       // when format == kQcow2
+  std::unique_ptr<BlockDevice> raw;   // when format == kRaw
+  [[nodiscard]] uint64_t virtual_size() const;
+  [[nodiscard]] const std::string& name() const { return path; }
+};
+
+// Where the bytes of one guest range come from, with QEMU's block-status attributes
+// (as `qemu-img map --output=json` prints them).
+struct MapEntry {
+  uint64_t start = 0;
+  uint64_t length = 0;
+  uint32_t depth = 0;
+  bool present = false;
+  bool zero = false;
+  bool data = false;
+  std::optional<uint64_t> offset;
+  // Extra detail, not in qemu-img's output:
+  bool compressed = false;
+};
+
+struct ChainOptions {
+  bool writable_top = false;
+  // Backing files must resolve inside one of these directories (empty: no restriction).
+  std::vector<std::string> allowed_backing_dirs;
+  size_t cache_bytes = kDefaultCacheBytes;
+  size_t max_depth = kMaxChainDepth;
+};
+
+// Probes a file's format: qcow2 by magic, otherwise raw.
+[[nodiscard]] Format probe_format(BlockDevice& dev);
+
+// Resolves a backing file name the way QEMU does: relative names are relative to the directory
+// of the image that names them. Refuses json: and protocol names.
+[[nodiscard]] std::string resolve_backing(const std::string& image_path, const std::string& name);
+
+class Chain {
+ public:
+  // Opens `path` and its whole backing chain. `format` forces the top format (else probed).
+  static Chain open(const std::string& path, ChainOptions options = {},
+                    std::optional<Format> format = std::nullopt);
+  Chain(Chain&&) = default;
+  Chain& operator=(Chain&&) = default;
+
+  [[nodiscard]] size_t depth() const { return layers_.size(); }
+  [[nodiscard]] Layer& layer(size_t i) { return *layers_.at(i); }
+  [[nodiscard]] const Layer& layer(size_t i) const { return *layers_.at(i); }
+  [[nodiscard]] Layer& top() { return *layers_.front(); }
+  [[nodiscard]] uint64_t virtual_size() const { return layers_.front()->virtual_size(); }
+
+  // Block status of [offset, offset+len) as one entry (the first run), looking through layers
+  // from `from_depth` down. Mirrors QEMU's bdrv_block_status + qemu-img map's depth loop.
+  [[nodiscard]] MapEntry status(uint64_t offset, uint64_t len, size_t from_depth = 0);
+
+  // The whole map, adjacent entries with equal attributes (and contiguous offsets) merged,
+  // exactly like `qemu-img map`.
+  [[nodiscard]] std::vector<MapEntry> map(uint64_t offset = 0,
+                                          std::optional<uint64_t> len = std::nullopt);
+
+  // Reads guest bytes through the chain, starting at layer `from_depth`.
+  void read(uint64_t offset, std::span<uint8_t> out, size_t from_depth = 0);
+
+ private:
+  Chain() = default;
+  struct LayerStatus {
+    uint64_t length = 0;
+    bool data = false, zero = false, allocated = false, compressed = false;
+    std::optional<uint64_t> offset;
+  };
+  [[nodiscard]] LayerStatus layer_status(size_t i, uint64_t offset, uint64_t len);
+  std::vector<std::unique_ptr<Layer>> layers_;
+};
+
+// Merges adjacent entries the way qemu-img map does.
+[[nodiscard]] bool mergeable(const MapEntry& a, const MapEntry& b);
+
+}  // namespace qcommit::qcow2

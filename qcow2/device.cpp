@@ -1,0 +1,154 @@
+#include "qcow2/device.h"
+
+#include <fcntl.h>
+#include <linux/fs.h>
+#include <sys/ioctl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "qcow2/error.h"
+
+namespace qcommit::qcow2 {
+
+namespace {
+[[noreturn]] void throw_errno(const std::string& name, const std::string& what, int err) {
+  throw IoError(name, what + ": " + std::strerror(err), err);
+}
+}  // namespace
+
+std::unique_ptr<FileDevice> FileDevice::open(const std::string& path, FileOpenOptions options) {
+  int flags = (options.writable ? O_RDWR : O_RDONLY) | O_CLOEXEC;
+  int fd = -1;
+  if (options.direct) {
+    fd = ::open(path.c_str(), flags | O_DIRECT);
+    if (fd < 0 && errno != EINVAL) throw_errno(path, "cannot open", errno);
+  }
+  if (fd < 0) fd = ::open(path.c_str(), flags);
+  if (fd < 0) throw_errno(path, "cannot open", errno);
+  return std::unique_ptr<FileDevice>(new FileDevice(path, fd, options.writable));
+}
+
+FileDevice::FileDevice(std::string path, int fd, bool writable)
+    : path_(std::move(path)), fd_(fd), writable_(writable) {
+  struct stat st {};
+  if (fstat(fd_, &st) != 0) {
+    int err = errno;
+    ::close(fd_);
+    throw_errno(path_, "cannot stat", err);
+  }
+  dev_ = st.st_dev;
+  ino_ = st.st_ino;
+  if (S_ISBLK(st.st_mode)) {
+    block_device_ = true;
+    uint64_t bytes = 0;
+    if (ioctl(fd_, BLKGETSIZE64, &bytes) != 0) {
+      int err = errno;
+      ::close(fd_);
+      throw_errno(path_, "cannot get block device size", err);
+    }
+    size_ = bytes;
+    unsigned int io_min = 0, io_opt = 0;
+    if (ioctl(fd_, BLKIOMIN, &io_min) == 0 && io_min > 0) alignment_ = std::max(alignment_, io_min);
+    if (ioctl(fd_, BLKIOOPT, &io_opt) == 0 && io_opt > 0 && io_opt <= (16u << 20))
+      alignment_ = std::max(alignment_, io_opt);
+  } else if (S_ISREG(st.st_mode)) {
+    size_ = static_cast<uint64_t>(st.st_size);
+    if (st.st_blksize > 0) alignment_ = std::max<uint32_t>(alignment_, uint32_t(st.st_blksize));
+  } else {
+    ::close(fd_);
+    throw Error(path_, "not a regular file or block device");
+  }
+}
+
+FileDevice::~FileDevice() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void FileDevice::read(uint64_t offset, std::span<uint8_t> out) {
+  size_t done = 0;
+  while (done < out.size()) {
+    ssize_t n = ::pread(fd_, out.data() + done, out.size() - done, off_t(offset + done));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw_errno(path_, "read of " + std::to_string(out.size()) + " bytes at " + hex(offset) +
+                             " failed", errno);
+    }
+    if (n == 0) {  // end of file: the rest reads as zeros
+      std::memset(out.data() + done, 0, out.size() - done);
+      return;
+    }
+    done += size_t(n);
+  }
+}
+
+void FileDevice::write(uint64_t offset, std::span<const uint8_t> in) {
+  size_t done = 0;
+  while (done < in.size()) {
+    ssize_t n = ::pwrite(fd_, in.data() + done, in.size() - done, off_t(offset + done));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw_errno(path_, "write of " + std::to_string(in.size()) + " bytes at " + hex(offset) +
+                             " failed", errno);
+    }
+    done += size_t(n);
+  }
+  size_ = std::max(size_, offset + in.size());
+}
+
+void FileDevice::flush() {
+  if (::fdatasync(fd_) != 0) throw_errno(path_, "flush failed", errno);
+}
+
+void FileDevice::truncate(uint64_t new_size) {
+  if (block_device_) {
+    if (new_size > size_) throw Error(path_, "block device too small for " + std::to_string(new_size) + " bytes");
+    return;
+  }
+  if (::ftruncate(fd_, off_t(new_size)) != 0) throw_errno(path_, "cannot resize", errno);
+  size_ = new_size;
+}
+
+uint64_t FileDevice::allocated_bytes() const {
+  struct stat st {};
+  if (fstat(fd_, &st) != 0) return size_;
+  if (block_device_) return size_;
+  return uint64_t(st.st_blocks) * 512;
+}
+
+AllocationRun FileDevice::allocation(uint64_t offset, uint64_t max_len) const {
+  if (block_device_ || max_len == 0) return {max_len, true};
+  if (offset >= size_) return {max_len, false};
+  off_t data = ::lseek(fd_, off_t(offset), SEEK_DATA);
+  if (data < 0) {
+    if (errno == ENXIO) return {max_len, false};  // trailing hole
+    return {max_len, true};                       // unknown: treat as data
+  }
+  if (uint64_t(data) > offset) return {std::min<uint64_t>(max_len, uint64_t(data) - offset), false};
+  off_t hole = ::lseek(fd_, off_t(offset), SEEK_HOLE);
+  if (hole < 0 || uint64_t(hole) <= offset) return {max_len, true};
+  return {std::min<uint64_t>(max_len, uint64_t(hole) - offset), true};
+}
+
+void MemoryDevice::read(uint64_t offset, std::span<uint8_t> out) {
+  std::fill(out.begin(), out.end(), uint8_t{0});
+  if (offset >= bytes_.size()) return;
+  size_t n = size_t(std::min<uint64_t>(out.size(), bytes_.size() - offset));
+  std::memcpy(out.data(), bytes_.data() + offset, n);
+}
+
+void MemoryDevice::write(uint64_t offset, std::span<const uint8_t> in) {
+  if (offset + in.size() > bytes_.size()) bytes_.resize(offset + in.size());
+  std::memcpy(bytes_.data() + offset, in.data(), in.size());
+}
+
+std::string hex(uint64_t v) {
+  char buf[24];
+  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+}  // namespace qcommit::qcow2

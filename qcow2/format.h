@@ -1,0 +1,213 @@
+// The qcow2 on-disk format, in one place: constants, size-asserted structs and constexpr
+// geometry. Written from the specification (QEMU docs/interop/qcow2.txt). All multi-byte
+// fields on disk are big-endian; the structs below use Boost.Endian buffers so they can be
+// memcpy'd from disk with no alignment or byte-order surprises.
+#pragma once
+
+#include <boost/endian/buffers.hpp>
+#include <boost/endian/conversion.hpp>
+#include <cstddef>
+#include <cstdint>
+
+namespace qcommit::qcow2 {
+
+using boost::endian::big_uint16_buf_t;
+using boost::endian::big_uint32_buf_t;
+using boost::endian::big_uint64_buf_t;
+using boost::endian::big_uint8_buf_t;
+
+// ---------------------------------------------------------------------------------------------
+// Header
+inline constexpr uint32_t kMagic = 0x514649fb;  // "QFI\xfb"
+inline constexpr uint32_t kVersion2 = 2;
+inline constexpr uint32_t kVersion3 = 3;
+inline constexpr uint32_t kHeaderV2Bytes = 72;
+inline constexpr uint32_t kHeaderV3MinBytes = 104;
+inline constexpr uint32_t kHeaderV3WithCompressionBytes = 112;  // 105 rounded up to 8
+inline constexpr uint32_t kMinClusterBits = 9;                  // 512 B
+inline constexpr uint32_t kMaxClusterBits = 21;                 // 2 MiB
+inline constexpr uint32_t kMaxBackingNameBytes = 1023;
+inline constexpr uint64_t kMaxL1TableBytes = 32ull << 20;        // as QEMU: 32 MiB
+inline constexpr uint64_t kMaxRefcountTableBytes = 8ull << 20;   // as QEMU: 8 MiB
+inline constexpr uint32_t kMaxRefcountOrder = 6;                 // 64-bit refcounts
+
+struct RawHeader {
+  big_uint32_buf_t magic;
+  big_uint32_buf_t version;
+  big_uint64_buf_t backing_file_offset;
+  big_uint32_buf_t backing_file_size;
+  big_uint32_buf_t cluster_bits;
+  big_uint64_buf_t size;
+  big_uint32_buf_t crypt_method;
+  big_uint32_buf_t l1_size;
+  big_uint64_buf_t l1_table_offset;
+  big_uint64_buf_t refcount_table_offset;
+  big_uint32_buf_t refcount_table_clusters;
+  big_uint32_buf_t nb_snapshots;
+  big_uint64_buf_t snapshots_offset;
+  // version 3 and later
+  big_uint64_buf_t incompatible_features;
+  big_uint64_buf_t compatible_features;
+  big_uint64_buf_t autoclear_features;
+  big_uint32_buf_t refcount_order;
+  big_uint32_buf_t header_length;
+};
+static_assert(sizeof(RawHeader) == kHeaderV3MinBytes);
+static_assert(offsetof(RawHeader, incompatible_features) == kHeaderV2Bytes);
+inline constexpr uint32_t kCompressionTypeOffset = 104;  // one byte, if header_length > 104
+
+// Incompatible feature bits.
+inline constexpr uint64_t kIncompatDirty = 1ull << 0;
+inline constexpr uint64_t kIncompatCorrupt = 1ull << 1;
+inline constexpr uint64_t kIncompatDataFile = 1ull << 2;
+inline constexpr uint64_t kIncompatCompression = 1ull << 3;
+inline constexpr uint64_t kIncompatExtendedL2 = 1ull << 4;
+inline constexpr uint64_t kIncompatKnown = kIncompatDirty | kIncompatCorrupt | kIncompatDataFile |
+                                           kIncompatCompression | kIncompatExtendedL2;
+// Compatible feature bits.
+inline constexpr uint64_t kCompatLazyRefcounts = 1ull << 0;
+// Autoclear feature bits.
+inline constexpr uint64_t kAutoclearBitmaps = 1ull << 0;
+inline constexpr uint64_t kAutoclearDataFileRaw = 1ull << 1;
+inline constexpr uint64_t kAutoclearKnown = kAutoclearBitmaps | kAutoclearDataFileRaw;
+
+enum class CompressionType : uint8_t { kZlib = 0, kZstd = 1 };
+enum class CryptMethod : uint32_t { kNone = 0, kAes = 1, kLuks = 2 };
+
+// ---------------------------------------------------------------------------------------------
+// Header extensions
+inline constexpr uint32_t kExtEnd = 0x00000000;
+inline constexpr uint32_t kExtBackingFormat = 0xe2792aca;
+inline constexpr uint32_t kExtFeatureNameTable = 0x6803f857;
+inline constexpr uint32_t kExtBitmaps = 0x23852875;
+inline constexpr uint32_t kExtFullDiskEncryption = 0x0537be77;
+inline constexpr uint32_t kExtDataFile = 0x44415441;
+
+struct RawExtensionHeader {
+  big_uint32_buf_t type;
+  big_uint32_buf_t length;
+};
+static_assert(sizeof(RawExtensionHeader) == 8);
+
+struct RawFeatureName {
+  big_uint8_buf_t type;  // 0 incompatible, 1 compatible, 2 autoclear
+  big_uint8_buf_t bit;
+  char name[46];
+};
+static_assert(sizeof(RawFeatureName) == 48);
+
+struct RawBitmapsExtension {
+  big_uint32_buf_t nb_bitmaps;
+  big_uint32_buf_t reserved;
+  big_uint64_buf_t bitmap_directory_size;
+  big_uint64_buf_t bitmap_directory_offset;
+};
+static_assert(sizeof(RawBitmapsExtension) == 24);
+
+struct RawBitmapDirectoryEntry {
+  big_uint64_buf_t bitmap_table_offset;
+  big_uint32_buf_t bitmap_table_size;
+  big_uint32_buf_t flags;
+  big_uint8_buf_t type;
+  big_uint8_buf_t granularity_bits;
+  big_uint16_buf_t name_size;
+  big_uint32_buf_t extra_data_size;
+  // followed by extra data, name, padding to 8 bytes
+};
+static_assert(sizeof(RawBitmapDirectoryEntry) == 24);
+inline constexpr uint64_t kBitmapTableOffsetMask = 0x00fffffffffffe00ull;
+inline constexpr uint64_t kBitmapTableAllOnes = 1ull;  // bit 0: cluster reads as all ones
+
+struct RawFullDiskEncryption {
+  big_uint64_buf_t offset;
+  big_uint64_buf_t length;
+};
+static_assert(sizeof(RawFullDiskEncryption) == 16);
+
+// ---------------------------------------------------------------------------------------------
+// Snapshot table entries (only what is needed to account for their clusters).
+struct RawSnapshotHeader {
+  big_uint64_buf_t l1_table_offset;
+  big_uint32_buf_t l1_size;
+  big_uint16_buf_t id_str_size;
+  big_uint16_buf_t name_size;
+  big_uint32_buf_t date_sec;
+  big_uint32_buf_t date_nsec;
+  big_uint64_buf_t vm_clock_nsec;
+  big_uint32_buf_t vm_state_size;
+  big_uint32_buf_t extra_data_size;
+  // extra data, id string, name, padding to 8
+};
+static_assert(sizeof(RawSnapshotHeader) == 40);
+
+// ---------------------------------------------------------------------------------------------
+// L1 / L2 / refcount table entries
+inline constexpr uint64_t kOflagCopied = 1ull << 63;
+inline constexpr uint64_t kOflagCompressed = 1ull << 62;
+inline constexpr uint64_t kOflagZero = 1ull << 0;
+inline constexpr uint64_t kL1OffsetMask = 0x00fffffffffffe00ull;   // bits 9-55
+inline constexpr uint64_t kL1ReservedMask = 0x7f000000000001ffull;
+inline constexpr uint64_t kL2OffsetMask = 0x00fffffffffffe00ull;   // bits 9-55
+inline constexpr uint64_t kL2StdReservedMask = 0x3f000000000001feull;
+inline constexpr uint64_t kRefTableOffsetMask = 0xfffffffffffffe00ull;  // bits 9-63
+inline constexpr uint64_t kRefTableReservedMask = 0x1ffull;
+inline constexpr uint32_t kSubclustersPerCluster = 32;
+inline constexpr uint32_t kCompressedSectorBytes = 512;
+
+// Geometry of one image, derived from the header.
+struct Geometry {
+  uint32_t cluster_bits = 16;
+  bool extended_l2 = false;
+  uint32_t refcount_order = 4;
+
+  [[nodiscard]] constexpr uint64_t cluster_size() const { return 1ull << cluster_bits; }
+  [[nodiscard]] constexpr uint32_t l2_entry_bytes() const { return extended_l2 ? 16 : 8; }
+  [[nodiscard]] constexpr uint64_t l2_entries() const { return cluster_size() / l2_entry_bytes(); }
+  [[nodiscard]] constexpr uint32_t l2_bits() const { return cluster_bits - (extended_l2 ? 4 : 3); }
+  // Guest bytes covered by one L2 table (= by one L1 entry).
+  [[nodiscard]] constexpr uint64_t l1_entry_span() const { return l2_entries() << cluster_bits; }
+  [[nodiscard]] constexpr uint64_t subcluster_size() const {
+    return extended_l2 ? cluster_size() / kSubclustersPerCluster : cluster_size();
+  }
+  [[nodiscard]] constexpr uint32_t subclusters() const {
+    return extended_l2 ? kSubclustersPerCluster : 1;
+  }
+  [[nodiscard]] constexpr uint64_t l1_index(uint64_t guest) const {
+    return guest >> (cluster_bits + l2_bits());
+  }
+  [[nodiscard]] constexpr uint64_t l2_index(uint64_t guest) const {
+    return (guest >> cluster_bits) & (l2_entries() - 1);
+  }
+  [[nodiscard]] constexpr uint64_t l1_entries_for(uint64_t virtual_size) const {
+    return (virtual_size + l1_entry_span() - 1) / l1_entry_span();
+  }
+  [[nodiscard]] constexpr uint32_t refcount_bits() const { return 1u << refcount_order; }
+  [[nodiscard]] constexpr uint64_t refcount_block_entries() const {
+    return (cluster_size() * 8) >> refcount_order;
+  }
+  [[nodiscard]] constexpr uint64_t refcount_max() const {
+    return refcount_order == 6 ? ~0ull : (1ull << refcount_bits()) - 1;
+  }
+  // Compressed cluster descriptor layout (spec: x = 62 - (cluster_bits - 8)).
+  [[nodiscard]] constexpr uint32_t csize_shift() const { return 62 - (cluster_bits - 8); }
+  [[nodiscard]] constexpr uint64_t csize_mask() const { return (1ull << (cluster_bits - 8)) - 1; }
+  [[nodiscard]] constexpr uint64_t coffset_mask() const { return (1ull << csize_shift()) - 1; }
+  [[nodiscard]] constexpr uint64_t offset_into_cluster(uint64_t off) const {
+    return off & (cluster_size() - 1);
+  }
+  [[nodiscard]] constexpr uint64_t align_down(uint64_t off) const {
+    return off & ~(cluster_size() - 1);
+  }
+  [[nodiscard]] constexpr uint64_t align_up(uint64_t off) const {
+    return (off + cluster_size() - 1) & ~(cluster_size() - 1);
+  }
+};
+
+static_assert(Geometry{16, false, 4}.l2_entries() == 8192);
+static_assert(Geometry{16, true, 4}.l2_entries() == 4096);
+static_assert(Geometry{16, false, 4}.l1_entry_span() == 512ull << 20);
+static_assert(Geometry{16, false, 4}.csize_shift() == 54);
+static_assert(Geometry{9, false, 0}.refcount_block_entries() == 4096);
+static_assert(Geometry{16, false, 6}.refcount_max() == ~0ull);
+
+}  // namespace qcommit::qcow2

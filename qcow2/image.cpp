@@ -1,0 +1,477 @@
+#include "qcow2/image.h"
+
+#include <zlib.h>
+#include <zstd.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "qcow2/error.h"
+
+namespace qcommit::qcow2 {
+
+using boost::endian::load_big_u32;
+using boost::endian::load_big_u64;
+
+namespace {
+
+inline constexpr uint32_t kMaxSnapshots = 65536;
+inline constexpr uint64_t kMaxImageFileOffset = 1ull << 56;  // bits 9-55 of an L2 entry
+
+std::string bits_list(uint64_t mask, const std::vector<FeatureName>& names, uint8_t type) {
+  std::string out;
+  for (uint8_t bit = 0; bit < 64; ++bit) {
+    if (!(mask & (1ull << bit))) continue;
+    if (!out.empty()) out += ", ";
+    out += "bit " + std::to_string(bit);
+    for (const auto& f : names)
+      if (f.type == type && f.bit == bit && !f.name.empty()) out += " (" + f.name + ")";
+  }
+  return out;
+}
+
+}  // namespace
+
+const char* to_string(SubclusterType t) {
+  switch (t) {
+    case SubclusterType::kUnallocatedPlain: return "unallocated";
+    case SubclusterType::kUnallocatedAlloc: return "unallocated-alloc";
+    case SubclusterType::kZeroPlain: return "zero";
+    case SubclusterType::kZeroAlloc: return "zero-alloc";
+    case SubclusterType::kNormal: return "normal";
+    case SubclusterType::kCompressed: return "compressed";
+  }
+  return "?";
+}
+
+Image::Image(std::unique_ptr<BlockDevice> file, ImageOptions options)
+    : file_(std::move(file)), options_(options), cache_(options.cache_bytes) {}
+
+Image::~Image() = default;
+
+std::unique_ptr<Image> Image::open(std::unique_ptr<BlockDevice> file, ImageOptions options) {
+  std::unique_ptr<Image> img(new Image(std::move(file), options));
+  img->parse_header();
+  img->load_tables();
+  return img;
+}
+
+void Image::corrupt_at(const std::string& what) const { throw CorruptionError(name(), what); }
+
+void Image::parse_header() {
+  const std::string& nm = name();
+  const uint64_t file_size = file_->size();
+  if (file_size < kHeaderV2Bytes)
+    throw Error(nm, "file too small to be a qcow2 image (" + std::to_string(file_size) + " bytes)");
+  RawHeader raw{};
+  std::vector<uint8_t> buf(sizeof raw);
+  file_->read(0, buf);
+  std::memcpy(&raw, buf.data(), sizeof raw);
+  if (raw.magic.value() != kMagic) throw Error(nm, "not a qcow2 image (bad magic)");
+  Header& h = header_;
+  h.version = raw.version.value();
+  if (h.version != kVersion2 && h.version != kVersion3)
+    throw UnsupportedError(nm, "unsupported qcow2 version " + std::to_string(h.version));
+  h.backing_file_offset = raw.backing_file_offset.value();
+  h.backing_file_size = raw.backing_file_size.value();
+  h.cluster_bits = raw.cluster_bits.value();
+  h.size = raw.size.value();
+  h.crypt_method = raw.crypt_method.value();
+  h.l1_size = raw.l1_size.value();
+  h.l1_table_offset = raw.l1_table_offset.value();
+  h.refcount_table_offset = raw.refcount_table_offset.value();
+  h.refcount_table_clusters = raw.refcount_table_clusters.value();
+  h.nb_snapshots = raw.nb_snapshots.value();
+  h.snapshots_offset = raw.snapshots_offset.value();
+  if (h.cluster_bits < kMinClusterBits || h.cluster_bits > kMaxClusterBits)
+    throw Error(nm, "unsupported cluster size 2^" + std::to_string(h.cluster_bits) +
+                        " (must be 512 B to 2 MiB)");
+  const uint64_t cs = 1ull << h.cluster_bits;
+  if (h.version == kVersion2) {
+    h.incompatible_features = h.compatible_features = h.autoclear_features = 0;
+    h.refcount_order = 4;
+    h.header_length = kHeaderV2Bytes;
+  } else {
+    if (file_size < kHeaderV3MinBytes) throw Error(nm, "file too small for a qcow2 v3 header");
+    h.incompatible_features = raw.incompatible_features.value();
+    h.compatible_features = raw.compatible_features.value();
+    h.autoclear_features = raw.autoclear_features.value();
+    h.refcount_order = raw.refcount_order.value();
+    h.header_length = raw.header_length.value();
+    if (h.header_length < kHeaderV3MinBytes)
+      throw CorruptionError(nm, "header_length " + std::to_string(h.header_length) +
+                                    " is smaller than 104 bytes");
+    if (h.header_length > cs)
+      throw CorruptionError(nm, "header_length " + std::to_string(h.header_length) +
+                                    " exceeds the cluster size");
+    if (h.header_length % 8 != 0)
+      throw CorruptionError(nm, "header_length " + std::to_string(h.header_length) +
+                                    " is not a multiple of 8");
+    if (h.refcount_order > kMaxRefcountOrder)
+      throw CorruptionError(nm, "refcount_order " + std::to_string(h.refcount_order) +
+                                    " is larger than 6");
+    if (h.header_length > kCompressionTypeOffset) {
+      uint8_t ct = 0;
+      file_->read(kCompressionTypeOffset, std::span<uint8_t>(&ct, 1));
+      if (ct > uint8_t(CompressionType::kZstd))
+        throw UnsupportedError(nm, "unknown compression type " + std::to_string(ct));
+      h.compression_type = CompressionType(ct);
+    }
+    if (h.compression_type != CompressionType::kZlib &&
+        !(h.incompatible_features & kIncompatCompression))
+      throw CorruptionError(nm, "compression type set without the compression-type feature bit");
+    if ((h.incompatible_features & kIncompatCompression) && h.header_length <= kCompressionTypeOffset)
+      throw CorruptionError(nm, "compression-type feature bit set but the header has no field for it");
+  }
+  geo_ = Geometry{h.cluster_bits, (h.incompatible_features & kIncompatExtendedL2) != 0,
+                  h.refcount_order};
+
+  // Extensions first: the feature name table helps name unknown bits.
+  const uint64_t ext_start = h.header_length;
+  uint64_t ext_end = cs;
+  if (h.backing_file_offset != 0 && h.backing_file_offset < ext_end) ext_end = h.backing_file_offset;
+  if (ext_start < ext_end) parse_extensions(ext_start, std::min(ext_end, file_size));
+
+  if (h.crypt_method != 0)
+    throw UnsupportedError(nm, std::string("encrypted images are not supported (") +
+                                   (h.crypt_method == 1 ? "AES" : h.crypt_method == 2 ? "LUKS" : "unknown") +
+                                   " encryption)");
+  if (uint64_t unknown = h.incompatible_features & ~kIncompatKnown)
+    throw UnsupportedError(nm, "unsupported incompatible feature " + bits_list(unknown, feature_names_, 0));
+  if (geo_.extended_l2 && h.cluster_bits < 14)
+    throw CorruptionError(nm, "extended L2 entries need a cluster size of at least 16 KiB");
+  if (!(h.incompatible_features & kIncompatDataFile) && data_file_name_)
+    throw CorruptionError(nm, "data file name extension present without the data-file feature bit");
+
+  // Backing file name.
+  if (h.backing_file_offset != 0) {
+    if (h.backing_file_size > kMaxBackingNameBytes || h.backing_file_offset >= cs ||
+        h.backing_file_size > cs - h.backing_file_offset)
+      throw CorruptionError(nm, "backing file name too long (" + std::to_string(h.backing_file_size) +
+                                    " bytes, at most 1023 within the first cluster)");
+    if (h.backing_file_offset + h.backing_file_size > file_size)
+      throw CorruptionError(nm, "backing file name lies beyond end of file");
+    std::string s(h.backing_file_size, '\0');
+    file_->read(h.backing_file_offset,
+                std::span<uint8_t>(reinterpret_cast<uint8_t*>(s.data()), s.size()));
+    if (s.find('\0') != std::string::npos)
+      throw CorruptionError(nm, "backing file name contains a NUL byte");
+    if (!s.empty()) backing_name_ = s;
+  } else if (h.backing_file_size != 0) {
+    // QEMU ignores the size when the offset is 0.
+  }
+  if (backing_format_ && !backing_name_)
+    backing_format_.reset();  // a format without a file means nothing
+
+  // Tables: sanity before any allocation proportional to a header field.
+  const uint64_t needed_l1 = geo_.l1_entries_for(h.size);
+  if (uint64_t(h.l1_size) * 8 > kMaxL1TableBytes)
+    throw CorruptionError(nm, "L1 table of " + std::to_string(h.l1_size) +
+                                  " entries is larger than 32 MiB");
+  if (h.l1_size < needed_l1)
+    throw CorruptionError(nm, "L1 table has " + std::to_string(h.l1_size) + " entries; " +
+                                  std::to_string(needed_l1) + " needed for the virtual size");
+  if (h.l1_size > 0) {
+    if (h.l1_table_offset % cs != 0)
+      throw CorruptionError(nm, "L1 table offset " + hex(h.l1_table_offset) + " is not cluster aligned");
+    if (h.l1_table_offset == 0)
+      throw CorruptionError(nm, "L1 table at offset 0 overlaps the header");
+    if (h.l1_table_offset > file_size || uint64_t(h.l1_size) * 8 > file_size - h.l1_table_offset)
+      throw CorruptionError(nm, "L1 table at " + hex(h.l1_table_offset) + " lies beyond end of file");
+  }
+  const uint64_t reftable_bytes = uint64_t(h.refcount_table_clusters) << h.cluster_bits;
+  if (reftable_bytes > kMaxRefcountTableBytes)
+    throw CorruptionError(nm, "refcount table of " + std::to_string(h.refcount_table_clusters) +
+                                  " clusters is larger than 8 MiB");
+  if (h.refcount_table_clusters == 0)
+    throw CorruptionError(nm, "image has no refcount table");
+  if (h.refcount_table_offset % cs != 0 || h.refcount_table_offset == 0)
+    throw CorruptionError(nm, "refcount table offset " + hex(h.refcount_table_offset) + " is invalid");
+  if (h.refcount_table_offset > file_size || reftable_bytes > file_size - h.refcount_table_offset)
+    throw CorruptionError(nm, "refcount table at " + hex(h.refcount_table_offset) +
+                                  " lies beyond end of file");
+  if (h.nb_snapshots > kMaxSnapshots)
+    throw CorruptionError(nm, "too many internal snapshots (" + std::to_string(h.nb_snapshots) + ")");
+  if (h.nb_snapshots > 0 && (h.snapshots_offset % cs != 0 || h.snapshots_offset >= file_size))
+    throw CorruptionError(nm, "snapshot table offset " + hex(h.snapshots_offset) + " is invalid");
+}
+
+void Image::parse_extensions(uint64_t start, uint64_t end) {
+  const std::string& nm = name();
+  std::vector<uint8_t> area(end - start);
+  file_->read(start, area);
+  size_t pos = 0;
+  while (true) {
+    if (area.size() - pos < sizeof(RawExtensionHeader)) {
+      // QEMU treats a header area without room for an end marker as the end.
+      return;
+    }
+    const uint32_t type = load_big_u32(area.data() + pos);
+    const uint32_t len = load_big_u32(area.data() + pos + 4);
+    pos += sizeof(RawExtensionHeader);
+    if (type == kExtEnd) return;
+    if (len > area.size() - pos)
+      throw CorruptionError(nm, "header extension " + hex(type) + " of " + std::to_string(len) +
+                                    " bytes overruns the header area");
+    Extension ext{type, std::vector<uint8_t>(area.begin() + long(pos), area.begin() + long(pos + len))};
+    const auto& d = ext.data;
+    switch (type) {
+      case kExtBackingFormat:
+        if (len > 1023) throw CorruptionError(nm, "backing format name too long");
+        backing_format_ = std::string(d.begin(), d.end());
+        if (auto z = backing_format_->find('\0'); z != std::string::npos) backing_format_->resize(z);
+        break;
+      case kExtFeatureNameTable:
+        for (size_t i = 0; i + sizeof(RawFeatureName) <= d.size(); i += sizeof(RawFeatureName)) {
+          FeatureName f;
+          f.type = d[i];
+          f.bit = d[i + 1];
+          const char* n = reinterpret_cast<const char*>(d.data() + i + 2);
+          f.name.assign(n, strnlen(n, 46));
+          feature_names_.push_back(std::move(f));
+        }
+        break;
+      case kExtBitmaps: {
+        if (len < sizeof(RawBitmapsExtension))
+          throw CorruptionError(nm, "bitmaps extension too short");
+        RawBitmapsExtension b{};
+        std::memcpy(&b, d.data(), sizeof b);
+        bitmaps_ = BitmapsInfo{b.nb_bitmaps.value(), b.bitmap_directory_size.value(),
+                               b.bitmap_directory_offset.value()};
+        break;
+      }
+      case kExtDataFile: {
+        std::string s(d.begin(), d.end());
+        if (auto z = s.find('\0'); z != std::string::npos) s.resize(z);
+        data_file_name_ = s;
+        break;
+      }
+      case kExtFullDiskEncryption:
+      default:
+        break;  // kept as-is in extensions_
+    }
+    extensions_.push_back(std::move(ext));
+    pos += (len + 7) & ~size_t(7);
+    if (pos > area.size()) return;
+  }
+}
+
+void Image::load_tables() {
+  const Header& h = header_;
+  l1_.resize(h.l1_size);
+  if (h.l1_size) {
+    std::vector<uint8_t> buf(size_t(h.l1_size) * 8);
+    file_->read(h.l1_table_offset, buf);
+    for (size_t i = 0; i < l1_.size(); ++i) l1_[i] = load_big_u64(buf.data() + i * 8);
+  }
+  const size_t rt_entries = (size_t(h.refcount_table_clusters) << h.cluster_bits) / 8;
+  reftable_.resize(rt_entries);
+  std::vector<uint8_t> buf(rt_entries * 8);
+  file_->read(h.refcount_table_offset, buf);
+  for (size_t i = 0; i < rt_entries; ++i) reftable_[i] = load_big_u64(buf.data() + i * 8);
+}
+
+void Image::attach_data_file(std::unique_ptr<BlockDevice> data) { data_ = std::move(data); }
+
+std::shared_ptr<const std::vector<uint8_t>> Image::l2_table(uint64_t l2_offset, uint64_t l1_index) {
+  const uint64_t cs = cluster_size();
+  if (l2_offset % cs != 0)
+    corrupt_at("L2 table at " + hex(l2_offset) + " (L1 index " + std::to_string(l1_index) +
+               ") is not cluster aligned");
+  if (l2_offset < cs)
+    corrupt_at("L2 table at " + hex(l2_offset) + " (L1 index " + std::to_string(l1_index) +
+               ") overlaps the image header");
+  if (l2_offset >= file_->size() || file_->size() - l2_offset < cs)
+    corrupt_at("L2 table at " + hex(l2_offset) + " (L1 index " + std::to_string(l1_index) +
+               ") lies beyond end of file");
+  return cache_.get(l2_offset, cs, [&](std::vector<uint8_t>& t) { file_->read(l2_offset, t); });
+}
+
+Image::Entry Image::decode(const std::vector<uint8_t>& l2, uint64_t l2_offset, uint64_t index,
+                           uint32_t sub) const {
+  const uint64_t e = load_big_u64(l2.data() + index * geo_.l2_entry_bytes());
+  auto where = [&] {
+    return "L2 table at " + hex(l2_offset) + " entry " + std::to_string(index);
+  };
+  if (e & kOflagCompressed) {
+    if (has_data_file()) corrupt_at(where() + ": compressed cluster in an image with a data file");
+    if (geo_.extended_l2 && load_big_u64(l2.data() + index * 16 + 8) != 0)
+      corrupt_at(where() + ": compressed cluster with a non-zero subcluster bitmap");
+    const uint64_t coffset = e & geo_.coffset_mask();
+    const uint64_t nsectors = ((e >> geo_.csize_shift()) & geo_.csize_mask()) + 1;
+    const uint64_t csize = nsectors * kCompressedSectorBytes - (coffset & (kCompressedSectorBytes - 1));
+    if (coffset < cluster_size()) corrupt_at(where() + ": compressed data overlaps the image header");
+    return {SubclusterType::kCompressed, 0, coffset, csize};
+  }
+  const uint64_t host = e & kL2OffsetMask;
+  const bool has_host = host != 0 || (has_data_file() && (e & kOflagCopied));
+  if (has_host) {
+    if (host % cluster_size() != 0)
+      corrupt_at(where() + ": host cluster offset " + hex(host) + " is not cluster aligned");
+    if (!has_data_file() && host < cluster_size())
+      corrupt_at(where() + ": host cluster offset " + hex(host) + " points into the image header");
+  }
+  if (geo_.extended_l2) {
+    const uint64_t bitmap = load_big_u64(l2.data() + index * 16 + 8);
+    const uint32_t alloc = uint32_t(bitmap), zero = uint32_t(bitmap >> 32);
+    if (alloc & zero)
+      corrupt_at(where() + ": subclusters marked both allocated and zero");
+    const bool a = alloc & (1u << sub), z = zero & (1u << sub);
+    if (!has_host) {
+      if (alloc) corrupt_at(where() + ": allocated subclusters without a host cluster");
+      return {z ? SubclusterType::kZeroPlain : SubclusterType::kUnallocatedPlain, 0};
+    }
+    if (a) return {SubclusterType::kNormal, host};
+    if (z) return {SubclusterType::kZeroAlloc, host};
+    return {SubclusterType::kUnallocatedAlloc, host};
+  }
+  if (e & kOflagZero) return {has_host ? SubclusterType::kZeroAlloc : SubclusterType::kZeroPlain, host};
+  return {has_host ? SubclusterType::kNormal : SubclusterType::kUnallocatedPlain, host};
+}
+
+Run Image::lookup(uint64_t guest_offset, uint64_t max_len) {
+  Run run;
+  run.guest_offset = guest_offset;
+  if (guest_offset >= virtual_size() || max_len == 0) return run;
+  max_len = std::min(max_len, virtual_size() - guest_offset);
+  const uint64_t l1i = geo_.l1_index(guest_offset);
+  const uint64_t span_end =
+      std::min(guest_offset + max_len, (l1i + 1) * geo_.l1_entry_span());
+  const uint64_t l1e = l1i < l1_.size() ? l1_[l1i] : 0;
+  const uint64_t l2_offset = l1e & kL1OffsetMask;
+  if (l2_offset == 0) {
+    run.length = span_end - guest_offset;
+    return run;
+  }
+  auto l2 = l2_table(l2_offset, l1i);
+  const uint64_t sc = geo_.subcluster_size();
+  uint64_t pos = guest_offset;
+  bool first = true;
+  Entry first_entry{};
+  uint64_t expect_host = 0;
+  while (pos < span_end) {
+    const uint64_t idx = geo_.l2_index(pos);
+    const uint32_t sub = uint32_t(geo_.offset_into_cluster(pos) / sc);
+    Entry en = decode(*l2, l2_offset, idx, sub);
+    const uint64_t host_here = en.cluster_host + geo_.offset_into_cluster(pos);
+    if (first) {
+      first_entry = en;
+      run.type = en.type;
+      if (en.type == SubclusterType::kCompressed) {
+        run.compressed_offset = en.coffset;
+        run.compressed_size = en.csize;
+      } else if (en.type == SubclusterType::kNormal || en.type == SubclusterType::kZeroAlloc ||
+                 en.type == SubclusterType::kUnallocatedAlloc) {
+        run.host_offset = host_here;
+      }
+      first = false;
+    } else {
+      if (en.type != first_entry.type) break;
+      if (en.type == SubclusterType::kCompressed) break;  // one compressed cluster per run
+      if ((en.type == SubclusterType::kNormal || en.type == SubclusterType::kZeroAlloc ||
+           en.type == SubclusterType::kUnallocatedAlloc) &&
+          host_here != expect_host)
+        break;
+    }
+    const uint64_t next = std::min(span_end, (pos / sc + 1) * sc);
+    expect_host = host_here + (next - pos);
+    pos = next;
+  }
+  run.length = pos - guest_offset;
+  return run;
+}
+
+void Image::read_run(const Run& run, uint64_t guest_offset, std::span<uint8_t> out) {
+  if (run.type == SubclusterType::kNormal) {
+    data_device().read(run.host_offset + (guest_offset - run.guest_offset), out);
+    return;
+  }
+  if (run.type == SubclusterType::kCompressed) {
+    const uint64_t cs = cluster_size();
+    if (decompressed_key_ != run.compressed_offset) {
+      decompressed_.resize(cs);
+      decompressed_key_ = ~0ull;
+      decompress(run, decompressed_);
+      decompressed_key_ = run.compressed_offset;
+    }
+    const uint64_t in_cluster = geo_.offset_into_cluster(guest_offset);
+    std::memcpy(out.data(), decompressed_.data() + in_cluster, out.size());
+    return;
+  }
+  std::fill(out.begin(), out.end(), uint8_t{0});
+}
+
+void Image::decompress(const Run& run, std::span<uint8_t> out) {
+  const uint64_t file_size = file_->size();
+  if (run.compressed_offset >= file_size)
+    corrupt_at("compressed cluster at " + hex(run.compressed_offset) + " lies beyond end of file");
+  const uint64_t csize = std::min(run.compressed_size, file_size - run.compressed_offset);
+  std::vector<uint8_t> in(csize);
+  file_->read(run.compressed_offset, in);
+  bool ok = false;
+  if (header_.compression_type == CompressionType::kZlib) {
+    z_stream s{};
+    if (inflateInit2(&s, -12) != Z_OK) throw Error(name(), "zlib initialisation failed");
+    s.next_in = in.data();
+    s.avail_in = uInt(in.size());
+    s.next_out = out.data();
+    s.avail_out = uInt(out.size());
+    int r = inflate(&s, Z_FINISH);
+    ok = (r == Z_STREAM_END || r == Z_BUF_ERROR) && s.avail_out == 0;
+    inflateEnd(&s);
+  } else {
+    ZSTD_DCtx* d = ZSTD_createDCtx();
+    if (!d) throw Error(name(), "zstd initialisation failed");
+    ZSTD_inBuffer ib{in.data(), in.size(), 0};
+    ZSTD_outBuffer ob{out.data(), out.size(), 0};
+    while (ob.pos < ob.size) {
+      size_t r = ZSTD_decompressStream(d, &ob, &ib);
+      if (ZSTD_isError(r)) break;
+      if (r == 0 && ob.pos < ob.size) break;  // frame ended early
+      if (ib.pos == ib.size && ob.pos < ob.size) break;
+    }
+    ok = ob.pos == ob.size;
+    ZSTD_freeDCtx(d);
+  }
+  if (!ok)
+    corrupt_at("compressed cluster at " + hex(run.compressed_offset) + " (guest " +
+               hex(run.guest_offset) + ") does not decompress to one cluster");
+}
+
+uint64_t Image::refcount(uint64_t cluster_index) {
+  const uint64_t per_block = geo_.refcount_block_entries();
+  const uint64_t bi = cluster_index / per_block;
+  if (bi >= reftable_.size()) return 0;
+  const uint64_t block = reftable_[bi] & kRefTableOffsetMask;
+  if (block == 0) return 0;
+  const uint64_t cs = cluster_size();
+  if (block % cs != 0 || block >= file_->size() || file_->size() - block < cs)
+    corrupt_at("refcount block at " + hex(block) + " (refcount table index " + std::to_string(bi) +
+               ") is invalid or beyond end of file");
+  auto t = cache_.get(block, cs, [&](std::vector<uint8_t>& b) { file_->read(block, b); });
+  const uint64_t i = cluster_index % per_block;
+  const uint8_t* p = t->data();
+  switch (geo_.refcount_order) {
+    case 0: return (p[i / 8] >> (i % 8)) & 1;
+    case 1: return (p[i / 4] >> (2 * (i % 4))) & 3;
+    case 2: return (p[i / 2] >> (4 * (i % 2))) & 15;
+    case 3: return p[i];
+    case 4: return boost::endian::load_big_u16(p + 2 * i);
+    case 5: return load_big_u32(p + 4 * i);
+    default: return load_big_u64(p + 8 * i);
+  }
+}
+
+bool Image::metadata_preallocated() {
+  if (metadata_prealloc_) return *metadata_prealloc_;
+  const uint64_t cs = cluster_size();
+  const uint64_t real_clusters = file_->allocated_bytes() / cs;
+  const uint64_t threshold = std::max(real_clusters * 10 / 9, real_clusters + 2);
+  const uint64_t end_cluster = (file_->size() + cs - 1) / cs;
+  uint64_t count = 0;
+  for (uint64_t i = 0; i < end_cluster && count < threshold; ++i) count += refcount(i) != 0;
+  metadata_prealloc_ = count >= threshold;
+  return *metadata_prealloc_;
+}
+
+}  // namespace qcommit::qcow2
