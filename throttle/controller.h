@@ -1,0 +1,231 @@
+// Latency-budgeted rate controller for background copies (snapshot merges).
+//
+// Pure: the caller passes `now`, measured samples and counters; the controller never reads a
+// clock and never does I/O.  Decisions are returned as values and durations; callers sleep.
+//
+// Physics.  A guest flush that arrives behind B bytes queued at storage draining at D bytes/s
+// waits ≈ B / D.  So the copy must bound the bytes it has *queued* (its own in-flight I/O plus
+// the page cache it dirtied that has not reached storage), not only its bytes per second.
+//
+// Control law (one tick every ~50–100 ms, jitter tolerated):
+//  * Queueing delay q = latency − learned base latency.  Bases are min filters over "epochs"
+//    (an epoch starts at every slowdown); the filter keeps the current and the previous epoch,
+//    so a permanent base change is re-learned within two slowdown cycles and an idle signal
+//    expires after one empty epoch.  Foreground samples (guest writes/flushes, or a probe's
+//    4 KiB O_DSYNC write) and the age of the oldest outstanding foreground request (blk-wbt:
+//    a request that has not completed is a latency sample of at least its age) both count.
+//    "Foreground requests outstanding and no completion since the previous tick" is a stall of
+//    at least the time between the two ticks, never good news.
+//  * Drain rate D: BBR-style max filter (horizon kDrainFilterHorizon) over drain samples taken
+//    while the copy was window-limited; app-limited samples only raise the estimate.
+//  * Window (hard cap on backlog bytes) = min(budget × D, rate × budget), never below
+//    min_window_bytes (liveness: one small I/O at a time) and never above max_window_bytes.
+//  * Pacing rate R: slow start (doubling) while q is small, then additive increase
+//    (config.additive_increase, absolute bytes/s per second, so competing copies converge to a
+//    fair share) and multiplicative decrease proportional to the overshoot when q exceeds
+//    budget × kTargetFraction, at most once per kDecreaseHoldoff.
+//    Increase only on ticks that brought fresh latency samples *and* where the copy used its
+//    allowance (window-limited or drained ≥ kBusyFraction of the paced bytes).  Without fresh
+//    samples neither rate nor window ever increase.
+//  * Emergency stop: q > kEmergencyFactor × budget ⇒ paused (and R halved).  Resumes when fresh
+//    samples show q ≤ target, or after kPauseProbeAfter when nothing at all is outstanding.
+//  * Slowdowns (LEDBAT++): every slowdown_interval, aligned to multiples of the interval on the
+//    caller's monotonic clock so that several controllers on one host (CLOCK_MONOTONIC is
+//    system-wide) drain the queue together, the copy drops to the floor rate and the minimum
+//    window for slowdown_duration, a new base epoch starts, and the rate is then restored.
+//    A slowdown also starts as soon as foreground samples appear while no foreground base is
+//    known (guest became active).
+//
+// Using it — the offline merge engine (own O_DIRECT or buffered I/O):
+//    every tick: fill TickInput with the probe/guest latencies completed since the last tick,
+//    its own per-I/O write latencies (CopySample), backlog = bytes in flight + dirty/writeback
+//    pages of the target (cachestat(2) or /proc/meminfo), drained_bytes = bytes that reached
+//    storage since the last tick (direct: completed writes; buffered: written − Δ(dirty+wb));
+//    then: if decision.paused issue nothing; otherwise issue an I/O of n bytes only while
+//    backlog + n ≤ decision.window_bytes (or nothing is in flight), sleeping
+//    pacer.reserve(now, n) before each; call tick() again after decision.next_tick.
+//    In buffered mode start writeback of what was written (sync_file_range) right away.
+// Using it — the libvirt daemon (actuator: QEMU job speed, sync_file_range on the target):
+//    foreground samples = per-op latency deltas of the guests' block stats (total_times delta
+//    / ops delta, one sample per guest and tick; outstanding = ops issued without completion
+//    as far as known), copy_samples empty, backlog = target dirty + writeback pages,
+//    drained_bytes = job progress delta minus growth of the backlog.  Set the job speed to
+//    decision.rate_bytes_per_s, or to the minimum speed while paused or while
+//    backlog > decision.window_bytes.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <optional>
+#include <span>
+#include <string>
+
+namespace qcommit::throttle {
+
+using Duration = std::chrono::nanoseconds;
+
+// The caller's monotonic clock.  It has no now(): time is always a parameter.
+struct CallerClock {
+  using rep = std::int64_t;
+  using period = std::nano;
+  using duration = Duration;
+  using time_point = std::chrono::time_point<CallerClock, Duration>;
+  static constexpr bool is_steady = true;
+};
+using TimePoint = CallerClock::time_point;
+
+inline constexpr double kMiB = 1024.0 * 1024.0;
+
+// --- Named constants (units in the name or comment) ---------------------------------------
+inline constexpr double kEmergencyFactor = 2.0;       // pause when q > 2 × budget
+inline constexpr double kTargetFraction = 0.5;        // steer q to budget × 0.5
+inline constexpr double kFullIncreaseFraction = 0.5;  // full additive step while q < target × 0.5
+inline constexpr double kMildDecreaseFactor = 0.9;    // rate × 0.9 when q just above target
+inline constexpr double kStrongDecreaseFactor = 0.5;  // rate × 0.5 when q ≥ budget
+inline constexpr double kEmergencyRateFactor = 0.5;   // rate × 0.5 on entering emergency stop
+inline constexpr double kBusyFraction = 0.5;          // backlog ≥ ½ window ⇒ window-limited
+inline constexpr double kRateHeadroomOverDrain = 1.5; // rate ≤ 1.5 × drain estimate
+inline constexpr std::uint64_t kMinWindowBytes = 64 * 1024;
+inline constexpr Duration kDrainSampleInterval = std::chrono::milliseconds(200);
+inline constexpr Duration kDrainFilterHorizon = std::chrono::milliseconds(1500);
+inline constexpr Duration kDecreaseHoldoff = std::chrono::milliseconds(150);
+inline constexpr Duration kSlowStartDoublingTime = std::chrono::milliseconds(250);
+inline constexpr Duration kPauseProbeAfter = std::chrono::milliseconds(250);
+inline constexpr Duration kMaxTickGap = std::chrono::seconds(1);  // longer gaps count as 1 s
+inline constexpr Duration kMinNextTick = std::chrono::milliseconds(1);
+
+struct ControllerConfig {
+  Duration latency_budget = std::chrono::milliseconds(20);  // T: max added foreground latency
+  double floor_rate_bytes_per_s = 1.0 * kMiB;      // copy never paced below this unless paused
+  double ceiling_rate_bytes_per_s = 16384.0 * kMiB;  // never above
+  double initial_rate_bytes_per_s = 4.0 * kMiB;    // start of slow start
+  double additive_increase_bytes_per_s2 = 16.0 * kMiB;  // AI slope (bytes/s per second)
+  std::uint64_t min_window_bytes = kMinWindowBytes;
+  std::uint64_t max_window_bytes = 1024ull * 1024 * 1024;
+  Duration tick_interval = std::chrono::milliseconds(50);
+  Duration slowdown_interval = std::chrono::seconds(10);
+  Duration slowdown_duration = std::chrono::milliseconds(200);
+
+  // nullopt when valid, else one line naming the problem.
+  [[nodiscard]] std::optional<std::string> validate() const;
+};
+
+// One latency sample of the copy's own I/O.
+struct CopySample {
+  Duration latency{};
+  std::uint64_t bytes = 0;
+};
+
+struct TickInput {
+  TimePoint now{};
+  // Completed foreground (guest or probe) write/flush latencies since the previous tick.
+  std::span<const Duration> foreground_latencies{};
+  // Age of the oldest foreground request still outstanding, when the caller knows it.
+  std::optional<Duration> foreground_oldest_outstanding{};
+  // Foreground requests issued and not completed (0 when unknown).
+  std::uint32_t foreground_outstanding = 0;
+  // The copy's own completed I/O since the previous tick.
+  std::span<const CopySample> copy_samples{};
+  // Age of the copy's oldest outstanding I/O, when known.
+  std::optional<Duration> copy_oldest_outstanding{};
+  // Bytes the copy has queued: own in flight + dirty/writeback pages of the target.
+  std::uint64_t backlog_bytes = 0;
+  // Bytes of the copy that reached storage since the previous tick.
+  std::uint64_t drained_bytes = 0;
+};
+
+enum class Phase { SlowStart, Steady, Slowdown, Paused };
+
+[[nodiscard]] const char* to_string(Phase p);
+
+struct Decision {
+  std::uint64_t window_bytes = 0;   // max backlog bytes (in flight + dirty) allowed
+  double rate_bytes_per_s = 0;      // pacing rate
+  bool paused = false;              // issue no new copy I/O
+  Duration next_tick{};             // call tick() again after this long
+  // Diagnostics.
+  Phase phase = Phase::SlowStart;
+  Duration queue_delay{};           // q this tick (max of all signals)
+  std::optional<Duration> foreground_base{};
+  std::optional<Duration> copy_base{};
+  double drain_estimate_bytes_per_s = 0;
+  bool fresh = false;               // this tick brought latency samples
+  bool emergency = false;           // this tick entered the emergency stop
+};
+
+struct ControllerStats {
+  std::uint64_t ticks = 0;
+  std::uint64_t emergencies = 0;
+  std::uint64_t decreases = 0;
+  std::uint64_t slowdowns = 0;
+};
+
+// Min filter over the current and the previous epoch.
+class EpochMinFilter {
+ public:
+  void add(Duration d) {
+    if (!cur_ || d < *cur_) cur_ = d;
+  }
+  void new_epoch() {
+    prev_ = cur_;
+    cur_.reset();
+  }
+  [[nodiscard]] std::optional<Duration> value() const {
+    if (prev_ && cur_) return std::min(*prev_, *cur_);
+    return prev_ ? prev_ : cur_;
+  }
+
+ private:
+  std::optional<Duration> prev_;
+  std::optional<Duration> cur_;
+};
+
+class Controller {
+ public:
+  // The config must be valid (check validate() first); an invalid one is clamped to sanity.
+  explicit Controller(ControllerConfig cfg);
+
+  [[nodiscard]] Decision tick(const TickInput& in);
+
+  [[nodiscard]] const ControllerConfig& config() const { return cfg_; }
+  [[nodiscard]] const ControllerStats& stats() const { return stats_; }
+
+ private:
+  struct DrainSample {
+    TimePoint at;
+    double bytes_per_s;
+  };
+  void update_drain(const TickInput& in, Duration dt, bool window_limited);
+  [[nodiscard]] std::uint64_t compute_window() const;
+  void start_slowdown(TimePoint now);
+
+  ControllerConfig cfg_;
+  ControllerStats stats_;
+  bool started_ = false;
+  TimePoint last_now_{};
+  double rate_;
+  double drain_est_;
+  std::uint64_t prev_window_ = 0;
+  double prev_rate_ = 0;
+  std::uint64_t prev_backlog_ = 0;
+  bool slow_start_ = true;
+  bool paused_ = false;
+  TimePoint paused_since_{};
+  bool in_slowdown_ = false;
+  TimePoint slowdown_end_{};
+  double saved_rate_ = 0;
+  std::int64_t last_slowdown_slot_ = 0;
+  std::optional<TimePoint> last_decrease_;
+  std::optional<TimePoint> fg_quiet_since_;
+  std::optional<TimePoint> copy_quiet_since_;
+  EpochMinFilter fg_base_;
+  EpochMinFilter copy_base_;
+  // Drain accumulation and max filter.
+  std::uint64_t acc_bytes_ = 0;
+  Duration acc_time_{};
+  bool acc_window_limited_ = true;
+  std::deque<DrainSample> drain_samples_;
+};
+
+}  // namespace qcommit::throttle
