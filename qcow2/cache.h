@@ -35,6 +35,20 @@ class TableCache {
     insert(offset, std::move(table));
   }
 
+  // Dirty tables are pinned (never evicted) until mark_clean(): the cache is the only copy of
+  // their new contents until the caller writes them at the right point of its persistence order.
+  void mark_dirty(uint64_t offset) {
+    if (auto it = index_.find(offset); it != index_.end()) it->second->dirty = true;
+  }
+  void mark_clean(uint64_t offset) {
+    if (auto it = index_.find(offset); it != index_.end()) it->second->dirty = false;
+    shrink();
+  }
+  [[nodiscard]] bool is_dirty(uint64_t offset) const {
+    auto it = index_.find(offset);
+    return it != index_.end() && it->second->dirty;
+  }
+
   void erase(uint64_t offset) {
     if (auto it = index_.find(offset); it != index_.end()) {
       used_ -= it->second->table->size();
@@ -55,17 +69,24 @@ class TableCache {
   struct Slot {
     uint64_t offset;
     Table table;
+    bool dirty = false;
   };
   void insert(uint64_t offset, Table table) {
     used_ += table->size();
     lru_.push_front(Slot{offset, std::move(table)});
     index_[offset] = lru_.begin();
-    // Keep at least two tables so a caller holding one can still load another.
-    while (used_ > capacity_ && lru_.size() > 2) {
-      auto& victim = lru_.back();
-      used_ -= victim.table->size();
-      index_.erase(victim.offset);
-      lru_.pop_back();
+    shrink();
+  }
+  void shrink() {
+    // Evict clean tables from the cold end; keep at least two so a caller holding one can
+    // still load another.
+    auto it = lru_.end();
+    while (used_ > capacity_ && lru_.size() > 2 && it != lru_.begin()) {
+      --it;
+      if (it->dirty) continue;
+      used_ -= it->table->size();
+      index_.erase(it->offset);
+      it = lru_.erase(it);
     }
   }
   size_t capacity_;

@@ -87,7 +87,8 @@ Chain Chain::open(const std::string& path, ChainOptions options, std::optional<F
   for (size_t depth = 0;; ++depth) {
     if (depth >= options.max_depth)
       throw Error(path, "backing chain deeper than " + std::to_string(options.max_depth) + " layers");
-    const bool writable = depth == 0 && options.writable_top;
+    const bool writable = (depth == 0 && options.writable_top) ||
+                          (options.writable_depth && *options.writable_depth == depth);
     std::unique_ptr<FileDevice> dev;
     try {
       dev = FileDevice::open(current, {.writable = writable});
@@ -184,11 +185,19 @@ Chain::LayerStatus Chain::layer_status(size_t i, uint64_t offset, uint64_t len) 
   return st;
 }
 
-MapEntry Chain::status(uint64_t offset, uint64_t len, size_t from_depth) {
+MapEntry Chain::status(uint64_t offset, uint64_t len, size_t from_depth,
+                        std::optional<size_t> stop_depth) {
   uint64_t n = len;
   size_t i = from_depth;
   LayerStatus st;
   for (;; ++i) {
+    if (stop_depth && i == *stop_depth) {
+      MapEntry none;
+      none.start = offset;
+      none.length = n;
+      none.depth = uint32_t(i);
+      return none;
+    }
     st = layer_status(i, offset, n);
     n = st.length;
     if (st.data || st.zero || i + 1 == layers_.size()) break;

@@ -46,6 +46,8 @@ struct MapEntry {
 
 struct ChainOptions {
   bool writable_top = false;
+  // Open the layer at this depth writable (the base of a merge).
+  std::optional<size_t> writable_depth;
   // Backing files must resolve inside one of these directories (empty: no restriction).
   std::vector<std::string> allowed_backing_dirs;
   size_t cache_bytes = kDefaultCacheBytes;
@@ -75,7 +77,10 @@ class Chain {
 
   // Block status of [offset, offset+len) as one entry (the first run), looking through layers
   // from `from_depth` down. Mirrors QEMU's bdrv_block_status + qemu-img map's depth loop.
-  [[nodiscard]] MapEntry status(uint64_t offset, uint64_t len, size_t from_depth = 0);
+  // With stop_depth, layers from stop_depth down are not consulted: a range none of the layers
+  // above provides comes back with depth == stop_depth and present/zero/data all false.
+  [[nodiscard]] MapEntry status(uint64_t offset, uint64_t len, size_t from_depth = 0,
+                                std::optional<size_t> stop_depth = std::nullopt);
 
   // The whole map, adjacent entries with equal attributes (and contiguous offsets) merged,
   // exactly like `qemu-img map`.

@@ -203,6 +203,38 @@ struct Geometry {
   }
 };
 
+// Refcount entry i of a refcount block with 2^order-bit entries. Sub-byte widths pack entries
+// from the least significant bits of each byte; wider ones are big-endian.
+[[nodiscard]] inline uint64_t refcount_entry(const uint8_t* block, uint32_t order, uint64_t i) {
+  switch (order) {
+    case 0: return (block[i / 8] >> (i % 8)) & 1;
+    case 1: return (block[i / 4] >> (2 * (i % 4))) & 3;
+    case 2: return (block[i / 2] >> (4 * (i % 2))) & 15;
+    case 3: return block[i];
+    case 4: return boost::endian::load_big_u16(block + 2 * i);
+    case 5: return boost::endian::load_big_u32(block + 4 * i);
+    default: return boost::endian::load_big_u64(block + 8 * i);
+  }
+}
+
+inline void set_refcount_entry(uint8_t* block, uint32_t order, uint64_t i, uint64_t v) {
+  auto sub_byte = [&](uint64_t per_byte, uint32_t bits) {
+    const uint32_t shift = uint32_t(bits * (i % per_byte));
+    const uint32_t mask = ((1u << bits) - 1u) << shift;
+    uint8_t& b = block[i / per_byte];
+    b = uint8_t((b & ~mask) | ((uint32_t(v) << shift) & mask));
+  };
+  switch (order) {
+    case 0: sub_byte(8, 1); break;
+    case 1: sub_byte(4, 2); break;
+    case 2: sub_byte(2, 4); break;
+    case 3: block[i] = uint8_t(v); break;
+    case 4: boost::endian::store_big_u16(block + 2 * i, uint16_t(v)); break;
+    case 5: boost::endian::store_big_u32(block + 4 * i, uint32_t(v)); break;
+    default: boost::endian::store_big_u64(block + 8 * i, v); break;
+  }
+}
+
 static_assert(Geometry{16, false, 4}.l2_entries() == 8192);
 static_assert(Geometry{16, true, 4}.l2_entries() == 4096);
 static_assert(Geometry{16, false, 4}.l1_entry_span() == 512ull << 20);

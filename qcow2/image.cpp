@@ -449,17 +449,7 @@ uint64_t Image::refcount(uint64_t cluster_index) {
     corrupt_at("refcount block at " + hex(block) + " (refcount table index " + std::to_string(bi) +
                ") is invalid or beyond end of file");
   auto t = cache_.get(block, cs, [&](std::vector<uint8_t>& b) { file_->read(block, b); });
-  const uint64_t i = cluster_index % per_block;
-  const uint8_t* p = t->data();
-  switch (geo_.refcount_order) {
-    case 0: return (p[i / 8] >> (i % 8)) & 1;
-    case 1: return (p[i / 4] >> (2 * (i % 4))) & 3;
-    case 2: return (p[i / 2] >> (4 * (i % 2))) & 15;
-    case 3: return p[i];
-    case 4: return boost::endian::load_big_u16(p + 2 * i);
-    case 5: return load_big_u32(p + 4 * i);
-    default: return load_big_u64(p + 8 * i);
-  }
+  return refcount_entry(t->data(), geo_.refcount_order, cluster_index % per_block);
 }
 
 bool Image::metadata_preallocated() {

@@ -134,7 +134,8 @@ class Image {
                                                                      uint64_t l1_index);
 
  private:
-  friend class Writer;  // qcow2/writer.h: allocation and metadata updates
+  friend class Writer;   // qcow2/writer.h: allocation and metadata updates
+  friend class Checker;  // qcow2/check.cpp: consistency check and repair
   Image(std::unique_ptr<BlockDevice> file, ImageOptions options);
   void parse_header();
   void parse_extensions(uint64_t start, uint64_t end);

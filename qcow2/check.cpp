@@ -1,0 +1,310 @@
+#include "qcow2/check.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "qcow2/error.h"
+
+namespace qcommit::qcow2 {
+
+using boost::endian::load_big_u64;
+
+class Checker {
+ public:
+  Checker(Image& img, Repair repair)
+      : img_(img), geo_(img.geometry()), cs_(img.cluster_size()), repair_(repair) {
+    nb_clusters_ = (img_.file().size() + cs_ - 1) / cs_;
+    refs_.assign(nb_clusters_, 0);
+  }
+
+  CheckResult run() {
+    const Header& h = img_.header();
+    res_.total_clusters = (h.size + cs_ - 1) / cs_;
+    inc(0, cs_, "header");
+    // Active L1 and everything below it, with COPIED checks.
+    walk_l1(h.l1_table_offset, h.l1_size, true, "active L1");
+    snapshots();
+    inc(h.refcount_table_offset, uint64_t(h.refcount_table_clusters) * cs_, "refcount table");
+    const auto& rt = img_.refcount_table();
+    for (size_t i = 0; i < rt.size(); ++i) {
+      const uint64_t off = rt[i] & kRefTableOffsetMask;
+      if (!off) continue;
+      if (off % cs_ != 0) {
+        problem(true, "ERROR refcount block " + std::to_string(i) + " at " + hex(off) + " is not cluster aligned");
+        continue;
+      }
+      if (off / cs_ >= nb_clusters_) {
+        problem(true, "ERROR refcount block " + std::to_string(i) + " at " + hex(off) + " is outside the image");
+        bad_blocks_ = true;
+        continue;
+      }
+      inc(off, cs_, "refcount block");
+    }
+    bitmaps();
+    for (const auto& e : img_.extensions()) {
+      if (e.type == kExtFullDiskEncryption && e.data.size() >= 16)
+        inc(load_big_u64(e.data.data()), load_big_u64(e.data.data() + 8), "encryption header");
+    }
+    compare();
+    if (repair_ != Repair::kNone && img_.dirty() && res_.clean()) {
+      Header hd = img_.header_;
+      hd.incompatible_features &= ~kIncompatDirty;
+      uint8_t b[8];
+      boost::endian::store_big_u64(b, hd.incompatible_features);
+      img_.file().write(72, b);
+      img_.file().flush();
+      img_.header_ = hd;
+      res_.dirty_cleared = true;
+    }
+    return res_;
+  }
+
+ private:
+  void problem(bool corruption, const std::string& msg) {
+    if (corruption) ++res_.corruptions;
+    if (res_.messages.size() < kMaxCheckMessages) res_.messages.push_back(msg);
+  }
+
+  void inc(uint64_t offset, uint64_t size, const char* what) {
+    if (size == 0) return;
+    const uint64_t first = offset / cs_, last = (offset + size - 1) / cs_;
+    for (uint64_t c = first; c <= last; ++c) {
+      if (c >= refs_.size()) {
+        if (c - nb_clusters_ > (1ull << 24)) {
+          problem(true, std::string("ERROR ") + what + " at " + hex(offset) + " lies far beyond end of file");
+          return;
+        }
+        refs_.resize(c + 1, 0);
+      }
+      ++refs_[c];
+    }
+  }
+
+  void walk_l1(uint64_t l1_offset, uint64_t l1_size, bool active, const std::string& what) {
+    inc(l1_offset, l1_size * 8, "L1 table");
+    if (l1_size == 0) return;
+    if (l1_size * 8 > kMaxL1TableBytes || l1_offset % cs_ != 0) {
+      problem(true, "ERROR " + what + " at " + hex(l1_offset) + " is invalid");
+      return;
+    }
+    std::vector<uint8_t> buf(l1_size * 8);
+    img_.file().read(l1_offset, buf);
+    for (uint64_t i = 0; i < l1_size; ++i) {
+      const uint64_t e = load_big_u64(buf.data() + 8 * i);
+      const uint64_t l2 = e & kL1OffsetMask;
+      if (!l2) continue;
+      if (l2 % cs_ != 0) {
+        problem(true, "ERROR " + what + " entry " + std::to_string(i) + ": L2 table offset " + hex(l2) +
+                          " is not cluster aligned");
+        continue;
+      }
+      if (active) {
+        const uint64_t rc = safe_refcount(l2 / cs_);
+        if ((rc == 1) != ((e & kOflagCopied) != 0)) {
+          problem(true, "ERROR OFLAG_COPIED L2 cluster: l1_index=" + std::to_string(i) + " l1_entry=" + hex(e) +
+                            " refcount=" + std::to_string(rc));
+          copied_fix_l1_.push_back(i);
+        }
+      }
+      inc(l2, cs_, "L2 table");
+      if (l2 / cs_ >= nb_clusters_) {
+        problem(true, "ERROR L2 table at " + hex(l2) + " lies beyond end of file");
+        continue;
+      }
+      walk_l2(l2, active);
+    }
+  }
+
+  void walk_l2(uint64_t l2, bool active) {
+    std::vector<uint8_t> t(cs_);
+    img_.file().read(l2, t);
+    const uint64_t n = geo_.l2_entries();
+    for (uint64_t i = 0; i < n; ++i) {
+      const uint64_t e = load_big_u64(t.data() + i * geo_.l2_entry_bytes());
+      if (e & kOflagCompressed) {
+        if (e & kOflagCopied) problem(true, "ERROR: coffset=" + hex(e & geo_.coffset_mask()) + ": copied flag must never be set for compressed clusters");
+        const uint64_t coff = e & geo_.coffset_mask();
+        const uint64_t nsect = ((e >> geo_.csize_shift()) & geo_.csize_mask()) + 1;
+        inc(coff & ~uint64_t(kCompressedSectorBytes - 1), nsect * kCompressedSectorBytes, "compressed data");
+        continue;
+      }
+      const uint64_t host = e & kL2OffsetMask;
+      if (geo_.extended_l2) {
+        const uint64_t bm = load_big_u64(t.data() + i * 16 + 8);
+        if ((uint32_t(bm) & uint32_t(bm >> 32)) != 0 || (!host && uint32_t(bm)))
+          problem(true, "ERROR invalid subcluster bitmap in L2 table at " + hex(l2) + " entry " + std::to_string(i));
+      }
+      if (!host || img_.has_data_file()) continue;
+      if (host % cs_ != 0) {
+        problem(true, "ERROR offset=" + hex(host) + ": Cluster is not properly aligned; L2 entry corrupted.");
+        continue;
+      }
+      if (active) {
+        const uint64_t rc = safe_refcount(host / cs_);
+        if ((rc == 1) != ((e & kOflagCopied) != 0)) {
+          problem(true, "ERROR OFLAG_COPIED data cluster: l2_entry=" + hex(e) + " refcount=" + std::to_string(rc));
+          copied_fix_l2_.push_back({l2, i});
+        }
+      }
+      inc(host, cs_, "data cluster");
+    }
+  }
+
+  void snapshots() {
+    const Header& h = img_.header();
+    if (h.nb_snapshots == 0) return;
+    uint64_t pos = h.snapshots_offset;
+    for (uint32_t s = 0; s < h.nb_snapshots; ++s) {
+      RawSnapshotHeader sh{};
+      std::vector<uint8_t> b(sizeof sh);
+      img_.file().read(pos, b);
+      std::memcpy(&sh, b.data(), sizeof sh);
+      walk_l1(sh.l1_table_offset.value(), sh.l1_size.value(), false, "snapshot L1");
+      uint64_t len = sizeof sh + sh.extra_data_size.value() + sh.id_str_size.value() + sh.name_size.value();
+      pos += (len + 7) & ~uint64_t(7);
+    }
+    inc(h.snapshots_offset, pos - h.snapshots_offset, "snapshot table");
+  }
+
+  void bitmaps() {
+    const auto& bi = img_.bitmaps();
+    if (!bi || !(img_.header().autoclear_features & kAutoclearBitmaps)) return;
+    if (bi->directory_size > (64ull << 20)) {
+      problem(true, "ERROR bitmap directory too large");
+      return;
+    }
+    inc(bi->directory_offset, bi->directory_size, "bitmap directory");
+    std::vector<uint8_t> dir(bi->directory_size);
+    img_.file().read(bi->directory_offset, dir);
+    size_t pos = 0;
+    for (uint32_t k = 0; k < bi->nb_bitmaps && pos + sizeof(RawBitmapDirectoryEntry) <= dir.size(); ++k) {
+      RawBitmapDirectoryEntry e{};
+      std::memcpy(&e, dir.data() + pos, sizeof e);
+      const uint64_t table = e.bitmap_table_offset.value();
+      const uint64_t entries = e.bitmap_table_size.value();
+      inc(table, entries * 8, "bitmap table");
+      if (entries * 8 <= (64ull << 20)) {
+        std::vector<uint8_t> tb(entries * 8);
+        img_.file().read(table, tb);
+        for (uint64_t i = 0; i < entries; ++i) {
+          const uint64_t d = load_big_u64(tb.data() + 8 * i) & kBitmapTableOffsetMask;
+          if (d) inc(d, cs_, "bitmap data");
+        }
+      }
+      pos += (sizeof e + e.extra_data_size.value() + e.name_size.value() + 7) & ~size_t(7);
+    }
+  }
+
+  uint64_t safe_refcount(uint64_t c) {
+    try {
+      return img_.refcount(c);
+    } catch (const CorruptionError&) {
+      return 0;
+    }
+  }
+
+  void compare() {
+    const uint64_t n = std::max<uint64_t>(refs_.size(), nb_clusters_);
+    std::vector<std::pair<uint64_t, uint64_t>> fixes;  // (cluster, new refcount)
+    for (uint64_t c = 0; c < n; ++c) {
+      const uint64_t want = c < refs_.size() ? refs_[c] : 0;
+      const uint64_t have = safe_refcount(c);
+      if (want) {
+        ++res_.allocated_clusters;
+        res_.image_end_offset = (c + 1) * cs_;
+      }
+      if (have == want) continue;
+      if (have > want) {
+        ++res_.leaks;
+        if (res_.messages.size() < kMaxCheckMessages)
+          res_.messages.push_back("Leaked cluster " + std::to_string(c) + " refcount=" + std::to_string(have) +
+                                  " reference=" + std::to_string(want));
+        if (repair_ != Repair::kNone) fixes.push_back({c, want});
+      } else {
+        problem(true, "ERROR cluster " + std::to_string(c) + " refcount=" + std::to_string(have) +
+                          " reference=" + std::to_string(want));
+        if (repair_ == Repair::kAll && want <= geo_.refcount_max()) fixes.push_back({c, want});
+      }
+    }
+    if (fixes.empty() && (repair_ != Repair::kAll || (copied_fix_l1_.empty() && copied_fix_l2_.empty()))) return;
+    // Apply refcount fixes block by block.
+    const uint64_t per_block = geo_.refcount_block_entries();
+    std::vector<uint8_t> block(cs_);
+    uint64_t cur_block = ~0ull;
+    bool changed = false;
+    auto flush_block = [&] {
+      if (cur_block != ~0ull && changed) {
+        img_.file().write(cur_block, block);
+        img_.cache_.erase(cur_block);
+      }
+      changed = false;
+    };
+    for (auto [c, v] : fixes) {
+      const uint64_t bi = c / per_block;
+      const auto& rt = img_.refcount_table();
+      const uint64_t off = bi < rt.size() ? rt[bi] & kRefTableOffsetMask : 0;
+      if (!off || off % cs_ != 0 || off / cs_ >= nb_clusters_) {
+        if (res_.messages.size() < kMaxCheckMessages)
+          res_.messages.push_back("cannot repair cluster " + std::to_string(c) + ": its refcount block is missing");
+        continue;
+      }
+      if (off != cur_block) {
+        flush_block();
+        cur_block = off;
+        img_.file().read(off, block);
+      }
+      const uint64_t old = refcount_entry(block.data(), geo_.refcount_order, c % per_block);
+      set_refcount_entry(block.data(), geo_.refcount_order, c % per_block, v);
+      changed = true;
+      if (old > v) ++res_.leaks_fixed; else ++res_.corruptions_fixed;
+    }
+    flush_block();
+    img_.file().flush();
+    if (repair_ == Repair::kAll) fix_copied();
+  }
+
+  void fix_copied() {
+    // Recompute COPIED flags from the repaired refcounts.
+    for (uint64_t i : copied_fix_l1_) {
+      uint64_t e = img_.l1_[i];
+      const uint64_t rc = img_.refcount((e & kL1OffsetMask) / cs_);
+      e = rc == 1 ? (e | kOflagCopied) : (e & ~kOflagCopied);
+      img_.l1_[i] = e;
+      uint8_t b[8];
+      boost::endian::store_big_u64(b, e);
+      img_.file().write(img_.header().l1_table_offset + 8 * i, b);
+      ++res_.corruptions_fixed;
+    }
+    for (auto [l2, i] : copied_fix_l2_) {
+      uint8_t b[8];
+      const uint64_t at = l2 + i * geo_.l2_entry_bytes();
+      img_.file().read(at, b);
+      uint64_t e = load_big_u64(b);
+      const uint64_t rc = img_.refcount((e & kL2OffsetMask) / cs_);
+      e = rc == 1 ? (e | kOflagCopied) : (e & ~kOflagCopied);
+      boost::endian::store_big_u64(b, e);
+      img_.file().write(at, b);
+      img_.cache_.erase(l2);
+      ++res_.corruptions_fixed;
+    }
+    img_.file().flush();
+  }
+
+  Image& img_;
+  const Geometry geo_;
+  const uint64_t cs_;
+  Repair repair_;
+  uint64_t nb_clusters_ = 0;
+  std::vector<uint32_t> refs_;
+  bool bad_blocks_ = false;
+  std::vector<uint64_t> copied_fix_l1_;
+  std::vector<std::pair<uint64_t, uint64_t>> copied_fix_l2_;
+  CheckResult res_;
+};
+
+CheckResult check(Image& image, Repair repair) {
+  Checker c(image, repair);
+  return c.run();
+}
+
+}  // namespace qcommit::qcow2

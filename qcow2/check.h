@@ -1,0 +1,36 @@
+// Consistency check of one qcow2 image, in the manner of `qemu-img check`: every reference from
+// the header, L1/L2 tables (active and internal snapshots), refcount structures and bitmaps is
+// counted and compared with the stored refcounts.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "qcow2/image.h"
+
+namespace qcommit::qcow2 {
+
+enum class Repair : uint8_t { kNone, kLeaks, kAll };
+
+struct CheckResult {
+  uint64_t corruptions = 0;         // refcount lower than references, bad offsets, COPIED errors
+  uint64_t leaks = 0;               // clusters with refcount higher than their references
+  uint64_t corruptions_fixed = 0;
+  uint64_t leaks_fixed = 0;
+  uint64_t allocated_clusters = 0;  // referenced clusters
+  uint64_t total_clusters = 0;      // clusters of the virtual disk
+  uint64_t image_end_offset = 0;
+  std::vector<std::string> messages;  // first kMaxCheckMessages problems
+  bool dirty_cleared = false;
+  [[nodiscard]] bool clean() const { return corruptions == corruptions_fixed && leaks == leaks_fixed; }
+};
+
+inline constexpr size_t kMaxCheckMessages = 100;
+
+// Checks `image` (opened writable when repair != kNone). Repair lowers leaked refcounts
+// (kLeaks) and also raises refcounts that are too low and fixes COPIED flags (kAll); a dirty
+// (lazy refcounts) image is repaired and its dirty bit cleared.
+[[nodiscard]] CheckResult check(Image& image, Repair repair = Repair::kNone);
+
+}  // namespace qcommit::qcow2
