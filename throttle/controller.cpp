@@ -62,6 +62,7 @@ Controller::Controller(ControllerConfig cfg) : cfg_(cfg) {
   cfg_.slowdown_interval = std::max(cfg_.slowdown_interval, 4 * cfg_.slowdown_duration);
   rate_ = cfg_.initial_rate_bytes_per_s;
   drain_est_ = cfg_.initial_rate_bytes_per_s;
+  drain_max_seen_ = drain_est_;
 }
 
 void Controller::update_drain(const TickInput& in, Duration dt, bool window_limited) {
@@ -84,6 +85,7 @@ void Controller::update_drain(const TickInput& in, Duration dt, bool window_limi
     for (const auto& s : drain_samples_) m = std::max(m, s.bytes_per_s);
     drain_est_ = std::max(m, cfg_.floor_rate_bytes_per_s);
   }
+  drain_max_seen_ = std::max(drain_max_seen_, drain_est_);
   // No sample in the horizon: keep the last estimate (nothing new was learned).
 }
 
@@ -127,11 +129,19 @@ Decision Controller::tick(const TickInput& in) {
       started_ && static_cast<double>(in.drained_bytes) >= kBusyFraction * prev_rate_ * dt_s;
   const bool busy = window_limited || used_rate;
 
+  // ---- periodic slowdown (before this tick's samples, which belong to the new epoch) ----------
+  if (!in_slowdown_ && !paused_ && started_ && slot != last_slowdown_slot_) {
+    last_slowdown_slot_ = slot;
+    start_slowdown(now);
+  }
+
   // ---- base latencies ----------------------------------------------------------------------
   const bool had_fg_base = fg_base_.value().has_value();
   for (Duration l : in.foreground_latencies) fg_base_.add(l);
   const auto service = [&](std::uint64_t bytes) {
-    return from_seconds(static_cast<double>(bytes) / drain_est_);
+    // Service time at the best drain rate seen: an estimate of the storage's own speed, not of
+    // our (possibly app-limited) share.
+    return from_seconds(static_cast<double>(bytes) / drain_max_seen_);
   };
   std::vector<Duration> copy_norm;
   copy_norm.reserve(in.copy_samples.size());
@@ -169,7 +179,7 @@ Decision Controller::tick(const TickInput& in) {
     std::optional<Duration> age = in.copy_oldest_outstanding;
     if (in.backlog_bytes > 0 && in.drained_bytes == 0 && in.copy_samples.empty()) {
       if (!copy_quiet_since_) copy_quiet_since_ = now;
-      const Duration expected = service(in.backlog_bytes);
+      const Duration expected = from_seconds(static_cast<double>(in.backlog_bytes) / drain_est_);
       age = std::max(age.value_or(Duration::zero()), now - *copy_quiet_since_ - expected);
     } else {
       copy_quiet_since_.reset();
@@ -181,13 +191,11 @@ Decision Controller::tick(const TickInput& in) {
   // ---- state machine -----------------------------------------------------------------------
   Decision d;
   const bool emergency_now = q > from_seconds(budget_s * kEmergencyFactor);
-  if (!in_slowdown_ && !paused_ && started_) {
-    if (slot != last_slowdown_slot_) {
-      last_slowdown_slot_ = slot;
-      start_slowdown(now);
-    } else if (!had_fg_base && !in.foreground_latencies.empty()) {
-      start_slowdown(now);  // guest became active: learn its base before trusting q
-    }
+  if (!in_slowdown_ && !paused_ && started_ && !had_fg_base && !in.foreground_latencies.empty()) {
+    // The guest became active: its first samples may sit behind our queue, so forget them
+    // and learn its base during a slowdown before trusting q.
+    start_slowdown(now);
+    fg_base_.reset();
   }
   if (in_slowdown_ && now >= slowdown_end_ && fresh) {
     in_slowdown_ = false;

@@ -171,6 +171,10 @@ class EpochMinFilter {
     prev_ = cur_;
     cur_.reset();
   }
+  void reset() {
+    prev_.reset();
+    cur_.reset();
+  }
   [[nodiscard]] std::optional<Duration> value() const {
     if (prev_ && cur_) return std::min(*prev_, *cur_);
     return prev_ ? prev_ : cur_;
@@ -206,6 +210,7 @@ class Controller {
   TimePoint last_now_{};
   double rate_;
   double drain_est_;
+  double drain_max_seen_;  // best drain ever measured: storage speed for service times
   std::uint64_t prev_window_ = 0;
   double prev_rate_ = 0;
   std::uint64_t prev_backlog_ = 0;

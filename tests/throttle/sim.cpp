@@ -9,6 +9,7 @@ namespace qcommit::throttle::sim {
 
 namespace {
 constexpr std::uint64_t kMinCopyIo = 64 * kKiB;
+constexpr std::uint64_t kPageBytes = 4 * kKiB;
 constexpr std::uint64_t kIosPerWindow = 8;  // copy I/O size ≈ window / 8 (pipelining)
 constexpr double kUnlimitedRate = 1e15;
 TimePoint tp(Ns t) { return TimePoint(Duration(t)); }
@@ -209,7 +210,11 @@ void Simulator::cache_pump() {
     int owner = -1;
     for (std::size_t i = 0; i < jobs_.size(); ++i)
       if (kicked_[i] > 0 && dirty_[i] > 0) { owner = static_cast<int>(i); break; }
-    if (owner < 0 && dirty_total_ > cache_.background_bytes) {
+    // Background writeback starts above the background threshold and, like the kernel's
+    // flusher, keeps going (in large batches) until well below it.
+    if (dirty_total_ > cache_.background_bytes) bg_active_ = true;
+    if (dirty_total_ < cache_.background_bytes / 2) bg_active_ = false;
+    if (owner < 0 && bg_active_) {
       std::uint64_t best = 0;
       for (std::size_t i = 0; i < jobs_.size(); ++i)
         if (dirty_[i] > best) { best = dirty_[i]; owner = static_cast<int>(i); }
@@ -372,8 +377,11 @@ void Simulator::job_try_issue(int ji) {
     io = std::min(io, j.cfg.total_bytes - j.submitted);
     // The controller bounds everything the copy has queued (in flight + dirty + writeback);
     // the fixed/unlimited baselines only see their own in-flight requests (like QEMU).
+    // An I/O is trimmed (4 KiB granularity) to what the window still allows.
     const std::uint64_t backlog = j.ctl ? job_backlog(j) : j.inflight;
-    if (backlog > 0 && backlog + io > j.decision.window_bytes) return;
+    const std::uint64_t window = std::max<std::uint64_t>(j.decision.window_bytes, kPageBytes);
+    if (backlog + kPageBytes > window) return;
+    io = std::min(io, (window - backlog) / kPageBytes * kPageBytes);
     if (j.cfg.buffered && dirty_total_ + wb_total_ + io > cache_.dirty_limit) return;  // balance_dirty_pages
     const Duration wait = j.pacer.reserve(tp(now_), io);
     if (wait > Duration::zero()) {
@@ -413,6 +421,8 @@ void Simulator::job_submit(int ji, std::uint64_t bytes) {
       dirty_[o] += bytes;
       dirty_total_ += bytes;
       if (jj.ctl) kicked_[o] += bytes;  // sync_file_range(SYNC_FILE_RANGE_WRITE) right away
+      // The last write is followed by fsync(target) (QEMU's mirror flushes at completion).
+      if (jj.submitted >= jj.cfg.total_bytes && jj.inflight == 0) kicked_[o] = dirty_[o];
       cache_pump();
       note_backlog();
       job_try_issue(ji);

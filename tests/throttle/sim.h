@@ -188,6 +188,7 @@ class Simulator {
   std::vector<std::uint64_t> kicked_;     // per job: bytes asked to be written back
   std::uint64_t dirty_total_ = 0;
   std::uint64_t wb_total_ = 0;
+  bool bg_active_ = false;
 
   std::vector<std::unique_ptr<Guest>> guests_;
   std::vector<std::unique_ptr<Job>> jobs_;
