@@ -73,18 +73,24 @@ void Controller::update_drain(const TickInput& in, Duration dt, bool window_limi
     const double r = static_cast<double>(acc_bytes_) / seconds(acc_time_);
     // Window-limited samples measure what storage gives us; app-limited ones only a lower
     // bound, so they count only when they raise the estimate (BBR).
-    if (acc_window_limited_ || r > drain_est_) drain_samples_.push_back({in.now, r});
+    drain_samples_.push_back({in.now, r, acc_window_limited_ || r > drain_est_});
     acc_bytes_ = 0;
     acc_time_ = Duration::zero();
     acc_window_limited_ = true;
   }
   while (!drain_samples_.empty() && in.now - drain_samples_.front().at > kDrainFilterHorizon)
     drain_samples_.pop_front();
-  if (!drain_samples_.empty()) {
-    double m = 0;
-    for (const auto& s : drain_samples_) m = std::max(m, s.bytes_per_s);
-    drain_est_ = std::max(m, cfg_.floor_rate_bytes_per_s);
+  // Max over the window-limited samples in the horizon; when there are none (the copy was
+  // paced below what storage gives it for a whole horizon), max over all samples: what the copy
+  // achieved is then all that is known, and an old, higher figure must not keep the window
+  // open after the storage slowed down.  No sample at all: keep the estimate.
+  double valid_max = 0, any_max = 0;
+  for (const auto& s : drain_samples_) {
+    any_max = std::max(any_max, s.bytes_per_s);
+    if (s.window_limited) valid_max = std::max(valid_max, s.bytes_per_s);
   }
+  if (!drain_samples_.empty())
+    drain_est_ = std::max(valid_max > 0 ? valid_max : any_max, cfg_.floor_rate_bytes_per_s);
   drain_max_seen_ = std::max(drain_max_seen_, drain_est_);
   // No sample in the horizon: keep the last estimate (nothing new was learned).
 }
@@ -92,8 +98,7 @@ void Controller::update_drain(const TickInput& in, Duration dt, bool window_limi
 std::uint64_t Controller::compute_window() const {
   const double t = seconds(cfg_.latency_budget);
   const double cap = t * drain_est_;           // hard cap: budget × drain
-  const double by_rate = t * rate_;             // what the pacing rate needs
-  double w = std::min(cap, by_rate);
+  double w = cap;
   w = std::clamp(w, static_cast<double>(cfg_.min_window_bytes),
                  static_cast<double>(cfg_.max_window_bytes));
   return static_cast<std::uint64_t>(w);
@@ -220,7 +225,7 @@ Decision Controller::tick(const TickInput& in) {
   } else if (!in_slowdown_) {
     if (q > target) {
       if (!last_decrease_ || now - *last_decrease_ >= kDecreaseHoldoff) {
-        // Proportional multiplicative decrease: ×0.9 just above target, ×0.5 at the budget.
+        // Proportional multiplicative decrease: ×0.9 just above target, ×0.7 at the budget.
         const double over = std::clamp((seconds(q) - seconds(target)) / seconds(target), 0.0, 1.0);
         const double factor = kMildDecreaseFactor - over * (kMildDecreaseFactor - kStrongDecreaseFactor);
         rate_ *= factor;
@@ -244,8 +249,9 @@ Decision Controller::tick(const TickInput& in) {
       }
     }
   }
+  const double headroom = slow_start_ ? kSlowStartHeadroomOverDrain : kRateHeadroomOverDrain;
   rate_ = std::clamp(rate_, cfg_.floor_rate_bytes_per_s,
-                     std::clamp(kRateHeadroomOverDrain * drain_est_, cfg_.floor_rate_bytes_per_s,
+                     std::clamp(headroom * drain_est_, cfg_.floor_rate_bytes_per_s,
                                 cfg_.ceiling_rate_bytes_per_s));
 
   double out_rate = in_slowdown_ ? cfg_.floor_rate_bytes_per_s : rate_;

@@ -17,8 +17,9 @@
 //    "Foreground requests outstanding and no completion since the previous tick" is a stall of
 //    at least the time between the two ticks, never good news.
 //  * Drain rate D: BBR-style max filter (horizon kDrainFilterHorizon) over drain samples taken
-//    while the copy was window-limited; app-limited samples only raise the estimate.
-//  * Window (hard cap on backlog bytes) = min(budget × D, rate × budget), never below
+//    while the copy was window-limited; app-limited samples only raise the estimate, unless no
+//    window-limited sample is left in the horizon (then the max of all recent samples).
+//  * Window (hard cap on backlog bytes) = budget × D, never below
 //    min_window_bytes (liveness: one small I/O at a time) and never above max_window_bytes.
 //  * Pacing rate R: slow start (doubling) while q is small, then additive increase
 //    (config.additive_increase, absolute bytes/s per second, so competing copies converge to a
@@ -82,10 +83,11 @@ inline constexpr double kEmergencyFactor = 2.0;       // pause when q > 2 × bud
 inline constexpr double kTargetFraction = 0.5;        // steer q to budget × 0.5
 inline constexpr double kFullIncreaseFraction = 0.5;  // full additive step while q < target × 0.5
 inline constexpr double kMildDecreaseFactor = 0.9;    // rate × 0.9 when q just above target
-inline constexpr double kStrongDecreaseFactor = 0.5;  // rate × 0.5 when q ≥ budget
+inline constexpr double kStrongDecreaseFactor = 0.7;  // rate × 0.7 when q ≥ budget
 inline constexpr double kEmergencyRateFactor = 0.5;   // rate × 0.5 on entering emergency stop
 inline constexpr double kBusyFraction = 0.5;          // backlog ≥ ½ window ⇒ window-limited
-inline constexpr double kRateHeadroomOverDrain = 1.5; // rate ≤ 1.5 × drain estimate
+inline constexpr double kRateHeadroomOverDrain = 1.25;   // steady: rate ≤ 1.25 × drain estimate
+inline constexpr double kSlowStartHeadroomOverDrain = 2.0;  // slow start: rate ≤ 2 × drain
 inline constexpr std::uint64_t kMinWindowBytes = 64 * 1024;
 inline constexpr Duration kDrainSampleInterval = std::chrono::milliseconds(200);
 inline constexpr Duration kDrainFilterHorizon = std::chrono::milliseconds(1500);
@@ -199,6 +201,7 @@ class Controller {
   struct DrainSample {
     TimePoint at;
     double bytes_per_s;
+    bool window_limited;  // or above the estimate at the time
   };
   void update_drain(const TickInput& in, Duration dt, bool window_limited);
   [[nodiscard]] std::uint64_t compute_window() const;
