@@ -10,13 +10,16 @@ namespace qcommit::cli {
 inline constexpr int kExitOk = 0;
 inline constexpr int kExitError = 1;      // bad input, I/O error, refused operation
 inline constexpr int kExitUsage = 2;      // bad command line
-inline constexpr int kExitCorrupt = 3;    // check found corruption
+inline constexpr int kExitCorrupt = 3;    // corrupt image / check found corruption
+inline constexpr int kExitLeaks = 4;      // check found leaked clusters only
 
 using Args = std::vector<std::string>;
 
 int cmd_info(const Args& args);
 int cmd_map(const Args& args);
 int cmd_demo(const Args& args);
+int cmd_merge(const Args& args);
+int cmd_check(const Args& args);
 
 // "1.5 GiB (1610612736 bytes)"
 std::string human_size(unsigned long long bytes);

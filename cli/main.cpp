@@ -5,6 +5,7 @@
 #include <string>
 
 #include "cli/commands.h"
+#include "cli/options.h"
 #include "qcow2/error.h"
 
 namespace {
@@ -16,7 +17,10 @@ void usage(FILE* f) {
       "commands:\n"
       "  info IMAGE [--output=json]   format, features and backing chain of an image\n"
       "  map IMAGE [--output=json]    which layer provides each byte (like qemu-img map)\n"
-      "  demo                         build a small qcow2 chain and show what qcommit sees\n"
+      "  merge TOP [--base B] [--rebase CHILD...] [--delete] [--budget 20ms|off]\n"
+      "                               merge TOP (and intermediates) into BASE, offline\n"
+      "  check IMAGE [--repair]       consistency check (like qemu-img check)\n"
+      "  demo                         build a small qcow2 chain, merge it and verify it\n"
       "\n"
       "Run 'qcommit COMMAND --help' for the options of one command.\n",
       f);
@@ -36,12 +40,17 @@ int main(int argc, char** argv) {
     if (cmd == "info") return cmd_info(args);
     if (cmd == "map") return cmd_map(args);
     if (cmd == "demo") return cmd_demo(args);
+    if (cmd == "merge") return cmd_merge(args);
+    if (cmd == "check") return cmd_check(args);
     if (cmd == "-h" || cmd == "--help" || cmd == "help") {
       usage(stdout);
       return kExitOk;
     }
     std::fprintf(stderr, "qcommit: unknown command '%s'\n", cmd.c_str());
     usage(stderr);
+    return kExitUsage;
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "qcommit %s: %s\n", cmd.c_str(), e.what());
     return kExitUsage;
   } catch (const qcommit::qcow2::CorruptionError& e) {
     std::fprintf(stderr, "qcommit: %s (image is corrupt)\n", e.what());

@@ -1,0 +1,58 @@
+// qcommit check: consistency check like qemu-img check, with repair.
+#include <cinttypes>
+#include <cstdio>
+
+#include "cli/json.h"
+#include "cli/options.h"
+#include "qcow2/check.h"
+#include "qcow2/device.h"
+
+namespace qcommit::cli {
+
+int cmd_check(const Args& args) {
+  po::options_description opts("options");
+  std::string image, output = "human", repair;
+  opts.add_options()("image", po::value(&image)->required(), "image file")(
+      "repair", po::value(&repair)->implicit_value("leaks"), "repair: 'leaks' (default) or 'all'")(
+      "output", po::value(&output), "human or json");
+  po::positional_options_description pos;
+  pos.add("image", 1);
+  po::variables_map vm;
+  if (!parse(args, opts, pos, vm, "qcommit check IMAGE [--repair[=leaks|all]] [--output=json]",
+             "exit status: 0 clean, 3 corruptions, 4 leaked clusters only\n"
+             "examples:\n  qcommit check base.qcow2\n  qcommit check --repair base.qcow2\n"))
+    return kExitOk;
+  const Output out = parse_output(output);
+  qcow2::Repair mode = qcow2::Repair::kNone;
+  if (repair == "leaks") mode = qcow2::Repair::kLeaks;
+  else if (repair == "all") mode = qcow2::Repair::kAll;
+  else if (!repair.empty()) throw UsageError("--repair must be 'leaks' or 'all'");
+  auto dev = qcow2::FileDevice::open(image, {.writable = mode != qcow2::Repair::kNone});
+  auto img = qcow2::Image::open(std::move(dev));
+  auto r = qcow2::check(*img, mode);
+  const uint64_t corruptions = r.corruptions - r.corruptions_fixed;
+  const uint64_t leaks = r.leaks - r.leaks_fixed;
+  if (out == Output::kJson) {
+    std::printf("{\"filename\": %s, \"corruptions\": %" PRIu64 ", \"leaks\": %" PRIu64
+                ", \"corruptions-fixed\": %" PRIu64 ", \"leaks-fixed\": %" PRIu64
+                ", \"allocated-clusters\": %" PRIu64 ", \"total-clusters\": %" PRIu64
+                ", \"image-end-offset\": %" PRIu64 ", \"check-errors\": 0}\n",
+                json_string(image).c_str(), corruptions, leaks, r.corruptions_fixed, r.leaks_fixed,
+                r.allocated_clusters, r.total_clusters, r.image_end_offset);
+  } else {
+    for (const auto& m : r.messages) std::fprintf(stderr, "%s\n", m.c_str());
+    if (r.leaks_fixed || r.corruptions_fixed)
+      std::printf("repaired %" PRIu64 " leaked clusters and %" PRIu64 " corruptions\n", r.leaks_fixed,
+                  r.corruptions_fixed);
+    if (!corruptions && !leaks) std::printf("No errors were found on the image.\n");
+    if (corruptions) std::printf("%" PRIu64 " errors were found on the image.\n", corruptions);
+    if (leaks) std::printf("%" PRIu64 " leaked clusters were found on the image.\n", leaks);
+    std::printf("%" PRIu64 "/%" PRIu64 " clusters allocated\nImage end offset: %" PRIu64 "\n",
+                r.allocated_clusters, r.total_clusters, r.image_end_offset);
+  }
+  if (corruptions) return kExitCorrupt;
+  if (leaks) return kExitLeaks;
+  return kExitOk;
+}
+
+}  // namespace qcommit::cli

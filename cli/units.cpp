@@ -1,0 +1,78 @@
+#include "cli/units.h"
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+
+#include "cli/options.h"
+#include "engine/budget_governor.h"
+
+namespace qcommit::cli {
+
+std::chrono::nanoseconds parse_duration(const std::string& s) {
+  size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(s, &used);
+  } catch (...) {
+    throw UsageError("bad duration '" + s + "' (examples: 20ms, 1.5s, 500us)");
+  }
+  const std::string unit = s.substr(used);
+  double ns;
+  if (unit == "ns") ns = v;
+  else if (unit == "us") ns = v * 1e3;
+  else if (unit == "ms") ns = v * 1e6;
+  else if (unit == "s" || unit.empty()) ns = v * 1e9;
+  else if (unit == "m" || unit == "min") ns = v * 60e9;
+  else throw UsageError("bad duration unit in '" + s + "' (ns, us, ms, s, min)");
+  if (!(ns > 0) || !std::isfinite(ns)) throw UsageError("duration must be positive: '" + s + "'");
+  return std::chrono::nanoseconds(int64_t(ns));
+}
+
+uint64_t parse_size(const std::string& s) {
+  size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(s, &used);
+  } catch (...) {
+    throw UsageError("bad size '" + s + "' (examples: 4096, 50M, 1.5G)");
+  }
+  std::string unit = s.substr(used);
+  if (!unit.empty() && (unit.back() == 'B' || unit.back() == 'b') && unit != "b") unit.pop_back();
+  if (unit.size() == 2 && unit[1] == 'i') unit.pop_back();
+  double mul = 1;
+  if (unit.empty()) mul = 1;
+  else if (unit == "K" || unit == "k") mul = 1024.0;
+  else if (unit == "M" || unit == "m") mul = 1024.0 * 1024;
+  else if (unit == "G" || unit == "g") mul = 1024.0 * 1024 * 1024;
+  else if (unit == "T" || unit == "t") mul = 1024.0 * 1024 * 1024 * 1024;
+  else throw UsageError("bad size unit in '" + s + "' (K, M, G, T)");
+  if (v < 0 || !std::isfinite(v)) throw UsageError("size must not be negative: '" + s + "'");
+  return uint64_t(v * mul);
+}
+
+std::string format_size(uint64_t bytes) {
+  static const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  double v = double(bytes);
+  int u = 0;
+  while (v >= 1024 && u < 5) {
+    v /= 1024;
+    ++u;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof buf, u ? "%.1f %s" : "%.0f %s", v, units[u]);
+  return buf;
+}
+
+std::shared_ptr<engine::CopyGovernor> make_budget_governor(std::chrono::nanoseconds budget,
+                                                           const std::string& top, const std::string& base) {
+  const std::string target = base.empty() ? top : base;
+  auto dir = std::filesystem::absolute(target).parent_path().string();
+  engine::BudgetGovernorConfig cfg;
+  cfg.budget = budget;
+  cfg.probe_dir = dir;
+  if (auto err = cfg.validate(); !err.empty()) throw UsageError(err);
+  return std::make_shared<engine::BudgetGovernor>(cfg);
+}
+
+}  // namespace qcommit::cli

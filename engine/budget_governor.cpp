@@ -1,0 +1,123 @@
+#include "engine/budget_governor.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+
+namespace qcommit::engine {
+
+namespace {
+inline constexpr auto kPausedWait = std::chrono::milliseconds(10);
+inline constexpr auto kWindowFullWait = std::chrono::milliseconds(1);
+}  // namespace
+
+std::string BudgetGovernorConfig::validate() const {
+  if (budget <= Duration::zero()) return "the latency budget must be positive";
+  if (budget > std::chrono::seconds(60)) return "a latency budget over 60 s makes no sense; use --budget off";
+  throttle::ControllerConfig c = controller;
+  c.latency_budget = budget;
+  if (auto e = c.validate()) return *e;
+  return "";
+}
+
+BudgetGovernor::BudgetGovernor(BudgetGovernorConfig cfg)
+    : cfg_([&] {
+        cfg.controller.latency_budget = cfg.budget;
+        return cfg;
+      }()),
+      ctl_(cfg_.controller),
+      pacer_(cfg_.controller.initial_rate_bytes_per_s),
+      epoch_(Clock::now()) {
+  if (!cfg_.probe_dir.empty()) {
+    probe_path_ = cfg_.probe_dir + "/.qcommit-probe-" + std::to_string(getpid());
+    probe_fd_ = ::open(probe_path_.c_str(), O_RDWR | O_CREAT | O_DIRECT | O_DSYNC | O_CLOEXEC, 0600);
+    if (probe_fd_ < 0)  // no O_DIRECT here: O_DSYNC alone still waits for the storage
+      probe_fd_ = ::open(probe_path_.c_str(), O_RDWR | O_CREAT | O_DSYNC | O_CLOEXEC, 0600);
+    if (probe_fd_ >= 0) {
+      ::unlink(probe_path_.c_str());
+      probe_thread_ = std::thread([this] { probe_loop(); });
+    }
+  }
+  decision_ = ctl_.tick({.now = tp(Clock::now())});
+}
+
+BudgetGovernor::~BudgetGovernor() {
+  stop_ = true;
+  if (probe_thread_.joinable()) probe_thread_.join();
+  if (probe_fd_ >= 0) ::close(probe_fd_);
+}
+
+throttle::TimePoint BudgetGovernor::tp(Clock::time_point t) const {
+  return throttle::TimePoint(std::chrono::duration_cast<throttle::Duration>(t.time_since_epoch()));
+}
+
+void BudgetGovernor::probe_loop() {
+  void* mem = nullptr;
+  if (posix_memalign(&mem, 4096, kProbeBytes) != 0) return;
+  std::memset(mem, 0x5a, kProbeBytes);
+  while (!stop_) {
+    const auto t0 = Clock::now();
+    probe_started_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(t0.time_since_epoch()).count();
+    const ssize_t n = ::pwrite(probe_fd_, mem, kProbeBytes, 0);
+    const auto t1 = Clock::now();
+    probe_started_ns_ = 0;
+    if (n == ssize_t(kProbeBytes)) {
+      std::lock_guard lk(mu_);
+      fg_samples_.push_back(std::chrono::duration_cast<throttle::Duration>(t1 - t0));
+    }
+    std::this_thread::sleep_for(kProbeInterval);
+  }
+  free(mem);
+}
+
+void BudgetGovernor::tick(Clock::time_point now) {
+  std::lock_guard lk(mu_);
+  if (now < next_tick_) return;
+  throttle::TickInput in;
+  in.now = tp(now);
+  in.foreground_latencies = fg_samples_;
+  const int64_t started = probe_started_ns_;
+  if (started) {
+    in.foreground_outstanding = 1;
+    in.foreground_oldest_outstanding =
+        std::chrono::nanoseconds(std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count() - started);
+  }
+  in.copy_samples = copy_samples_;
+  in.backlog_bytes = inflight_;
+  in.drained_bytes = drained_;
+  decision_ = ctl_.tick(in);
+  fg_samples_.clear();
+  copy_samples_.clear();
+  drained_ = 0;
+  pacer_.set_rate(in.now, std::max(1.0, decision_.rate_bytes_per_s));
+  next_tick_ = now + std::max<Duration>(decision_.next_tick, std::chrono::milliseconds(1));
+}
+
+Duration BudgetGovernor::admit(Clock::time_point now, uint64_t bytes, uint64_t inflight) {
+  tick(now);
+  std::lock_guard lk(mu_);
+  inflight_ = inflight;
+  if (decision_.paused) return kPausedWait;
+  if (inflight > 0 && inflight + bytes > decision_.window_bytes) return kWindowFullWait;
+  const Duration wait = pacer_.wait_for(tp(now), bytes);
+  if (wait > Duration::zero()) return wait;
+  (void)pacer_.reserve(tp(now), bytes);
+  inflight_ = inflight + bytes;
+  return Duration::zero();
+}
+
+void BudgetGovernor::completed(Clock::time_point, uint64_t bytes, Duration latency) {
+  std::lock_guard lk(mu_);
+  copy_samples_.push_back({std::chrono::duration_cast<throttle::Duration>(latency), bytes});
+  drained_ += bytes;
+  inflight_ = inflight_ > bytes ? inflight_ - bytes : 0;
+}
+
+throttle::Decision BudgetGovernor::last_decision() {
+  std::lock_guard lk(mu_);
+  return decision_;
+}
+
+}  // namespace qcommit::engine

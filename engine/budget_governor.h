@@ -1,0 +1,65 @@
+// CopyGovernor for our own merges, driven by throttle::Controller.
+// Signals: latency of our own writes, a probe (one 4 KiB O_DIRECT|O_DSYNC write per tick to a
+// small file on the target's filesystem — it queues behind whatever we queued, like a guest's
+// sync write would), and the bytes we have in flight. Actuators: the byte window (max in flight)
+// and the pacing rate.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine/merge.h"
+#include "throttle/controller.h"
+#include "throttle/pacer.h"
+
+namespace qcommit::engine {
+
+inline constexpr uint64_t kProbeBytes = 4096;
+inline constexpr auto kProbeInterval = std::chrono::milliseconds(50);
+
+struct BudgetGovernorConfig {
+  Duration budget = std::chrono::milliseconds(20);
+  std::string probe_dir;  // empty: no probe
+  throttle::ControllerConfig controller;  // latency_budget is taken from `budget`
+  [[nodiscard]] std::string validate() const;
+};
+
+class BudgetGovernor final : public CopyGovernor {
+ public:
+  explicit BudgetGovernor(BudgetGovernorConfig cfg);
+  ~BudgetGovernor() override;
+
+  Duration admit(Clock::time_point now, uint64_t bytes, uint64_t inflight) override;
+  void completed(Clock::time_point now, uint64_t bytes, Duration latency) override;
+  void tick(Clock::time_point now) override;
+
+  [[nodiscard]] throttle::Decision last_decision();
+
+ private:
+  void probe_loop();
+  throttle::TimePoint tp(Clock::time_point t) const;
+
+  BudgetGovernorConfig cfg_;
+  std::mutex mu_;
+  throttle::Controller ctl_;
+  throttle::Pacer pacer_;
+  throttle::Decision decision_;
+  Clock::time_point next_tick_{};
+  Clock::time_point epoch_;
+  std::vector<throttle::Duration> fg_samples_;
+  std::vector<throttle::CopySample> copy_samples_;
+  uint64_t inflight_ = 0;
+  uint64_t drained_ = 0;
+  // probe
+  std::string probe_path_;
+  int probe_fd_ = -1;
+  std::atomic<bool> stop_{false};
+  std::atomic<int64_t> probe_started_ns_{0};  // 0 = no probe outstanding
+  std::thread probe_thread_;
+};
+
+}  // namespace qcommit::engine

@@ -1,0 +1,530 @@
+#include "engine/merge.h"
+
+#include <fcntl.h>
+#include <linux/falloc.h>
+#include <linux/fs.h>
+#include <sys/ioctl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "engine/image_lock.h"
+#include "qcow2/chain.h"
+#include "qcow2/check.h"
+#include "qcow2/error.h"
+#include "qcow2/writer.h"
+
+namespace qcommit::engine {
+
+namespace fs = std::filesystem;
+using qcow2::Chain;
+using qcow2::Error;
+using qcow2::Format;
+using qcow2::IoError;
+using qcow2::MapEntry;
+
+namespace {
+
+inline constexpr uint64_t kDirectAlignment = 4096;
+inline constexpr auto kProgressInterval = std::chrono::milliseconds(200);
+inline constexpr const char* kCheckpointMagic = "qcommit-merge-checkpoint v1";
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Copy jobs run by a small pool of threads: pread from a layer, pwrite to the base.
+
+struct CopyJob {
+  int src_fd = -1;
+  uint64_t src_offset = 0;
+  int dst_fd = -1;
+  uint64_t dst_offset = 0;
+  uint64_t length = 0;
+  bool buffered_dst = false;  // start writeback right away (bounded dirty data)
+  const std::string* src_name = nullptr;
+  const std::string* dst_name = nullptr;
+};
+
+class CopyPool {
+ public:
+  CopyPool(unsigned threads, uint64_t inflight_limit, CopyGovernor* governor)
+      : limit_(inflight_limit), governor_(governor) {
+    for (unsigned i = 0; i < threads; ++i) workers_.emplace_back([this] { run(); });
+  }
+  ~CopyPool() {
+    {
+      std::lock_guard lk(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+
+  void submit(const CopyJob& job) {
+    if (governor_) {
+      for (;;) {
+        Duration wait = governor_->admit(Clock::now(), job.length, inflight());
+        if (wait <= Duration::zero()) break;
+        std::this_thread::sleep_for(std::min<Duration>(wait, std::chrono::milliseconds(50)));
+        governor_->tick(Clock::now());
+      }
+    }
+    std::unique_lock lk(mu_);
+    done_cv_.wait(lk, [&] { return inflight_ == 0 || inflight_ + job.length <= limit_ || error_; });
+    rethrow_locked();
+    inflight_ += job.length;
+    queue_.push_back(job);
+    cv_.notify_one();
+  }
+
+  void drain() {
+    std::unique_lock lk(mu_);
+    done_cv_.wait(lk, [&] { return inflight_ == 0; });
+    rethrow_locked();
+  }
+
+  [[nodiscard]] uint64_t inflight() {
+    std::lock_guard lk(mu_);
+    return inflight_;
+  }
+
+ private:
+  void rethrow_locked() {
+    if (error_) {
+      auto e = error_;
+      error_ = nullptr;
+      std::rethrow_exception(e);
+    }
+  }
+
+  void run() {
+    void* mem = nullptr;
+    if (posix_memalign(&mem, kDirectAlignment, kChunkBytes) != 0) return;
+    std::unique_ptr<uint8_t, decltype(&free)> buf(static_cast<uint8_t*>(mem), &free);
+    for (;;) {
+      CopyJob job;
+      {
+        std::unique_lock lk(mu_);
+        cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
+        if (stop_ && queue_.empty()) return;
+        job = queue_.front();
+        queue_.pop_front();
+      }
+      const auto t0 = Clock::now();
+      std::exception_ptr err;
+      try {
+        copy(job, buf.get());
+      } catch (...) {
+        err = std::current_exception();
+      }
+      const auto t1 = Clock::now();
+      if (governor_ && !err) governor_->completed(t1, job.length, t1 - t0);
+      {
+        std::lock_guard lk(mu_);
+        inflight_ -= job.length;
+        if (err && !error_) error_ = err;
+      }
+      done_cv_.notify_all();
+    }
+  }
+
+  static void copy(const CopyJob& j, uint8_t* buf) {
+    uint64_t done = 0;
+    while (done < j.length) {
+      ssize_t n = ::pread(j.src_fd, buf + done, j.length - done, off_t(j.src_offset + done));
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        throw IoError(*j.src_name, "read at " + qcow2::hex(j.src_offset + done) + " failed: " + strerror(errno), errno);
+      }
+      if (n == 0) {  // past the end of the source file: zeros
+        std::memset(buf + done, 0, j.length - done);
+        break;
+      }
+      done += uint64_t(n);
+    }
+    done = 0;
+    while (done < j.length) {
+      ssize_t n = ::pwrite(j.dst_fd, buf + done, j.length - done, off_t(j.dst_offset + done));
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        throw IoError(*j.dst_name, "write at " + qcow2::hex(j.dst_offset + done) + " failed: " + strerror(errno), errno);
+      }
+      done += uint64_t(n);
+    }
+    if (j.buffered_dst)
+      ::sync_file_range(j.dst_fd, off_t(j.dst_offset), off_t(j.length), SYNC_FILE_RANGE_WRITE);
+  }
+
+  uint64_t limit_;
+  CopyGovernor* governor_;
+  std::mutex mu_;
+  std::condition_variable cv_, done_cv_;
+  std::deque<CopyJob> queue_;
+  uint64_t inflight_ = 0;
+  bool stop_ = false;
+  std::exception_ptr error_;
+  std::vector<std::thread> workers_;
+};
+
+// RAII fd.
+struct Fd {
+  int fd = -1;
+  Fd() = default;
+  explicit Fd(int f) : fd(f) {}
+  Fd(Fd&& o) noexcept : fd(o.fd) { o.fd = -1; }
+  Fd& operator=(Fd&& o) noexcept {
+    std::swap(fd, o.fd);
+    return *this;
+  }
+  ~Fd() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Checkpoint: identifies the merge (layers above BASE, BASE) and how far it got.
+
+struct Checkpoint {
+  std::string identity;
+  uint64_t done = 0;
+};
+
+std::string layer_identity(const std::string& path) {
+  struct stat st {};
+  if (stat(path.c_str(), &st) != 0) return path;
+  std::ostringstream o;
+  o << fs::weakly_canonical(path).string() << ' ' << st.st_dev << ' ' << st.st_ino << ' ' << st.st_size
+    << ' ' << st.st_mtim.tv_sec << '.' << st.st_mtim.tv_nsec;
+  return o.str();
+}
+
+std::optional<Checkpoint> load_checkpoint(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return std::nullopt;
+  std::string magic, identity, done;
+  std::getline(in, magic);
+  std::getline(in, identity);
+  std::getline(in, done);
+  if (magic != kCheckpointMagic || done.empty()) return Checkpoint{"", 0};  // unreadable: restart
+  return Checkpoint{identity, std::stoull(done)};
+}
+
+void save_checkpoint(const std::string& path, const Checkpoint& cp) {
+  const std::string tmp = path + ".tmp";
+  {
+    Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+    if (fd.fd < 0) throw IoError(tmp, std::string("cannot write checkpoint: ") + strerror(errno), errno);
+    std::string s = std::string(kCheckpointMagic) + "\n" + cp.identity + "\n" + std::to_string(cp.done) + "\n";
+    if (::write(fd.fd, s.data(), s.size()) != ssize_t(s.size()) || ::fsync(fd.fd) != 0)
+      throw IoError(tmp, std::string("cannot write checkpoint: ") + strerror(errno), errno);
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0)
+    throw IoError(path, std::string("cannot write checkpoint: ") + strerror(errno), errno);
+  Fd dir(::open(fs::path(path).parent_path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (dir.fd >= 0) ::fsync(dir.fd);
+}
+
+bool same_file(const std::string& a, const std::string& b) {
+  std::error_code ec;
+  return fs::equivalent(a, b, ec);
+}
+
+}  // namespace
+
+std::string checkpoint_path(const std::string& base) {
+  fs::path p(base);
+  return (p.parent_path() / ("." + p.filename().string() + ".qcommit-merge")).string();
+}
+
+std::string MergeOptions::validate() const {
+  if (top.empty()) return "no TOP image given";
+  if (io_threads == 0 || io_threads > 64) return "io_threads must be 1..64";
+  if (inflight_bytes < kChunkBytes) return "inflight_bytes must be at least one chunk (2 MiB)";
+  if (window_bytes < kChunkBytes) return "window_bytes must be at least 2 MiB";
+  return "";
+}
+
+MergeResult merge(const MergeOptions& opt) {
+  if (auto err = opt.validate(); !err.empty()) throw Error(opt.top, err);
+  const auto t_start = Clock::now();
+  MergeResult res;
+  res.top = opt.top;
+  auto progress = [&](const Progress& p) {
+    if (opt.on_progress) opt.on_progress(p);
+  };
+
+  // 1. Find BASE in TOP's chain (read-only first).
+  size_t base_depth = 0;
+  {
+    Chain probe = Chain::open(opt.top);
+    if (probe.depth() < 2) throw Error(opt.top, "image has no backing file: nothing to merge into");
+    if (!opt.base) {
+      base_depth = 1;
+    } else {
+      for (size_t i = 1; i < probe.depth(); ++i)
+        if (same_file(probe.layer(i).path, *opt.base)) base_depth = i;
+      if (base_depth == 0)
+        throw Error(*opt.base, "is not in the backing chain of " + opt.top);
+    }
+  }
+
+  // 2. Locks: nobody writes TOP and the intermediates, nobody uses BASE. Children are checked.
+  std::vector<ImageLock> locks;
+  qcow2::ChainOptions copts;
+  copts.writable_depth = base_depth;
+  Chain chain = Chain::open(opt.top, copts);
+  for (size_t i = 0; i < base_depth; ++i) {
+    res.merged_layers.push_back(chain.layer(i).path);
+    locks.push_back(ImageLock::reader(chain.layer(i).path));
+  }
+  qcow2::Layer& base = chain.layer(base_depth);
+  res.base = base.path;
+  locks.push_back(ImageLock::writer(base.path));
+  for (const auto& child : opt.rebase) {
+    Chain c = Chain::open(child);
+    if (c.depth() < 2 || !same_file(c.layer(1).path, chain.layer(0).path))
+      throw Error(child, "its backing file is not " + opt.top + "; refusing to rebase it");
+    locks.push_back(ImageLock::writer(child));
+  }
+
+  // 3. Checkpoint of an interrupted run.
+  std::string identity;
+  for (size_t i = 0; i < base_depth; ++i) identity += layer_identity(chain.layer(i).path) + " | ";
+  identity += fs::weakly_canonical(base.path).string();
+  const std::string cp_path = checkpoint_path(base.path);
+  uint64_t resume_from = 0;
+  const auto old_cp = load_checkpoint(cp_path);
+  std::unique_ptr<qcow2::Writer> writer;
+  if (base.qcow2) {
+    qcow2::Image& img = *base.qcow2;
+    if (img.dirty() || old_cp) {
+      // An interrupted run may have leaked clusters; lazy refcounts leave them stale.
+      auto r = qcow2::check(img, img.dirty() ? qcow2::Repair::kAll : qcow2::Repair::kLeaks);
+      if (r.corruptions > r.corruptions_fixed)
+        throw qcow2::CorruptionError(base.path, "check found " + std::to_string(r.corruptions) +
+                                                    " corruptions; refusing to merge into it");
+      res.leaks_repaired = r.leaks_fixed;
+    }
+    writer = std::make_unique<qcow2::Writer>(img);
+  }
+  if (old_cp && old_cp->identity == identity) resume_from = old_cp->done;
+  res.resumed_from = resume_from;
+  save_checkpoint(cp_path, {identity, resume_from});
+
+  // 4. Plan: the extents the layers above BASE provide (with the original sizes).
+  progress({0, 0, seconds_since(t_start), 0, "plan"});
+  const uint64_t top_size = chain.virtual_size();
+  std::vector<MapEntry> extents;
+  uint64_t total = 0;
+  for (uint64_t off = resume_from; off < top_size;) {
+    MapEntry e = chain.status(off, top_size - off, 0, base_depth);
+    off += e.length;
+    if (!e.data && !e.zero) continue;  // BASE (or below) provides it
+    if (!extents.empty() && qcow2::mergeable(extents.back(), e))
+      extents.back().length += e.length;
+    else
+      extents.push_back(e);
+    total += e.length;
+  }
+
+  // 5. Grow BASE to TOP's size.
+  const uint64_t base_size = base.virtual_size();
+  if (top_size > base_size) {
+    if (writer) {
+      writer->grow(top_size);
+      writer->commit();
+    } else {
+      base.raw->truncate(top_size);
+    }
+    res.base_grown = true;
+  }
+  if (writer) {
+    res.bitmaps_removed = writer->remove_bitmaps();
+    writer->commit();
+  }
+
+  // 6. Copy, window by window.
+  qcow2::BlockDevice& dst_dev = base.qcow2 ? base.qcow2->data_device() : *base.raw;
+  auto* dst_file = dynamic_cast<qcow2::FileDevice*>(&dst_dev);
+  if (!dst_file) throw Error(base.path, "internal: base is not a file");
+  Fd direct_fd;
+  if (opt.direct) direct_fd = Fd(::open(base.path.c_str(), O_RDWR | O_DIRECT | O_CLOEXEC));
+  res.direct_io = direct_fd.fd >= 0;
+  const bool buffered = direct_fd.fd < 0;
+  const int bulk_fd = buffered ? dst_file->fd() : direct_fd.fd;
+  const std::string& dst_name = base.path;
+  const bool raw_base_is_blockdev = !base.qcow2 && dst_file->is_block_device();
+  qcow2::ViewReader base_view = [&](uint64_t o, std::span<uint8_t> out) { chain.read(o, out, base_depth); };
+
+  CopyPool pool(opt.io_threads, opt.inflight_bytes, opt.governor.get());
+  uint64_t done_bytes = 0, window_bytes = 0;
+  auto last_progress = Clock::now();
+  const auto t_copy = Clock::now();
+  std::vector<uint8_t> buf;
+
+  auto report = [&](bool force) {
+    auto now = Clock::now();
+    if (!force && now - last_progress < kProgressInterval) return;
+    last_progress = now;
+    const double el = seconds_since(t_copy);
+    progress({done_bytes, total, seconds_since(t_start), el > 0 ? double(done_bytes) / el : 0, "copy"});
+  };
+
+  auto commit_window = [&](uint64_t upto) {
+    pool.drain();
+    if (writer) {
+      writer->commit();
+    } else {
+      dst_dev.flush();
+    }
+    save_checkpoint(cp_path, {identity, upto});
+    if (opt.on_checkpoint) opt.on_checkpoint(upto);
+    window_bytes = 0;
+  };
+
+  // Submits bulk copies src→dst, split in chunks; destination must be aligned for O_DIRECT.
+  auto submit_copy = [&](int src_fd, const std::string& src_name, uint64_t src_off, uint64_t dst_off,
+                         uint64_t len) {
+    for (uint64_t p = 0; p < len; p += kChunkBytes) {
+      const uint64_t n = std::min(kChunkBytes, len - p);
+      const bool aligned = (dst_off + p) % kDirectAlignment == 0 && n % kDirectAlignment == 0;
+      CopyJob j{src_fd, src_off + p, aligned ? bulk_fd : dst_file->fd(), dst_off + p, n,
+                buffered || !aligned, &src_name, &dst_name};
+      pool.submit(j);
+    }
+  };
+
+  // Reads TOP's view (used where there is no plain host offset, e.g. compressed clusters).
+  auto copy_through_chain = [&](uint64_t off, uint64_t len) {
+    for (uint64_t p = 0; p < len; p += kChunkBytes) {
+      const uint64_t n = std::min(kChunkBytes, len - p);
+      buf.resize(n);
+      chain.read(off + p, buf, 0);
+      if (writer)
+        writer->write(off + p, buf, base_view);
+      else
+        dst_dev.write(off + p, buf);
+    }
+  };
+
+  for (const MapEntry& e : extents) {
+    uint64_t off = e.start;
+    const uint64_t end = e.start + e.length;
+    while (off < end) {
+      // Window boundary: keep each commit's metadata and data bounded.
+      uint64_t piece_end = std::min(end, off + (opt.window_bytes - window_bytes));
+      if (writer && piece_end < end) {
+        const auto& g = base.qcow2->geometry();
+        piece_end = g.align_down(piece_end) > off ? g.align_down(piece_end) : std::min(end, g.align_up(off + 1));
+      }
+      const uint64_t len = piece_end - off;
+      if (e.zero) {
+        // Write zeros only where BASE's own view is not already zero.
+        for (uint64_t z = off; z < piece_end;) {
+          MapEntry b = chain.status(z, piece_end - z, base_depth);
+          if (b.zero) {
+            res.skipped_zero_bytes += b.length;
+          } else if (writer) {
+            writer->write_zeroes(z, b.length, base_view);
+            res.zeroed_bytes += b.length;
+          } else {
+            pool.drain();
+            bool punched = false;
+            if (!raw_base_is_blockdev)
+              punched = ::fallocate(dst_file->fd(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, off_t(z),
+                                    off_t(b.length)) == 0;
+            if (!punched && raw_base_is_blockdev) {
+              uint64_t range[2] = {z, b.length};
+              punched = ::ioctl(dst_file->fd(), BLKZEROOUT, range) == 0;
+            }
+            if (!punched) {
+              std::vector<uint8_t> zeros(std::min<uint64_t>(b.length, kChunkBytes), 0);
+              for (uint64_t q = 0; q < b.length; q += zeros.size())
+                dst_dev.write(z + q, std::span<const uint8_t>(zeros.data(), std::min<uint64_t>(zeros.size(), b.length - q)));
+            }
+            res.zeroed_bytes += b.length;
+          }
+          z += b.length;
+        }
+      } else if (!e.offset || e.compressed) {
+        copy_through_chain(off, len);
+        res.copied_bytes += len;
+      } else {
+        qcow2::Layer& src = chain.layer(e.depth);
+        qcow2::BlockDevice& sdev = src.qcow2 ? src.qcow2->data_device() : *src.raw;
+        auto* sfile = dynamic_cast<qcow2::FileDevice*>(&sdev);
+        const uint64_t src_off = *e.offset + (off - e.start);
+        if (!writer) {
+          submit_copy(sfile->fd(), sdev.name(), src_off, off, len);
+        } else {
+          // Split at BASE's cluster grid: partial head/tail through the writer, the middle as
+          // full clusters written straight to their host offsets.
+          const auto& g = base.qcow2->geometry();
+          const uint64_t vsize = base.qcow2->virtual_size();
+          uint64_t a = g.align_up(off), b = piece_end == vsize ? piece_end : g.align_down(piece_end);
+          if (a >= b) a = b = piece_end;
+          if (off < std::min(a, piece_end)) copy_through_chain(off, std::min(a, piece_end) - off);
+          if (a < b) {
+            for (const auto& r : writer->prepare_full_write(a, b - a))
+              submit_copy(sfile->fd(), sdev.name(), src_off + (r.guest_offset - off), r.host_offset, r.length);
+          }
+          if (b < piece_end && b >= a) copy_through_chain(b, piece_end - b);
+        }
+        res.copied_bytes += len;
+      }
+      done_bytes += len;
+      window_bytes += len;
+      off = piece_end;
+      if (window_bytes >= opt.window_bytes ||
+          (writer && writer->dirty_metadata_bytes() >= kMaxDirtyMetadataBytes))
+        commit_window(off);
+      report(false);
+    }
+  }
+  commit_window(top_size);
+  res.copy_seconds = seconds_since(t_copy);
+  report(true);
+
+  // 7. Switch: children now use BASE. Short and bounded: one header rewrite per child.
+  progress({done_bytes, total, seconds_since(t_start), 0, "switch"});
+  const auto t_switch = Clock::now();
+  for (const auto& child : opt.rebase) {
+    auto dev = qcow2::FileDevice::open(child, {.writable = true});
+    auto img = qcow2::Image::open(std::move(dev));
+    const std::string& old = img->backing_name().value_or("");
+    std::string name;
+    if (!old.empty() && fs::path(old).is_relative())
+      name = fs::relative(fs::absolute(base.path), fs::absolute(child).parent_path()).string();
+    else
+      name = fs::absolute(base.path).lexically_normal().string();
+    qcow2::Writer w(*img);
+    w.set_backing(name, std::string(qcow2::to_string(base.format)));
+    w.commit();
+    res.rebased.push_back(child);
+  }
+  res.switch_seconds = seconds_since(t_switch);
+  ::unlink(cp_path.c_str());
+  if (opt.delete_merged) {
+    locks.clear();
+    for (const auto& p : res.merged_layers) {
+      if (::unlink(p.c_str()) == 0) res.deleted.push_back(p);
+    }
+  }
+  res.total_seconds = seconds_since(t_start);
+  progress({done_bytes, total, res.total_seconds, 0, "done"});
+  return res;
+}
+
+}  // namespace qcommit::engine

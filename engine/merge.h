@@ -1,0 +1,91 @@
+// The offline merge engine: copies everything the layers above BASE (up to and including TOP)
+// provide into BASE, so BASE then shows exactly what TOP showed. Same semantics as
+// `qemu-img commit -b BASE TOP` followed by `qemu-img rebase -u` of TOP's children.
+//
+// Our own I/O: only the union of extents allocated above BASE is read, reads sorted by host
+// offset, writes cluster-aligned and large, O_DIRECT where the filesystem allows it (else
+// buffered with bounded dirty data), several requests in flight, paced by a CopyGovernor.
+// Crash-safe (qcow2::Writer's ordered commits per window) and resumable (checkpoint file).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace qcommit::engine {
+
+using Clock = std::chrono::steady_clock;
+using Duration = std::chrono::nanoseconds;
+
+inline constexpr uint64_t kChunkBytes = 2ull << 20;             // one copy request
+inline constexpr uint64_t kDefaultInflightBytes = 32ull << 20;  // unthrottled queue depth
+inline constexpr uint64_t kWindowBytes = 512ull << 20;          // guest bytes per commit
+inline constexpr uint64_t kMaxDirtyMetadataBytes = 8ull << 20;  // commit earlier if exceeded
+inline constexpr unsigned kDefaultIoThreads = 8;
+
+// Paces the copy. The engine asks before each write request and reports each completion.
+// Implementations decide; the engine sleeps for the returned duration.
+class CopyGovernor {
+ public:
+  virtual ~CopyGovernor() = default;
+  // How long to wait before issuing a write of `bytes` while `inflight` bytes are outstanding.
+  [[nodiscard]] virtual Duration admit(Clock::time_point now, uint64_t bytes, uint64_t inflight) = 0;
+  virtual void completed(Clock::time_point now, uint64_t bytes, Duration latency) = 0;
+  // Called about every tick while the copy runs (and while it waits).
+  virtual void tick(Clock::time_point /*now*/) {}
+};
+
+struct Progress {
+  uint64_t done_bytes = 0;
+  uint64_t total_bytes = 0;
+  double elapsed_s = 0;
+  double rate_bps = 0;
+  std::string phase;  // "plan", "copy", "switch", "done"
+};
+
+struct MergeOptions {
+  std::string top;
+  std::optional<std::string> base;  // default: TOP's backing file
+  std::vector<std::string> rebase;  // images whose backing file is TOP
+  bool delete_merged = false;
+  bool direct = true;               // O_DIRECT where possible
+  unsigned io_threads = kDefaultIoThreads;
+  uint64_t inflight_bytes = kDefaultInflightBytes;
+  uint64_t window_bytes = kWindowBytes;
+  std::shared_ptr<CopyGovernor> governor;  // null: unthrottled
+  std::function<void(const Progress&)> on_progress;
+  // Test hook: called after each committed window with the checkpointed guest offset.
+  std::function<void(uint64_t)> on_checkpoint;
+  // Returns an error message, or empty when the options are usable.
+  [[nodiscard]] std::string validate() const;
+};
+
+struct MergeResult {
+  std::string top, base;
+  std::vector<std::string> merged_layers;  // TOP and intermediates
+  std::vector<std::string> rebased;
+  std::vector<std::string> deleted;
+  uint64_t copied_bytes = 0;
+  uint64_t zeroed_bytes = 0;
+  uint64_t skipped_zero_bytes = 0;  // zero ranges BASE already read as zeros
+  uint64_t resumed_from = 0;        // guest offset a previous run had checkpointed
+  uint64_t leaks_repaired = 0;
+  size_t bitmaps_removed = 0;
+  bool base_grown = false;
+  bool direct_io = false;
+  double copy_seconds = 0;
+  double switch_seconds = 0;  // rebase of children + final header updates
+  double total_seconds = 0;
+};
+
+// Runs the merge; throws qcow2::Error (naming the file) on bad input, refusal or I/O failure.
+MergeResult merge(const MergeOptions& options);
+
+// Where the checkpoint of a merge into `base` lives.
+[[nodiscard]] std::string checkpoint_path(const std::string& base);
+
+}  // namespace qcommit::engine
