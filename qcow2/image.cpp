@@ -275,16 +275,15 @@ void Image::attach_data_file(std::unique_ptr<BlockDevice> data) { data_ = std::m
 
 std::shared_ptr<const std::vector<uint8_t>> Image::l2_table(uint64_t l2_offset, uint64_t l1_index) {
   const uint64_t cs = cluster_size();
-  if (l2_offset % cs != 0)
-    corrupt_at("L2 table at " + hex(l2_offset) + " (L1 index " + std::to_string(l1_index) +
-               ") is not cluster aligned");
-  if (l2_offset < cs)
-    corrupt_at("L2 table at " + hex(l2_offset) + " (L1 index " + std::to_string(l1_index) +
-               ") overlaps the image header");
-  if (l2_offset >= file_->size() || file_->size() - l2_offset < cs)
-    corrupt_at("L2 table at " + hex(l2_offset) + " (L1 index " + std::to_string(l1_index) +
-               ") lies beyond end of file");
-  return cache_.get(l2_offset, cs, [&](std::vector<uint8_t>& t) { file_->read(l2_offset, t); });
+  auto where = [&] { return "L2 table at " + hex(l2_offset) + " (L1 index " + std::to_string(l1_index) + ")"; };
+  if (l2_offset % cs != 0) corrupt_at(where() + " is not cluster aligned");
+  if (l2_offset < cs) corrupt_at(where() + " overlaps the image header");
+  // The end-of-file check applies to tables read from disk; tables a writer has just allocated
+  // live in the cache until they are written.
+  return cache_.get(l2_offset, cs, [&](std::vector<uint8_t>& t) {
+    if (l2_offset >= file_->size() || file_->size() - l2_offset < cs) corrupt_at(where() + " lies beyond end of file");
+    file_->read(l2_offset, t);
+  });
 }
 
 Image::Entry Image::decode(const std::vector<uint8_t>& l2, uint64_t l2_offset, uint64_t index,
@@ -445,10 +444,15 @@ uint64_t Image::refcount(uint64_t cluster_index) {
   const uint64_t block = reftable_[bi] & kRefTableOffsetMask;
   if (block == 0) return 0;
   const uint64_t cs = cluster_size();
-  if (block % cs != 0 || block >= file_->size() || file_->size() - block < cs)
+  if (block % cs != 0)
     corrupt_at("refcount block at " + hex(block) + " (refcount table index " + std::to_string(bi) +
-               ") is invalid or beyond end of file");
-  auto t = cache_.get(block, cs, [&](std::vector<uint8_t>& b) { file_->read(block, b); });
+               ") is not cluster aligned");
+  auto t = cache_.get(block, cs, [&](std::vector<uint8_t>& b) {
+    if (block >= file_->size() || file_->size() - block < cs)
+      corrupt_at("refcount block at " + hex(block) + " (refcount table index " + std::to_string(bi) +
+                 ") lies beyond end of file");
+    file_->read(block, b);
+  });
   return refcount_entry(t->data(), geo_.refcount_order, cluster_index % per_block);
 }
 
