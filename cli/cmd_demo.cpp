@@ -49,18 +49,34 @@ int cmd_demo(const Args& args) {
   // Cross-check: every byte we read equals qemu-img convert's raw output.
   const std::string raw = dir + "/view.raw";
   run_checked({"qemu-img", "convert", "-O", "raw", s2, raw});
-  qcow2::Chain chain = qcow2::Chain::open(s2);
-  auto dev = qcow2::FileDevice::open(raw);
-  std::vector<uint8_t> a(1 << 20), b(1 << 20);
-  for (uint64_t off = 0; off < chain.virtual_size(); off += a.size()) {
-    chain.read(off, a);
-    dev->read(off, b);
-    if (a != b) {
-      std::cout << "\nMISMATCH at offset " << off << " between qcommit and qemu-img\n";
-      return kExitError;
+  {
+    qcow2::Chain chain = qcow2::Chain::open(s2);
+    auto dev = qcow2::FileDevice::open(raw);
+    std::vector<uint8_t> a(1 << 20), b(1 << 20);
+    for (uint64_t off = 0; off < chain.virtual_size(); off += a.size()) {
+      chain.read(off, a);
+      dev->read(off, b);
+      if (a != b) {
+        std::cout << "\nMISMATCH at offset " << off << " between qcommit and qemu-img\n";
+        return kExitError;
+      }
     }
   }
   std::cout << "\n== every byte read through the chain equals qemu-img convert's output\n";
+
+  // Merge snap2 (and snap1) into base, then verify with qemu-img itself.
+  std::cout << "\n== qcommit merge " << s2 << " --base " << base << "\n";
+  rc = cmd_merge({s2, "--base", base, "--budget", "off"});
+  if (rc) return rc;
+  ProcessResult cmp = run_process({"qemu-img", "compare", "-f", "raw", "-F", "qcow2", raw, base});
+  std::cout << "qemu-img compare (view before merge vs base after): " << cmp.output;
+  ProcessResult chk = run_process({"qemu-img", "check", base});
+  std::cout << "qemu-img check base: " << chk.output;
+  if (cmp.exit_code != 0 || chk.exit_code != 0) {
+    std::cout << "\nDEMO FAILED: the merged base does not match or is not clean\n";
+    return kExitError;
+  }
+  std::cout << "\n== demo passed: base.qcow2 now shows exactly what snap2.qcow2 showed\n";
   if (keep) std::cout << "kept " << dir << "\n";
   return kExitOk;
 }
