@@ -31,7 +31,7 @@ void print_bar(const engine::Progress& p) {
 
 int cmd_merge(const Args& args) {
   po::options_description opts("options");
-  std::string top, base, output = "human", budget = "20ms";
+  std::string top, base, output = "human", budget = "20ms", trace, probe = "on";
   std::vector<std::string> rebase;
   bool del = false, no_direct = false;
   opts.add_options()("top", po::value(&top)->required(), "the image to merge (TOP)")(
@@ -40,6 +40,8 @@ int cmd_merge(const Args& args) {
       "delete", po::bool_switch(&del), "remove TOP and the intermediates afterwards")(
       "budget", po::value(&budget), "added-latency budget for co-tenants, e.g. 20ms, or 'off'")(
       "no-direct", po::bool_switch(&no_direct), "use buffered writes even where O_DIRECT works")(
+      "trace", po::value(&trace), "write one CSV row per controller tick to this file (see scripts/plot-trace)")(
+      "probe", po::value(&probe), "on (default): time a 4 KiB O_DSYNC write on the target's filesystem each tick; off")(
       "output", po::value(&output), "human or json (JSON lines: progress events and the result)");
   po::positional_options_description pos;
   pos.add("top", 1);
@@ -61,7 +63,10 @@ int cmd_merge(const Args& args) {
   mo.direct = !no_direct;
   if (budget != "off") {
     const auto b = parse_duration(budget);
-    mo.governor = make_budget_governor(b, top, base);
+    if (probe != "on" && probe != "off") throw UsageError("--probe must be 'on' or 'off'");
+    mo.governor = make_budget_governor(b, top, base, trace, probe == "on");
+  } else if (!trace.empty()) {
+    throw UsageError("--trace needs a budget (the trace records the controller's decisions)");
   }
   const bool tty = isatty(2) && out == Output::kHuman;
   mo.on_progress = [&](const engine::Progress& p) {

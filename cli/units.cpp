@@ -65,12 +65,14 @@ std::string format_size(uint64_t bytes) {
 }
 
 std::shared_ptr<engine::CopyGovernor> make_budget_governor(std::chrono::nanoseconds budget,
-                                                           const std::string& top, const std::string& base) {
+                                                           const std::string& top, const std::string& base,
+                                                           const std::string& trace_path, bool probe) {
   const std::string target = base.empty() ? top : base;
   auto dir = std::filesystem::absolute(target).parent_path().string();
   engine::BudgetGovernorConfig cfg;
   cfg.budget = budget;
-  cfg.probe_dir = dir;
+  if (probe) cfg.probe_dir = dir;
+  cfg.trace_path = trace_path;
   if (auto err = cfg.validate(); !err.empty()) throw UsageError(err);
   return std::make_shared<engine::BudgetGovernor>(cfg);
 }

@@ -20,6 +20,7 @@ std::string format_size(uint64_t bytes);  // "1.5 GiB"
 // target's dirty/writeback pages.
 std::shared_ptr<engine::CopyGovernor> make_budget_governor(std::chrono::nanoseconds budget,
                                                            const std::string& top,
-                                                           const std::string& base);
+                                                           const std::string& base,
+                                                           const std::string& trace_path, bool probe);
 
 }  // namespace qcommit::cli

@@ -40,13 +40,36 @@ BudgetGovernor::BudgetGovernor(BudgetGovernorConfig cfg)
       probe_thread_ = std::thread([this] { probe_loop(); });
     }
   }
+  if (!cfg_.trace_path.empty()) {
+    trace_ = std::fopen(cfg_.trace_path.c_str(), "w");
+    if (trace_)
+      std::fputs("t_s,fg_max_ms,fg_samples,fg_outstanding_ms,copy_max_ms,backlog_bytes,drained_bytes,"
+                 "bytes_done,window_bytes,rate_bytes_per_s,paused,phase,queue_delay_ms,drain_estimate_bytes_per_s\n",
+                 trace_);
+  }
   decision_ = ctl_.tick({.now = tp(Clock::now())});
+}
+
+void BudgetGovernor::trace_row(Clock::time_point now, const throttle::TickInput& in) {
+  if (!trace_) return;
+  auto ms = [](throttle::Duration d) { return std::chrono::duration<double, std::milli>(d).count(); };
+  double fg_max = 0, copy_max = 0;
+  for (auto d : in.foreground_latencies) fg_max = std::max(fg_max, ms(d));
+  for (auto& c : in.copy_samples) copy_max = std::max(copy_max, ms(c.latency));
+  std::fprintf(trace_, "%.3f,%.3f,%zu,%.3f,%.3f,%llu,%llu,%llu,%llu,%.0f,%d,%s,%.3f,%.0f\n",
+               std::chrono::duration<double>(now - epoch_).count(), fg_max, in.foreground_latencies.size(),
+               in.foreground_oldest_outstanding ? ms(*in.foreground_oldest_outstanding) : 0.0, copy_max,
+               (unsigned long long)in.backlog_bytes, (unsigned long long)in.drained_bytes,
+               (unsigned long long)drained_total_, (unsigned long long)decision_.window_bytes,
+               decision_.rate_bytes_per_s, decision_.paused ? 1 : 0, throttle::to_string(decision_.phase),
+               ms(decision_.queue_delay), decision_.drain_estimate_bytes_per_s);
 }
 
 BudgetGovernor::~BudgetGovernor() {
   stop_ = true;
   if (probe_thread_.joinable()) probe_thread_.join();
   if (probe_fd_ >= 0) ::close(probe_fd_);
+  if (trace_) std::fclose(trace_);
 }
 
 throttle::TimePoint BudgetGovernor::tp(Clock::time_point t) const {
@@ -88,6 +111,8 @@ void BudgetGovernor::tick(Clock::time_point now) {
   in.backlog_bytes = inflight_;
   in.drained_bytes = drained_;
   decision_ = ctl_.tick(in);
+  drained_total_ += drained_;
+  trace_row(now, in);
   fg_samples_.clear();
   copy_samples_.clear();
   drained_ = 0;

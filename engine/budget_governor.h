@@ -20,11 +20,20 @@ namespace qcommit::engine {
 
 inline constexpr uint64_t kProbeBytes = 4096;
 inline constexpr auto kProbeInterval = std::chrono::milliseconds(50);
+inline constexpr double kInitialRateBytesPerS = 32.0 * 1024 * 1024;
+inline constexpr double kAdditiveIncreaseBytesPerS2 = 256.0 * 1024 * 1024;
 
 struct BudgetGovernorConfig {
   Duration budget = std::chrono::milliseconds(20);
   std::string probe_dir;  // empty: no probe
-  throttle::ControllerConfig controller;  // latency_budget is taken from `budget`
+  std::string trace_path;  // CSV, one row per controller tick (empty: none)
+  throttle::ControllerConfig controller = default_controller();  // latency_budget from `budget`
+  static throttle::ControllerConfig default_controller() {
+    throttle::ControllerConfig c;
+    c.initial_rate_bytes_per_s = kInitialRateBytesPerS;  // our I/O is large; start at a useful rate
+    c.additive_increase_bytes_per_s2 = kAdditiveIncreaseBytesPerS2;
+    return c;
+  }
   [[nodiscard]] std::string validate() const;
 };
 
@@ -41,6 +50,7 @@ class BudgetGovernor final : public CopyGovernor {
 
  private:
   void probe_loop();
+  void trace_row(Clock::time_point now, const throttle::TickInput& in);
   throttle::TimePoint tp(Clock::time_point t) const;
 
   BudgetGovernorConfig cfg_;
@@ -54,6 +64,8 @@ class BudgetGovernor final : public CopyGovernor {
   std::vector<throttle::CopySample> copy_samples_;
   uint64_t inflight_ = 0;
   uint64_t drained_ = 0;
+  uint64_t drained_total_ = 0;
+  FILE* trace_ = nullptr;
   // probe
   std::string probe_path_;
   int probe_fd_ = -1;
