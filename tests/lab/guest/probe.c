@@ -1,0 +1,117 @@
+/* qcommit lab probe: runs as the guest's workload (statically linked, started by /init).
+ *
+ *   probe DEV FILL_MIB INTERVAL_MS
+ *
+ * 1. Writes FILL_MIB MiB of data from offset 0 of DEV with 1 MiB O_DIRECT writes, then fsyncs.
+ * 2. Every INTERVAL_MS does one 4 KiB O_DIRECT|O_DSYNC write (into the last 64 MiB of DEV, away
+ *    from the fill) and prints one line per write on stdout (the serial console):
+ *        P <seq> <completion_ms> <latency_us>
+ *    completion_ms is CLOCK_MONOTONIC of the guest. Writes never overlap: a write that outlasts the
+ *    interval delays the next one (no catch-up burst).
+ * Marker lines: "LAB FILL <mib>", "LAB FILLED <ms>", "LAB PROBING <interval_ms>", "LAB ERROR ...".
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/fs.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MIB (1024LL * 1024LL)
+#define PROBE_BYTES 4096
+#define PROBE_AREA (64 * MIB)
+#define PROBE_SLOTS 4096 /* rotate over 16 MiB of the probe area */
+
+static int64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static void say(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void say(const char *fmt, ...) {
+  char line[256];
+  va_list ap;
+  va_start(ap, fmt);
+  int n = vsnprintf(line, sizeof line, fmt, ap);
+  va_end(ap);
+  if (n > 0) {
+    ssize_t ignored = write(1, line, (size_t)n < sizeof line ? (size_t)n : sizeof line - 1);
+    (void)ignored;
+  }
+}
+
+int main(int argc, char **argv) {
+  if (argc != 4) {
+    say("LAB ERROR usage: probe DEV FILL_MIB INTERVAL_MS\n");
+    return 2;
+  }
+  const char *dev = argv[1];
+  long long fill_mib = atoll(argv[2]);
+  long long interval_ms = atoll(argv[3]);
+  if (interval_ms <= 0) interval_ms = 100;
+
+  int fd = open(dev, O_RDWR | O_DIRECT);
+  if (fd < 0) {
+    say("LAB ERROR open %s: %s\n", dev, strerror(errno));
+    return 1;
+  }
+  unsigned long long dev_bytes = 0;
+  if (ioctl(fd, BLKGETSIZE64, &dev_bytes) < 0 || dev_bytes < (unsigned long long)(fill_mib * MIB + 2 * PROBE_AREA)) {
+    say("LAB ERROR %s: %llu bytes is too small for fill %lld MiB\n", dev, dev_bytes, fill_mib);
+    return 1;
+  }
+
+  char *buf = NULL;
+  if (posix_memalign((void **)&buf, 4096, MIB) != 0) {
+    say("LAB ERROR out of memory\n");
+    return 1;
+  }
+  for (long long i = 0; i < MIB; i++) buf[i] = (char)(i * 131 + 7);
+
+  say("LAB FILL %lld\n", fill_mib);
+  int64_t t0 = now_ns();
+  for (long long m = 0; m < fill_mib; m++) {
+    memcpy(buf, &m, sizeof m); /* make every MiB distinct */
+    if (pwrite(fd, buf, MIB, m * MIB) != MIB) {
+      say("LAB ERROR fill write at %lld MiB: %s\n", m, strerror(errno));
+      return 1;
+    }
+    if (m % 256 == 255) say("LAB FILL-PROGRESS %lld\n", m + 1);
+  }
+  if (fsync(fd) < 0) {
+    say("LAB ERROR fsync: %s\n", strerror(errno));
+    return 1;
+  }
+  say("LAB FILLED %lld\n", (long long)((now_ns() - t0) / 1000000));
+  close(fd);
+
+  fd = open(dev, O_RDWR | O_DIRECT | O_DSYNC);
+  if (fd < 0) {
+    say("LAB ERROR open %s: %s\n", dev, strerror(errno));
+    return 1;
+  }
+  off_t area = (off_t)(dev_bytes - PROBE_AREA);
+  say("LAB PROBING %lld\n", interval_ms);
+  int64_t next = now_ns();
+  for (unsigned long long seq = 0;; seq++) {
+    memcpy(buf, &seq, sizeof seq);
+    off_t off = area + (off_t)(seq % PROBE_SLOTS) * PROBE_BYTES;
+    int64_t start = now_ns();
+    ssize_t n = pwrite(fd, buf, PROBE_BYTES, off);
+    int64_t end = now_ns();
+    if (n != PROBE_BYTES) say("LAB ERROR probe write: %s\n", n < 0 ? strerror(errno) : "short");
+    say("P %llu %.3f %lld\n", seq, (double)end / 1e6, (long long)((end - start) / 1000));
+    next += interval_ms * 1000000LL;
+    if (next < end) next = end;
+    struct timespec ts = {(time_t)(next / 1000000000LL), (long)(next % 1000000000LL)};
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR) {
+    }
+  }
+}

@@ -1,0 +1,350 @@
+# shellcheck shell=bash
+# qcommit lab fixture: slow sync storage (qcommit-slowfs) + busybox test guest under libvirtd.
+# Source this file from bash (set -euo pipefail recommended), then:
+#
+#   lab_init TAG                      unique run (LAB_ID, LAB_DIR), daemons, guest assets, EXIT trap
+#   lab_storage_start [--bandwidth 50M] [--latency-ms N] [--max-background N]
+#                                     mount slowfs at $LAB_MNT (backing in $LAB_DIR/backing)
+#   lab_storage_set RATE [LAT_MS]     change bandwidth (and latency) while running
+#   lab_storage_wait_idle [TIMEOUT]   wait until the slowfs FIFO queue is empty
+#   lab_guest_start [--cache writeback|none] [--fill MiB] [--interval MS] [--disk-size SIZE]
+#                                     base.raw on the slow storage; domain $LAB_DOM defined,
+#                                     started paused, disk-only snapshot to $LAB_MNT/overlay.qcow2,
+#                                     resumed; the guest fills, then probes
+#   lab_wait_console REGEX [TIMEOUT]  wait for a console line (fails on "LAB ERROR")
+#   lab_wait_probing [TIMEOUT]        wait until the fill is done and the probe runs
+#   lab_mark NAME                     record host time of an event in $LAB_DIR/events
+#   lab_merge CMD...                  run a host command as the merge action (marks merge_start /
+#                                     merge_end, sets LAB_MERGE_RC, LAB_MERGE_S); CMD sees LAB_DOM,
+#                                     LAB_MNT, LAB_BASE, LAB_OVERLAY, LAB_BW_BPS
+#   lab_collect ROW BASELINE_S [SETTLE_S]
+#                                     probe statistics around the merge: sets LAB_STATS_* vars,
+#                                     appends ROW's samples to $LAB_DIR/timeline.csv
+#   lab_teardown                      domain destroyed+undefined, storage unmounted, processes
+#                                     gone, backing data removed (called by the EXIT trap)
+#   lab_assert_clean                  fails if anything of this run is left behind
+#
+# Environment: QCOMMIT_BUILD_DIR (default <repo>/build), LAB_KEEP=1 keeps the backing data,
+# LAB_VERBOSE=1 logs more. Needs root, /dev/fuse, qemu-system-x86, libvirt.
+
+LAB_SOURCE_DIR=${QCOMMIT_SOURCE_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}
+LAB_BUILD_DIR=${QCOMMIT_BUILD_DIR:-$LAB_SOURCE_DIR/build}
+LAB_SLOWFS=$LAB_BUILD_DIR/lab/qcommit-slowfs
+LAB_PROBE=$LAB_BUILD_DIR/lab/qcommit-lab-probe
+LAB_CACHE=$LAB_BUILD_DIR/lab-cache
+export LIBVIRT_DEFAULT_URI=qemu:///system
+
+lab_log() { printf '[lab %s] %s\n' "$(date +%T)" "$*" >&2; }
+lab_die() {
+  printf 'lab: %s\n' "$*" >&2
+  exit 1
+}
+lab_now() { printf '%s' "$EPOCHREALTIME"; }
+
+lab_ensure_daemons() {
+  pgrep -x virtlogd >/dev/null || virtlogd -d
+  pgrep -x libvirtd >/dev/null || libvirtd -d
+  local i
+  for i in $(seq 100); do
+    virsh -q version >/dev/null 2>&1 && return 0
+    sleep 0.2
+  done
+  lab_die "libvirtd does not answer on $LIBVIRT_DEFAULT_URI"
+}
+
+lab_init() {
+  local tag=${1:-run}
+  [ "$(id -u)" -eq 0 ] || lab_die "the lab needs root (FUSE mount, libvirt system URI)"
+  [ -x "$LAB_SLOWFS" ] || lab_die "$LAB_SLOWFS missing: build target qcommit-slowfs"
+  [ -x "$LAB_PROBE" ] || lab_die "$LAB_PROBE missing: build target qcommit-lab-probe"
+  LAB_ID=qcl-$tag-$(date +%m%d%H%M%S)-$$-$RANDOM
+  LAB_DIR=$LAB_BUILD_DIR/lab-run/$LAB_ID
+  LAB_MNT=$LAB_DIR/mnt
+  LAB_DOM=$LAB_ID
+  LAB_SLOWFS_PID=""
+  LAB_READER_PID=""
+  LAB_DOM_DEFINED=0
+  export LAB_ID LAB_DIR LAB_MNT LAB_DOM
+  mkdir -p "$LAB_DIR/backing" "$LAB_MNT"
+  chmod 755 "$LAB_BUILD_DIR" "$LAB_BUILD_DIR/lab-run" "$LAB_DIR"
+  : >"$LAB_DIR/events"
+  : >"$LAB_DIR/timeline.csv"
+  trap 'lab_teardown' EXIT
+  trap 'exit 130' INT TERM HUP
+  lab_ensure_daemons
+  "$LAB_SOURCE_DIR/scripts/lab-guest-build" "$LAB_CACHE" "$LAB_PROBE" >/dev/null
+  lab_log "run $LAB_ID in $LAB_DIR"
+}
+
+lab_storage_start() {
+  local bw=50M lat=0 maxbg=""
+  while [ $# -gt 0 ]; do
+    case $1 in
+      --bandwidth) bw=$2; shift 2 ;;
+      --latency-ms) lat=$2; shift 2 ;;
+      --max-background) maxbg=$2; shift 2 ;;
+      *) lab_die "lab_storage_start: unknown option $1" ;;
+    esac
+  done
+  printf 'bandwidth=%s\nlatency_ms=%s\n' "$bw" "$lat" >"$LAB_DIR/slowfs.control"
+  local args=(--backing "$LAB_DIR/backing" --mount "$LAB_MNT" --bandwidth "$bw" --latency-ms "$lat"
+    --control "$LAB_DIR/slowfs.control" --log "$LAB_DIR/slowfs.csv" --stats "$LAB_DIR/slowfs.stats"
+    --pidfile "$LAB_DIR/slowfs.pid")
+  [ -n "$maxbg" ] && args+=(--max-background "$maxbg")
+  "$LAB_SLOWFS" "${args[@]}" </dev/null >>"$LAB_DIR/slowfs.err" 2>&1 &
+  LAB_SLOWFS_PID=$!
+  local i
+  for i in $(seq 100); do
+    if grep -q " $LAB_MNT fuse" /proc/mounts && [ -s "$LAB_DIR/slowfs.stats" ]; then
+      LAB_BW_BPS=$(awk -F= '$1=="bandwidth_bps"{print $2}' "$LAB_DIR/slowfs.stats")
+      export LAB_BW_BPS
+      lab_log "slowfs mounted at $LAB_MNT ($bw B/s, latency ${lat} ms, pid $LAB_SLOWFS_PID)"
+      return 0
+    fi
+    kill -0 "$LAB_SLOWFS_PID" 2>/dev/null || lab_die "qcommit-slowfs exited: $(cat "$LAB_DIR/slowfs.err")"
+    sleep 0.1
+  done
+  lab_die "qcommit-slowfs did not mount $LAB_MNT"
+}
+
+lab_storage_set() {
+  local bw=$1 lat=${2:-}
+  [ -n "$lat" ] || lat=$(awk -F= '$1=="latency_ms"{print $2}' "$LAB_DIR/slowfs.control")
+  printf 'bandwidth=%s\nlatency_ms=%s\n' "$bw" "$lat" >"$LAB_DIR/slowfs.control.tmp"
+  mv "$LAB_DIR/slowfs.control.tmp" "$LAB_DIR/slowfs.control"
+  sleep 0.6  # control poll (50 ms) + stats period (500 ms)
+  LAB_BW_BPS=$(awk -F= '$1=="bandwidth_bps"{print $2}' "$LAB_DIR/slowfs.stats")
+  export LAB_BW_BPS
+}
+
+lab_storage_wait_idle() {
+  local timeout=${1:-120} deadline=$((SECONDS + ${1:-120}))
+  while [ $SECONDS -lt $deadline ]; do
+    [ "$(awk -F= '$1=="queued_reqs"{print $2}' "$LAB_DIR/slowfs.stats")" = 0 ] && return 0
+    sleep 0.5
+  done
+  lab_die "slowfs queue not idle after ${timeout}s"
+}
+
+lab_storage_stop() {
+  [ -n "${LAB_SLOWFS_PID:-}" ] || return 0
+  kill -TERM "$LAB_SLOWFS_PID" 2>/dev/null || true
+  local i
+  for i in $(seq 100); do
+    kill -0 "$LAB_SLOWFS_PID" 2>/dev/null || break
+    sleep 0.1
+  done
+  if kill -0 "$LAB_SLOWFS_PID" 2>/dev/null; then
+    lab_log "qcommit-slowfs $LAB_SLOWFS_PID ignores SIGTERM; killing"
+    kill -KILL "$LAB_SLOWFS_PID" 2>/dev/null || true
+  fi
+  wait "$LAB_SLOWFS_PID" 2>/dev/null || true
+  if grep -q " $LAB_MNT fuse" /proc/mounts; then umount -l "$LAB_MNT" || true; fi
+  LAB_SLOWFS_PID=""
+}
+
+lab_guest_start() {
+  local cache=writeback fill=0 interval=100 size=2560M
+  while [ $# -gt 0 ]; do
+    case $1 in
+      --cache) cache=$2; shift 2 ;;
+      --fill) fill=$2; shift 2 ;;
+      --interval) interval=$2; shift 2 ;;
+      --disk-size) size=$2; shift 2 ;;
+      *) lab_die "lab_guest_start: unknown option $1" ;;
+    esac
+  done
+  case $cache in writeback | none | writethrough | directsync | unsafe) ;; *) lab_die "bad cache mode $cache" ;; esac
+  LAB_BASE=$LAB_MNT/base.raw
+  LAB_OVERLAY=$LAB_MNT/overlay.qcow2
+  export LAB_BASE LAB_OVERLAY
+  truncate -s "$size" "$LAB_BASE"
+  # Per-run copies: libvirt relabels kernel/initrd, so runs must not share them.
+  cp "$LAB_CACHE/vmlinuz" "$LAB_CACHE/initramfs.cpio.gz" "$LAB_DIR/"
+  : >"$LAB_DIR/console.log"
+  cat >"$LAB_DIR/domain.xml" <<EOF
+<domain type='qemu'>
+  <name>$LAB_DOM</name>
+  <memory unit='MiB'>256</memory>
+  <vcpu>1</vcpu>
+  <os>
+    <type arch='x86_64' machine='pc'>hvm</type>
+    <kernel>$LAB_DIR/vmlinuz</kernel>
+    <initrd>$LAB_DIR/initramfs.cpio.gz</initrd>
+    <cmdline>console=ttyS0 quiet panic=1 lab.fill=$fill lab.interval=$interval</cmdline>
+  </os>
+  <features><acpi/></features>
+  <clock offset='utc'><timer name='hpet' present='yes'/></clock>
+  <on_poweroff>destroy</on_poweroff>
+  <on_reboot>destroy</on_reboot>
+  <on_crash>destroy</on_crash>
+  <devices>
+    <emulator>/usr/bin/qemu-system-x86_64</emulator>
+    <disk type='file' device='disk'>
+      <driver name='qemu' type='raw' cache='$cache'/>
+      <source file='$LAB_BASE'/>
+      <target dev='vda' bus='virtio'/>
+    </disk>
+    <serial type='file'>
+      <source path='$LAB_DIR/console.log'/>
+      <target port='0'/>
+    </serial>
+    <memballoon model='none'/>
+  </devices>
+</domain>
+EOF
+  virsh -q define "$LAB_DIR/domain.xml" >/dev/null
+  LAB_DOM_DEFINED=1
+  virsh -q start --paused "$LAB_DOM" >/dev/null
+  virsh -q snapshot-create-as "$LAB_DOM" --name lab-overlay --disk-only --no-metadata --atomic \
+    --diskspec "vda,snapshot=external,file=$LAB_OVERLAY" >/dev/null
+  lab_reader_start
+  virsh -q resume "$LAB_DOM" >/dev/null
+  lab_mark guest_resumed
+  lab_log "guest $LAB_DOM running (cache=$cache, fill ${fill} MiB, probe every ${interval} ms)"
+}
+
+# Stamps every console line with the host's wall clock (seconds since the epoch).
+lab_reader_start() {
+  perl -e '
+    use strict; use Time::HiRes qw(time sleep); use IO::Handle;
+    my ($in, $out) = @ARGV; my $fh;
+    until (open($fh, "<", $in)) { sleep 0.05 }
+    open(my $o, ">>", $out) or die "$out: $!"; $o->autoflush(1);
+    my $buf = "";
+    while (1) {
+      my $n = sysread($fh, my $chunk, 65536);
+      if ($n) {
+        $buf .= $chunk;
+        while ($buf =~ s/^([^\n]*)\n//) { my $l = $1; $l =~ s/\r//g; printf $o "%.6f\t%s\n", time, $l; }
+      } else { sleep 0.005 }
+    }' "$LAB_DIR/console.log" "$LAB_DIR/console.stamped" </dev/null >/dev/null 2>&1 &
+  LAB_READER_PID=$!
+}
+
+lab_wait_console() {
+  local re=$1 timeout=${2:-120} deadline
+  deadline=$((SECONDS + ${2:-120}))
+  while [ $SECONDS -lt $deadline ]; do
+    grep -qE "$re" "$LAB_DIR/console.log" 2>/dev/null && return 0
+    if grep -q "LAB ERROR" "$LAB_DIR/console.log" 2>/dev/null; then
+      lab_die "guest: $(grep -m1 'LAB ERROR' "$LAB_DIR/console.log" | tr -d '\r')"
+    fi
+    virsh -q domstate "$LAB_DOM" 2>/dev/null | grep -q running || lab_die "guest $LAB_DOM is not running"
+    sleep 0.2
+  done
+  lab_die "no console line matching '$re' after ${timeout}s (see $LAB_DIR/console.log)"
+}
+
+lab_wait_probing() { lab_wait_console '^LAB PROBING' "${1:-300}"; }
+
+lab_mark() { printf '%s %s\n' "$1" "$(lab_now)" >>"$LAB_DIR/events"; }
+
+lab_event() { awk -v k="$1" '$1==k {v=$2} END {print v}' "$LAB_DIR/events"; }
+
+lab_merge() {
+  lab_log "merge: $*"
+  local t0 t1
+  t0=$(lab_now)
+  lab_mark merge_start
+  set +e
+  "$@" >>"$LAB_DIR/merge.log" 2>&1
+  LAB_MERGE_RC=$?
+  set -e
+  lab_mark merge_end
+  t1=$(lab_now)
+  LAB_MERGE_S=$(awk -v a="$t0" -v b="$t1" 'BEGIN {printf "%.1f", b - a}')
+  lab_log "merge finished rc=$LAB_MERGE_RC in ${LAB_MERGE_S}s"
+  [ "$LAB_MERGE_RC" -eq 0 ] || lab_log "merge output: $(tail -n 5 "$LAB_DIR/merge.log")"
+}
+
+# Probe samples as "completion_epoch latency_ms", guest clock mapped onto the host clock by the
+# smallest (host arrival - guest completion) difference.
+lab_samples() {
+  awk -F'\t' '$2 ~ /^P / {split($2, f, " "); print $1, f[3] / 1000, f[4] / 1000}' "$LAB_DIR/console.stamped" |
+    awk '{h[NR] = $1; g[NR] = $2; l[NR] = $3; d = $1 - $2; if (NR == 1 || d < off) off = d}
+         END {for (i = 1; i <= NR; i++) printf "%.6f %.3f\n", g[i] + off, l[i]}'
+}
+
+# Statistics around the last merge: baseline = samples completed in the BASELINE_S before the
+# merge; merge = samples completed after merge_start and issued before merge_end + SETTLE_S.
+# max_gap = longest time without a completion from merge_start to the first completion after
+# merge_end + SETTLE_S.
+lab_collect() {
+  local row=$1 baseline=$2 settle=${3:-2} ms me out
+  ms=$(lab_event merge_start)
+  me=$(lab_event merge_end)
+  [ -n "$ms" ] && [ -n "$me" ] || lab_die "lab_collect: no merge recorded"
+  lab_samples >"$LAB_DIR/samples.txt"
+  out=$(awk -v ms="$ms" -v me="$me" -v bl="$baseline" -v st="$settle" -v row="$row" -v csv="$LAB_DIR/timeline.csv" '
+    function pct(a, n, p,   i, j, t, k) {
+      for (i = 2; i <= n; i++) { t = a[i]; for (j = i - 1; j >= 1 && a[j] > t; j--) a[j + 1] = a[j]; a[j + 1] = t }
+      if (n == 0) return -1
+      k = int(p * n + 0.999999); if (k < 1) k = 1; if (k > n) k = n
+      return a[k]
+    }
+    BEGIN { last = ms }
+    {
+      c = $1; l = $2
+      printf "%s,%.3f,%.3f\n", row, c - ms, l >> csv
+      if (c >= ms - bl && c < ms) { nb++; b[nb] = l; if (l > bmax) bmax = l }
+      if (c >= ms && c - l / 1000 <= me + st) { nm++; m[nm] = l; if (l > mmax) mmax = l }
+      if (c > ms && !done) { gap = c - last; if (gap > maxgap) maxgap = gap; last = c; if (c > me + st) done = 1 }
+    }
+    END {
+      printf "base_n=%d base_p50=%.1f base_p99=%.1f base_max=%.1f ", nb, pct(b, nb, 0.5), pct(b, nb, 0.99), bmax
+      printf "n=%d p50=%.1f p99=%.1f max=%.1f max_gap=%.1f merge_s=%.1f\n", nm, pct(m, nm, 0.5), pct(m, nm, 0.99), mmax, maxgap * 1000, me - ms
+    }' "$LAB_DIR/samples.txt")
+  local kv
+  for kv in $out; do
+    printf -v "LAB_STATS_${kv%%=*}" '%s' "${kv#*=}"
+  done
+  lab_log "$row: $out"
+}
+
+lab_guest_stop() {
+  [ "${LAB_DOM_DEFINED:-0}" = 1 ] || return 0
+  virsh -q destroy "$LAB_DOM" >/dev/null 2>&1 || true
+  local i
+  for i in $(seq 50); do
+    virsh -q domstate "$LAB_DOM" 2>/dev/null | grep -q 'shut off' && break
+    sleep 0.2
+  done
+  virsh -q undefine "$LAB_DOM" >/dev/null 2>&1 || true
+  LAB_DOM_DEFINED=0
+}
+
+lab_teardown() {
+  local rc=$?
+  trap - EXIT
+  set +e
+  [ -n "${LAB_DIR:-}" ] || return "$rc"
+  lab_guest_stop
+  if [ -n "${LAB_READER_PID:-}" ]; then
+    kill "$LAB_READER_PID" 2>/dev/null
+    wait "$LAB_READER_PID" 2>/dev/null
+    LAB_READER_PID=""
+  fi
+  lab_storage_stop
+  if [ "${LAB_KEEP:-0}" != 1 ] && ! grep -q " $LAB_MNT fuse" /proc/mounts; then
+    rm -rf "$LAB_DIR/backing" "$LAB_DIR/vmlinuz" "$LAB_DIR/initramfs.cpio.gz"
+  fi
+  [ "${LAB_VERBOSE:-0}" = 1 ] && lab_log "teardown of $LAB_ID done (logs in $LAB_DIR)"
+  return "$rc"
+}
+
+lab_assert_clean() {
+  local bad=0
+  if virsh -q list --all --name | grep -qx "$LAB_DOM"; then
+    echo "lab: domain $LAB_DOM left behind" >&2; bad=1
+  fi
+  if grep -q " $LAB_MNT " /proc/mounts; then
+    echo "lab: mount $LAB_MNT left behind" >&2; bad=1
+  fi
+  local pids
+  pids=$(pgrep -f "$LAB_ID" || true)
+  if [ -n "$pids" ]; then
+    echo "lab: processes of $LAB_ID left behind: $(ps -o pid=,args= -p "$(echo $pids | tr ' ' ,)")" >&2; bad=1
+  fi
+  return $bad
+}
