@@ -179,7 +179,8 @@ struct Geometry {
     return (guest >> cluster_bits) & (l2_entries() - 1);
   }
   [[nodiscard]] constexpr uint64_t l1_entries_for(uint64_t virtual_size) const {
-    return (virtual_size + l1_entry_span() - 1) / l1_entry_span();
+    // No (size + span - 1) / span: that wraps for sizes near 2^64.
+    return virtual_size / l1_entry_span() + (virtual_size % l1_entry_span() != 0);
   }
   [[nodiscard]] constexpr uint32_t refcount_bits() const { return 1u << refcount_order; }
   [[nodiscard]] constexpr uint64_t refcount_block_entries() const {
