@@ -1,0 +1,62 @@
+// Refcounts of every width (1 to 64 bits), across several refcount blocks.
+#include <doctest/doctest.h>
+
+#include "tests/unit/helpers.h"
+
+using namespace qcommit;
+using namespace qcommit::test;
+
+TEST_CASE("qcow2.refcount.widths") {
+  for (uint32_t order = 0; order <= 6; ++order) {
+    for (uint32_t bits : {9u, 12u}) {
+      CAPTURE(order);
+      CAPTURE(bits);
+      ImageSpec s;
+      s.cluster_bits = bits;
+      s.size = 1ull << 20;
+      s.refcount_order = order;
+      ImageBuilder b(s);
+      const uint64_t width = 1ull << order;
+      const uint64_t max = order == 6 ? ~0ull : (1ull << width) - 1;
+      const uint64_t per_block = (1ull << bits) * 8 / width;
+      // Clusters in the first and in later refcount blocks, with values that exercise every bit
+      // of the field and the neighbours on both sides.
+      std::vector<std::pair<uint64_t, uint64_t>> want;
+      const std::vector<uint64_t> clusters{10, 11, 12, 13, per_block - 1, per_block,
+                                           per_block + 1, 3 * per_block + 5};
+      for (size_t k = 0; k < clusters.size(); ++k) {
+        const uint64_t v = k % 3 == 0 ? max : k % 3 == 1 ? (max / 3) | 1 : 0;
+        want.emplace_back(clusters[k], v);
+      }
+      for (auto [c, v] : want) b.set_refcount(c, v);
+      auto img = open_image(b);
+      CHECK(img->geometry().refcount_bits() == width);
+      CHECK(img->geometry().refcount_max() == max);
+      for (auto [c, v] : want) {
+        CAPTURE(c);
+        CHECK(img->refcount(c) == v);
+      }
+      // Header, refcount table and L1 table clusters are referenced once.
+      CHECK(img->refcount(0) == 1);
+      CHECK(img->refcount(1) == 1);
+      CHECK(img->refcount(2) == 1);
+      // Far beyond every refcount block: 0.
+      CHECK(img->refcount(per_block * 1000) == 0);
+      CHECK(img->refcount(~0ull / 2) == 0);
+    }
+  }
+}
+
+TEST_CASE("qcow2.refcount.bad_block") {
+  ImageSpec s;
+  ImageBuilder b(s);
+  b.put64(b.reftable_offset() + 8, 0x12345);  // second refcount block: unaligned
+  b.put64(b.reftable_offset() + 16, 1ull << 40);  // third: beyond end of file
+  auto img = open_image(b);
+  CHECK(img->refcount(0) == 1);
+  const uint64_t per_block = 65536 * 8 / 16;
+  expect_error<qcow2::CorruptionError>([&] { (void)img->refcount(per_block); }, "mem.qcow2",
+                                       "refcount block");
+  expect_error<qcow2::CorruptionError>([&] { (void)img->refcount(2 * per_block); }, "mem.qcow2",
+                                       "refcount block");
+}
