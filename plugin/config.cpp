@@ -1,0 +1,261 @@
+#include "plugin/config.h"
+
+#include <glib.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <memory>
+#include <vector>
+
+namespace qcommit::plugin {
+namespace {
+
+struct GFreeDeleter {
+  void operator()(void* p) const { g_free(p); }
+};
+struct GStrvDeleter {
+  void operator()(char** p) const { g_strfreev(p); }
+};
+struct KeyFileDeleter {
+  void operator()(GKeyFile* k) const { g_key_file_free(k); }
+};
+struct ErrorDeleter {
+  void operator()(GError* e) const { g_error_free(e); }
+};
+
+std::string trim(const std::string& s) {
+  size_t b = 0, e = s.size();
+  while (b < e && std::isspace(static_cast<unsigned char>(s[b]))) ++b;
+  while (e > b && std::isspace(static_cast<unsigned char>(s[e - 1]))) --e;
+  return s.substr(b, e - b);
+}
+
+// Splits "12.5ms" into 12.5 and "ms".  false when there is no leading number.
+bool split_number(const std::string& in, double& value, std::string& unit) {
+  const std::string s = trim(in);
+  if (s.empty() || !(std::isdigit(static_cast<unsigned char>(s[0])) || s[0] == '.')) return false;
+  errno = 0;
+  char* end = nullptr;
+  value = std::strtod(s.c_str(), &end);
+  if (errno != 0 || end == s.c_str() || !std::isfinite(value) || value < 0) return false;
+  unit = trim(std::string(end));
+  return true;
+}
+
+}  // namespace
+
+std::chrono::nanoseconds parse_duration(const std::string& s, const std::string& what) {
+  double v = 0;
+  std::string unit;
+  if (!split_number(s, v, unit))
+    throw ConfigError(what + ": bad duration '" + s + "' (expected e.g. 20ms, 1s)");
+  double ns_per_unit = 0;
+  if (unit == "ns") ns_per_unit = 1;
+  else if (unit == "us") ns_per_unit = 1e3;
+  else if (unit == "ms") ns_per_unit = 1e6;
+  else if (unit == "s") ns_per_unit = 1e9;
+  else throw ConfigError(what + ": bad duration unit in '" + s + "' (use ns, us, ms or s)");
+  const double ns = v * ns_per_unit;
+  if (ns > 3600e9) throw ConfigError(what + ": duration '" + s + "' is longer than one hour");
+  return std::chrono::nanoseconds(static_cast<std::int64_t>(std::llround(ns)));
+}
+
+double parse_size(const std::string& s, const std::string& what) {
+  double v = 0;
+  std::string unit;
+  if (!split_number(s, v, unit))
+    throw ConfigError(what + ": bad size '" + s + "' (expected e.g. 4096, 64K, 1M, 1G)");
+  std::string u;
+  for (char c : unit) u += static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  if (u.size() == 3 && u.substr(1) == "IB") u = u.substr(0, 1);
+  if (u.size() == 2 && u[1] == 'B' && u[0] != 'B') u = u.substr(0, 1);
+  double mult = 0;
+  if (u.empty() || u == "B") mult = 1;
+  else if (u == "K") mult = 1024.0;
+  else if (u == "M") mult = 1024.0 * 1024;
+  else if (u == "G") mult = 1024.0 * 1024 * 1024;
+  else if (u == "T") mult = 1024.0 * 1024 * 1024 * 1024;
+  else throw ConfigError(what + ": bad size unit in '" + s + "' (use K, M, G or T)");
+  return v * mult;
+}
+
+std::optional<std::string> Policy::validate() const {
+  if (budget <= std::chrono::nanoseconds::zero()) return "budget must be > 0";
+  if (budget > std::chrono::seconds(60)) return "budget must be <= 60s";
+  if (!(floor_bytes_per_s >= 4096.0)) return "floor must be >= 4K (bytes/s)";
+  if (!(ceiling_bytes_per_s >= floor_bytes_per_s)) return "ceiling must be >= floor";
+  return std::nullopt;
+}
+
+throttle::ControllerConfig Policy::controller_config() const {
+  throttle::ControllerConfig c;
+  c.latency_budget = budget;
+  c.floor_rate_bytes_per_s = floor_bytes_per_s;
+  c.ceiling_rate_bytes_per_s = ceiling_bytes_per_s;
+  c.initial_rate_bytes_per_s = std::clamp(c.initial_rate_bytes_per_s, floor_bytes_per_s,
+                                          ceiling_bytes_per_s);
+  // The daemon ticks every 100 ms (QEMU enforces speed in 100 ms slices).
+  c.tick_interval = std::chrono::milliseconds(100);
+  return c;
+}
+
+std::optional<std::string> DaemonConfig::validate() const {
+  if (auto e = defaults.validate()) return "[default]: " + *e;
+  for (const auto& [k, p] : pools)
+    if (auto e = p.validate()) return "[pool:" + k + "]: " + *e;
+  if (uri.empty()) return "uri must not be empty";
+  if (socket_path.empty() || socket_path.size() >= 108) return "socket path empty or too long";
+  return std::nullopt;
+}
+
+namespace {
+
+// Applies the keys of `group` onto `p`.  Throws ConfigError.
+void read_policy_group(GKeyFile* kf, const char* group, const std::string& where, Policy& p) {
+  gsize n = 0;
+  std::unique_ptr<char*, GStrvDeleter> keys(g_key_file_get_keys(kf, group, &n, nullptr));
+  for (gsize i = 0; i < n; ++i) {
+    const std::string key = keys.get()[i];
+    std::unique_ptr<char, GFreeDeleter> raw(g_key_file_get_value(kf, group, key.c_str(), nullptr));
+    const std::string value = raw ? raw.get() : "";
+    const std::string what = where + " " + key;
+    if (key == "budget") p.budget = parse_duration(value, what);
+    else if (key == "floor") p.floor_bytes_per_s = parse_size(value, what);
+    else if (key == "ceiling") p.ceiling_bytes_per_s = parse_size(value, what);
+    else throw ConfigError(where + ": unknown key '" + key + "' (known: budget, floor, ceiling)");
+  }
+  if (auto e = p.validate()) throw ConfigError(where + ": " + *e);
+}
+
+std::string lower(std::string s) {
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+bool looks_like_uuid(const std::string& s) {
+  if (s.size() != 36) return false;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (i == 8 || i == 13 || i == 18 || i == 23) {
+      if (s[i] != '-') return false;
+    } else if (!std::isxdigit(static_cast<unsigned char>(s[i]))) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+DaemonConfig parse_config(const std::string& text, const std::string& origin) {
+  DaemonConfig cfg;
+  std::unique_ptr<GKeyFile, KeyFileDeleter> kf(g_key_file_new());
+  GError* raw_err = nullptr;
+  if (!g_key_file_load_from_data(kf.get(), text.data(), text.size(), G_KEY_FILE_NONE, &raw_err)) {
+    std::unique_ptr<GError, ErrorDeleter> err(raw_err);
+    throw ConfigError(origin + ": " + (err ? err->message : "cannot parse"));
+  }
+  gsize ngroups = 0;
+  std::unique_ptr<char*, GStrvDeleter> groups(g_key_file_get_groups(kf.get(), &ngroups));
+  // [default] first, so that pools inherit it.
+  if (g_key_file_has_group(kf.get(), "default"))
+    read_policy_group(kf.get(), "default", origin + ": [default]", cfg.defaults);
+  for (gsize i = 0; i < ngroups; ++i) {
+    const std::string g = groups.get()[i];
+    if (g == "default") continue;
+    if (g.rfind("pool:", 0) == 0 && g.size() > 5) {
+      std::string key = g.substr(5);
+      if (looks_like_uuid(key)) key = lower(key);
+      if (cfg.pools.count(key)) throw ConfigError(origin + ": [" + g + "] appears twice");
+      Policy p = cfg.defaults;
+      read_policy_group(kf.get(), g.c_str(), origin + ": [" + g + "]", p);
+      cfg.pools.emplace(key, p);
+      continue;
+    }
+    throw ConfigError(origin + ": unknown section [" + g + "] (expected [default] or [pool:NAME])");
+  }
+  if (auto e = cfg.validate()) throw ConfigError(origin + ": " + *e);
+  return cfg;
+}
+
+DaemonConfig load_config(const std::string& path, bool missing_ok) {
+  gchar* data = nullptr;
+  gsize len = 0;
+  GError* raw_err = nullptr;
+  if (!g_file_get_contents(path.c_str(), &data, &len, &raw_err)) {
+    std::unique_ptr<GError, ErrorDeleter> err(raw_err);
+    if (missing_ok && err && g_error_matches(err.get(), G_FILE_ERROR, G_FILE_ERROR_NOENT))
+      return DaemonConfig{};
+    throw ConfigError(path + ": " + (err ? err->message : "cannot read"));
+  }
+  std::unique_ptr<char, GFreeDeleter> owned(data);
+  return parse_config(std::string(data, len), path);
+}
+
+Policy policy_for_pool(const DaemonConfig& cfg, const std::string* pool_name,
+                       const std::string* pool_uuid) {
+  if (pool_name) {
+    if (auto it = cfg.pools.find(*pool_name); it != cfg.pools.end()) return it->second;
+  }
+  if (pool_uuid) {
+    if (auto it = cfg.pools.find(lower(*pool_uuid)); it != cfg.pools.end()) return it->second;
+  }
+  return cfg.defaults;
+}
+
+namespace {
+
+struct OverrideParse {
+  Policy policy;
+  bool seen = false;
+  std::string error;
+};
+
+void on_start(GMarkupParseContext*, const gchar* element, const gchar** names,
+              const gchar** values, gpointer user, GError**) {
+  auto* st = static_cast<OverrideParse*>(user);
+  std::string el = element;
+  if (auto c = el.find(':'); c != std::string::npos) el = el.substr(c + 1);
+  if (el != "policy" || st->seen || !st->error.empty()) return;
+  st->seen = true;
+  try {
+    for (size_t i = 0; names[i]; ++i) {
+      const std::string n = names[i];
+      const std::string what = std::string("domain metadata policy ") + n;
+      if (n == "budget") st->policy.budget = parse_duration(values[i], what);
+      else if (n == "floor") st->policy.floor_bytes_per_s = parse_size(values[i], what);
+      else if (n == "ceiling") st->policy.ceiling_bytes_per_s = parse_size(values[i], what);
+      else if (n.rfind("xmlns", 0) == 0) continue;
+      else st->error = "domain metadata policy: unknown attribute '" + n + "'";
+    }
+  } catch (const ConfigError& e) {
+    st->error = e.what();
+  }
+}
+
+}  // namespace
+
+std::optional<std::string> apply_domain_override(const std::string& xml, Policy& p) {
+  OverrideParse st;
+  st.policy = p;
+  GMarkupParser parser{};
+  parser.start_element = on_start;
+  GMarkupParseContext* ctx = g_markup_parse_context_new(&parser, GMarkupParseFlags{}, &st, nullptr);
+  GError* raw_err = nullptr;
+  bool ok = g_markup_parse_context_parse(ctx, xml.data(), static_cast<gssize>(xml.size()), &raw_err) &&
+            g_markup_parse_context_end_parse(ctx, raw_err ? nullptr : &raw_err);
+  g_markup_parse_context_free(ctx);
+  if (!ok || raw_err) {
+    std::unique_ptr<GError, ErrorDeleter> err(raw_err);
+    return std::string("domain metadata policy: bad XML: ") + (err ? err->message : "parse error");
+  }
+  if (!st.error.empty()) return st.error;
+  if (!st.seen) return std::string("domain metadata: no <qcommit:policy/> element");
+  if (auto e = st.policy.validate()) return "domain metadata policy: " + *e;
+  p = st.policy;
+  return std::nullopt;
+}
+
+}  // namespace qcommit::plugin

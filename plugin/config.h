@@ -1,0 +1,70 @@
+// qcommitd configuration: /etc/qcommit/qcommitd.conf (GLib key file) and per-domain overrides.
+//
+//   [default]
+//   budget=20ms      # added guest latency the merge may cause
+//   floor=1M         # job speed never paced below this (bytes/s) unless the guests stall
+//   ceiling=1G       # never above
+//   [pool:NAME] or [pool:UUID]   same keys, for disks in that libvirt storage pool
+//
+// Domain override: <metadata><qcommit:policy xmlns:qcommit="https://qcommit.dev/xmlns/1"
+// budget="10ms" floor=".." ceiling=".."/></metadata>.  Unknown storage uses [default].
+#pragma once
+
+#include <chrono>
+#include <map>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+#include "throttle/controller.h"
+
+namespace qcommit::plugin {
+
+inline constexpr const char* kDefaultConfigPath = "/etc/qcommit/qcommitd.conf";
+inline constexpr const char* kDefaultUri = "qemu:///system";
+inline constexpr const char* kDefaultSocketPath = "/run/qcommit/qcommitd.sock";
+inline constexpr const char* kMetadataNamespace = "https://qcommit.dev/xmlns/1";
+inline constexpr const char* kMetadataPrefix = "qcommit";
+
+struct ConfigError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct Policy {
+  std::chrono::nanoseconds budget = std::chrono::milliseconds(20);
+  double floor_bytes_per_s = 1024.0 * 1024.0;
+  double ceiling_bytes_per_s = 1024.0 * 1024.0 * 1024.0;
+
+  [[nodiscard]] std::optional<std::string> validate() const;
+  [[nodiscard]] throttle::ControllerConfig controller_config() const;
+  bool operator==(const Policy&) const = default;
+};
+
+struct DaemonConfig {
+  Policy defaults;
+  std::map<std::string, Policy> pools;  // key: pool name or UUID (UUIDs lower-case)
+  std::string uri = kDefaultUri;
+  std::string socket_path = kDefaultSocketPath;
+
+  [[nodiscard]] std::optional<std::string> validate() const;
+};
+
+// "20ms", "1.5s", "500us", "2000ns"; throws ConfigError naming `what`.
+[[nodiscard]] std::chrono::nanoseconds parse_duration(const std::string& s, const std::string& what);
+// "4096", "64K", "1M", "1.5G", "1MiB" (binary units); throws ConfigError naming `what`.
+[[nodiscard]] double parse_size(const std::string& s, const std::string& what);
+
+// Key-file text → config.  `origin` (the path) prefixes every error.  Throws ConfigError.
+[[nodiscard]] DaemonConfig parse_config(const std::string& text, const std::string& origin);
+// Reads and parses; a missing file at the default path yields the defaults.  Throws ConfigError.
+[[nodiscard]] DaemonConfig load_config(const std::string& path, bool missing_ok);
+
+// The policy of a disk in `pool` (by name, then UUID), else [default].
+[[nodiscard]] Policy policy_for_pool(const DaemonConfig& cfg, const std::string* pool_name,
+                                     const std::string* pool_uuid);
+
+// Applies a domain's <qcommit:policy/> element to `p`.  Returns an error line (and leaves `p`
+// unchanged) when the XML or a value is bad.
+[[nodiscard]] std::optional<std::string> apply_domain_override(const std::string& xml, Policy& p);
+
+}  // namespace qcommit::plugin

@@ -1,0 +1,241 @@
+#include "plugin/control.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+namespace qcommit::plugin {
+
+namespace {
+
+std::string error_response(const std::string& msg) {
+  return "{\"ok\":false,\"error\":" + json::quote(msg) + "}";
+}
+
+std::string num(double d) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.17g", d);
+  return buf;
+}
+
+std::string u64(std::uint64_t v) { return std::to_string(v); }
+
+double ms(Duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+
+}  // namespace
+
+std::string answer_request(const std::string& line, const StatusSource& status) {
+  if (line.size() > kMaxRequestBytes) return error_response("request too large");
+  std::string err;
+  std::optional<json::Value> req = json::parse(line, &err);
+  if (!req) return error_response("malformed request: " + err);
+  if (!req->is_object()) return error_response("malformed request: expected a JSON object");
+  const json::Value* cmd = req->find("cmd");
+  if (!cmd || !cmd->is_string()) return error_response("malformed request: missing \"cmd\" string");
+  if (req->object().size() != 1) return error_response("malformed request: unknown members");
+  if (cmd->string() == "status") return status();
+  if (cmd->string() == "ping") return "{\"ok\":true}";
+  return error_response("unknown command " + json::quote(cmd->string()));
+}
+
+std::string status_json(const GovernorStatus& st, TimePoint now) {
+  std::string o = "{\"ok\":true,\"connected\":";
+  o += st.connected ? "true" : "false";
+  o += ",\"jobs\":[";
+  bool first = true;
+  for (const auto& j : st.jobs) {
+    if (!first) o += ',';
+    first = false;
+    o += "{\"domain\":" + json::quote(j.domain) + ",\"disk\":" + json::quote(j.disk) +
+         ",\"type\":" + json::quote(to_string(j.type)) + ",\"target\":" + json::quote(j.target) +
+         ",\"storage\":" + json::quote(j.storage) + ",\"pool\":" + json::quote(j.pool) +
+         ",\"budget_ms\":" + num(ms(j.budget)) + ",\"speed_bytes_per_s\":" + u64(j.speed_bytes_per_s) +
+         ",\"window_bytes\":" + u64(j.window_bytes) + ",\"backlog_bytes\":" + u64(j.backlog_bytes) +
+         ",\"latency_p99_ms\":" + (j.latency_p99 ? num(ms(*j.latency_p99)) : "null") +
+         ",\"bytes_left\":" + u64(j.bytes_left) +
+         ",\"eta_s\":" + (j.eta_s ? num(*j.eta_s) : "null") + ",\"phase\":" + json::quote(j.phase) +
+         ",\"ready\":" + (j.ready ? "true" : "false") +
+         ",\"policy_error\":" + json::quote(j.policy_error) + "}";
+  }
+  o += "],\"released\":[";
+  first = true;
+  for (const auto& r : st.released) {
+    if (!first) o += ',';
+    first = false;
+    o += "{\"domain\":" + json::quote(r.domain) + ",\"disk\":" + json::quote(r.disk) +
+         ",\"type\":" + json::quote(to_string(r.type)) + ",\"reason\":" + json::quote(r.reason) +
+         ",\"age_s\":" + num(std::chrono::duration<double>(now - r.at).count()) + "}";
+  }
+  o += "]}";
+  return o;
+}
+
+ControlServer::ControlServer(std::string path, StatusSource status)
+    : path_(std::move(path)), status_(std::move(status)) {
+  sockaddr_un addr{};
+  if (path_.empty() || path_.size() >= sizeof addr.sun_path)
+    throw std::runtime_error(path_ + ": socket path empty or too long");
+  const auto slash = path_.rfind('/');
+  if (slash != std::string::npos && slash > 0) {
+    const std::string dir = path_.substr(0, slash);
+    if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST)
+      throw std::runtime_error(dir + ": cannot create directory: " + std::strerror(errno));
+  }
+  listen_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (listen_fd_ < 0) throw std::runtime_error(path_ + ": socket: " + std::strerror(errno));
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path_.c_str(), path_.size() + 1);
+  // A stale socket from a crashed daemon: replace it only if nobody answers on it.
+  struct stat st{};
+  if (::lstat(path_.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode)) {
+      ::close(listen_fd_);
+      throw std::runtime_error(path_ + ": exists and is not a socket");
+    }
+    const int probe = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    const bool alive =
+        probe >= 0 && ::connect(probe, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+    if (probe >= 0) ::close(probe);
+    if (alive) {
+      ::close(listen_fd_);
+      throw std::runtime_error(path_ + ": another qcommitd is listening");
+    }
+    ::unlink(path_.c_str());
+  }
+  const mode_t old = ::umask(0177);
+  const int rc = ::bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  ::umask(old);
+  if (rc != 0 || ::chmod(path_.c_str(), 0600) != 0 || ::listen(listen_fd_, 16) != 0) {
+    const std::string e = std::strerror(errno);
+    ::close(listen_fd_);
+    throw std::runtime_error(path_ + ": cannot listen: " + e);
+  }
+  if (::pipe2(wake_, O_CLOEXEC | O_NONBLOCK) != 0) {
+    ::close(listen_fd_);
+    throw std::runtime_error(path_ + ": pipe: " + std::strerror(errno));
+  }
+}
+
+ControlServer::~ControlServer() {
+  stop();
+  if (listen_fd_ >= 0) {
+    ::close(listen_fd_);
+    ::unlink(path_.c_str());
+  }
+  for (int fd : wake_)
+    if (fd >= 0) ::close(fd);
+}
+
+void ControlServer::start() { thread_ = std::thread([this] { run(); }); }
+
+void ControlServer::stop() {
+  if (!thread_.joinable()) return;
+  stopping_ = true;
+  const char c = 1;
+  (void)::write(wake_[1], &c, 1);
+  thread_.join();
+}
+
+namespace {
+
+struct Client {
+  int fd;
+  std::string buf;
+};
+
+// Blocking-with-timeout write of a whole response line.
+void send_line(int fd, const std::string& s) {
+  std::string line = s + "\n";
+  size_t off = 0;
+  while (off < line.size()) {
+    const ssize_t n = ::send(fd, line.data() + off, line.size() - off, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n > 0) {
+      off += static_cast<size_t>(n);
+      continue;
+    }
+    if (n < 0 && (errno == EAGAIN || errno == EINTR)) {
+      pollfd p{fd, POLLOUT, 0};
+      if (::poll(&p, 1, 1000) <= 0) return;  // slow reader: give up on it
+      continue;
+    }
+    return;
+  }
+}
+
+}  // namespace
+
+void ControlServer::run() {
+  std::vector<Client> clients;
+  while (!stopping_) {
+    std::vector<pollfd> fds;
+    fds.push_back({wake_[0], POLLIN, 0});
+    fds.push_back({listen_fd_, POLLIN, 0});
+    for (const auto& c : clients) fds.push_back({c.fd, POLLIN, 0});
+    if (::poll(fds.data(), fds.size(), -1) < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    if (fds[0].revents) break;
+    std::vector<int> drop;
+    for (size_t i = 2; i < fds.size(); ++i) {
+      if (!fds[i].revents) continue;
+      Client& c = clients[i - 2];
+      char buf[1024];
+      const ssize_t n = ::recv(c.fd, buf, sizeof buf, MSG_DONTWAIT);
+      if (n <= 0) {
+        if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+        drop.push_back(c.fd);
+        continue;
+      }
+      c.buf.append(buf, static_cast<size_t>(n));
+      size_t nl;
+      bool closed = false;
+      while ((nl = c.buf.find('\n')) != std::string::npos) {
+        std::string line = c.buf.substr(0, nl);
+        c.buf.erase(0, nl + 1);
+        if (!line.empty() && line.back() == '\r') line.pop_back();
+        send_line(c.fd, answer_request(line, status_));
+      }
+      if (c.buf.size() > kMaxRequestBytes) {
+        send_line(c.fd, error_response("request too large (limit " +
+                                       std::to_string(kMaxRequestBytes) + " bytes)"));
+        drop.push_back(c.fd);
+        closed = true;
+      }
+      (void)closed;
+    }
+    for (int fd : drop) {
+      ::close(fd);
+      std::erase_if(clients, [fd](const Client& c) { return c.fd == fd; });
+    }
+    if (fds[1].revents & POLLIN) {
+      const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd >= 0) {
+        ucred cred{};
+        socklen_t len = sizeof cred;
+        const bool ok = ::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 &&
+                        cred.uid == ::geteuid();
+        if (!ok) {
+          send_line(fd, error_response("permission denied"));
+          ::close(fd);
+        } else if (clients.size() >= kMaxControlClients) {
+          send_line(fd, error_response("too many clients"));
+          ::close(fd);
+        } else {
+          clients.push_back(Client{fd, {}});
+        }
+      }
+    }
+  }
+  for (auto& c : clients) ::close(c.fd);
+}
+
+}  // namespace qcommit::plugin

@@ -1,0 +1,464 @@
+#include "plugin/governor.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace qcommit::plugin {
+
+const char* to_string(JobType t) {
+  switch (t) {
+    case JobType::Pull: return "pull";
+    case JobType::Copy: return "copy";
+    case JobType::Commit: return "commit";
+    case JobType::ActiveCommit: return "active-commit";
+    case JobType::Backup: return "backup";
+    case JobType::Unknown: break;
+  }
+  return "unknown";
+}
+
+const char* to_string(JobEventKind k) {
+  switch (k) {
+    case JobEventKind::StatusChange: return "status-change";
+    case JobEventKind::Completed: return "completed";
+    case JobEventKind::Failed: return "failed";
+    case JobEventKind::Canceled: return "canceled";
+    case JobEventKind::Ready: return "ready";
+  }
+  return "unknown";
+}
+
+std::optional<std::string> GovernorOptions::validate() const {
+  if (tick <= Duration::zero()) return "governor tick must be > 0";
+  if (poll <= Duration::zero() || poll > std::chrono::milliseconds(500))
+    return "governor poll interval must be in (0, 500ms] (jobs are discovered within 0.5 s)";
+  if (reconnect_min <= Duration::zero() || reconnect_max < reconnect_min)
+    return "governor reconnect intervals: need 0 < min <= max";
+  if (min_speed_bytes_per_s == 0) return "minimum job speed must be > 0 (0 is unlimited in QEMU)";
+  return writeback.validate();
+}
+
+namespace {
+
+bool governed(JobType t) {
+  return t == JobType::Commit || t == JobType::ActiveCommit || t == JobType::Pull ||
+         t == JobType::Copy;
+}
+
+}  // namespace
+
+struct Governor::Job {
+  Job(DiskKey k, const Policy& p) : key(std::move(k)), policy(p), ctl(p.controller_config()) {}
+  DiskKey key;
+  JobType type = JobType::Unknown;
+  std::string target;
+  std::string storage;
+  std::string pool;
+  Policy policy;
+  std::string policy_error;
+  throttle::Controller ctl;
+  std::unique_ptr<TargetFile> file;
+  WritebackPlanner planner;
+  JobInfo info{};
+  bool has_info = false;
+  std::uint64_t backlog = 0;
+  std::uint64_t speed_set = 0;
+  std::optional<throttle::Decision> decision;
+  std::deque<std::pair<TimePoint, Duration>> latencies;
+  std::deque<std::pair<TimePoint, std::uint64_t>> progress;
+  bool ready = false;
+  bool seen_in_poll = true;
+};
+
+Governor::Governor(Hypervisor& hv, TargetFiles& files, DaemonConfig cfg, GovernorOptions opt)
+    : hv_(hv), files_(files), cfg_(std::move(cfg)), opt_(opt), reconnect_backoff_(opt.reconnect_min) {
+  hv_.set_event_sink([this](const JobEvent& e) { pending_events_.push_back(e); });
+}
+
+Governor::~Governor() { hv_.set_event_sink(nullptr); }
+
+TimePoint Governor::step(TimePoint now) {
+  if (connected_ && !hv_.connected()) lost_connection(now);
+  if (!connected_) {
+    if (now >= next_reconnect_) {
+      if (hv_.connect()) {
+        connected_ = true;
+        was_ever_connected_ = true;
+        reconnect_backoff_ = opt_.reconnect_min;
+        next_poll_ = now;  // adopt running jobs right away
+      } else {
+        next_reconnect_ = now + reconnect_backoff_;
+        reconnect_backoff_ = std::min(reconnect_backoff_ * 2, opt_.reconnect_max);
+      }
+    }
+    if (!connected_) return next_reconnect_;
+  }
+  try {
+    handle_events(now);
+    if (!scan_domains_.empty()) {
+      std::set<std::string> only;
+      only.swap(scan_domains_);
+      poll(now, &only);
+    }
+    if (!next_poll_ || now >= *next_poll_) {
+      poll(now, nullptr);
+      next_poll_ = now + opt_.poll;
+    }
+    if (!next_tick_ || now >= *next_tick_) {
+      tick(now);
+      next_tick_ = now + opt_.tick;
+    }
+  } catch (const HypervisorDisconnected&) {
+    lost_connection(now);
+    return next_reconnect_;
+  }
+  return std::min(*next_poll_, *next_tick_);
+}
+
+void Governor::lost_connection(TimePoint now) {
+  connected_ = false;
+  guests_.clear();
+  pool_cache_.clear();
+  domains_.clear();
+  pending_events_.clear();
+  scan_domains_.clear();
+  next_poll_.reset();
+  next_tick_.reset();
+  for (auto& [k, j] : jobs_) {
+    j->has_info = false;  // progress baseline restarts after the reconnect
+    j->seen_in_poll = false;
+  }
+  next_reconnect_ = now;  // first retry immediately, then back off
+}
+
+void Governor::handle_events(TimePoint now) {
+  std::vector<JobEvent> events;
+  events.swap(pending_events_);
+  for (const auto& e : events) {
+    if (e.kind == JobEventKind::StatusChange) {
+      scan_domains_.insert(e.domain);
+      continue;
+    }
+    // BLOCK_JOB_2 names the disk by target; accept a source path too.
+    auto it = jobs_.find(DiskKey{e.domain, e.disk});
+    if (it == jobs_.end()) {
+      for (const auto& d : domains_) {
+        if (d.name != e.domain) continue;
+        for (const auto& disk : d.disks)
+          if (disk.source == e.disk) it = jobs_.find(DiskKey{e.domain, disk.target});
+      }
+    }
+    if (it == jobs_.end()) continue;
+    switch (e.kind) {
+      case JobEventKind::Ready: it->second->ready = true; break;
+      case JobEventKind::Completed: release(it->first, "completed", now); break;
+      case JobEventKind::Canceled: release(it->first, "canceled", now); break;
+      case JobEventKind::Failed:
+        release(it->first,
+                it->second->ready ? "failed after ready (pivot failed)" : "failed", now);
+        break;
+      case JobEventKind::StatusChange: break;
+    }
+  }
+}
+
+std::optional<PoolInfo> Governor::resolve_pool(const std::string& path) {
+  if (auto it = pool_cache_.find(path); it != pool_cache_.end()) return it->second;
+  std::optional<PoolInfo> found = hv_.pool_of_volume(path);
+  if (!found) {
+    size_t best = 0;
+    for (const auto& p : pools_) {
+      if (p.target_path.empty()) continue;
+      std::string prefix = p.target_path;
+      if (prefix.back() != '/') prefix += '/';
+      if (path.rfind(prefix, 0) == 0 && prefix.size() > best) {
+        best = prefix.size();
+        found = p;
+      }
+    }
+  }
+  pool_cache_.emplace(path, found);
+  return found;
+}
+
+std::string Governor::storage_key(const std::string& path, std::optional<std::uint64_t> dev,
+                                  std::optional<PoolInfo>* pool_out) {
+  std::optional<PoolInfo> pool = resolve_pool(path);
+  if (pool_out) *pool_out = pool;
+  if (pool) return "pool:" + (pool->uuid.empty() ? pool->name : pool->uuid);
+  if (dev) return "dev:" + std::to_string(*dev);
+  return "path:" + path;
+}
+
+void Governor::poll(TimePoint now, const std::set<std::string>* only) {
+  std::vector<DomainInfo> doms = hv_.running_domains();
+  if (!only) pools_ = hv_.pools();
+  std::set<DiskKey> listed;
+  for (const auto& dom : doms) {
+    if (only && !only->count(dom.name)) continue;
+    for (const auto& disk : dom.disks) {
+      std::optional<JobInfo> info = hv_.job_info(dom.name, disk.target);
+      if (!info || !governed(info->type)) continue;
+      DiskKey k{dom.name, disk.target};
+      listed.insert(k);
+      if (auto it = jobs_.find(k); it != jobs_.end()) {
+        it->second->seen_in_poll = true;
+      } else {
+        adopt(dom, disk, *info, now);
+      }
+    }
+  }
+  // Jobs that are no longer listed in the scanned domains ended without an event we saw.
+  std::vector<DiskKey> gone;
+  for (const auto& [k, j] : jobs_) {
+    if (only && !only->count(k.domain)) continue;
+    if (!listed.count(k)) gone.push_back(k);
+  }
+  for (const auto& k : gone) {
+    release(k, jobs_[k]->seen_in_poll ? "no longer listed" : "ended while disconnected", now);
+  }
+  if (only) {
+    for (auto& d : doms) {
+      if (!only->count(d.name)) continue;
+      auto it = std::find_if(domains_.begin(), domains_.end(),
+                             [&](const DomainInfo& x) { return x.name == d.name; });
+      if (it == domains_.end()) domains_.push_back(d);
+      else *it = d;
+    }
+  } else {
+    domains_ = std::move(doms);
+  }
+}
+
+void Governor::adopt(const DomainInfo& dom, const DiskInfo& disk, const JobInfo& info,
+                     TimePoint now) {
+  DiskKey k{dom.name, disk.target};
+  std::string target;
+  if (disk.mirror) target = *disk.mirror;
+  else if ((info.type == JobType::Commit || info.type == JobType::ActiveCommit) &&
+           !disk.backing_chain.empty())
+    target = disk.backing_chain.back();
+  else if (info.type == JobType::Pull) target = disk.source;
+
+  std::unique_ptr<TargetFile> file = target.empty() ? nullptr : files_.open(target);
+  std::optional<PoolInfo> pool;
+  std::string storage =
+      target.empty() ? storage_key(disk.source, disk.device, &pool)
+                     : storage_key(target, file ? file->device() : std::nullopt, &pool);
+  Policy policy = policy_for_pool(cfg_, pool ? &pool->name : nullptr, pool ? &pool->uuid : nullptr);
+  std::string policy_error;
+  if (dom.policy_xml) {
+    if (auto e = apply_domain_override(*dom.policy_xml, policy)) policy_error = *e;
+  }
+  auto j = std::make_unique<Job>(k, policy);
+  j->type = info.type;
+  j->target = target;
+  j->storage = storage;
+  j->pool = pool ? pool->name : "";
+  j->policy_error = policy_error;
+  j->file = std::move(file);
+  j->planner = WritebackPlanner(opt_.writeback);
+  j->info = info;
+  j->has_info = false;
+  (void)now;
+  Job& ref = *j;
+  jobs_.emplace(k, std::move(j));
+  // Start slowly right away: an unlimited job (speed 0) fills the page cache within a tick.
+  set_speed(ref, static_cast<std::uint64_t>(ref.ctl.config().initial_rate_bytes_per_s));
+}
+
+void Governor::release(const DiskKey& k, const std::string& reason, TimePoint now) {
+  auto it = jobs_.find(k);
+  if (it == jobs_.end()) return;
+  released_.push_front(ReleasedJob{k.domain, k.disk, it->second->type, reason, now});
+  while (released_.size() > kMaxReleasedHistory) released_.pop_back();
+  jobs_.erase(it);
+}
+
+void Governor::set_speed(Job& j, std::uint64_t speed) {
+  speed = std::max(speed, opt_.min_speed_bytes_per_s);  // never 0 (unlimited)
+  if (hv_.set_job_speed(j.key.domain, j.key.disk, speed)) j.speed_set = speed;
+}
+
+void Governor::tick(TimePoint now) {
+  if (jobs_.empty()) return;
+  // Foreground signals, per storage key, from every running domain's disks.
+  struct Signals {
+    std::vector<Duration> samples;
+    std::uint32_t outstanding = 0;
+    std::optional<Duration> oldest;
+  };
+  std::set<std::string> wanted;
+  for (const auto& [k, j] : jobs_) wanted.insert(j->storage);
+  std::map<std::string, Signals> sig;
+  for (const auto& dom : domains_) {
+    for (const auto& disk : dom.disks) {
+      const std::string key = storage_key(disk.source, disk.device, nullptr);
+      if (!wanted.count(key)) continue;
+      std::optional<BlockStats> st = hv_.block_stats(dom.name, disk.target);
+      if (!st) continue;
+      GuestDisk& g = guests_[DiskKey{dom.name, disk.target}];
+      Signals& s = sig[key];
+      if (g.has_prev && st->wr_reqs >= g.prev.wr_reqs && st->flush_reqs >= g.prev.flush_reqs) {
+        const std::int64_t dw = st->wr_reqs - g.prev.wr_reqs;
+        const std::int64_t df = st->flush_reqs - g.prev.flush_reqs;
+        if (dw > 0)
+          s.samples.push_back(Duration(std::max<std::int64_t>(
+              0, (st->wr_total_times_ns - g.prev.wr_total_times_ns) / dw)));
+        if (df > 0)
+          s.samples.push_back(Duration(std::max<std::int64_t>(
+              0, (st->flush_total_times_ns - g.prev.flush_total_times_ns) / df)));
+        if (dw + df > 0) {
+          if (g.last_completion) {
+            const Duration gap = now - *g.last_completion;
+            g.interval = g.interval ? Duration((g.interval->count() * 3 + gap.count()) / 4) : gap;
+          }
+          g.last_completion = now;
+        } else if (g.last_completion && g.interval) {
+          const Duration silence = now - *g.last_completion;
+          const Duration usual = std::max(*g.interval, opt_.tick);
+          const auto threshold =
+              Duration(static_cast<std::int64_t>(kStallFactor * static_cast<double>(usual.count())));
+          if (silence > threshold && silence <= threshold + kMaxSuspectedStall) {
+            const Duration age = silence - usual;
+            s.outstanding += 1;
+            if (!s.oldest || age > *s.oldest) s.oldest = age;
+          }
+        }
+      }
+      g.prev = *st;
+      g.has_prev = true;
+    }
+  }
+  std::vector<DiskKey> keys;
+  for (const auto& [k, j] : jobs_) keys.push_back(k);
+  for (const auto& k : keys) {
+    auto it = jobs_.find(k);
+    if (it == jobs_.end()) continue;
+    Job& j = *it->second;
+    std::optional<JobInfo> info = hv_.job_info(k.domain, k.disk);
+    if (!info || !governed(info->type)) {
+      release(k, "no longer listed", now);
+      continue;
+    }
+    const Signals& s = sig[j.storage];
+    // Backlog: the target's dirty + writeback pages.
+    std::optional<PageCacheState> pc;
+    if (j.file) pc = j.file->page_cache();
+    const std::uint64_t backlog = pc ? pc->dirty_bytes + pc->writeback_bytes : 0;
+    std::uint64_t drained = 0;
+    if (j.has_info && info->cur >= j.info.cur) {
+      const auto written = static_cast<std::int64_t>(info->cur - j.info.cur);
+      const std::int64_t growth =
+          static_cast<std::int64_t>(backlog) - static_cast<std::int64_t>(j.backlog);
+      drained = static_cast<std::uint64_t>(std::max<std::int64_t>(0, written - growth));
+    }
+    throttle::TickInput in;
+    in.now = now;
+    in.foreground_latencies = s.samples;
+    in.foreground_outstanding = s.outstanding;
+    in.foreground_oldest_outstanding = s.oldest;
+    in.backlog_bytes = backlog;
+    in.drained_bytes = drained;
+    const throttle::Decision d = j.ctl.tick(in);
+    j.decision = d;
+
+    std::uint64_t speed;
+    if (d.paused || backlog > d.window_bytes) {
+      speed = opt_.min_speed_bytes_per_s;
+    } else {
+      speed = static_cast<std::uint64_t>(std::llround(std::clamp(
+          d.rate_bytes_per_s, static_cast<double>(opt_.min_speed_bytes_per_s),
+          j.policy.ceiling_bytes_per_s)));
+    }
+    const double off = std::fabs(static_cast<double>(speed) - static_cast<double>(j.speed_set));
+    if (j.speed_set == 0 || off > kSpeedChangeFraction * static_cast<double>(j.speed_set) ||
+        info->bandwidth_bytes_per_s != j.speed_set ||
+        (speed == opt_.min_speed_bytes_per_s && j.speed_set != speed)) {
+      set_speed(j, speed);
+    }
+
+    // Writeback pacing of the target within the window.
+    if (j.file && pc) {
+      WritebackInput wi;
+      wi.file_size = j.file->size();
+      wi.writeback_bytes = pc->per_file ? pc->writeback_bytes : 0;
+      wi.window_bytes = d.window_bytes;
+      TargetFile& f = *j.file;
+      WritebackPlan plan = j.planner.plan(wi, [&f](const ByteRange& r) { return f.dirty_in(r); });
+      for (const auto& r : plan.ranges) f.start_writeback(r);
+    }
+
+    for (Duration l : s.samples) j.latencies.emplace_back(now, l);
+    if (s.oldest) j.latencies.emplace_back(now, *s.oldest);
+    while (!j.latencies.empty() &&
+           (j.latencies.front().first < now - kLatencyHistory ||
+            j.latencies.size() > kMaxLatencySamples))
+      j.latencies.pop_front();
+    j.progress.emplace_back(now, info->cur);
+    while (!j.progress.empty() && j.progress.front().first < now - kEtaHistory)
+      j.progress.pop_front();
+    j.info = *info;
+    j.has_info = true;
+    j.backlog = backlog;
+  }
+}
+
+void Governor::release_all() {
+  for (auto& [k, j] : jobs_) {
+    double rate = j->decision ? j->decision->rate_bytes_per_s : j->policy.floor_bytes_per_s;
+    rate = std::max(rate, j->policy.floor_bytes_per_s);
+    try {
+      (void)hv_.set_job_speed(k.domain, k.disk,
+                              std::max<std::uint64_t>(opt_.min_speed_bytes_per_s,
+                                                      static_cast<std::uint64_t>(rate)));
+    } catch (const HypervisorDisconnected&) {
+      break;
+    }
+  }
+  jobs_.clear();
+}
+
+GovernorStatus Governor::status(TimePoint now) const {
+  GovernorStatus st;
+  st.connected = connected_;
+  st.released = released_;
+  for (const auto& [k, j] : jobs_) {
+    JobStatus js;
+    js.domain = k.domain;
+    js.disk = k.disk;
+    js.type = j->type;
+    js.target = j->target;
+    js.storage = j->storage;
+    js.pool = j->pool;
+    js.budget = j->policy.budget;
+    js.speed_bytes_per_s = j->speed_set;
+    js.window_bytes = j->decision ? j->decision->window_bytes : 0;
+    js.backlog_bytes = j->backlog;
+    js.phase = j->decision ? throttle::to_string(j->decision->phase) : "adopted";
+    js.ready = j->ready;
+    js.policy_error = j->policy_error;
+    std::vector<Duration> lat;
+    for (const auto& [t, l] : j->latencies)
+      if (t >= now - kLatencyHistory) lat.push_back(l);
+    if (!lat.empty()) {
+      const size_t idx = std::min(lat.size() - 1, (lat.size() * 99) / 100);
+      std::nth_element(lat.begin(), lat.begin() + static_cast<std::ptrdiff_t>(idx), lat.end());
+      js.latency_p99 = lat[idx];
+    }
+    js.bytes_left = j->info.end > j->info.cur ? j->info.end - j->info.cur : 0;
+    if (j->progress.size() >= 2) {
+      const auto& a = j->progress.front();
+      const auto& b = j->progress.back();
+      const double secs = std::chrono::duration<double>(b.first - a.first).count();
+      if (secs > 0 && b.second > a.second) {
+        const double rate = static_cast<double>(b.second - a.second) / secs;
+        js.eta_s = static_cast<double>(js.bytes_left) / rate;
+      }
+    }
+    st.jobs.push_back(std::move(js));
+  }
+  return st;
+}
+
+}  // namespace qcommit::plugin

@@ -1,0 +1,155 @@
+// The daemon's policy: which block jobs to govern and at what speed, and how much of their
+// target's page cache to push to storage.  Knows nothing of libvirt: it talks to a Hypervisor
+// and to TargetFiles, and `now` is always a parameter.
+//
+// Per tick (every GovernorOptions::tick) and governed job:
+//  * foreground signals: for every running domain's disk on the same storage as the job's
+//    target (same libvirt pool, else same st_dev, else the same path), the block-stats deltas
+//    Δwr_total_times/Δwr_reqs and Δflush_total_times/Δflush_reqs are latency samples.  libvirt
+//    counts requests only when they complete, so a disk that was completing requests and has
+//    gone silent for longer than kStallFactor × its usual interval is reported as outstanding,
+//    with the silence as its age (never good news), for at most kMaxSuspectedStall;
+//  * backlog = dirty + writeback pages of the target; drained = Δcur − backlog growth;
+//  * throttle::Controller decides; the job speed becomes the decision's rate, or the minimum
+//    speed (never 0: 0 is "unlimited" in QEMU) while paused or while backlog > window;
+//  * the WritebackPlanner starts writeback of the target's dirty pages within the window.
+// Discovery: JOB_STATUS_CHANGE events trigger a scan of the domain at the next step; BLOCK_JOB_2
+// completed/failed/canceled release the state; every `poll` all disks of all running domains
+// are polled (adopts jobs running before start and after reconnects).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "plugin/config.h"
+#include "plugin/hypervisor.h"
+#include "plugin/writeback.h"
+#include "throttle/controller.h"
+
+namespace qcommit::plugin {
+
+using throttle::Duration;
+using throttle::TimePoint;
+
+inline constexpr std::uint64_t kMinJobSpeedBytesPerS = 64 * 1024;  // "paused": never 0
+inline constexpr double kStallFactor = 3.0;          // silence > 3 × usual interval ⇒ stall
+inline constexpr Duration kMaxSuspectedStall = std::chrono::seconds(3);
+inline constexpr Duration kLatencyHistory = std::chrono::seconds(10);  // p99 over this
+inline constexpr Duration kEtaHistory = std::chrono::seconds(5);
+inline constexpr std::size_t kMaxReleasedHistory = 32;
+inline constexpr std::size_t kMaxLatencySamples = 100000;
+inline constexpr double kSpeedChangeFraction = 0.02;  // re-set the speed when off by > 2 %
+
+struct GovernorOptions {
+  Duration tick = std::chrono::milliseconds(100);
+  Duration poll = std::chrono::milliseconds(500);
+  Duration reconnect_min = std::chrono::milliseconds(500);
+  Duration reconnect_max = std::chrono::seconds(5);
+  std::uint64_t min_speed_bytes_per_s = kMinJobSpeedBytesPerS;
+  WritebackConfig writeback;
+  [[nodiscard]] std::optional<std::string> validate() const;
+};
+
+struct JobStatus {
+  std::string domain;
+  std::string disk;
+  JobType type = JobType::Unknown;
+  std::string target;
+  std::string storage;  // pool name, "dev:N" or "path:..."
+  std::string pool;     // empty when the storage is not a libvirt pool
+  Duration budget{};
+  std::uint64_t speed_bytes_per_s = 0;  // last speed we set
+  std::uint64_t window_bytes = 0;
+  std::uint64_t backlog_bytes = 0;
+  std::optional<Duration> latency_p99;  // guests on the same storage, last kLatencyHistory
+  std::uint64_t bytes_left = 0;
+  std::optional<double> eta_s;
+  std::string phase;
+  bool ready = false;
+  std::string policy_error;  // bad domain metadata (the pool/default policy applies)
+};
+
+struct ReleasedJob {
+  std::string domain;
+  std::string disk;
+  JobType type = JobType::Unknown;
+  std::string reason;
+  TimePoint at{};
+};
+
+struct GovernorStatus {
+  bool connected = false;
+  std::vector<JobStatus> jobs;
+  std::deque<ReleasedJob> released;
+};
+
+class Governor {
+ public:
+  Governor(Hypervisor& hv, TargetFiles& files, DaemonConfig cfg, GovernorOptions opt = {});
+  ~Governor();
+  Governor(const Governor&) = delete;
+  Governor& operator=(const Governor&) = delete;
+
+  // Does what is due at `now` (events, reconnect, poll, tick); returns when to call again.
+  [[nodiscard]] TimePoint step(TimePoint now);
+
+  // Graceful stop: every governed job gets a finishing speed (max(floor, last rate)).
+  void release_all();
+
+  [[nodiscard]] GovernorStatus status(TimePoint now) const;
+  [[nodiscard]] std::size_t job_count() const { return jobs_.size(); }
+
+ private:
+  struct DiskKey {
+    std::string domain, disk;
+    auto operator<=>(const DiskKey&) const = default;
+  };
+  struct GuestDisk {
+    BlockStats prev{};
+    bool has_prev = false;
+    std::optional<TimePoint> last_completion;
+    std::optional<Duration> interval;  // EWMA of time between ticks with completions
+    bool seen = false;                 // present in the latest tick
+  };
+  struct Job;
+
+  void handle_events(TimePoint now);
+  void poll(TimePoint now, const std::set<std::string>* only_domains);
+  void adopt(const DomainInfo& dom, const DiskInfo& disk, const JobInfo& info, TimePoint now);
+  void release(const DiskKey& k, const std::string& reason, TimePoint now);
+  void tick(TimePoint now);
+  void tick_job(Job& j, TimePoint now);
+  [[nodiscard]] std::string storage_key(const std::string& path, std::optional<std::uint64_t> dev,
+                                        std::optional<PoolInfo>* pool_out);
+  [[nodiscard]] std::optional<PoolInfo> resolve_pool(const std::string& path);
+  void set_speed(Job& j, std::uint64_t speed);
+  void lost_connection(TimePoint now);
+
+  Hypervisor& hv_;
+  TargetFiles& files_;
+  DaemonConfig cfg_;
+  GovernorOptions opt_;
+  std::vector<JobEvent> pending_events_;
+  std::set<std::string> scan_domains_;
+  bool connected_ = false;
+  bool was_ever_connected_ = false;
+  TimePoint next_reconnect_{};
+  Duration reconnect_backoff_{};
+  std::optional<TimePoint> next_poll_;
+  std::optional<TimePoint> next_tick_;
+  std::vector<DomainInfo> domains_;
+  std::vector<PoolInfo> pools_;
+  std::map<std::string, std::optional<PoolInfo>> pool_cache_;
+  std::map<DiskKey, GuestDisk> guests_;
+  std::map<DiskKey, std::unique_ptr<Job>> jobs_;
+  std::deque<ReleasedJob> released_;
+};
+
+}  // namespace qcommit::plugin

@@ -1,0 +1,106 @@
+// What qcommitd needs from the hypervisor, without libvirt types.  One adapter implements it with
+// the libvirt C API (plugin/libvirt_hypervisor.*); tests use a scripted fake.
+//
+// Every call may fail because the connection is gone: calls then throw HypervisorDisconnected and
+// the caller reconnects (connect()) and re-adopts.  Per-object failures (domain vanished, no job
+// on that disk) are ordinary results (std::nullopt / false), not exceptions.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace qcommit::plugin {
+
+struct HypervisorDisconnected : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct DiskInfo {
+  std::string target;                     // "vda"
+  std::string source;                     // active layer path
+  std::vector<std::string> backing_chain; // backing files, top to bottom (may be empty)
+  std::optional<std::string> mirror;      // <mirror> source path while a copy/active commit runs
+  std::optional<std::uint64_t> device;    // st_dev of the source's filesystem, when stat works
+};
+
+struct DomainInfo {
+  std::string name;
+  std::string uuid;
+  std::vector<DiskInfo> disks;
+  // The <qcommit:policy .../> element of the domain metadata, as libvirt returns it.
+  std::optional<std::string> policy_xml;
+};
+
+struct PoolInfo {
+  std::string name;
+  std::string uuid;
+  std::string target_path;  // directory of dir/fs/netfs pools; may be empty
+};
+
+// Cumulative counters of virDomainBlockStatsFlags (times in ns).
+struct BlockStats {
+  std::int64_t wr_reqs = 0;
+  std::int64_t wr_total_times_ns = 0;
+  std::int64_t flush_reqs = 0;
+  std::int64_t flush_total_times_ns = 0;
+};
+
+enum class JobType { Unknown, Pull, Copy, Commit, ActiveCommit, Backup };
+[[nodiscard]] const char* to_string(JobType t);
+
+struct JobInfo {
+  JobType type = JobType::Unknown;
+  std::uint64_t cur = 0;
+  std::uint64_t end = 0;
+  std::uint64_t bandwidth_bytes_per_s = 0;  // 0 = unlimited
+};
+
+enum class JobEventKind {
+  StatusChange,  // QEMU JOB_STATUS_CHANGE (created, running, ...): look at the domain now
+  Completed,
+  Failed,
+  Canceled,
+  Ready,
+};
+[[nodiscard]] const char* to_string(JobEventKind k);
+
+struct JobEvent {
+  JobEventKind kind = JobEventKind::StatusChange;
+  std::string domain;  // domain name
+  std::string disk;    // disk target or path; may be empty for StatusChange
+  JobType type = JobType::Unknown;
+  std::string detail;  // e.g. QEMU status or job id
+};
+
+class Hypervisor {
+ public:
+  virtual ~Hypervisor() = default;
+
+  // (Re)connect and (re)register event callbacks.  false when the hypervisor is unreachable.
+  [[nodiscard]] virtual bool connect() = 0;
+  [[nodiscard]] virtual bool connected() const = 0;
+
+  // Running domains with their disks.
+  [[nodiscard]] virtual std::vector<DomainInfo> running_domains() = 0;
+  [[nodiscard]] virtual std::vector<PoolInfo> pools() = 0;
+  // Pool holding a volume with this path (virStorageVolLookupByPath), when known.
+  [[nodiscard]] virtual std::optional<PoolInfo> pool_of_volume(const std::string& path) = 0;
+
+  [[nodiscard]] virtual std::optional<BlockStats> block_stats(const std::string& domain,
+                                                              const std::string& disk) = 0;
+  [[nodiscard]] virtual std::optional<JobInfo> job_info(const std::string& domain,
+                                                        const std::string& disk) = 0;
+  // Never called with 0 (0 means unlimited in QEMU).
+  [[nodiscard]] virtual bool set_job_speed(const std::string& domain, const std::string& disk,
+                                           std::uint64_t bytes_per_s) = 0;
+
+  // Events are delivered by the implementation's event loop on the thread that runs it.
+  using EventSink = std::function<void(const JobEvent&)>;
+  virtual void set_event_sink(EventSink sink) = 0;
+};
+
+}  // namespace qcommit::plugin

@@ -1,0 +1,352 @@
+#include "plugin/libvirt_hypervisor.h"
+
+#include <glib.h>
+#include <libvirt/libvirt-qemu.h>
+#include <libvirt/virterror.h>
+#include <sys/stat.h>
+
+#include <cstdlib>
+#include <memory>
+
+#include "plugin/config.h"
+
+namespace qcommit::plugin {
+namespace {
+
+struct DomainDeleter {
+  void operator()(virDomainPtr d) const { virDomainFree(d); }
+};
+struct PoolDeleter {
+  void operator()(virStoragePoolPtr p) const { virStoragePoolFree(p); }
+};
+struct VolDeleter {
+  void operator()(virStorageVolPtr v) const { virStorageVolFree(v); }
+};
+struct CFree {
+  void operator()(void* p) const { std::free(p); }
+};
+using Domain = std::unique_ptr<virDomain, DomainDeleter>;
+using Pool = std::unique_ptr<virStoragePool, PoolDeleter>;
+using Vol = std::unique_ptr<virStorageVol, VolDeleter>;
+using CString = std::unique_ptr<char, CFree>;
+
+void silent_error(void*, virErrorPtr) {}
+
+JobType job_type(int t) {
+  switch (t) {
+    case VIR_DOMAIN_BLOCK_JOB_TYPE_PULL: return JobType::Pull;
+    case VIR_DOMAIN_BLOCK_JOB_TYPE_COPY: return JobType::Copy;
+    case VIR_DOMAIN_BLOCK_JOB_TYPE_COMMIT: return JobType::Commit;
+    case VIR_DOMAIN_BLOCK_JOB_TYPE_ACTIVE_COMMIT: return JobType::ActiveCommit;
+    case VIR_DOMAIN_BLOCK_JOB_TYPE_BACKUP: return JobType::Backup;
+    default: return JobType::Unknown;
+  }
+}
+
+void on_block_job(virConnectPtr, virDomainPtr dom, const char* disk, int type, int status,
+                  void* opaque) {
+  JobEvent e;
+  switch (status) {
+    case VIR_DOMAIN_BLOCK_JOB_COMPLETED: e.kind = JobEventKind::Completed; break;
+    case VIR_DOMAIN_BLOCK_JOB_FAILED: e.kind = JobEventKind::Failed; break;
+    case VIR_DOMAIN_BLOCK_JOB_CANCELED: e.kind = JobEventKind::Canceled; break;
+    case VIR_DOMAIN_BLOCK_JOB_READY: e.kind = JobEventKind::Ready; break;
+    default: return;
+  }
+  const char* name = virDomainGetName(dom);
+  e.domain = name ? name : "";
+  e.disk = disk ? disk : "";
+  e.type = job_type(type);
+  static_cast<LibvirtHypervisor*>(opaque)->deliver(e);
+}
+
+void on_qemu_event(virConnectPtr, virDomainPtr dom, const char* event, long long, unsigned int,
+                   const char* details, void* opaque) {
+  JobEvent e;
+  e.kind = JobEventKind::StatusChange;
+  const char* name = virDomainGetName(dom);
+  e.domain = name ? name : "";
+  e.detail = std::string(event ? event : "") + " " + (details ? details : "");
+  static_cast<LibvirtHypervisor*>(opaque)->deliver(e);
+}
+
+void on_close(virConnectPtr, int, void* opaque) {
+  static_cast<LibvirtHypervisor*>(opaque)->mark_closed();
+}
+
+// --- domain XML disks ---------------------------------------------------------------------
+struct DiskParse {
+  std::vector<DiskInfo> disks;
+  std::vector<std::string> stack;
+  bool in_disk = false;
+  bool wanted = false;
+  DiskInfo cur;
+};
+
+const char* attr(const gchar** names, const gchar** values, const char* key) {
+  for (size_t i = 0; names[i]; ++i)
+    if (std::string(names[i]) == key) return values[i];
+  return nullptr;
+}
+
+void disk_start(GMarkupParseContext*, const gchar* el, const gchar** names, const gchar** values,
+                gpointer user, GError**) {
+  auto* st = static_cast<DiskParse*>(user);
+  const std::string e = el;
+  const std::string parent = st->stack.empty() ? "" : st->stack.back();
+  st->stack.push_back(e);
+  if (e == "disk" && parent == "devices") {
+    st->in_disk = true;
+    const char* dev = attr(names, values, "device");
+    st->wanted = !dev || std::string(dev) == "disk";
+    st->cur = DiskInfo{};
+    return;
+  }
+  if (!st->in_disk) return;
+  const char* file = attr(names, values, "file");
+  if (!file) file = attr(names, values, "dev");
+  if (e == "target" && parent == "disk") {
+    if (const char* d = attr(names, values, "dev")) st->cur.target = d;
+  } else if (e == "source" && file) {
+    if (parent == "disk") st->cur.source = file;
+    else if (parent == "backingStore") st->cur.backing_chain.push_back(file);
+    else if (parent == "mirror") st->cur.mirror = file;
+  } else if (e == "mirror" && file) {
+    st->cur.mirror = file;  // old-style <mirror file=...>
+  }
+}
+
+void disk_end(GMarkupParseContext*, const gchar* el, gpointer user, GError**) {
+  auto* st = static_cast<DiskParse*>(user);
+  if (!st->stack.empty()) st->stack.pop_back();
+  if (std::string(el) == "disk" && st->in_disk &&
+      (st->stack.empty() || st->stack.back() == "devices")) {
+    st->in_disk = false;
+    if (st->wanted && !st->cur.target.empty() && !st->cur.source.empty())
+      st->disks.push_back(st->cur);
+  }
+}
+
+std::string pool_target_path(const std::string& xml) {
+  const auto t = xml.find("<target>");
+  if (t == std::string::npos) return "";
+  const auto p = xml.find("<path>", t);
+  const auto q = xml.find("</path>", t);
+  if (p == std::string::npos || q == std::string::npos || q < p) return "";
+  return xml.substr(p + 6, q - p - 6);
+}
+
+}  // namespace
+
+std::vector<DiskInfo> parse_domain_disks(const std::string& xml) {
+  DiskParse st;
+  GMarkupParser parser{};
+  parser.start_element = disk_start;
+  parser.end_element = disk_end;
+  GMarkupParseContext* ctx = g_markup_parse_context_new(&parser, GMarkupParseFlags{}, &st, nullptr);
+  GError* err = nullptr;
+  const bool ok = g_markup_parse_context_parse(ctx, xml.data(), static_cast<gssize>(xml.size()), &err) &&
+                  g_markup_parse_context_end_parse(ctx, &err);
+  g_markup_parse_context_free(ctx);
+  if (err) g_error_free(err);
+  if (!ok) return {};
+  for (auto& d : st.disks) {
+    struct stat sb{};
+    if (::stat(d.source.c_str(), &sb) == 0) d.device = static_cast<std::uint64_t>(sb.st_dev);
+  }
+  return st.disks;
+}
+
+LibvirtHypervisor::LibvirtHypervisor(std::string uri) : uri_(std::move(uri)) {
+  virSetErrorFunc(nullptr, silent_error);
+}
+
+LibvirtHypervisor::~LibvirtHypervisor() { disconnect(); }
+
+void LibvirtHypervisor::disconnect() {
+  if (!conn_) return;
+  if (block_job_cb_ >= 0) virConnectDomainEventDeregisterAny(conn_, block_job_cb_);
+  if (qemu_cb_ >= 0) virConnectDomainQemuMonitorEventDeregister(conn_, qemu_cb_);
+  virConnectUnregisterCloseCallback(conn_, on_close);
+  virConnectClose(conn_);
+  conn_ = nullptr;
+  block_job_cb_ = qemu_cb_ = -1;
+}
+
+bool LibvirtHypervisor::connect() {
+  disconnect();
+  closed_ = false;
+  conn_ = virConnectOpen(uri_.c_str());
+  if (!conn_) {
+    virErrorPtr e = virGetLastError();
+    last_error_ = e && e->message ? e->message : "cannot connect";
+    return false;
+  }
+  virConnectRegisterCloseCallback(conn_, on_close, this, nullptr);
+  virConnectSetKeepAlive(conn_, 5, 3);
+  block_job_cb_ = virConnectDomainEventRegisterAny(
+      conn_, nullptr, VIR_DOMAIN_EVENT_ID_BLOCK_JOB_2, VIR_DOMAIN_EVENT_CALLBACK(on_block_job),
+      this, nullptr);
+  qemu_cb_ = virConnectDomainQemuMonitorEventRegister(conn_, nullptr, "JOB_STATUS_CHANGE",
+                                                     on_qemu_event, this, nullptr, 0);
+  return true;
+}
+
+bool LibvirtHypervisor::connected() const { return conn_ && !closed_ && virConnectIsAlive(conn_) == 1; }
+
+void LibvirtHypervisor::throw_disconnected() {
+  throw HypervisorDisconnected(uri_ + ": connection to libvirtd lost");
+}
+
+void LibvirtHypervisor::check_alive() {
+  if (!connected()) throw_disconnected();
+}
+
+std::vector<DomainInfo> LibvirtHypervisor::running_domains() {
+  check_alive();
+  virDomainPtr* list = nullptr;
+  const int n = virConnectListAllDomains(conn_, &list, VIR_CONNECT_LIST_DOMAINS_ACTIVE);
+  if (n < 0) {
+    check_alive();
+    return {};
+  }
+  std::vector<Domain> doms;
+  for (int i = 0; i < n; ++i) doms.emplace_back(list[i]);
+  std::free(list);
+  std::vector<DomainInfo> out;
+  for (auto& d : doms) {
+    DomainInfo info;
+    const char* name = virDomainGetName(d.get());
+    if (!name) continue;
+    info.name = name;
+    char uuid[VIR_UUID_STRING_BUFLEN];
+    if (virDomainGetUUIDString(d.get(), uuid) == 0) info.uuid = uuid;
+    CString xml(virDomainGetXMLDesc(d.get(), 0));
+    if (!xml) continue;  // domain went away
+    info.disks = parse_domain_disks(xml.get());
+    CString meta(virDomainGetMetadata(d.get(), VIR_DOMAIN_METADATA_ELEMENT, kMetadataNamespace, 0));
+    if (meta) info.policy_xml = meta.get();
+    out.push_back(std::move(info));
+  }
+  return out;
+}
+
+std::vector<PoolInfo> LibvirtHypervisor::pools() {
+  check_alive();
+  virStoragePoolPtr* list = nullptr;
+  const int n = virConnectListAllStoragePools(conn_, &list, VIR_CONNECT_LIST_STORAGE_POOLS_ACTIVE);
+  if (n < 0) {
+    check_alive();
+    return {};
+  }
+  std::vector<Pool> pools;
+  for (int i = 0; i < n; ++i) pools.emplace_back(list[i]);
+  std::free(list);
+  std::vector<PoolInfo> out;
+  for (auto& p : pools) {
+    PoolInfo info;
+    const char* name = virStoragePoolGetName(p.get());
+    info.name = name ? name : "";
+    char uuid[VIR_UUID_STRING_BUFLEN];
+    if (virStoragePoolGetUUIDString(p.get(), uuid) == 0) info.uuid = uuid;
+    CString xml(virStoragePoolGetXMLDesc(p.get(), 0));
+    if (xml) info.target_path = pool_target_path(xml.get());
+    out.push_back(std::move(info));
+  }
+  return out;
+}
+
+std::optional<PoolInfo> LibvirtHypervisor::pool_of_volume(const std::string& path) {
+  check_alive();
+  Vol vol(virStorageVolLookupByPath(conn_, path.c_str()));
+  if (!vol) {
+    check_alive();
+    return std::nullopt;
+  }
+  Pool pool(virStoragePoolLookupByVolume(vol.get()));
+  if (!pool) return std::nullopt;
+  PoolInfo info;
+  const char* name = virStoragePoolGetName(pool.get());
+  info.name = name ? name : "";
+  char uuid[VIR_UUID_STRING_BUFLEN];
+  if (virStoragePoolGetUUIDString(pool.get(), uuid) == 0) info.uuid = uuid;
+  CString xml(virStoragePoolGetXMLDesc(pool.get(), 0));
+  if (xml) info.target_path = pool_target_path(xml.get());
+  return info;
+}
+
+std::optional<BlockStats> LibvirtHypervisor::block_stats(const std::string& domain,
+                                                         const std::string& disk) {
+  check_alive();
+  Domain d(virDomainLookupByName(conn_, domain.c_str()));
+  if (!d) {
+    check_alive();
+    return std::nullopt;
+  }
+  int n = 0;
+  if (virDomainBlockStatsFlags(d.get(), disk.c_str(), nullptr, &n, 0) < 0 || n <= 0) {
+    check_alive();
+    return std::nullopt;
+  }
+  std::vector<virTypedParameter> params(static_cast<size_t>(n));
+  if (virDomainBlockStatsFlags(d.get(), disk.c_str(), params.data(), &n, 0) < 0) {
+    check_alive();
+    return std::nullopt;
+  }
+  BlockStats s;
+  for (int i = 0; i < n; ++i) {
+    const virTypedParameter& p = params[static_cast<size_t>(i)];
+    std::int64_t v = 0;
+    if (p.type == VIR_TYPED_PARAM_LLONG) v = p.value.l;
+    else if (p.type == VIR_TYPED_PARAM_ULLONG) v = static_cast<std::int64_t>(p.value.ul);
+    else continue;
+    const std::string f = p.field;
+    if (f == VIR_DOMAIN_BLOCK_STATS_WRITE_REQ) s.wr_reqs = v;
+    else if (f == VIR_DOMAIN_BLOCK_STATS_WRITE_TOTAL_TIMES) s.wr_total_times_ns = v;
+    else if (f == VIR_DOMAIN_BLOCK_STATS_FLUSH_REQ) s.flush_reqs = v;
+    else if (f == VIR_DOMAIN_BLOCK_STATS_FLUSH_TOTAL_TIMES) s.flush_total_times_ns = v;
+  }
+  return s;
+}
+
+std::optional<JobInfo> LibvirtHypervisor::job_info(const std::string& domain,
+                                                   const std::string& disk) {
+  check_alive();
+  Domain d(virDomainLookupByName(conn_, domain.c_str()));
+  if (!d) {
+    check_alive();
+    return std::nullopt;
+  }
+  virDomainBlockJobInfo info{};
+  const int rc = virDomainGetBlockJobInfo(d.get(), disk.c_str(), &info,
+                                          VIR_DOMAIN_BLOCK_JOB_INFO_BANDWIDTH_BYTES);
+  if (rc <= 0) {
+    if (rc < 0) check_alive();
+    return std::nullopt;
+  }
+  JobInfo j;
+  j.type = job_type(info.type);
+  j.cur = info.cur;
+  j.end = info.end;
+  j.bandwidth_bytes_per_s = info.bandwidth;
+  return j;
+}
+
+bool LibvirtHypervisor::set_job_speed(const std::string& domain, const std::string& disk,
+                                      std::uint64_t bytes_per_s) {
+  if (bytes_per_s == 0) return false;  // 0 would mean unlimited
+  check_alive();
+  Domain d(virDomainLookupByName(conn_, domain.c_str()));
+  if (!d) {
+    check_alive();
+    return false;
+  }
+  if (virDomainBlockJobSetSpeed(d.get(), disk.c_str(), bytes_per_s,
+                                VIR_DOMAIN_BLOCK_JOB_SPEED_BANDWIDTH_BYTES) < 0) {
+    check_alive();
+    return false;
+  }
+  return true;
+}
+
+}  // namespace qcommit::plugin

@@ -1,0 +1,58 @@
+// Hypervisor implemented with the libvirt C API.  Glue only: no policy.  Needs a libvirt event
+// loop implementation registered (virEventRegisterDefaultImpl) before connect().
+#pragma once
+
+#include <libvirt/libvirt.h>
+
+#include <string>
+
+#include "plugin/hypervisor.h"
+
+namespace qcommit::plugin {
+
+class LibvirtHypervisor final : public Hypervisor {
+ public:
+  explicit LibvirtHypervisor(std::string uri);
+  ~LibvirtHypervisor() override;
+  LibvirtHypervisor(const LibvirtHypervisor&) = delete;
+  LibvirtHypervisor& operator=(const LibvirtHypervisor&) = delete;
+
+  [[nodiscard]] bool connect() override;
+  [[nodiscard]] bool connected() const override;
+  [[nodiscard]] std::vector<DomainInfo> running_domains() override;
+  [[nodiscard]] std::vector<PoolInfo> pools() override;
+  [[nodiscard]] std::optional<PoolInfo> pool_of_volume(const std::string& path) override;
+  [[nodiscard]] std::optional<BlockStats> block_stats(const std::string& domain,
+                                                      const std::string& disk) override;
+  [[nodiscard]] std::optional<JobInfo> job_info(const std::string& domain,
+                                                const std::string& disk) override;
+  [[nodiscard]] bool set_job_speed(const std::string& domain, const std::string& disk,
+                                   std::uint64_t bytes_per_s) override;
+  void set_event_sink(EventSink sink) override { sink_ = std::move(sink); }
+
+  // Used by the C callbacks.
+  void deliver(const JobEvent& e) {
+    if (sink_) sink_(e);
+  }
+  void mark_closed() { closed_ = true; }
+
+  [[nodiscard]] const std::string& last_error() const { return last_error_; }
+
+ private:
+  void disconnect();
+  [[noreturn]] void throw_disconnected();
+  void check_alive();  // throws HypervisorDisconnected when the connection is dead
+
+  std::string uri_;
+  virConnectPtr conn_ = nullptr;
+  bool closed_ = false;
+  int block_job_cb_ = -1;
+  int qemu_cb_ = -1;
+  EventSink sink_;
+  std::string last_error_;
+};
+
+// Parses the <devices><disk> elements of a domain XML (exposed for tests).
+[[nodiscard]] std::vector<DiskInfo> parse_domain_disks(const std::string& xml);
+
+}  // namespace qcommit::plugin

@@ -1,0 +1,158 @@
+#include "plugin/writeback.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <fstream>
+#include <sstream>
+
+namespace qcommit::plugin {
+
+std::optional<std::string> WritebackConfig::validate() const {
+  if (piece_bytes == 0 || piece_bytes % 4096 != 0) return "writeback piece must be a multiple of 4K";
+  if (max_probes_per_tick == 0) return "writeback max_probes_per_tick must be > 0";
+  return std::nullopt;
+}
+
+WritebackPlan WritebackPlanner::plan(const WritebackInput& in, const DirtyProbe& dirty_in) {
+  WritebackPlan out;
+  if (in.file_size == 0) return out;
+  if (cursor_ >= in.file_size) cursor_ = 0;
+  const std::uint64_t budget =
+      in.window_bytes > in.writeback_bytes ? in.window_bytes - in.writeback_bytes : 0;
+  const std::uint64_t start = cursor_;
+  std::uint64_t scanned = 0;
+  for (std::uint32_t probes = 0; probes < cfg_.max_probes_per_tick && scanned < in.file_size;
+       ++probes) {
+    ByteRange r{cursor_, std::min(cfg_.piece_bytes, in.file_size - cursor_)};
+    const std::uint64_t d = dirty_in(r);
+    if (d > 0) {
+      const bool liveness = in.writeback_bytes == 0 && out.dirty_bytes_issued == 0;
+      if (out.dirty_bytes_issued + d > budget && !liveness) break;  // resume here next tick
+      if (!out.ranges.empty() &&
+          out.ranges.back().offset + out.ranges.back().length == r.offset) {
+        out.ranges.back().length += r.length;
+      } else {
+        out.ranges.push_back(r);
+      }
+      out.dirty_bytes_issued += d;
+    }
+    scanned += r.length;
+    cursor_ += r.length;
+    if (cursor_ >= in.file_size) cursor_ = 0;
+    if (cursor_ == start) break;
+  }
+  return out;
+}
+
+std::optional<PageCacheState> parse_meminfo(const std::string& text) {
+  std::istringstream is(text);
+  std::string line;
+  std::optional<std::uint64_t> dirty, wb;
+  while (std::getline(is, line)) {
+    std::istringstream ls(line);
+    std::string key;
+    std::uint64_t kb = 0;
+    if (!(ls >> key >> kb)) continue;
+    if (key == "Dirty:") dirty = kb * 1024;
+    else if (key == "Writeback:") wb = kb * 1024;
+  }
+  if (!dirty || !wb) return std::nullopt;
+  return PageCacheState{*dirty, *wb, false};
+}
+
+namespace {
+
+#ifndef __NR_cachestat
+constexpr long kSysCachestat = 451;
+#else
+constexpr long kSysCachestat = __NR_cachestat;
+#endif
+
+struct CachestatRange {
+  std::uint64_t off;
+  std::uint64_t len;
+};
+struct Cachestat {
+  std::uint64_t nr_cache;
+  std::uint64_t nr_dirty;
+  std::uint64_t nr_writeback;
+  std::uint64_t nr_evicted;
+  std::uint64_t nr_recently_evicted;
+};
+
+class Fd {
+ public:
+  explicit Fd(int fd) : fd_(fd) {}
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  [[nodiscard]] int get() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+class SystemTargetFile final : public TargetFile {
+ public:
+  explicit SystemTargetFile(int fd) : fd_(fd) {}
+
+  std::uint64_t size() override {
+    struct stat st{};
+    if (::fstat(fd_.get(), &st) != 0) return 0;
+    return static_cast<std::uint64_t>(st.st_size);
+  }
+  std::optional<std::uint64_t> device() override {
+    struct stat st{};
+    if (::fstat(fd_.get(), &st) != 0) return std::nullopt;
+    return static_cast<std::uint64_t>(st.st_dev);
+  }
+  std::optional<PageCacheState> page_cache() override {
+    if (auto cs = cachestat({0, 0}))
+      return PageCacheState{cs->nr_dirty * page_, cs->nr_writeback * page_, true};
+    std::ifstream f("/proc/meminfo");
+    std::stringstream ss;
+    ss << f.rdbuf();
+    return parse_meminfo(ss.str());
+  }
+  std::uint64_t dirty_in(const ByteRange& r) override {
+    if (auto cs = cachestat(r)) return cs->nr_dirty * page_;
+    return r.length;  // unknown: assume dirty (sync_file_range on clean pages is cheap)
+  }
+  void start_writeback(const ByteRange& r) override {
+    // Best effort: a failure leaves the writeback to the kernel's flusher.
+    (void)::sync_file_range(fd_.get(), static_cast<off_t>(r.offset), static_cast<off_t>(r.length),
+                            SYNC_FILE_RANGE_WRITE);
+  }
+
+ private:
+  std::optional<Cachestat> cachestat(const ByteRange& r) {
+    if (no_cachestat_) return std::nullopt;
+    CachestatRange range{r.offset, r.length};
+    Cachestat cs{};
+    if (::syscall(kSysCachestat, fd_.get(), &range, &cs, 0) != 0) {
+      if (errno == ENOSYS || errno == EOPNOTSUPP) no_cachestat_ = true;
+      return std::nullopt;
+    }
+    return cs;
+  }
+
+  Fd fd_;
+  std::uint64_t page_ = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+  bool no_cachestat_ = false;
+};
+
+}  // namespace
+
+std::unique_ptr<TargetFile> SystemTargetFiles::open(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return nullptr;
+  return std::make_unique<SystemTargetFile>(fd);
+}
+
+}  // namespace qcommit::plugin

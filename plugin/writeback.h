@@ -1,0 +1,99 @@
+// Writeback pacing of a job's target file: the daemon starts writeback of the target's dirty
+// pages itself, in small pieces, so that the bytes queued at storage (pages under writeback)
+// stay within the controller's window instead of leaving gigabytes to the kernel's flusher,
+// which writes them in bursts that queue ahead of the guests' flushes.
+//
+// WritebackPlanner is pure (it asks a probe for the dirty bytes of a range and returns the
+// ranges to start writing back); PageCacheFile is the syscall adapter (cachestat(2) with a
+// /proc/meminfo fallback, sync_file_range(SYNC_FILE_RANGE_WRITE)).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace qcommit::plugin {
+
+struct ByteRange {
+  std::uint64_t offset = 0;
+  std::uint64_t length = 0;
+  bool operator==(const ByteRange&) const = default;
+};
+
+inline constexpr std::uint64_t kWritebackPieceBytes = 256 * 1024;
+inline constexpr std::uint32_t kMaxWritebackProbesPerTick = 4096;  // 1 GiB of file per tick
+
+struct WritebackConfig {
+  std::uint64_t piece_bytes = kWritebackPieceBytes;  // granularity of probes and writeback
+  std::uint32_t max_probes_per_tick = kMaxWritebackProbesPerTick;
+  [[nodiscard]] std::optional<std::string> validate() const;
+};
+
+struct WritebackInput {
+  std::uint64_t file_size = 0;
+  std::uint64_t writeback_bytes = 0;  // pages of the file already under writeback
+  std::uint64_t window_bytes = 0;     // the controller's window
+};
+
+struct WritebackPlan {
+  std::vector<ByteRange> ranges;      // start writeback of these (merged, ascending per lap)
+  std::uint64_t dirty_bytes_issued = 0;
+};
+
+class WritebackPlanner {
+ public:
+  explicit WritebackPlanner(WritebackConfig cfg = {}) : cfg_(cfg) {}
+
+  // Dirty bytes (not yet under writeback) in a range.
+  using DirtyProbe = std::function<std::uint64_t(const ByteRange&)>;
+
+  // Sweeps the file from where the previous plan stopped.  Guarantees
+  //   writeback_bytes + dirty_bytes_issued <= window_bytes,
+  // except that when nothing is under writeback one piece may be issued (liveness).
+  [[nodiscard]] WritebackPlan plan(const WritebackInput& in, const DirtyProbe& dirty_in);
+
+  [[nodiscard]] std::uint64_t cursor() const { return cursor_; }
+
+ private:
+  WritebackConfig cfg_;
+  std::uint64_t cursor_ = 0;
+};
+
+struct PageCacheState {
+  std::uint64_t dirty_bytes = 0;
+  std::uint64_t writeback_bytes = 0;
+  bool per_file = true;  // false: system-wide /proc/meminfo fallback
+};
+
+// The job's target file as the governor sees it.
+class TargetFile {
+ public:
+  virtual ~TargetFile() = default;
+  [[nodiscard]] virtual std::uint64_t size() = 0;
+  [[nodiscard]] virtual std::optional<std::uint64_t> device() = 0;  // st_dev
+  [[nodiscard]] virtual std::optional<PageCacheState> page_cache() = 0;
+  [[nodiscard]] virtual std::uint64_t dirty_in(const ByteRange& r) = 0;
+  virtual void start_writeback(const ByteRange& r) = 0;
+};
+
+class TargetFiles {
+ public:
+  virtual ~TargetFiles() = default;
+  // nullptr when the file cannot be opened.
+  [[nodiscard]] virtual std::unique_ptr<TargetFile> open(const std::string& path) = 0;
+};
+
+// Real files: open(O_RDONLY|O_CLOEXEC), cachestat(2) (syscall 451, kernel >= 6.5) or the
+// /proc/meminfo Dirty+Writeback fallback, sync_file_range(SYNC_FILE_RANGE_WRITE).
+class SystemTargetFiles final : public TargetFiles {
+ public:
+  [[nodiscard]] std::unique_ptr<TargetFile> open(const std::string& path) override;
+};
+
+// Parses /proc/meminfo text: Dirty + Writeback in bytes.  nullopt when absent.
+[[nodiscard]] std::optional<PageCacheState> parse_meminfo(const std::string& text);
+
+}  // namespace qcommit::plugin
