@@ -330,7 +330,7 @@ expect_error() {
   local img=$1 what=$2 named=${3:-$1} cmd rc
   for cmd in map info; do
     rc=0
-    "$QCOMMIT" $cmd --output=json "$img" >/dev/null 2>err.txt || rc=$?
+    timeout 20 "$QCOMMIT" $cmd --output=json "$img" >/dev/null 2>err.txt || rc=$?
     if [ $rc -ne 1 ] && [ $rc -ne 3 ]; then
       fail "$img: qcommit $cmd exited $rc (want 1 or 3): $(cat err.txt)"
     elif [ "$(wc -l <err.txt)" -ne 1 ]; then
@@ -362,6 +362,8 @@ cp good.qcow2 bad-l1.qcow2 && patch bad-l1.qcow2 40 0000000000030200
 expect_error bad-l1.qcow2 "L1"
 cp good.qcow2 bad-l1size.qcow2 && patch bad-l1size.qcow2 36 7fffffff
 expect_error bad-l1size.qcow2 "L1"
+cp good.qcow2 bad-hugesize.qcow2 && patch bad-hugesize.qcow2 24 fffffffffffffe00  # ~2^64: no wrap, no hang
+expect_error bad-hugesize.qcow2 "L1"
 cp good.qcow2 bad-reftable.qcow2 && patch bad-reftable.qcow2 48 0000000100000000
 expect_error bad-reftable.qcow2 "refcount table"
 cp good.qcow2 bad-incompat.qcow2 && patch bad-incompat.qcow2 72 0000000000000100
