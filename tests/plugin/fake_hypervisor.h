@@ -1,0 +1,143 @@
+// Scripted Hypervisor and TargetFiles for the governor tests.
+#pragma once
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "plugin/hypervisor.h"
+#include "plugin/writeback.h"
+
+namespace qcommit::plugin::test {
+
+struct SpeedCall {
+  std::string domain, disk;
+  std::uint64_t speed;
+};
+
+class FakeHypervisor final : public Hypervisor {
+ public:
+  // --- script ---
+  bool daemon_up = true;  // libvirtd reachable
+  std::vector<DomainInfo> domains;
+  std::vector<PoolInfo> pool_list;
+  std::map<std::string, PoolInfo> volumes;  // path → pool
+  std::map<std::pair<std::string, std::string>, BlockStats> stats;
+  std::map<std::pair<std::string, std::string>, JobInfo> jobs;
+  std::vector<SpeedCall> speed_calls;
+  int connects = 0;
+
+  void libvirtd_stops() {
+    daemon_up = false;
+    connected_ = false;
+  }
+  void emit(const JobEvent& e) {
+    if (sink_ && connected_) sink_(e);
+  }
+  [[nodiscard]] std::uint64_t speed(const std::string& dom, const std::string& disk) const {
+    auto it = jobs.find({dom, disk});
+    return it == jobs.end() ? 0 : it->second.bandwidth_bytes_per_s;
+  }
+
+  // --- Hypervisor ---
+  bool connect() override {
+    ++connects;
+    connected_ = daemon_up;
+    return connected_;
+  }
+  bool connected() const override { return connected_; }
+  std::vector<DomainInfo> running_domains() override {
+    check();
+    return domains;
+  }
+  std::vector<PoolInfo> pools() override {
+    check();
+    return pool_list;
+  }
+  std::optional<PoolInfo> pool_of_volume(const std::string& path) override {
+    check();
+    auto it = volumes.find(path);
+    if (it == volumes.end()) return std::nullopt;
+    return it->second;
+  }
+  std::optional<BlockStats> block_stats(const std::string& d, const std::string& k) override {
+    check();
+    auto it = stats.find({d, k});
+    if (it == stats.end()) return std::nullopt;
+    return it->second;
+  }
+  std::optional<JobInfo> job_info(const std::string& d, const std::string& k) override {
+    check();
+    auto it = jobs.find({d, k});
+    if (it == jobs.end()) return std::nullopt;
+    return it->second;
+  }
+  bool set_job_speed(const std::string& d, const std::string& k, std::uint64_t bps) override {
+    check();
+    speed_calls.push_back({d, k, bps});
+    auto it = jobs.find({d, k});
+    if (it == jobs.end()) return false;
+    it->second.bandwidth_bytes_per_s = bps;
+    return true;
+  }
+  void set_event_sink(EventSink sink) override { sink_ = std::move(sink); }
+
+ private:
+  void check() const {
+    if (!connected_) throw HypervisorDisconnected("fake: libvirtd is down");
+  }
+  bool connected_ = false;
+  EventSink sink_;
+};
+
+// A target file whose page cache the test scripts: `dirty` bytes not yet under writeback,
+// `writeback` bytes queued at storage.  start_writeback moves dirty bytes of the range.
+struct FakeFileState {
+  std::uint64_t size = 1ull << 30;
+  std::uint64_t device = 7;
+  std::uint64_t dirty = 0;
+  std::uint64_t writeback = 0;
+  std::uint64_t writeback_started = 0;
+};
+
+class FakeTargetFiles final : public TargetFiles {
+ public:
+  std::map<std::string, std::shared_ptr<FakeFileState>> files;
+
+  std::unique_ptr<TargetFile> open(const std::string& path) override {
+    auto it = files.find(path);
+    if (it == files.end()) return nullptr;
+    return std::make_unique<File>(it->second);
+  }
+
+ private:
+  class File final : public TargetFile {
+   public:
+    explicit File(std::shared_ptr<FakeFileState> s) : s_(std::move(s)) {}
+    std::uint64_t size() override { return s_->size; }
+    std::optional<std::uint64_t> device() override { return s_->device; }
+    std::optional<PageCacheState> page_cache() override {
+      return PageCacheState{s_->dirty, s_->writeback, true};
+    }
+    // Dirty bytes are spread evenly over the file.
+    std::uint64_t dirty_in(const ByteRange& r) override {
+      if (s_->size == 0) return 0;
+      const double share = static_cast<double>(r.length) / static_cast<double>(s_->size);
+      return std::min(s_->dirty, static_cast<std::uint64_t>(static_cast<double>(s_->dirty) * share + 0.5));
+    }
+    void start_writeback(const ByteRange& r) override {
+      const std::uint64_t d = dirty_in(r);
+      s_->dirty -= d;
+      s_->writeback += d;
+      s_->writeback_started += d;
+    }
+
+   private:
+    std::shared_ptr<FakeFileState> s_;
+  };
+};
+
+}  // namespace qcommit::plugin::test

@@ -1,0 +1,81 @@
+#include <doctest/doctest.h>
+
+#include "plugin/config.h"
+#include "plugin/libvirt_hypervisor.h"
+
+using namespace qcommit::plugin;
+using namespace std::chrono_literals;
+
+TEST_CASE("plugin.config.parse") {
+  const DaemonConfig c = parse_config(
+      "[default]\nbudget=20ms\nfloor=1M\nceiling=1G\n"
+      "[pool:nfs]\nbudget=5ms\n"
+      "[pool:AAAAAAAA-1111-2222-3333-444444444444]\nceiling=100M\n",
+      "t.conf");
+  CHECK(c.defaults.budget == 20ms);
+  CHECK(c.defaults.floor_bytes_per_s == 1024.0 * 1024);
+  CHECK(c.defaults.ceiling_bytes_per_s == 1024.0 * 1024 * 1024);
+  const std::string nfs = "nfs", other = "x", uuid = "aaaaaaaa-1111-2222-3333-444444444444";
+  CHECK(policy_for_pool(c, &nfs, nullptr).budget == 5ms);
+  CHECK(policy_for_pool(c, &nfs, nullptr).floor_bytes_per_s == 1024.0 * 1024);  // inherited
+  CHECK(policy_for_pool(c, &other, &uuid).ceiling_bytes_per_s == 100.0 * 1024 * 1024);
+  CHECK(policy_for_pool(c, &other, nullptr) == c.defaults);
+  CHECK(policy_for_pool(c, nullptr, nullptr) == c.defaults);
+  CHECK(parse_config("", "empty.conf").defaults == Policy{});
+}
+
+TEST_CASE("plugin.config.errors") {
+  auto err = [](const std::string& text) -> std::string {
+    try {
+      (void)parse_config(text, "q.conf");
+    } catch (const ConfigError& e) {
+      return e.what();
+    }
+    return "";
+  };
+  CHECK(err("[default]\nbudget=fast\n").find("q.conf: [default] budget: bad duration") == 0);
+  CHECK(err("[default]\nbudget=20parsecs\n").find("bad duration unit") != std::string::npos);
+  CHECK(err("[default]\nfloor=1X\n").find("bad size unit") != std::string::npos);
+  CHECK(err("[default]\nfloor=2G\nceiling=1G\n").find("ceiling must be >= floor") != std::string::npos);
+  CHECK(err("[default]\nbudget=0ms\n").find("budget must be > 0") != std::string::npos);
+  CHECK(err("[default]\nbugdet=1ms\n").find("unknown key 'bugdet'") != std::string::npos);
+  CHECK(err("[pools:x]\nbudget=1ms\n").find("unknown section [pools:x]") != std::string::npos);
+  CHECK(err("not a key file").find("q.conf:") == 0);
+  CHECK_THROWS_AS((void)load_config("/nonexistent/qcommitd.conf", false), ConfigError);
+  CHECK(load_config("/nonexistent/qcommitd.conf", true).defaults == Policy{});
+}
+
+TEST_CASE("plugin.config.domain_override") {
+  Policy p;
+  CHECK_FALSE(apply_domain_override(
+      "<qcommit:policy xmlns:qcommit=\"https://qcommit.dev/xmlns/1\" budget=\"10ms\" floor=\"2M\"/>", p));
+  CHECK(p.budget == 10ms);
+  CHECK(p.floor_bytes_per_s == 2.0 * 1024 * 1024);
+  Policy q;
+  auto e = apply_domain_override("<qcommit:policy budget=\"-3\"/>", q);
+  REQUIRE(e);
+  CHECK(e->find("bad duration") != std::string::npos);
+  CHECK(q == Policy{});
+  CHECK(apply_domain_override("<qcommit:policy budget=", q));
+  CHECK(apply_domain_override("<qcommit:policy color=\"red\"/>", q)->find("unknown attribute") !=
+        std::string::npos);
+}
+
+TEST_CASE("plugin.libvirt.parse_domain_disks") {
+  const auto disks = parse_domain_disks(R"(<domain type='qemu'><name>d</name><devices>
+    <disk type='file' device='disk'><driver name='qemu' type='qcow2'/>
+      <source file='/p/top.qcow2' index='2'/>
+      <backingStore type='file' index='1'><format type='qcow2'/><source file='/p/mid.qcow2'/>
+        <backingStore type='file' index='3'><format type='qcow2'/><source file='/p/base.qcow2'/>
+          <backingStore/></backingStore></backingStore>
+      <mirror type='file' job='active-commit' ready='no'><format type='qcow2'/>
+        <source file='/p/base.qcow2' index='3'/></mirror>
+      <target dev='vda' bus='virtio'/></disk>
+    <disk type='file' device='cdrom'><source file='/p/x.iso'/><target dev='sda'/></disk>
+    </devices><metadata><x:y xmlns:x='u'><disk/></x:y></metadata></domain>)");
+  REQUIRE(disks.size() == 1);
+  CHECK(disks[0].target == "vda");
+  CHECK(disks[0].source == "/p/top.qcow2");
+  CHECK(disks[0].backing_chain == std::vector<std::string>{"/p/mid.qcow2", "/p/base.qcow2"});
+  CHECK(disks[0].mirror == std::optional<std::string>("/p/base.qcow2"));
+}

@@ -1,0 +1,342 @@
+// Governor against the scripted FakeHypervisor, in virtual time.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+
+#include "plugin/control.h"
+#include "plugin/governor.h"
+#include "tests/plugin/fake_hypervisor.h"
+
+using namespace qcommit::plugin;
+using namespace qcommit::plugin::test;
+using namespace std::chrono_literals;
+
+namespace {
+
+constexpr const char* kBase = "/pool/vm1-base.qcow2";
+constexpr const char* kTop = "/pool/vm1-top.qcow2";
+
+struct World {
+  FakeHypervisor hv;
+  FakeTargetFiles files;
+  std::shared_ptr<FakeFileState> base = std::make_shared<FakeFileState>();
+  TimePoint now{std::chrono::seconds(1000)};
+  bool guest_active = true;  // vm1/vda and vm2/vdb complete one write per 10 ms
+  bool other_active = true;
+  Duration guest_latency = 2ms;
+  double storage_bytes_per_s = 200.0 * 1024 * 1024;  // writeback drain
+
+  World() {
+    files.files[kBase] = base;
+    DomainInfo vm1{"vm1", "11111111-1111-1111-1111-111111111111", {}, std::nullopt};
+    vm1.disks.push_back(DiskInfo{"vda", kTop, {kBase}, std::nullopt, 7});
+    DomainInfo vm2{"vm2", "22222222-2222-2222-2222-222222222222", {}, std::nullopt};
+    vm2.disks.push_back(DiskInfo{"vdb", "/other/vm2.qcow2", {}, std::nullopt, 9});
+    hv.domains = {vm1, vm2};
+    hv.pool_list = {PoolInfo{"fast", "aaaaaaaa-0000-0000-0000-000000000001", "/pool"}};
+    hv.stats[{"vm1", "vda"}] = {};
+    hv.stats[{"vm2", "vdb"}] = {};
+  }
+  void start_job(JobType t = JobType::ActiveCommit, std::uint64_t end = 8ull << 30) {
+    hv.jobs[{"vm1", "vda"}] = JobInfo{t, 0, end, 0};
+  }
+  // Advances the world by `dt` in 10 ms steps, stepping the governor when it asks.
+  void run(Governor& g, Duration dt, TimePoint* next = nullptr) {
+    TimePoint local_next = now;
+    TimePoint& nx = next ? *next : local_next;
+    const TimePoint until = now + dt;
+    while (now < until) {
+      if (now >= nx) nx = g.step(now);
+      now += 10ms;
+      simulate(10ms);
+    }
+  }
+  void simulate(Duration dt) {
+    const double secs = std::chrono::duration<double>(dt).count();
+    if (guest_active) {
+      auto& s = hv.stats[{"vm1", "vda"}];
+      s.wr_reqs += 1;
+      s.wr_total_times_ns += guest_latency.count();
+    }
+    if (other_active) {
+      auto& s = hv.stats[{"vm2", "vdb"}];
+      s.wr_reqs += 1;
+      s.wr_total_times_ns += 1000000;
+    }
+    auto it = hv.jobs.find({"vm1", "vda"});
+    if (it != hv.jobs.end() && it->second.bandwidth_bytes_per_s > 0) {
+      const auto n = std::min<std::uint64_t>(
+          it->second.end - it->second.cur,
+          static_cast<std::uint64_t>(static_cast<double>(it->second.bandwidth_bytes_per_s) * secs));
+      it->second.cur += n;
+      base->dirty += n;
+    }
+    const auto drained = std::min<std::uint64_t>(
+        base->writeback, static_cast<std::uint64_t>(storage_bytes_per_s * secs));
+    base->writeback -= drained;
+  }
+  [[nodiscard]] bool speed_ever_zero() const {
+    return std::any_of(hv.speed_calls.begin(), hv.speed_calls.end(),
+                       [](const SpeedCall& c) { return c.speed == 0; });
+  }
+};
+
+}  // namespace
+
+TEST_CASE("plugin.discovery.poll") {
+  World w;
+  Governor g(w.hv, w.files, DaemonConfig{});
+  TimePoint next = w.now;
+  w.run(g, 1s, &next);
+  CHECK(g.job_count() == 0);
+  w.run(g, 130ms, &next);
+  w.start_job();  // no event: only polling can find it
+  const TimePoint created = w.now;
+  TimePoint found{};
+  while (w.now < created + 2s) {
+    w.run(g, 10ms, &next);
+    if (g.job_count() == 1) {
+      found = w.now;
+      break;
+    }
+  }
+  REQUIRE(g.job_count() == 1);
+  CHECK(found - created <= 500ms + 10ms);
+  CHECK(w.hv.speed("vm1", "vda") > 0);
+}
+
+TEST_CASE("plugin.discovery.event") {
+  World w;
+  Governor g(w.hv, w.files, DaemonConfig{});
+  TimePoint next = w.now;
+  w.run(g, 1s, &next);
+  // Just after a poll: the next poll is ~0.5 s away; the event must make it faster.
+  w.start_job(JobType::Commit);
+  w.hv.emit(JobEvent{JobEventKind::StatusChange, "vm1", "", JobType::Unknown, "created"});
+  const TimePoint created = w.now;
+  while (g.job_count() == 0 && w.now < created + 1s) w.run(g, 10ms, &next);
+  CHECK(g.job_count() == 1);
+  CHECK(w.now - created <= 120ms);
+}
+
+TEST_CASE("plugin.discovery.adopts_running_jobs_at_start") {
+  World w;
+  w.start_job();
+  w.hv.jobs[{"vm1", "vda"}].bandwidth_bytes_per_s = 0;  // unlimited when we arrive
+  Governor g(w.hv, w.files, DaemonConfig{});
+  (void)g.step(w.now);
+  CHECK(g.job_count() == 1);
+  CHECK(w.hv.speed("vm1", "vda") > 0);
+  const auto st = g.status(w.now);
+  REQUIRE(st.jobs.size() == 1);
+  CHECK(st.jobs[0].target == kBase);
+  CHECK(st.jobs[0].pool == "fast");
+}
+
+TEST_CASE("plugin.governor.stall_min_speed_then_recovery") {
+  World w;
+  w.start_job();
+  Governor g(w.hv, w.files, DaemonConfig{});
+  TimePoint next = w.now;
+  w.run(g, 5s, &next);
+  const std::uint64_t before = w.hv.speed("vm1", "vda");
+  CHECK(before > kMinJobSpeedBytesPerS);
+
+  // Guest I/O stops completing (stuck behind a queue): no stats movement.
+  w.guest_active = false;
+  const TimePoint stall = w.now;
+  bool at_min = false;
+  while (w.now < stall + 1s) {
+    w.run(g, 10ms, &next);
+    if (w.hv.speed("vm1", "vda") == kMinJobSpeedBytesPerS) {
+      at_min = true;
+      break;
+    }
+  }
+  CHECK(at_min);
+  CHECK(w.now - stall <= 600ms);
+  w.run(g, 500ms, &next);
+  CHECK(w.hv.speed("vm1", "vda") == kMinJobSpeedBytesPerS);
+
+  // Completions with normal latency again: speed rises.
+  w.guest_active = true;
+  w.run(g, 3s, &next);
+  CHECK(w.hv.speed("vm1", "vda") > kMinJobSpeedBytesPerS);
+  CHECK_FALSE(w.speed_ever_zero());
+  CHECK(g.status(w.now).jobs.at(0).latency_p99.has_value());
+}
+
+TEST_CASE("plugin.governor.other_storage_does_not_throttle") {
+  World w;
+  w.start_job();
+  Governor g(w.hv, w.files, DaemonConfig{});
+  TimePoint next = w.now;
+  w.run(g, 3s, &next);
+  w.other_active = false;  // vm2's disk is on another filesystem (st_dev 9)
+  w.run(g, 2s, &next);
+  for (const auto& c : w.hv.speed_calls) CHECK(c.speed > kMinJobSpeedBytesPerS);
+}
+
+TEST_CASE("plugin.governor.high_latency_slows_down") {
+  World w;
+  w.start_job();
+  Governor g(w.hv, w.files, DaemonConfig{});
+  TimePoint next = w.now;
+  w.run(g, 5s, &next);
+  const std::uint64_t fast = w.hv.speed("vm1", "vda");
+  w.guest_latency = 200ms;  // 10 x budget of queueing
+  w.run(g, 1s, &next);
+  CHECK(w.hv.speed("vm1", "vda") < fast);
+  CHECK_FALSE(w.speed_ever_zero());
+}
+
+TEST_CASE("plugin.governor.reconnect_and_readopt") {
+  World w;
+  w.start_job();
+  Governor g(w.hv, w.files, DaemonConfig{});
+  TimePoint next = w.now;
+  w.run(g, 2s, &next);
+  REQUIRE(g.job_count() == 1);
+  const int connects = w.hv.connects;
+  w.hv.libvirtd_stops();
+  w.run(g, 3s, &next);
+  CHECK_FALSE(g.status(w.now).connected);
+  CHECK(w.hv.connects > connects + 1);  // kept retrying
+  CHECK(g.job_count() == 1);            // state kept: QEMU keeps running the job
+  const size_t calls = w.hv.speed_calls.size();
+  w.hv.daemon_up = true;
+  w.run(g, 6s, &next);  // reconnect backoff is at most 5 s
+  CHECK(g.status(w.now).connected);
+  CHECK(g.job_count() == 1);
+  CHECK(w.hv.speed_calls.size() > calls);
+
+  // A job that ended while libvirtd was away is released at the re-adoption poll.
+  w.hv.libvirtd_stops();
+  w.run(g, 1s, &next);
+  w.hv.jobs.clear();
+  w.hv.daemon_up = true;
+  w.run(g, 6s, &next);
+  CHECK(g.job_count() == 0);
+  const auto st = g.status(w.now);
+  REQUIRE_FALSE(st.released.empty());
+  CHECK(st.released.front().reason == "ended while disconnected");
+}
+
+TEST_CASE("plugin.governor.restart_readopts") {
+  World w;
+  w.start_job();
+  {
+    Governor g(w.hv, w.files, DaemonConfig{});
+    TimePoint next = w.now;
+    w.run(g, 2s, &next);
+    g.release_all();  // graceful stop: a finishing speed, never the minimum
+    CHECK(w.hv.speed("vm1", "vda") >= 1024 * 1024);
+  }
+  Governor g2(w.hv, w.files, DaemonConfig{});
+  TimePoint next = w.now;
+  w.run(g2, 200ms, &next);
+  CHECK(g2.job_count() == 1);
+}
+
+TEST_CASE("plugin.governor.job_failed_released") {
+  World w;
+  w.start_job(JobType::Commit);
+  Governor g(w.hv, w.files, DaemonConfig{});
+  TimePoint next = w.now;
+  w.run(g, 1s, &next);
+  REQUIRE(g.job_count() == 1);
+  w.hv.jobs.clear();
+  w.hv.emit(JobEvent{JobEventKind::Failed, "vm1", "vda", JobType::Commit, ""});
+  w.run(g, 20ms, &next);
+  CHECK(g.job_count() == 0);
+  const auto st = g.status(w.now);
+  REQUIRE(st.released.size() == 1);
+  CHECK(st.released[0].reason == "failed");
+  const size_t calls = w.hv.speed_calls.size();
+  w.run(g, 1s, &next);
+  CHECK(w.hv.speed_calls.size() == calls);  // no more actuation on a released job
+}
+
+TEST_CASE("plugin.governor.pivot_failed_released_and_reported") {
+  World w;
+  w.start_job(JobType::ActiveCommit, 1 << 20);
+  Governor g(w.hv, w.files, DaemonConfig{});
+  TimePoint next = w.now;
+  w.run(g, 1s, &next);
+  REQUIRE(g.job_count() == 1);
+  w.hv.emit(JobEvent{JobEventKind::Ready, "vm1", "vda", JobType::ActiveCommit, ""});
+  w.run(g, 200ms, &next);
+  CHECK(g.status(w.now).jobs.at(0).ready);
+  w.hv.jobs.clear();
+  w.hv.emit(JobEvent{JobEventKind::Failed, "vm1", "vda", JobType::ActiveCommit, ""});
+  w.run(g, 20ms, &next);
+  CHECK(g.job_count() == 0);
+  const std::string json = status_json(g.status(w.now), w.now);
+  CHECK(json.find("pivot failed") != std::string::npos);
+}
+
+TEST_CASE("plugin.governor.job_vanished_without_event_released") {
+  World w;
+  w.start_job();
+  Governor g(w.hv, w.files, DaemonConfig{});
+  TimePoint next = w.now;
+  w.run(g, 1s, &next);
+  w.hv.jobs.clear();
+  w.run(g, 600ms, &next);
+  CHECK(g.job_count() == 0);
+}
+
+TEST_CASE("plugin.governor.policy_pool_and_domain_override") {
+  World w;
+  w.start_job();
+  DaemonConfig cfg;
+  Policy fast;
+  fast.budget = 50ms;
+  cfg.pools["fast"] = fast;
+  {
+    Governor g(w.hv, w.files, cfg);
+    (void)g.step(w.now);
+    CHECK(g.status(w.now).jobs.at(0).budget == 50ms);
+  }
+  w.hv.domains[0].policy_xml =
+      "<qcommit:policy xmlns:qcommit=\"https://qcommit.dev/xmlns/1\" budget=\"10ms\"/>";
+  {
+    Governor g(w.hv, w.files, cfg);
+    (void)g.step(w.now);
+    CHECK(g.status(w.now).jobs.at(0).budget == 10ms);
+  }
+  w.hv.domains[0].policy_xml = "<qcommit:policy budget=\"soon\"/>";
+  {
+    Governor g(w.hv, w.files, cfg);
+    (void)g.step(w.now);
+    const auto js = g.status(w.now).jobs.at(0);
+    CHECK(js.budget == 50ms);  // bad metadata: pool policy applies, error reported
+    CHECK(js.policy_error.find("bad duration") != std::string::npos);
+  }
+  // Unknown storage → default.
+  w.hv.pool_list.clear();
+  w.hv.domains[0].policy_xml.reset();
+  {
+    Governor g(w.hv, w.files, cfg);
+    (void)g.step(w.now);
+    CHECK(g.status(w.now).jobs.at(0).budget == 20ms);
+    CHECK(g.status(w.now).jobs.at(0).storage == "dev:7");
+  }
+}
+
+TEST_CASE("plugin.governor.writeback_backlog_bounded") {
+  World w;
+  w.storage_bytes_per_s = 50.0 * 1024 * 1024;
+  w.start_job();
+  Governor g(w.hv, w.files, DaemonConfig{});
+  TimePoint next = w.now;
+  std::uint64_t max_dirty = 0;
+  for (int i = 0; i < 1000; ++i) {
+    w.run(g, 10ms, &next);
+    if (i > 100) max_dirty = std::max(max_dirty, w.base->dirty + w.base->writeback);
+  }
+  CHECK(w.base->writeback_started > 0);
+  // The job cannot get far ahead of the storage: at most ~ a few ticks of production.
+  CHECK(max_dirty < 16u * 1024 * 1024);
+  CHECK(w.hv.jobs.at({"vm1", "vda"}).cur > 20u * 1024 * 1024);
+}
