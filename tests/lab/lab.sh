@@ -42,6 +42,12 @@ lab_die() {
 lab_now() { printf '%s' "$EPOCHREALTIME"; }
 
 lab_ensure_daemons() {
+  # Without udev, /dev/kvm stays root-only; libvirt then sees KVM as unusable for its qemu user,
+  # finds 'kvm' in its cached capabilities, and re-probes QEMU (~30 s) on every define. Give it
+  # the group/mode udev would (domains here are type 'qemu' anyway: nested KVM hangs).
+  if [ -c /dev/kvm ] && getent group kvm >/dev/null && [ "$(stat -c %G:%a /dev/kvm)" != kvm:660 ]; then
+    chgrp kvm /dev/kvm && chmod 0660 /dev/kvm
+  fi
   pgrep -x virtlogd >/dev/null || virtlogd -d
   pgrep -x libvirtd >/dev/null || libvirtd -d
   local i
@@ -312,6 +318,11 @@ lab_guest_stop() {
   done
   virsh -q undefine "$LAB_DOM" >/dev/null 2>&1 || true
   LAB_DOM_DEFINED=0
+  local qlog=/var/log/libvirt/qemu/$LAB_DOM.log
+  if [ -f "$qlog" ]; then
+    cp "$qlog" "$LAB_DIR/qemu.log" 2>/dev/null
+    rm -f "$qlog"
+  fi
 }
 
 lab_teardown() {
