@@ -9,7 +9,13 @@
 
 namespace qcommit::cli {
 
-int cmd_check(const Args& args) {
+int cmd_check(const Args& in_args) {
+  // A bare --repair takes no value from the next word: "check --repair IMAGE" repairs leaks of
+  // IMAGE (boost would otherwise read IMAGE as the value of --repair).
+  Args args = in_args;
+  for (size_t i = 0; i < args.size(); ++i)
+    if (args[i] == "--repair" && (i + 1 == args.size() || (args[i + 1] != "leaks" && args[i + 1] != "all")))
+      args[i] = "--repair=leaks";
   po::options_description opts("options");
   std::string image, output = "human", repair;
   opts.add_options()("image", po::value(&image)->required(), "image file")(
