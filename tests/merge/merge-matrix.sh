@@ -1,0 +1,289 @@
+#!/usr/bin/env bash
+# merge.matrix: chains of depth 1-6 built with qemu-img/qemu-io (4K/64K/2M/512B clusters, compat
+# 0.10 and 1.1, extended L2, zlib and zstd compressed layers, zero writes with and without unmap,
+# unaligned writes and discards, TOP larger than BASE, raw BASE, BASE with its own backing file,
+# BASE with an internal snapshot and a persistent bitmap, refcount_bits 1 and 64).
+# For every (TOP, BASE) pair of every chain, on a fresh copy of the chain:
+#   qcommit merge TOP --base BASE --budget off --rebase CHILD   (CHILD: a new overlay on TOP)
+# then: BASE's view == TOP's view saved before (qemu-img compare); CHILD's view unchanged and
+# backed by BASE; qemu-img check BASE and qcommit check BASE both exit 0; TOP and the
+# intermediates byte-identical (sha256); no checkpoint left behind.
+# Also: --delete removes TOP and the intermediates; on an image left leaky by a killed merge,
+# qemu-img check and qcommit check report the same leak count and no corruption.
+#
+# usage: merge-matrix.sh QCOMMIT
+set -euo pipefail
+
+QCOMMIT=$(realpath "$1")
+work=$(mktemp -d "${TMPDIR:-/var/tmp}/qcommit-merge-matrix.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+cd "$work"
+
+failures=()
+pairs=0
+fail() {
+  echo "FAIL: $*" >&2
+  failures+=("$*")
+}
+
+# qemu-io on one image (format detected); fails on any error.
+qio() {
+  local img=$1
+  shift
+  local fmt args=() out
+  fmt=$(qemu-img info --output=json "$img" | jq -r .format)
+  for c in "$@"; do args+=(-c "$c"); done
+  out=$(qemu-io -f "$fmt" "${args[@]}" "$img" 2>&1) || { echo "qemu-io failed on $img: $out" >&2; return 1; }
+  if grep -qiE 'failed|error|not supported' <<<"$out"; then
+    echo "qemu-io on $img: $out" >&2
+    return 1
+  fi
+}
+
+# Writes of every kind, spread over the first $2 MiB, varied by seed $3.
+scribble() {
+  local img=$1 mib=$2 s=$3
+  local span=$((mib * 1024 * 1024))
+  local a=$(((s * 7919 * 65536) % (span - 4 * 1048576)))
+  local b=$(((s * 104729 * 4096 + 12345) % (span - 4 * 1048576)))
+  local c=$(((s * 15485863 * 512 + 777) % (span - 4 * 1048576)))
+  qio "$img" \
+    "write -P $((s + 1)) $a 1M" \
+    "write -P $((s + 17)) $((a + 3 * 1048576)) 64k" \
+    "write -P $((s + 33)) $b 70001" \
+    "write -P $((s + 49)) $((c + 1)) 511" \
+    "write -z $((b + 200000)) 300000" \
+    "write -z -u $((c + 65536)) 131072" \
+    "discard $((a + 12345)) 200000" \
+    "write -P $((s + 65)) $((span - 70000)) 70000"
+}
+
+new() {  # new NAME SIZE [qemu-img create args...]
+  local name=$1 size=$2
+  shift 2
+  qemu-img create -q "$@" "$name" "$size"
+}
+
+# ---------------------------------------------------------------------------------------------
+# Chains: each builds into the current directory and sets LAYERS (bottom first).
+chain_d1() {  # depth 1: 64K over 64K, TOP larger than BASE
+  new base.qcow2 64M -f qcow2 -o compat=1.1
+  scribble base.qcow2 64 1
+  new top.qcow2 80M -f qcow2 -b base.qcow2 -F qcow2
+  scribble top.qcow2 80 2
+  LAYERS=(base.qcow2 top.qcow2)
+}
+chain_d2() {  # depth 2: compat 0.10 4K base, 2M mid, extended-L2 top
+  new base.qcow2 64M -f qcow2 -o compat=0.10,cluster_size=4k
+  scribble base.qcow2 64 3
+  new mid.qcow2 64M -f qcow2 -o cluster_size=2M -b base.qcow2 -F qcow2
+  scribble mid.qcow2 64 4
+  new top.qcow2 72M -f qcow2 -o extended_l2=on,cluster_size=64k -b mid.qcow2 -F qcow2
+  scribble top.qcow2 72 5
+  qio top.qcow2 "write -P 9 $((5 * 1048576 + 2048)) 2048" "write -z $((6 * 1048576 + 4096)) 6144"
+  LAYERS=(base.qcow2 mid.qcow2 top.qcow2)
+}
+chain_d3() {  # depth 3: raw base, 4K, 512B, 64K (larger)
+  new base.raw 64M -f raw
+  scribble base.raw 64 6
+  new l1.qcow2 64M -f qcow2 -o cluster_size=4k -b base.raw -F raw
+  scribble l1.qcow2 64 7
+  new l2.qcow2 64M -f qcow2 -o cluster_size=512 -b l1.qcow2 -F qcow2
+  scribble l2.qcow2 64 8
+  new l3.qcow2 96M -f qcow2 -b l2.qcow2 -F qcow2
+  scribble l3.qcow2 96 9
+  LAYERS=(base.raw l1.qcow2 l2.qcow2 l3.qcow2)
+}
+chain_d4() {  # depth 4: base with its own backing file, zlib and zstd compressed layers
+  new bb.qcow2 64M -f qcow2
+  scribble bb.qcow2 64 10
+  new base.qcow2 64M -f qcow2 -b bb.qcow2 -F qcow2
+  scribble base.qcow2 64 11
+  new w1.qcow2 64M -f qcow2 -b base.qcow2 -F qcow2
+  scribble w1.qcow2 64 12
+  qemu-img convert -c -O qcow2 -o compression_type=zlib -B base.qcow2 -F qcow2 w1.qcow2 zlib.qcow2
+  new w2.qcow2 64M -f qcow2 -b zlib.qcow2 -F qcow2
+  scribble w2.qcow2 64 13
+  qemu-img convert -c -O qcow2 -o compression_type=zstd -B zlib.qcow2 -F qcow2 w2.qcow2 zstd.qcow2
+  rm -f w1.qcow2 w2.qcow2
+  new top.qcow2 64M -f qcow2 -o cluster_size=4k -b zstd.qcow2 -F qcow2
+  scribble top.qcow2 64 14
+  LAYERS=(bb.qcow2 base.qcow2 zlib.qcow2 zstd.qcow2 top.qcow2)
+}
+chain_d5() {  # depth 5: 64-bit refcounts, internal snapshot (shared clusters) and a bitmap in BASE
+  new base.qcow2 64M -f qcow2 -o refcount_bits=64
+  scribble base.qcow2 64 15
+  qemu-img snapshot -c snap1 base.qcow2
+  qio base.qcow2 "write -P 99 0 2M"  # some clusters private, the rest shared with snap1
+  qemu-img bitmap --add base.qcow2 dirty0
+  local prev=base.qcow2 i=1 opts
+  for opts in cluster_size=64k cluster_size=4k cluster_size=2M extended_l2=on,cluster_size=128k cluster_size=64k; do
+    new "l$i.qcow2" 64M -f qcow2 -o "$opts" -b "$prev" -F qcow2
+    scribble "l$i.qcow2" 64 $((15 + i))
+    prev=l$i.qcow2
+    i=$((i + 1))
+  done
+  LAYERS=(base.qcow2 l1.qcow2 l2.qcow2 l3.qcow2 l4.qcow2 l5.qcow2)
+}
+chain_d6() {  # depth 6: 1-bit refcounts in BASE, mixed cluster sizes, growing sizes
+  new base.qcow2 48M -f qcow2 -o refcount_bits=1
+  scribble base.qcow2 48 21
+  local prev=base.qcow2 i=1 cs size
+  for cs in 4k 64k 2M 512 64k 4k; do
+    size=$((48 + 4 * i))
+    new "l$i.qcow2" "${size}M" -f qcow2 -o cluster_size=$cs -b "$prev" -F qcow2
+    scribble "l$i.qcow2" "$size" $((21 + i))
+    prev=l$i.qcow2
+    i=$((i + 1))
+  done
+  LAYERS=(base.qcow2 l1.qcow2 l2.qcow2 l3.qcow2 l4.qcow2 l5.qcow2 l6.qcow2)
+}
+
+fmt_of() { qemu-img info -U --output=json "$1" | jq -r .format; }
+
+# One merge of a fresh copy of chain $1: TOP index $2, BASE index $3, extra merge args after.
+run_pair() {
+  local chain=$1 t=$2 b=$3
+  shift 3
+  local extra=("$@")
+  local dir="$work/run"
+  rm -rf "$dir"
+  cp -a --sparse=always "$work/proto-$chain" "$dir"
+  pushd "$dir" >/dev/null
+  local layers=()
+  read -r -a layers <layers.txt
+  local top=${layers[$t]} base=${layers[$b]} what="$chain: TOP=${layers[$t]} BASE=${layers[$b]} ${extra[*]}"
+  local bfmt
+  bfmt=$(fmt_of "$base")
+  qemu-img create -q -f qcow2 -b "$top" -F qcow2 child.qcow2
+  qio child.qcow2 "write -P 201 1M 64k" "write -z 8M 1M"
+  qemu-img convert -O raw "$top" before-top.raw
+  qemu-img convert -O raw child.qcow2 before-child.raw
+  local i sums=()
+  for ((i = b + 1; i <= t; i++)); do sums+=("$(sha256sum <"${layers[$i]}")"); done
+  pairs=$((pairs + 1))
+  local out
+  if ! out=$("$QCOMMIT" merge "$top" --base "$base" --budget off --rebase child.qcow2 "${extra[@]}" 2>&1); then
+    fail "$what: qcommit merge failed: $out"
+    popd >/dev/null
+    return
+  fi
+  if ! qemu-img compare -f raw -F "$bfmt" before-top.raw "$base" >/dev/null 2>cmp.err; then
+    fail "$what: BASE's view differs from TOP's view before the merge: $(head -c 300 cmp.err)"
+  fi
+  if [[ " ${extra[*]} " == *" --delete "* ]]; then
+    for ((i = b + 1; i <= t; i++)); do
+      [[ -e ${layers[$i]} ]] && fail "$what: --delete left ${layers[$i]} in place"
+    done
+  else
+    for ((i = b + 1; i <= t; i++)); do
+      [[ "$(sha256sum <"${layers[$i]}")" == "${sums[$((i - b - 1))]}" ]] || fail "$what: ${layers[$i]} was modified"
+    done
+  fi
+  qemu-img convert -O raw child.qcow2 after-child.raw
+  cmp -s before-child.raw after-child.raw || fail "$what: CHILD's view changed"
+  local backing
+  backing=$(qemu-img info --output=json child.qcow2 | jq -r '."full-backing-filename" // empty')
+  [[ -n $backing && "$(realpath "$backing")" == "$(realpath "$base")" ]] ||
+    fail "$what: CHILD is backed by '$backing', not BASE"
+  if [[ $bfmt == qcow2 ]]; then
+    local qrc=0 crc=0
+    qemu-img check -q "$base" >qchk.out 2>&1 || qrc=$?
+    "$QCOMMIT" check "$base" >cchk.out 2>&1 || crc=$?
+    [[ $qrc == 0 ]] || fail "$what: qemu-img check BASE exit $qrc: $(head -c 300 qchk.out)"
+    [[ $crc == 0 ]] || fail "$what: qcommit check BASE exit $crc: $(head -c 300 cchk.out)"
+  fi
+  local cp
+  cp=".$(basename "$base").qcommit-merge"
+  [[ -e $cp ]] && fail "$what: checkpoint $cp left behind"
+  popd >/dev/null
+  rm -rf "$dir"
+}
+
+start=$SECONDS
+for chain in ${MATRIX_CHAINS:-d1 d2 d3 d4 d5 d6}; do
+  mkdir "proto-$chain"
+  (cd "proto-$chain" && "chain_$chain" && echo "${LAYERS[*]}" >layers.txt)
+  read -r -a layers <"proto-$chain/layers.txt"
+  n=${#layers[@]}
+  for ((t = 1; t < n; t++)); do
+    for ((b = 0; b < t; b++)); do run_pair "$chain" "$t" "$b"; done
+  done
+  run_pair "$chain" $((n - 1)) 0 --delete
+  echo "chain $chain (${n} images): done, $pairs merges so far, $((SECONDS - start)) s"
+  rm -rf "proto-$chain"
+done
+
+# ---------------------------------------------------------------------------------------------
+# A leaky image (a merge killed mid-copy): qemu-img check and qcommit check must agree.
+mkdir leak && cd leak
+qemu-img create -q -f qcow2 base.qcow2 512M
+qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2 512M
+args=()
+for ((i = 0; i < 1500; i++)); do args+=(-c "write -P $((i % 250)) $(((i * 2654435761) % 8192 * 65536)) 64k"); done
+qemu-io -f qcow2 "${args[@]}" top.qcow2 >/dev/null
+qemu-img convert -O raw top.qcow2 top.raw
+agreed=0
+for attempt in 1 2 3; do
+  cp -a --sparse=always base.qcow2 b.qcow2
+  qemu-img create -q -f qcow2 -b b.qcow2 -F qcow2 t.qcow2 512M
+  qemu-img rebase -u -b b.qcow2 -F qcow2 t.qcow2 2>/dev/null || true
+  cp top.qcow2 t.qcow2 && qemu-img rebase -u -b b.qcow2 -F qcow2 t.qcow2
+  # Kill the merge right after its first committed window (a progress event with done > 0).
+  "$QCOMMIT" merge t.qcow2 --budget off --output=json >events.json 2>/dev/null &
+  pid=$!
+  for ((w = 0; w < 400; w++)); do
+    if jq -e 'select(.event == "progress" and .phase == "copy" and .done > 0)' events.json >/dev/null 2>&1; then break; fi
+    sleep 0.005
+  done
+  sleep "0.0$attempt"
+  kill -9 "$pid" 2>/dev/null || true
+  wait "$pid" 2>/dev/null || true
+  qrc=0 crc=0
+  qemu-img check --output=json b.qcow2 >q.json 2>/dev/null || qrc=$?
+  "$QCOMMIT" check --output=json b.qcow2 >c.json 2>/dev/null || crc=$?
+  ql=$(jq '.leaks // 0' q.json) qc=$(jq '.corruptions // 0' q.json)
+  cl=$(jq '.leaks' c.json) cc=$(jq '.corruptions' c.json)
+  echo "killed merge, attempt $attempt: qemu-img check exit $qrc leaks $ql corruptions $qc; qcommit check exit $crc leaks $cl corruptions $cc"
+  [[ $qc == 0 && $cc == 0 ]] || fail "killed merge left corruptions (qemu-img $qc, qcommit $cc)"
+  [[ $ql == "$cl" ]] || fail "leak counts differ: qemu-img $ql, qcommit $cl"
+  [[ $qrc == "$crc" ]] || fail "exit codes differ: qemu-img $qrc, qcommit $crc"
+  # The resumed merge finishes and repairs the leaks.
+  "$QCOMMIT" merge t.qcow2 --budget off >/dev/null 2>resume.err || fail "resume after kill failed: $(cat resume.err)"
+  qemu-img compare -f raw -F qcow2 top.raw b.qcow2 >/dev/null || fail "resumed merge: BASE differs"
+  qemu-img check -q b.qcow2 >/dev/null 2>&1 || fail "resumed merge: qemu-img check not clean"
+  if [[ $ql != 0 ]]; then
+    agreed=$((agreed + 1))
+    [[ $agreed -ge 2 ]] && break
+  fi
+done
+echo "killed merges that left leaks: $agreed"
+
+# A deterministic leaky image as well (refcounts raised by hand on clusters nothing references):
+# both checks must report exactly these leaks, and qcommit check --repair must fix them.
+u64() { od -An -tu8 --endian=big -j "$2" -N 8 "$1" | tr -d ' '; }
+qemu-img create -q -f qcow2 hand.qcow2 64M
+qemu-io -f qcow2 -c "write -P 7 0 256k" -c "write -P 8 10M 64k" hand.qcow2 >/dev/null
+clusters=$(($(stat -c %s hand.qcow2) / 65536))
+truncate -s $(((clusters + 5) * 65536)) hand.qcow2
+rt=$(u64 hand.qcow2 48)
+rb=$(u64 hand.qcow2 "$rt")
+for c in $((clusters + 1)) $((clusters + 2)) $((clusters + 4)); do
+  printf '\x00\x01' | dd of=hand.qcow2 bs=1 seek=$((rb + 2 * c)) conv=notrunc status=none
+done
+qrc=0 crc=0
+qemu-img check --output=json hand.qcow2 >q.json 2>/dev/null || qrc=$?
+"$QCOMMIT" check --output=json hand.qcow2 >c.json 2>/dev/null || crc=$?
+echo "hand-made leaks: qemu-img check exit $qrc leaks $(jq '.leaks // 0' q.json); qcommit check exit $crc leaks $(jq .leaks c.json)"
+[[ $(jq '.leaks // 0' q.json) == 3 && $(jq .leaks c.json) == 3 ]] || fail "hand-made leaks: expected 3 from both checks"
+[[ $qrc == 3 && $crc == 4 ]] || fail "hand-made leaks: exit codes qemu-img $qrc (want 3), qcommit $crc (want 4)"
+[[ $(jq '.corruptions // 0' q.json) == 0 && $(jq .corruptions c.json) == 0 ]] || fail "hand-made leaks: corruptions reported"
+"$QCOMMIT" check --repair hand.qcow2 >/dev/null 2>&1 || fail "qcommit check --repair did not end clean"
+qemu-img check -q hand.qcow2 >/dev/null 2>&1 || fail "qemu-img check after qcommit check --repair is not clean"
+cd "$work"
+
+echo "merge.matrix: $pairs merges in $((SECONDS - start)) s, ${#failures[@]} failures"
+if ((${#failures[@]})); then
+  printf '  %s\n' "${failures[@]}" >&2
+  exit 1
+fi
