@@ -30,6 +30,7 @@ const char* to_string(JobEventKind k) {
 
 std::optional<std::string> GovernorOptions::validate() const {
   if (tick <= Duration::zero()) return "governor tick must be > 0";
+  if (pace <= Duration::zero() || pace > tick) return "governor pace interval must be in (0, tick]";
   if (poll <= Duration::zero() || poll > std::chrono::milliseconds(500))
     return "governor poll interval must be in (0, 500ms] (jobs are discovered within 0.5 s)";
   if (reconnect_min <= Duration::zero() || reconnect_max < reconnect_min)
@@ -108,11 +109,15 @@ TimePoint Governor::step(TimePoint now) {
       tick(now);
       next_tick_ = now + opt_.tick;
     }
+    if (!next_pace_ || now >= *next_pace_) {
+      pace();
+      next_pace_ = now + opt_.pace;
+    }
   } catch (const HypervisorDisconnected&) {
     lost_connection(now);
     return next_reconnect_;
   }
-  return std::min(*next_poll_, *next_tick_);
+  return std::min({*next_poll_, *next_tick_, *next_pace_});
 }
 
 void Governor::lost_connection(TimePoint now) {
@@ -124,6 +129,7 @@ void Governor::lost_connection(TimePoint now) {
   scan_domains_.clear();
   next_poll_.reset();
   next_tick_.reset();
+  next_pace_.reset();
   for (auto& [k, j] : jobs_) {
     j->has_info = false;  // progress baseline restarts after the reconnect
     j->seen_in_poll = false;
@@ -345,7 +351,12 @@ void Governor::tick(TimePoint now) {
     // Backlog: the target's dirty + writeback pages.
     std::optional<PageCacheState> pc;
     if (j.file) pc = j.file->page_cache();
-    const std::uint64_t backlog = pc ? pc->dirty_bytes + pc->writeback_bytes : 0;
+    const auto pace_production = static_cast<std::uint64_t>(
+        static_cast<double>(j.speed_set) * std::chrono::duration<double>(opt_.pace).count());
+    const std::uint64_t backlog =
+        pc ? pc->writeback_bytes +
+                 (pc->dirty_bytes > pace_production ? pc->dirty_bytes - pace_production : 0)
+           : 0;
     std::uint64_t drained = 0;
     if (j.has_info && info->cur >= j.info.cur) {
       const auto written = static_cast<std::int64_t>(info->cur - j.info.cur);
@@ -378,17 +389,6 @@ void Governor::tick(TimePoint now) {
       set_speed(j, speed);
     }
 
-    // Writeback pacing of the target within the window.
-    if (j.file && pc) {
-      WritebackInput wi;
-      wi.file_size = j.file->size();
-      wi.writeback_bytes = pc->per_file ? pc->writeback_bytes : 0;
-      wi.window_bytes = d.window_bytes;
-      TargetFile& f = *j.file;
-      WritebackPlan plan = j.planner.plan(wi, [&f](const ByteRange& r) { return f.dirty_in(r); });
-      for (const auto& r : plan.ranges) f.start_writeback(r);
-    }
-
     for (Duration l : s.samples) j.latencies.emplace_back(now, l);
     if (s.oldest) j.latencies.emplace_back(now, *s.oldest);
     while (!j.latencies.empty() &&
@@ -401,6 +401,21 @@ void Governor::tick(TimePoint now) {
     j.info = *info;
     j.has_info = true;
     j.backlog = backlog;
+  }
+}
+
+void Governor::pace() {
+  for (auto& [k, j] : jobs_) {
+    if (!j->file || !j->decision) continue;
+    std::optional<PageCacheState> pc = j->file->page_cache();
+    if (!pc) continue;
+    WritebackInput wi;
+    wi.file_size = j->file->size();
+    wi.writeback_bytes = pc->per_file ? pc->writeback_bytes : 0;
+    wi.window_bytes = j->decision->window_bytes;
+    TargetFile& f = *j->file;
+    WritebackPlan plan = j->planner.plan(wi, [&f](const ByteRange& r) { return f.dirty_in(r); });
+    for (const auto& r : plan.ranges) f.start_writeback(r);
   }
 }
 

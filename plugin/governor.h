@@ -9,10 +9,13 @@
 //    counts requests only when they complete, so a disk that was completing requests and has
 //    gone silent for longer than kStallFactor × its usual interval is reported as outstanding,
 //    with the silence as its age (never good news), for at most kMaxSuspectedStall;
-//  * backlog = dirty + writeback pages of the target; drained = Δcur − backlog growth;
+//  * backlog = pages of the target under writeback + dirty pages beyond one pace interval's
+//    production at the current speed (the pacer below pushes fresh dirty pages every `pace`, so
+//    only dirty pages it could not push count as queued); drained = Δcur − backlog growth;
 //  * throttle::Controller decides; the job speed becomes the decision's rate, or the minimum
 //    speed (never 0: 0 is "unlimited" in QEMU) while paused or while backlog > window;
-//  * the WritebackPlanner starts writeback of the target's dirty pages within the window.
+//  * every `pace` the WritebackPlanner starts writeback of the target's dirty pages within the
+//    last window.
 // Discovery: JOB_STATUS_CHANGE events trigger a scan of the domain at the next step; BLOCK_JOB_2
 // completed/failed/canceled release the state; every `poll` all disks of all running domains
 // are polled (adopts jobs running before start and after reconnects).
@@ -50,6 +53,7 @@ inline constexpr double kSpeedChangeFraction = 0.02;  // re-set the speed when o
 struct GovernorOptions {
   Duration tick = std::chrono::milliseconds(100);
   Duration poll = std::chrono::milliseconds(500);
+  Duration pace = std::chrono::milliseconds(20);  // writeback pacing runs this often
   Duration reconnect_min = std::chrono::milliseconds(500);
   Duration reconnect_max = std::chrono::seconds(5);
   std::uint64_t min_speed_bytes_per_s = kMinJobSpeedBytesPerS;
@@ -125,7 +129,7 @@ class Governor {
   void adopt(const DomainInfo& dom, const DiskInfo& disk, const JobInfo& info, TimePoint now);
   void release(const DiskKey& k, const std::string& reason, TimePoint now);
   void tick(TimePoint now);
-  void tick_job(Job& j, TimePoint now);
+  void pace();
   [[nodiscard]] std::string storage_key(const std::string& path, std::optional<std::uint64_t> dev,
                                         std::optional<PoolInfo>* pool_out);
   [[nodiscard]] std::optional<PoolInfo> resolve_pool(const std::string& path);
@@ -144,6 +148,7 @@ class Governor {
   Duration reconnect_backoff_{};
   std::optional<TimePoint> next_poll_;
   std::optional<TimePoint> next_tick_;
+  std::optional<TimePoint> next_pace_;
   std::vector<DomainInfo> domains_;
   std::vector<PoolInfo> pools_;
   std::map<std::string, std::optional<PoolInfo>> pool_cache_;
