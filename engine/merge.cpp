@@ -383,7 +383,7 @@ MergeResult merge(const MergeOptions& opt) {
   };
 
   auto commit_window = [&](uint64_t upto) {
-    pool.drain();
+    pool.drain();  // callers have submitted their pending request
     if (writer) {
       writer->commit();
     } else {
@@ -394,15 +394,28 @@ MergeResult merge(const MergeOptions& opt) {
     window_bytes = 0;
   };
 
-  // Submits bulk copies src→dst, split in chunks; destination must be aligned for O_DIRECT.
+  // Bulk copies src→dst. Adjacent requests that are contiguous on both sides are coalesced up to
+  // kChunkBytes; the destination must be aligned for O_DIRECT, else the buffered fd is used.
+  CopyJob pending;
+  auto submit_pending = [&] {
+    if (pending.length) pool.submit(pending);
+    pending.length = 0;
+  };
   auto submit_copy = [&](int src_fd, const std::string& src_name, uint64_t src_off, uint64_t dst_off,
                          uint64_t len) {
-    for (uint64_t p = 0; p < len; p += kChunkBytes) {
+    for (uint64_t p = 0; p < len;) {
       const uint64_t n = std::min(kChunkBytes, len - p);
       const bool aligned = (dst_off + p) % kDirectAlignment == 0 && n % kDirectAlignment == 0;
-      CopyJob j{src_fd, src_off + p, aligned ? bulk_fd : dst_file->fd(), dst_off + p, n,
-                buffered || !aligned, &src_name, &dst_name};
-      pool.submit(j);
+      const int fd = aligned ? bulk_fd : dst_file->fd();
+      if (pending.length && pending.src_fd == src_fd && pending.dst_fd == fd &&
+          pending.src_offset + pending.length == src_off + p &&
+          pending.dst_offset + pending.length == dst_off + p && pending.length + n <= kChunkBytes) {
+        pending.length += n;
+      } else {
+        submit_pending();
+        pending = CopyJob{src_fd, src_off + p, fd, dst_off + p, n, buffered || !aligned, &src_name, &dst_name};
+      }
+      p += n;
     }
   };
 
@@ -419,81 +432,126 @@ MergeResult merge(const MergeOptions& opt) {
     }
   };
 
+  auto write_zero_range = [&](uint64_t off, uint64_t end) {
+    // Write zeros only where BASE's own view is not already zero.
+    for (uint64_t z = off; z < end;) {
+      MapEntry b = chain.status(z, end - z, base_depth);
+      if (b.zero) {
+        res.skipped_zero_bytes += b.length;
+      } else if (writer) {
+        writer->write_zeroes(z, b.length, base_view);
+        res.zeroed_bytes += b.length;
+      } else {
+        bool punched = false;
+        if (!raw_base_is_blockdev)
+          punched = ::fallocate(dst_file->fd(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, off_t(z),
+                                off_t(b.length)) == 0;
+        if (!punched && raw_base_is_blockdev) {
+          uint64_t range[2] = {z, b.length};
+          punched = ::ioctl(dst_file->fd(), BLKZEROOUT, range) == 0;
+        }
+        if (!punched) {
+          std::vector<uint8_t> zeros(std::min<uint64_t>(b.length, kChunkBytes), 0);
+          for (uint64_t q = 0; q < b.length; q += zeros.size())
+            dst_dev.write(z + q, std::span<const uint8_t>(zeros.data(), std::min<uint64_t>(zeros.size(), b.length - q)));
+        }
+        res.zeroed_bytes += b.length;
+      }
+      z += b.length;
+    }
+  };
+
+  // Copies one data piece that has a plain host offset in its source layer.
+  auto copy_direct = [&](const MapEntry& e, uint64_t off, uint64_t piece_end) {
+    qcow2::Layer& src = chain.layer(e.depth);
+    qcow2::BlockDevice& sdev = src.qcow2 ? src.qcow2->data_device() : *src.raw;
+    auto* sfile = dynamic_cast<qcow2::FileDevice*>(&sdev);
+    const uint64_t src_off = *e.offset + (off - e.start);
+    if (!writer) {
+      submit_copy(sfile->fd(), sdev.name(), src_off, off, piece_end - off);
+      return;
+    }
+    // Split at BASE's cluster grid: partial head/tail through the writer, the middle as full
+    // clusters written straight to their host offsets.
+    const auto& g = base.qcow2->geometry();
+    const uint64_t vsize = base.qcow2->virtual_size();
+    uint64_t a = g.align_up(off), b = piece_end == vsize ? piece_end : g.align_down(piece_end);
+    if (a >= b) a = b = piece_end;
+    if (off < a) copy_through_chain(off, a - off);
+    if (a < b)
+      for (const auto& r : writer->prepare_full_write(a, b - a))
+        submit_copy(sfile->fd(), sdev.name(), src_off + (r.guest_offset - off), r.host_offset, r.length);
+    if (b < piece_end) copy_through_chain(b, piece_end - b);
+  };
+
+  // A window: pieces in guest order, bounded in bytes and in L2 tables touched (dirty metadata).
+  struct Piece {
+    uint64_t start, end;
+    const MapEntry* e;
+  };
+  std::vector<Piece> window;
+  uint64_t window_l2s = 0, last_l1 = ~0ull;
+  const uint64_t l1_span = writer ? base.qcow2->geometry().l1_entry_span() : 0;
+  const uint64_t max_l2s = writer ? std::max<uint64_t>(1, kMaxDirtyMetadataBytes / base.qcow2->cluster_size()) : 0;
+
+  auto run_window = [&](uint64_t upto) {
+    // Zeros and compressed data in guest order; plain data sorted by (source layer, host
+    // offset): reads run sequentially through each source file, and BASE's new clusters are
+    // allocated in that same order, so both sides coalesce into large requests.
+    std::vector<const Piece*> direct;
+    for (const Piece& p : window) {
+      if (p.e->zero) {
+        submit_pending();
+        pool.drain();
+        write_zero_range(p.start, p.end);
+      } else if (!p.e->offset || p.e->compressed) {
+        copy_through_chain(p.start, p.end - p.start);
+      } else {
+        direct.push_back(&p);
+      }
+    }
+    std::stable_sort(direct.begin(), direct.end(), [](const Piece* x, const Piece* y) {
+      const uint64_t xo = *x->e->offset + (x->start - x->e->start), yo = *y->e->offset + (y->start - y->e->start);
+      return std::tie(x->e->depth, xo) < std::tie(y->e->depth, yo);
+    });
+    for (const Piece* p : direct) copy_direct(*p->e, p->start, p->end);
+    submit_pending();
+    for (const Piece& p : window) {
+      if (!p.e->zero) res.copied_bytes += p.end - p.start;
+      done_bytes += p.end - p.start;
+    }
+    window.clear();
+    window_l2s = 0;
+    last_l1 = ~0ull;
+    commit_window(upto);
+    report(false);
+  };
+
   for (const MapEntry& e : extents) {
     uint64_t off = e.start;
     const uint64_t end = e.start + e.length;
     while (off < end) {
-      // Window boundary: keep each commit's metadata and data bounded.
       uint64_t piece_end = std::min(end, off + (opt.window_bytes - window_bytes));
-      if (writer && piece_end < end) {
+      if (writer) {
         const auto& g = base.qcow2->geometry();
-        piece_end = g.align_down(piece_end) > off ? g.align_down(piece_end) : std::min(end, g.align_up(off + 1));
-      }
-      const uint64_t len = piece_end - off;
-      if (e.zero) {
-        // Write zeros only where BASE's own view is not already zero.
-        for (uint64_t z = off; z < piece_end;) {
-          MapEntry b = chain.status(z, piece_end - z, base_depth);
-          if (b.zero) {
-            res.skipped_zero_bytes += b.length;
-          } else if (writer) {
-            writer->write_zeroes(z, b.length, base_view);
-            res.zeroed_bytes += b.length;
-          } else {
-            pool.drain();
-            bool punched = false;
-            if (!raw_base_is_blockdev)
-              punched = ::fallocate(dst_file->fd(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, off_t(z),
-                                    off_t(b.length)) == 0;
-            if (!punched && raw_base_is_blockdev) {
-              uint64_t range[2] = {z, b.length};
-              punched = ::ioctl(dst_file->fd(), BLKZEROOUT, range) == 0;
-            }
-            if (!punched) {
-              std::vector<uint8_t> zeros(std::min<uint64_t>(b.length, kChunkBytes), 0);
-              for (uint64_t q = 0; q < b.length; q += zeros.size())
-                dst_dev.write(z + q, std::span<const uint8_t>(zeros.data(), std::min<uint64_t>(zeros.size(), b.length - q)));
-            }
-            res.zeroed_bytes += b.length;
-          }
-          z += b.length;
+        if (piece_end < end)
+          piece_end = g.align_down(piece_end) > off ? g.align_down(piece_end) : std::min(end, g.align_up(off + 1));
+        // Do not let one piece span more L1 entries than the window may still touch.
+        const uint64_t l1 = off / l1_span;
+        if (l1 != last_l1) {
+          ++window_l2s;
+          last_l1 = l1;
         }
-      } else if (!e.offset || e.compressed) {
-        copy_through_chain(off, len);
-        res.copied_bytes += len;
-      } else {
-        qcow2::Layer& src = chain.layer(e.depth);
-        qcow2::BlockDevice& sdev = src.qcow2 ? src.qcow2->data_device() : *src.raw;
-        auto* sfile = dynamic_cast<qcow2::FileDevice*>(&sdev);
-        const uint64_t src_off = *e.offset + (off - e.start);
-        if (!writer) {
-          submit_copy(sfile->fd(), sdev.name(), src_off, off, len);
-        } else {
-          // Split at BASE's cluster grid: partial head/tail through the writer, the middle as
-          // full clusters written straight to their host offsets.
-          const auto& g = base.qcow2->geometry();
-          const uint64_t vsize = base.qcow2->virtual_size();
-          uint64_t a = g.align_up(off), b = piece_end == vsize ? piece_end : g.align_down(piece_end);
-          if (a >= b) a = b = piece_end;
-          if (off < std::min(a, piece_end)) copy_through_chain(off, std::min(a, piece_end) - off);
-          if (a < b) {
-            for (const auto& r : writer->prepare_full_write(a, b - a))
-              submit_copy(sfile->fd(), sdev.name(), src_off + (r.guest_offset - off), r.host_offset, r.length);
-          }
-          if (b < piece_end && b >= a) copy_through_chain(b, piece_end - b);
-        }
-        res.copied_bytes += len;
+        const uint64_t l1_end = (l1 + 1) * l1_span;
+        if (piece_end > l1_end) piece_end = l1_end;
       }
-      done_bytes += len;
-      window_bytes += len;
+      window.push_back({off, piece_end, &e});
+      window_bytes += piece_end - off;
       off = piece_end;
-      if (window_bytes >= opt.window_bytes ||
-          (writer && writer->dirty_metadata_bytes() >= kMaxDirtyMetadataBytes))
-        commit_window(off);
-      report(false);
+      if (window_bytes >= opt.window_bytes || (writer && window_l2s >= max_l2s)) run_window(off);
     }
   }
-  commit_window(top_size);
+  run_window(top_size);
   res.copy_seconds = seconds_since(t_copy);
   report(true);
 
