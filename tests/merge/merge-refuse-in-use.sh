@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# merge.refuse_in_use: (1) while QEMU holds TOP open read-write, qcommit merge TOP exits non-zero
+# with one line naming TOP and the holder, and TOP and BASE are byte-identical afterwards;
+# (2) two concurrent merges of one chain: the second is refused; (3) while a merge runs, qemu-io
+# cannot write BASE (lock error).
+#
+# usage: merge-refuse-in-use.sh QCOMMIT
+set -euo pipefail
+QCOMMIT=$(realpath "$1")
+work=$(mktemp -d "${TMPDIR:-/var/tmp}/qcommit-inuse.XXXXXX")
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+cd "$work"
+failures=()
+fail() { echo "FAIL: $*" >&2; failures+=("$*"); }
+
+qemu-img create -q -f qcow2 base.qcow2 1G
+qemu-io -f qcow2 -c "write -P 1 0 8M" base.qcow2 >/dev/null
+qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2 1G
+args=()
+for ((i = 0; i < 3000; i++)); do args+=(-c "write -P $((i % 251)) $(((i * 2654435761 % 16384) * 65536)) 64k"); done
+qemu-io -f qcow2 "${args[@]}" top.qcow2 >/dev/null
+
+# (1) QEMU holds TOP.
+sum_top=$(sha256sum <top.qcow2) sum_base=$(sha256sum <base.qcow2)
+qemu-system-x86_64 -machine none -nodefaults -display none -S \
+  -drive file=top.qcow2,format=qcow2,if=none,id=d0 >qemu.log 2>&1 &
+qpid=$!
+pids+=("$qpid")
+for ((i = 0; i < 200; i++)); do  # until QEMU holds its locks
+  qemu-io -f qcow2 -c "read 0 512" top.qcow2 >/dev/null 2>&1 || break
+  sleep 0.05
+done
+kill -0 "$qpid" || fail "QEMU did not start: $(cat qemu.log)"
+rc=0
+"$QCOMMIT" merge top.qcow2 --budget off >out.txt 2>err.txt || rc=$?
+msg=$(cat err.txt)
+echo "merge while QEMU holds TOP: exit $rc: $msg"
+[[ $rc != 0 ]] || fail "merge succeeded while QEMU held TOP"
+[[ $(wc -l <err.txt) -eq 1 ]] || fail "error is not one line: $msg"
+[[ $msg == *top.qcow2* ]] || fail "error does not name TOP: $msg"
+[[ $msg == *"$qpid"* || $msg == *qemu* ]] || fail "error does not name the holder (QEMU pid $qpid): $msg"
+kill "$qpid"
+wait "$qpid" 2>/dev/null || true
+[[ "$(sha256sum <top.qcow2)" == "$sum_top" ]] || fail "TOP changed by the refused merge"
+[[ "$(sha256sum <base.qcow2)" == "$sum_base" ]] || fail "BASE changed by the refused merge"
+[[ -e .base.qcow2.qcommit-merge ]] && fail "refused merge left a checkpoint"
+
+# (2) + (3): a slow merge (small latency budget, buffered writes) runs; a second one and qemu-io
+# writing BASE must be refused while it does.
+qemu-img convert -O raw top.qcow2 view.raw
+"$QCOMMIT" merge top.qcow2 --budget 1ms --no-direct --output=json >first.json 2>first.err &
+mpid=$!
+pids+=("$mpid")
+for ((i = 0; i < 500; i++)); do
+  grep -q '"phase": "copy"' first.json 2>/dev/null && break
+  sleep 0.01
+done
+if ! kill -0 "$mpid" 2>/dev/null; then
+  fail "the first merge finished before the concurrency checks could run (make it slower)"
+else
+  rc=0
+  "$QCOMMIT" merge top.qcow2 --budget off >second.out 2>second.err || rc=$?
+  echo "second concurrent merge: exit $rc: $(cat second.err)"
+  [[ $rc != 0 ]] || fail "a second concurrent merge of the same chain was not refused"
+  grep -q "base.qcow2\|top.qcow2" second.err || fail "second merge's error names neither image: $(cat second.err)"
+  rc=0
+  qemu-io -f qcow2 -c "write 0 4k" base.qcow2 >qio.out 2>&1 || rc=$?
+  echo "qemu-io write BASE during the merge: exit $rc: $(head -1 qio.out)"
+  grep -qi "lock" qio.out || fail "qemu-io could write BASE during a merge: $(cat qio.out)"
+  still=0
+  kill -0 "$mpid" 2>/dev/null && still=1
+  echo "first merge still running after the checks: $still"
+fi
+wait "$mpid" || fail "the first merge failed: $(cat first.err)"
+qemu-img compare -f raw -F qcow2 view.raw base.qcow2 >/dev/null || fail "BASE differs from TOP's view after the first merge"
+qemu-img check -q base.qcow2 || fail "BASE not clean"
+if ((${#failures[@]})); then printf '  %s\n' "${failures[@]}" >&2; exit 1; fi
+echo "merge.refuse_in_use: OK"
