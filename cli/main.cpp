@@ -20,6 +20,7 @@ void usage(FILE* f) {
       "  merge TOP [--base B] [--rebase CHILD...] [--delete] [--budget 20ms|off]\n"
       "                               merge TOP (and intermediates) into BASE, offline\n"
       "  check IMAGE [--repair]       consistency check (like qemu-img check)\n"
+      "  status [--output=json]       block jobs governed by qcommitd\n"
       "  demo                         build a small qcow2 chain, merge it and verify it\n"
       "\n"
       "Run 'qcommit COMMAND --help' for the options of one command.\n",
@@ -42,6 +43,7 @@ int main(int argc, char** argv) {
     if (cmd == "demo") return cmd_demo(args);
     if (cmd == "merge") return cmd_merge(args);
     if (cmd == "check") return cmd_check(args);
+    if (cmd == "status") return cmd_status(args);
     if (cmd == "-h" || cmd == "--help" || cmd == "help") {
       usage(stdout);
       return kExitOk;

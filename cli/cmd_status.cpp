@@ -1,0 +1,137 @@
+// qcommit status: asks qcommitd (control socket) which block jobs it governs.
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "cli/commands.h"
+#include "cli/options.h"
+#include "plugin/json.h"
+
+namespace qcommit::cli {
+namespace {
+
+constexpr const char* kDefaultSocket = "/run/qcommit/qcommitd.sock";
+constexpr std::size_t kMaxResponseBytes = 16 * 1024 * 1024;
+constexpr int kTimeoutMs = 5000;
+
+std::string num_or_dash(const plugin::json::Value* v, const char* fmt, double scale = 1.0) {
+  if (!v || !v->is_number()) return "-";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, fmt, v->number() / scale);
+  return buf;
+}
+
+std::string str(const plugin::json::Value& o, const char* key) {
+  const auto* v = o.find(key);
+  return v && v->is_string() ? v->string() : "";
+}
+
+}  // namespace
+
+int cmd_status(const Args& args) {
+  std::string socket_path = kDefaultSocket;
+  bool json_out = false;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "--output=json" || (a == "--output" && i + 1 < args.size() && args[i + 1] == "json")) {
+      json_out = true;
+      if (a == "--output") ++i;
+    } else if (a.rfind("--socket=", 0) == 0) {
+      socket_path = a.substr(9);
+    } else if (a == "--socket" && i + 1 < args.size()) {
+      socket_path = args[++i];
+    } else if (a == "-h" || a == "--help") {
+      std::puts("usage: qcommit status [--output=json] [--socket PATH]\n"
+                "  block jobs governed by qcommitd (default socket /run/qcommit/qcommitd.sock)");
+      return kExitOk;
+    } else {
+      throw UsageError("unknown argument '" + a + "'");
+    }
+  }
+  sockaddr_un addr{};
+  if (socket_path.size() >= sizeof addr.sun_path) throw UsageError("socket path too long");
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    std::fprintf(stderr, "qcommit status: socket: %s\n", std::strerror(errno));
+    return kExitError;
+  }
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, socket_path.c_str(), socket_path.size() + 1);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    std::fprintf(stderr, "qcommit status: %s: cannot connect to qcommitd: %s\n",
+                 socket_path.c_str(), std::strerror(errno));
+    ::close(fd);
+    return kExitError;
+  }
+  const std::string req = "{\"cmd\":\"status\"}\n";
+  if (::send(fd, req.data(), req.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(req.size())) {
+    std::fprintf(stderr, "qcommit status: %s: send failed\n", socket_path.c_str());
+    ::close(fd);
+    return kExitError;
+  }
+  std::string line;
+  char buf[4096];
+  while (line.find('\n') == std::string::npos && line.size() < kMaxResponseBytes) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, kTimeoutMs) <= 0) break;
+    const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    if (n <= 0) break;
+    line.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  if (auto nl = line.find('\n'); nl != std::string::npos) line.resize(nl);
+  std::string err;
+  auto v = plugin::json::parse(line, &err);
+  if (!v || !v->is_object()) {
+    std::fprintf(stderr, "qcommit status: %s: bad response from qcommitd: %s\n",
+                 socket_path.c_str(), err.c_str());
+    return kExitError;
+  }
+  const auto* ok = v->find("ok");
+  if (!ok || !ok->is_bool() || !ok->boolean()) {
+    std::fprintf(stderr, "qcommit status: qcommitd: %s\n", str(*v, "error").c_str());
+    return kExitError;
+  }
+  if (json_out) {
+    std::printf("%s\n", line.c_str());
+    return kExitOk;
+  }
+  const auto* conn = v->find("connected");
+  std::printf("libvirt: %s\n", conn && conn->is_bool() && conn->boolean() ? "connected" : "NOT connected");
+  const auto* jobs = v->find("jobs");
+  if (!jobs || !jobs->is_array() || jobs->array().empty()) {
+    std::printf("no governed block jobs\n");
+  } else {
+    std::printf("%-16s %-5s %-13s %-12s %7s %11s %10s %8s %10s %8s  %s\n", "DOMAIN", "DISK", "TYPE",
+                "POOL", "BUDGET", "SPEED", "WINDOW", "P99", "LEFT", "ETA", "PHASE");
+    for (const auto& j : jobs->array()) {
+      std::string pool = str(j, "pool");
+      if (pool.empty()) pool = "-";
+      std::printf("%-16s %-5s %-13s %-12s %7s %11s %10s %8s %10s %8s  %s%s\n", str(j, "domain").c_str(),
+                  str(j, "disk").c_str(), str(j, "type").c_str(), pool.c_str(),
+                  num_or_dash(j.find("budget_ms"), "%.0fms").c_str(),
+                  num_or_dash(j.find("speed_bytes_per_s"), "%.1fMiB/s", 1048576.0).c_str(),
+                  num_or_dash(j.find("window_bytes"), "%.1fMiB", 1048576.0).c_str(),
+                  num_or_dash(j.find("latency_p99_ms"), "%.1fms").c_str(),
+                  num_or_dash(j.find("bytes_left"), "%.1fMiB", 1048576.0).c_str(),
+                  num_or_dash(j.find("eta_s"), "%.0fs").c_str(), str(j, "phase").c_str(),
+                  str(j, "policy_error").empty() ? "" : (" (" + str(j, "policy_error") + ")").c_str());
+    }
+  }
+  const auto* rel = v->find("released");
+  if (rel && rel->is_array()) {
+    for (const auto& r : rel->array())
+      std::printf("released: %s %s (%s): %s, %s s ago\n", str(r, "domain").c_str(),
+                  str(r, "disk").c_str(), str(r, "type").c_str(), str(r, "reason").c_str(),
+                  num_or_dash(r.find("age_s"), "%.0f").c_str());
+  }
+  return kExitOk;
+}
+
+}  // namespace qcommit::cli
