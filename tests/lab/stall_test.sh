@@ -15,6 +15,8 @@ kBaselineS=6
 kBaselineMaxMs=250   # a 4 KiB O_DSYNC write on idle 50 MB/s storage takes ~2 ms (TCG noise allowed)
 kStallFactor=10
 
+# Runs killed earlier (e.g. by a ctest timeout) could not tear down; clear them first.
+"$LAB_SOURCE_DIR/scripts/lab-cleanup" >&2
 lab_init stalltest
 lab_storage_start --bandwidth 50M
 lab_storage_set 5G   # fast while the guest fills, so the test stays short
