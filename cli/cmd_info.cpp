@@ -64,6 +64,8 @@ int cmd_info(const Args& args) {
   std::string image, output = "human";
   opts.add_options()("image", po::value(&image)->required(), "image file")(
       "output", po::value(&output), "human or json");
+  std::vector<std::string> allow_dirs;
+  add_backing_policy(opts, allow_dirs);
   po::positional_options_description pos;
   pos.add("image", 1);
   po::variables_map vm;
@@ -71,7 +73,9 @@ int cmd_info(const Args& args) {
              "examples:\n  qcommit info vm.qcow2\n  qcommit info --output=json vm.qcow2\n"))
     return kExitOk;
   const Output out = parse_output(output);
-  Chain chain = Chain::open(image);
+  qcow2::ChainOptions copts;
+  copts.allowed_backing_dirs = backing_policy(image, allow_dirs);
+  Chain chain = Chain::open(image, copts);
   std::ostringstream js;
   if (out == Output::kJson) js << "{\"filename\": " << json_string(image) << ", \"chain\": [";
   for (size_t i = 0; i < chain.depth(); ++i) {

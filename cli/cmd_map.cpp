@@ -13,6 +13,8 @@ int cmd_map(const Args& args) {
   std::string image, output = "human";
   opts.add_options()("image", po::value(&image)->required(), "image file")(
       "output", po::value(&output), "human or json (same entries as qemu-img map --output=json)");
+  std::vector<std::string> allow_dirs;
+  add_backing_policy(opts, allow_dirs);
   po::positional_options_description pos;
   pos.add("image", 1);
   po::variables_map vm;
@@ -20,7 +22,9 @@ int cmd_map(const Args& args) {
              "examples:\n  qcommit map vm.qcow2\n  qcommit map --output=json vm.qcow2 | jq .\n"))
     return kExitOk;
   const Output out = parse_output(output);
-  qcow2::Chain chain = qcow2::Chain::open(image);
+  qcow2::ChainOptions copts;
+  copts.allowed_backing_dirs = backing_policy(image, allow_dirs);
+  qcow2::Chain chain = qcow2::Chain::open(image, copts);
   auto entries = chain.map();
   std::string buf;
   buf.reserve(entries.size() * 120);

@@ -43,6 +43,8 @@ int cmd_merge(const Args& args) {
       "trace", po::value(&trace), "write one CSV row per controller tick to this file (see scripts/plot-trace)")(
       "probe", po::value(&probe), "on (default): time a 4 KiB O_DSYNC write on the target's filesystem each tick; off")(
       "output", po::value(&output), "human or json (JSON lines: progress events and the result)");
+  std::vector<std::string> allow_dirs;
+  add_backing_policy(opts, allow_dirs);
   po::positional_options_description pos;
   pos.add("top", 1);
   po::variables_map vm;
@@ -59,6 +61,7 @@ int cmd_merge(const Args& args) {
   mo.top = top;
   if (!base.empty()) mo.base = base;
   mo.rebase = rebase;
+  mo.allowed_backing_dirs = backing_policy(top, allow_dirs);
   mo.delete_merged = del;
   mo.direct = !no_direct;
   if (budget != "off") {

@@ -1,5 +1,6 @@
 #include "cli/options.h"
 
+#include <filesystem>
 #include <iostream>
 
 namespace qcommit::cli {
@@ -24,6 +25,18 @@ Output parse_output(const std::string& s) {
   if (s == "json") return Output::kJson;
   if (s == "human") return Output::kHuman;
   throw UsageError("--output must be 'human' or 'json', not '" + s + "'");
+}
+
+void add_backing_policy(po::options_description& opts, std::vector<std::string>& dirs) {
+  opts.add_options()("allow-backing-dir", po::value(&dirs)->composing(),
+                     "also follow backing files inside this directory tree (repeatable; default: only "
+                     "the image's own directory)");
+}
+
+std::vector<std::string> backing_policy(const std::string& image, const std::vector<std::string>& extra) {
+  std::vector<std::string> dirs = extra;
+  dirs.push_back(std::filesystem::absolute(image).parent_path().string());
+  return dirs;
 }
 
 std::string human_size(unsigned long long bytes) {

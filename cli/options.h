@@ -3,6 +3,7 @@
 
 #include <boost/program_options.hpp>
 #include <string>
+#include <vector>
 
 #include "cli/commands.h"
 
@@ -22,5 +23,11 @@ bool parse(const Args& args, po::options_description& opts, po::positional_optio
            po::variables_map& vm, const char* synopsis, const char* examples);
 
 Output parse_output(const std::string& s);
+
+// The backing-file policy option shared by every command that follows a chain:
+// backing files must lie inside the image's own directory tree, or one given with
+// --allow-backing-dir (repeatable; "/" allows everything).
+void add_backing_policy(po::options_description& opts, std::vector<std::string>& dirs);
+std::vector<std::string> backing_policy(const std::string& image, const std::vector<std::string>& extra);
 
 }  // namespace qcommit::cli

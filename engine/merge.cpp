@@ -268,7 +268,9 @@ MergeResult merge(const MergeOptions& opt) {
   // 1. Find BASE in TOP's chain (read-only first).
   size_t base_depth = 0;
   {
-    Chain probe = Chain::open(opt.top);
+    qcow2::ChainOptions popts;
+    popts.allowed_backing_dirs = opt.allowed_backing_dirs;
+    Chain probe = Chain::open(opt.top, popts);
     if (probe.depth() < 2) throw Error(opt.top, "image has no backing file: nothing to merge into");
     if (!opt.base) {
       base_depth = 1;
@@ -284,6 +286,7 @@ MergeResult merge(const MergeOptions& opt) {
   std::vector<ImageLock> locks;
   qcow2::ChainOptions copts;
   copts.writable_depth = base_depth;
+  copts.allowed_backing_dirs = opt.allowed_backing_dirs;
   Chain chain = Chain::open(opt.top, copts);
   for (size_t i = 0; i < base_depth; ++i) {
     res.merged_layers.push_back(chain.layer(i).path);
@@ -293,7 +296,10 @@ MergeResult merge(const MergeOptions& opt) {
   res.base = base.path;
   locks.push_back(ImageLock::writer(base.path));
   for (const auto& child : opt.rebase) {
-    Chain c = Chain::open(child);
+    qcow2::ChainOptions cho;
+    cho.allowed_backing_dirs = opt.allowed_backing_dirs;
+    cho.allowed_backing_dirs.push_back(fs::absolute(child).parent_path().string());
+    Chain c = Chain::open(child, cho);
     if (c.depth() < 2 || !same_file(c.layer(1).path, chain.layer(0).path))
       throw Error(child, "its backing file is not " + opt.top + "; refusing to rebase it");
     locks.push_back(ImageLock::writer(child));

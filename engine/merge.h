@@ -51,6 +51,8 @@ struct MergeOptions {
   std::string top;
   std::optional<std::string> base;  // default: TOP's backing file
   std::vector<std::string> rebase;  // images whose backing file is TOP
+  // Backing files must lie inside these directory trees (empty: anywhere).
+  std::vector<std::string> allowed_backing_dirs;
   bool delete_merged = false;
   bool direct = true;               // O_DIRECT where possible
   unsigned io_threads = kDefaultIoThreads;

@@ -59,20 +59,25 @@ Format parse_format(const std::string& image, const std::string& fmt) {
   throw UnsupportedError(image, "backing format '" + fmt + "' is not supported (only qcow2 and raw)");
 }
 
-void check_allowed(const std::string& image, const std::string& backing,
+// Checks the file actually opened (through /proc/self/fd, so a symlink swapped between path
+// resolution and open() cannot redirect us) against the allowed directory trees.
+void check_allowed(const std::string& image, const std::string& backing, const FileDevice& dev,
                    const std::vector<std::string>& allowed) {
   if (allowed.empty()) return;
   std::error_code ec;
-  const fs::path real = fs::canonical(backing, ec);
-  if (ec) return;  // open() reports a missing file
+  const fs::path real = fs::read_symlink("/proc/self/fd/" + std::to_string(dev.fd()), ec);
+  if (ec) throw Error(image, "cannot resolve backing file '" + backing + "': " + ec.message());
   for (const auto& dir : allowed) {
     const fs::path d = fs::weakly_canonical(dir, ec);
     if (ec) continue;
     auto rel = real.lexically_relative(d);
     if (!rel.empty() && *rel.begin() != "..") return;
   }
-  throw Error(image, "backing file '" + backing + "' (resolves to " + real.string() +
-                         ") lies outside the allowed directories");
+  std::string dirs;
+  for (const auto& d : allowed) dirs += (dirs.empty() ? "" : ", ") + d;
+  throw Error(image, "backing file '" + backing + "' resolves to " + real.string() +
+                         ", outside the allowed directories (" + dirs +
+                         "); use --allow-backing-dir to widen the policy");
 }
 
 }  // namespace
@@ -96,6 +101,7 @@ Chain Chain::open(const std::string& path, ChainOptions options, std::optional<F
       if (depth == 0) throw;
       throw Error(named_by, "cannot open backing file '" + named_as + "': " + e.problem());
     }
+    if (depth > 0) check_allowed(named_by, named_as, *dev, options.allowed_backing_dirs);
     if (!seen.insert({dev->st_dev(), dev->st_ino()}).second)
       throw Error(named_by.empty() ? path : named_by,
                   "backing chain loop: '" + current + "' is already in the chain");
@@ -115,7 +121,9 @@ Chain Chain::open(const std::string& path, ChainOptions options, std::optional<F
         throw Error(current, "image uses an external data file but does not name it");
       const std::string dpath = resolve_backing(current, *img.data_file_name());
       try {
-        img.attach_data_file(FileDevice::open(dpath, {.writable = writable}));
+        auto ddev = FileDevice::open(dpath, {.writable = writable});
+        check_allowed(current, *img.data_file_name(), *ddev, options.allowed_backing_dirs);
+        img.attach_data_file(std::move(ddev));
       } catch (const IoError& e) {
         throw Error(current, "cannot open external data file '" + *img.data_file_name() +
                                  "': " + e.problem());
@@ -128,7 +136,6 @@ Chain Chain::open(const std::string& path, ChainOptions options, std::optional<F
     named_by = current;
     named_as = *next;
     current = resolve_backing(named_by, named_as);
-    check_allowed(named_by, current, options.allowed_backing_dirs);
     fmt = next_fmt ? std::optional<Format>(parse_format(named_by, *next_fmt)) : std::nullopt;
   }
   return chain;

@@ -48,7 +48,8 @@ struct ChainOptions {
   bool writable_top = false;
   // Open the layer at this depth writable (the base of a merge).
   std::optional<size_t> writable_depth;
-  // Backing files must resolve inside one of these directories (empty: no restriction).
+  // Backing and data files must resolve inside one of these directory trees (empty: no
+  // restriction). The check is made on the file actually opened.
   std::vector<std::string> allowed_backing_dirs;
   size_t cache_bytes = kDefaultCacheBytes;
   size_t max_depth = kMaxChainDepth;
