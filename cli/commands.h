@@ -20,6 +20,7 @@ int cmd_map(const Args& args);
 int cmd_demo(const Args& args);
 int cmd_merge(const Args& args);
 int cmd_check(const Args& args);
+int cmd_plan(const Args& args);
 int cmd_status(const Args& args);  // asks qcommitd over its control socket
 
 // "1.5 GiB (1610612736 bytes)"

@@ -19,6 +19,7 @@ void usage(FILE* f) {
       "  map IMAGE [--output=json]    which layer provides each byte (like qemu-img map)\n"
       "  merge TOP [--base B] [--rebase CHILD...] [--delete] [--budget 20ms|off]\n"
       "                               merge TOP (and intermediates) into BASE, offline\n"
+      "  plan TOP [--base B]          what a merge would do (bytes, zeros, switch-over, ETA)\n"
       "  check IMAGE [--repair]       consistency check (like qemu-img check)\n"
       "  status [--output=json]       block jobs governed by qcommitd\n"
       "  demo                         build a small qcow2 chain, merge it and verify it\n"
@@ -43,6 +44,7 @@ int main(int argc, char** argv) {
     if (cmd == "demo") return cmd_demo(args);
     if (cmd == "merge") return cmd_merge(args);
     if (cmd == "check") return cmd_check(args);
+    if (cmd == "plan") return cmd_plan(args);
     if (cmd == "status") return cmd_status(args);
     if (cmd == "-h" || cmd == "--help" || cmd == "help") {
       usage(stdout);

@@ -241,6 +241,35 @@ bool same_file(const std::string& a, const std::string& b) {
   return fs::equivalent(a, b, ec);
 }
 
+size_t find_base_depth(const MergeOptions& opt) {
+  qcow2::ChainOptions popts;
+  popts.allowed_backing_dirs = opt.allowed_backing_dirs;
+  Chain probe = Chain::open(opt.top, popts);
+  if (probe.depth() < 2) throw Error(opt.top, "image has no backing file: nothing to merge into");
+  if (!opt.base) return 1;
+  for (size_t i = 1; i < probe.depth(); ++i)
+    if (same_file(probe.layer(i).path, *opt.base)) return i;
+  throw Error(*opt.base, "is not in the backing chain of " + opt.top);
+}
+
+// The extents the layers above BASE provide, from guest offset `from` on, merged like qemu-img map.
+std::vector<MapEntry> extents_above(Chain& chain, size_t base_depth, uint64_t from, uint64_t& total) {
+  const uint64_t top_size = chain.virtual_size();
+  std::vector<MapEntry> extents;
+  total = 0;
+  for (uint64_t off = from; off < top_size;) {
+    MapEntry e = chain.status(off, top_size - off, 0, base_depth);
+    off += e.length;
+    if (!e.data && !e.zero) continue;  // BASE (or below) provides it
+    if (!extents.empty() && qcow2::mergeable(extents.back(), e))
+      extents.back().length += e.length;
+    else
+      extents.push_back(e);
+    total += e.length;
+  }
+  return extents;
+}
+
 }  // namespace
 
 std::string checkpoint_path(const std::string& base) {
@@ -266,21 +295,7 @@ MergeResult merge(const MergeOptions& opt) {
   };
 
   // 1. Find BASE in TOP's chain (read-only first).
-  size_t base_depth = 0;
-  {
-    qcow2::ChainOptions popts;
-    popts.allowed_backing_dirs = opt.allowed_backing_dirs;
-    Chain probe = Chain::open(opt.top, popts);
-    if (probe.depth() < 2) throw Error(opt.top, "image has no backing file: nothing to merge into");
-    if (!opt.base) {
-      base_depth = 1;
-    } else {
-      for (size_t i = 1; i < probe.depth(); ++i)
-        if (same_file(probe.layer(i).path, *opt.base)) base_depth = i;
-      if (base_depth == 0)
-        throw Error(*opt.base, "is not in the backing chain of " + opt.top);
-    }
-  }
+  const size_t base_depth = find_base_depth(opt);
 
   // 2. Locks: nobody writes TOP and the intermediates, nobody uses BASE. Children are checked.
   std::vector<ImageLock> locks;
@@ -332,18 +347,8 @@ MergeResult merge(const MergeOptions& opt) {
   // 4. Plan: the extents the layers above BASE provide (with the original sizes).
   progress({0, 0, seconds_since(t_start), 0, "plan"});
   const uint64_t top_size = chain.virtual_size();
-  std::vector<MapEntry> extents;
   uint64_t total = 0;
-  for (uint64_t off = resume_from; off < top_size;) {
-    MapEntry e = chain.status(off, top_size - off, 0, base_depth);
-    off += e.length;
-    if (!e.data && !e.zero) continue;  // BASE (or below) provides it
-    if (!extents.empty() && qcow2::mergeable(extents.back(), e))
-      extents.back().length += e.length;
-    else
-      extents.push_back(e);
-    total += e.length;
-  }
+  const std::vector<MapEntry> extents = extents_above(chain, base_depth, resume_from, total);
 
   // 5. Grow BASE to TOP's size.
   const uint64_t base_size = base.virtual_size();
@@ -589,6 +594,42 @@ MergeResult merge(const MergeOptions& opt) {
   res.total_seconds = seconds_since(t_start);
   progress({done_bytes, total, res.total_seconds, 0, "done"});
   return res;
+}
+
+
+MergePlan plan_merge(const MergeOptions& opt) {
+  if (auto err = opt.validate(); !err.empty()) throw Error(opt.top, err);
+  MergePlan p;
+  p.base_depth = find_base_depth(opt);
+  qcow2::ChainOptions copts;
+  copts.allowed_backing_dirs = opt.allowed_backing_dirs;
+  Chain chain = Chain::open(opt.top, copts);
+  for (size_t i = 0; i < p.base_depth; ++i) p.layers.push_back(chain.layer(i).path);
+  qcow2::Layer& base = chain.layer(p.base_depth);
+  p.base = base.path;
+  p.base_format = qcow2::to_string(base.format);
+  p.top_size = chain.virtual_size();
+  p.base_size = base.virtual_size();
+  if (base.qcow2) {
+    p.base_snapshots = base.qcow2->header().nb_snapshots;
+    p.base_bitmaps = base.qcow2->bitmaps() ? base.qcow2->bitmaps()->nb_bitmaps : 0;
+  }
+  uint64_t total = 0;
+  for (const MapEntry& e : extents_above(chain, p.base_depth, 0, total)) {
+    ++p.extents;
+    if (e.zero)
+      p.zero_bytes += e.length;
+    else
+      p.data_bytes += e.length;
+    if (e.compressed) p.compressed_bytes += e.length;
+  }
+  std::string identity;
+  for (size_t i = 0; i < p.base_depth; ++i) identity += layer_identity(chain.layer(i).path) + " | ";
+  identity += fs::weakly_canonical(base.path).string();
+  if (auto cp = load_checkpoint(checkpoint_path(base.path)); cp && cp->identity == identity)
+    p.resume_from = cp->done;
+  p.rebase = opt.rebase;
+  return p;
 }
 
 }  // namespace qcommit::engine

@@ -84,6 +84,23 @@ struct MergeResult {
   double total_seconds = 0;
 };
 
+// What a merge would do, computed without writing anything.
+struct MergePlan {
+  std::vector<std::string> layers;  // TOP and intermediates, top first
+  std::string base, base_format;
+  size_t base_depth = 0;
+  uint64_t top_size = 0, base_size = 0;
+  uint64_t data_bytes = 0;        // bytes to copy
+  uint64_t zero_bytes = 0;        // ranges that must read as zeros (flags on qcow2 v3 bases)
+  uint64_t compressed_bytes = 0;  // of data_bytes, decompressed on the way
+  size_t extents = 0;
+  uint32_t base_snapshots = 0;    // internal snapshots: shared clusters are copied on write
+  uint32_t base_bitmaps = 0;      // persistent bitmaps the merge removes
+  std::vector<std::string> rebase;
+  std::optional<uint64_t> resume_from;  // a matching checkpoint of an interrupted run
+};
+[[nodiscard]] MergePlan plan_merge(const MergeOptions& options);
+
 // Runs the merge; throws qcow2::Error (naming the file) on bad input, refusal or I/O failure.
 MergeResult merge(const MergeOptions& options);
 

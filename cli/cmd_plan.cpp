@@ -1,0 +1,135 @@
+// qcommit plan: what a merge would do, without writing anything (except the optional
+// bandwidth measurement, which writes and removes a scratch file beside BASE).
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+
+#include "cli/json.h"
+#include "cli/options.h"
+#include "cli/units.h"
+#include "engine/merge.h"
+
+namespace qcommit::cli {
+
+namespace {
+
+inline constexpr uint64_t kMeasureBytes = 32ull << 20;
+inline constexpr uint64_t kMeasureChunk = 1ull << 20;
+
+// Sequential O_DIRECT (else O_DSYNC) write bandwidth of the filesystem holding `dir`, bytes/s.
+double measure_write_bandwidth(const std::string& dir) {
+  const std::string path = dir + "/.qcommit-measure-" + std::to_string(getpid());
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_DIRECT | O_CLOEXEC, 0600);
+  if (fd < 0) fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_DSYNC | O_CLOEXEC, 0600);
+  if (fd < 0) throw std::runtime_error(path + ": cannot create measurement file: " + std::strerror(errno));
+  ::unlink(path.c_str());
+  void* mem = nullptr;
+  if (posix_memalign(&mem, 4096, kMeasureChunk) != 0) {
+    ::close(fd);
+    throw std::bad_alloc();
+  }
+  std::memset(mem, 0xa5, kMeasureChunk);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (uint64_t off = 0; off < kMeasureBytes; off += kMeasureChunk)
+    if (::pwrite(fd, mem, kMeasureChunk, off_t(off)) != ssize_t(kMeasureChunk)) break;
+  ::fdatasync(fd);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ::close(fd);
+  free(mem);
+  return s > 0 ? double(kMeasureBytes) / s : 0;
+}
+
+}  // namespace
+
+int cmd_plan(const Args& args) {
+  po::options_description opts("options");
+  std::string top, base, output = "human", rate;
+  std::vector<std::string> rebase, allow_dirs;
+  bool measure = false;
+  opts.add_options()("top", po::value(&top)->required(), "the image to merge (TOP)")(
+      "base", po::value(&base), "merge into this image of TOP's chain (default: TOP's backing file)")(
+      "rebase", po::value(&rebase)->multitoken(), "children of TOP that would be rebased")(
+      "rate", po::value(&rate), "expected copy rate for the ETA, e.g. 80M (per second)")(
+      "measure", po::bool_switch(&measure),
+      "measure the target's sequential write bandwidth for the ETA (writes 32 MiB beside BASE)")(
+      "output", po::value(&output), "human or json");
+  add_backing_policy(opts, allow_dirs);
+  po::positional_options_description pos;
+  pos.add("top", 1);
+  po::variables_map vm;
+  if (!parse(args, opts, pos, vm, "qcommit plan TOP [--base BASE] [--rebase CHILD...] [--rate R | --measure]",
+             "examples:\n  qcommit plan snap.qcow2\n  qcommit plan snap2.qcow2 --base base.qcow2 --measure\n"))
+    return kExitOk;
+  const Output out = parse_output(output);
+  engine::MergeOptions mo;
+  mo.top = top;
+  if (!base.empty()) mo.base = base;
+  mo.rebase = rebase;
+  mo.allowed_backing_dirs = backing_policy(top, allow_dirs);
+  const engine::MergePlan p = engine::plan_merge(mo);
+  double bw = 0;
+  std::string bw_source;
+  if (!rate.empty()) {
+    bw = double(parse_size(rate));
+    bw_source = "given";
+  } else if (measure) {
+    bw = measure_write_bandwidth(std::filesystem::absolute(p.base).parent_path().string());
+    bw_source = "measured";
+  }
+  const double eta = bw > 0 ? double(p.data_bytes) / bw : -1;
+  if (out == Output::kJson) {
+    std::string js = "{\"top\": " + json_string(top) + ", \"base\": " + json_string(p.base) +
+                     ", \"base-format\": " + json_string(p.base_format) + ", \"layers\": [";
+    for (size_t i = 0; i < p.layers.size(); ++i) js += (i ? ", " : "") + json_string(p.layers[i]);
+    js += "], \"top-size\": " + std::to_string(p.top_size) + ", \"base-size\": " + std::to_string(p.base_size) +
+          ", \"grow-base\": " + json_bool(p.top_size > p.base_size) +
+          ", \"data-bytes\": " + std::to_string(p.data_bytes) + ", \"zero-bytes\": " + std::to_string(p.zero_bytes) +
+          ", \"compressed-bytes\": " + std::to_string(p.compressed_bytes) +
+          ", \"extents\": " + std::to_string(p.extents) +
+          ", \"base-internal-snapshots\": " + std::to_string(p.base_snapshots) +
+          ", \"bitmaps-to-remove\": " + std::to_string(p.base_bitmaps) + ", \"rebase\": [";
+    for (size_t i = 0; i < p.rebase.size(); ++i) js += (i ? ", " : "") + json_string(p.rebase[i]);
+    js += "]";
+    if (p.resume_from) js += ", \"resume-from\": " + std::to_string(*p.resume_from);
+    if (bw > 0) {
+      char b[96];
+      std::snprintf(b, sizeof b, ", \"rate\": %.0f, \"eta-seconds\": %.1f", bw, eta);
+      js += b;
+    }
+    std::printf("%s}\n", js.c_str());
+    return kExitOk;
+  }
+  std::printf("merge plan (nothing written)\n");
+  for (size_t i = 0; i < p.layers.size(); ++i)
+    std::printf("  %-8s %s\n", i == 0 ? "top" : "through", p.layers[i].c_str());
+  std::printf("  %-8s %s (%s)\n", "into", p.base.c_str(), p.base_format.c_str());
+  if (p.top_size > p.base_size)
+    std::printf("  base grows from %s to %s first\n", format_size(p.base_size).c_str(), format_size(p.top_size).c_str());
+  std::printf("data to copy:   %s in %zu extents%s\n", format_size(p.data_bytes).c_str(), p.extents,
+              p.compressed_bytes ? (" (" + format_size(p.compressed_bytes) + " compressed)").c_str() : "");
+  std::printf("zero ranges:    %s (zero flags on a qcow2 v3 base, holes on raw)\n", format_size(p.zero_bytes).c_str());
+  if (p.base_snapshots)
+    std::printf("base has %u internal snapshots: clusters they share are copied on write\n", p.base_snapshots);
+  if (p.base_bitmaps) std::printf("base has %u persistent bitmaps: they will be removed (stale after the merge)\n", p.base_bitmaps);
+  if (p.resume_from) std::printf("an interrupted merge will resume at %s\n", format_size(*p.resume_from).c_str());
+  std::printf("switch-over:    ");
+  if (p.rebase.empty())
+    std::printf("none (TOP is left intact and unreferenced by the merge)\n");
+  else
+    for (size_t i = 0; i < p.rebase.size(); ++i)
+      std::printf("%srewrite the header of %s to point at %s\n", i ? "                " : "", p.rebase[i].c_str(),
+                  p.base.c_str());
+  if (bw > 0)
+    std::printf("ETA:            %.1f s at %s/s (%s; with a latency budget the copy takes what co-tenants leave)\n",
+                eta, format_size(uint64_t(bw)).c_str(), bw_source.c_str());
+  else
+    std::printf("ETA:            give --rate or --measure\n");
+  return kExitOk;
+}
+
+}  // namespace qcommit::cli
