@@ -517,20 +517,25 @@ MergeResult merge(const MergeOptions& opt) {
         write_zero_range(p.start, p.end);
       } else if (!p.e->offset || p.e->compressed) {
         copy_through_chain(p.start, p.end - p.start);
+        res.copied_bytes += p.end - p.start;
       } else {
         direct.push_back(&p);
+        continue;
       }
+      done_bytes += p.end - p.start;
+      report(false);
     }
     std::stable_sort(direct.begin(), direct.end(), [](const Piece* x, const Piece* y) {
       const uint64_t xo = *x->e->offset + (x->start - x->e->start), yo = *y->e->offset + (y->start - y->e->start);
       return std::tie(x->e->depth, xo) < std::tie(y->e->depth, yo);
     });
-    for (const Piece* p : direct) copy_direct(*p->e, p->start, p->end);
-    submit_pending();
-    for (const Piece& p : window) {
-      if (!p.e->zero) res.copied_bytes += p.end - p.start;
-      done_bytes += p.end - p.start;
+    for (const Piece* p : direct) {
+      copy_direct(*p->e, p->start, p->end);
+      res.copied_bytes += p->end - p->start;
+      done_bytes += p->end - p->start;  // submitted; durable at the window's commit
+      report(false);
     }
+    submit_pending();
     window.clear();
     window_l2s = 0;
     last_l1 = ~0ull;
@@ -538,6 +543,7 @@ MergeResult merge(const MergeOptions& opt) {
     report(false);
   };
 
+  report(true);
   for (const MapEntry& e : extents) {
     uint64_t off = e.start;
     const uint64_t end = e.start + e.length;
