@@ -8,6 +8,7 @@
 #include "cli/json.h"
 #include "cli/options.h"
 #include "cli/units.h"
+#include "cli/domain_merge.h"
 #include "engine/merge.h"
 
 namespace qcommit::cli {
@@ -34,7 +35,15 @@ int cmd_merge(const Args& args) {
   std::string top, base, output = "human", budget = "20ms", trace, probe = "on";
   std::vector<std::string> rebase;
   bool del = false, no_direct = false;
-  opts.add_options()("top", po::value(&top)->required(), "the image to merge (TOP)")(
+  std::string domain, disk, pool, vol, uri = "qemu:///system";
+  bool dry_run = false;
+  opts.add_options()("top", po::value(&top), "the image to merge (TOP)")(
+      "domain", po::value(&domain), "a shut-off libvirt domain whose disk chain to merge (with --disk)")(
+      "disk", po::value(&disk), "the domain's disk target, e.g. vda (TOP defaults to its active layer)")(
+      "pool", po::value(&pool), "storage pool of the volume to merge (with --vol)")(
+      "vol", po::value(&vol), "volume name in --pool to merge into its backing file")(
+      "uri", po::value(&uri), "libvirt connection URI (default qemu:///system)")(
+      "dry-run", po::bool_switch(&dry_run), "with --domain: resolve and check everything, write nothing")(
       "base", po::value(&base), "merge into this image of TOP's chain (default: TOP's backing file)")(
       "rebase", po::value(&rebase)->multitoken(), "images whose backing file is TOP: point them at BASE")(
       "delete", po::bool_switch(&del), "remove TOP and the intermediates afterwards")(
@@ -54,20 +63,26 @@ int cmd_merge(const Args& args) {
              "  qcommit merge snap1.qcow2                      # into snap1's backing file\n"
              "  qcommit merge snap2.qcow2 --base base.qcow2 --rebase snap3.qcow2\n"
              "  qcommit merge snap.qcow2 --budget off --output=json\n"
+             "  qcommit merge --domain vm1 --disk vda           # shut-off domain: merge and redefine\n"
+             "  qcommit merge --pool default --vol vm1-snap.qcow2\n"
              "\nAfter a crash or kill, run the same command again: it resumes from its checkpoint.\n"))
     return kExitOk;
   const Output out = parse_output(output);
+  const bool via_libvirt = !domain.empty() || !pool.empty();
+  if (!via_libvirt && top.empty()) throw UsageError("give TOP, or --domain DOM --disk DEV, or --pool P --vol V");
+  if (!domain.empty() && disk.empty()) throw UsageError("--domain needs --disk");
+  if (!pool.empty() != !vol.empty()) throw UsageError("--pool and --vol go together");
   engine::MergeOptions mo;
   mo.top = top;
   if (!base.empty()) mo.base = base;
   mo.rebase = rebase;
-  mo.allowed_backing_dirs = backing_policy(top, allow_dirs);
+  if (!top.empty()) mo.allowed_backing_dirs = backing_policy(top, allow_dirs);
   mo.delete_merged = del;
   mo.direct = !no_direct;
   if (budget != "off") {
     const auto b = parse_duration(budget);
     if (probe != "on" && probe != "off") throw UsageError("--probe must be 'on' or 'off'");
-    mo.governor = make_budget_governor(b, top, base, trace, probe == "on");
+    if (!top.empty() || !base.empty()) mo.governor = make_budget_governor(b, top, base, trace, probe == "on");
   } else if (!trace.empty()) {
     throw UsageError("--trace needs a budget (the trace records the controller's decisions)");
   }
@@ -82,7 +97,48 @@ int cmd_merge(const Args& args) {
       print_bar(p);
     }
   };
-  engine::MergeResult r = engine::merge(mo);
+  engine::MergeResult r;
+  if (via_libvirt) {
+    DomainMergeRequest req;
+    req.uri = uri;
+    req.domain = domain;
+    req.disk = disk;
+    req.pool = pool;
+    req.volume = vol;
+    if (!top.empty()) req.top = top;
+    if (!base.empty()) req.base = base;
+    req.dry_run = dry_run;
+    req.merge = mo;
+    if (budget != "off" && !mo.governor) {
+      const auto b = parse_duration(budget);
+      req.make_governor = [=](const std::string& target) {
+        return make_budget_governor(b, target, target, trace, probe == "on");
+      };
+    }
+    if (!top.empty()) req.merge.allowed_backing_dirs = backing_policy(top, allow_dirs);
+    else req.merge.allowed_backing_dirs = allow_dirs.empty() ? std::vector<std::string>{"/"} : allow_dirs;
+    auto note = [&](const std::string& m) {
+      if (out == Output::kJson)
+        std::printf("{\"event\": \"note\", \"message\": %s}\n", json_string(m).c_str());
+      else
+        std::fprintf(stderr, "%s\n", m.c_str());
+    };
+    DomainMergeResult dr = merge_domain(req, note);
+    if (dry_run) {
+      std::printf("would merge %s into %s (nothing written)\n", dr.top.c_str(), dr.base.c_str());
+      return kExitOk;
+    }
+    for (auto& s : dr.snapshot_metadata_removed) note("removed metadata of snapshot '" + s + "'");
+    if (dr.definition_updated) note("domain definition updated: disk " + disk + " now uses " + dr.base);
+    for (auto& p : dr.pools_refreshed) note("refreshed storage pool " + p);
+    r = dr.merge;
+    if (r.top.empty()) {
+      r.top = dr.top;
+      r.base = dr.base;
+    }
+  } else {
+    r = engine::merge(mo);
+  }
   if (tty) std::fputs("\n", stderr);
   if (out == Output::kJson) {
     std::string js = "{\"event\": \"result\", \"top\": " + json_string(r.top) + ", \"base\": " + json_string(r.base);
