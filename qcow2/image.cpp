@@ -417,24 +417,44 @@ void Image::decompress(const Run& run, std::span<uint8_t> out) {
     s.avail_out = uInt(out.size());
     int r = inflate(&s, Z_FINISH);
     ok = (r == Z_STREAM_END || r == Z_BUF_ERROR) && s.avail_out == 0;
+    if (ok && r != Z_STREAM_END) {
+      // Output full before the end of the stream: a stream with more than one cluster of data
+      // is corrupt (it would otherwise be silently truncated).
+      uint8_t extra = 0;
+      s.next_out = &extra;
+      s.avail_out = 1;
+      (void)inflate(&s, Z_FINISH);
+      if (s.avail_out == 0) ok = false;
+    }
     inflateEnd(&s);
   } else {
     ZSTD_DCtx* d = ZSTD_createDCtx();
     if (!d) throw Error(name(), "zstd initialisation failed");
     ZSTD_inBuffer ib{in.data(), in.size(), 0};
     ZSTD_outBuffer ob{out.data(), out.size(), 0};
+    size_t frame_left = 1;  // ZSTD_decompressStream's hint: 0 once the frame is complete
     while (ob.pos < ob.size) {
       size_t r = ZSTD_decompressStream(d, &ob, &ib);
       if (ZSTD_isError(r)) break;
+      frame_left = r;
       if (r == 0 && ob.pos < ob.size) break;  // frame ended early
       if (ib.pos == ib.size && ob.pos < ob.size) break;
     }
     ok = ob.pos == ob.size;
+    if (ok && frame_left != 0) {
+      // Output full before the end of the frame: more than one cluster of data is corrupt, not
+      // silently truncated. (Input bytes after a complete frame belong to the next cluster's
+      // stream: the descriptor's size is rounded up to sectors.)
+      uint8_t extra = 0;
+      ZSTD_outBuffer eb{&extra, 1, 0};
+      size_t r = ZSTD_decompressStream(d, &eb, &ib);
+      if (!ZSTD_isError(r) && eb.pos > 0) ok = false;
+    }
     ZSTD_freeDCtx(d);
   }
   if (!ok)
     corrupt_at("compressed cluster at " + hex(run.compressed_offset) + " (guest " +
-               hex(run.guest_offset) + ") does not decompress to one cluster");
+               hex(run.guest_offset) + ") does not decompress to exactly one cluster");
 }
 
 uint64_t Image::refcount(uint64_t cluster_index) {
