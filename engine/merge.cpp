@@ -320,6 +320,23 @@ MergeResult merge(const MergeOptions& opt) {
     locks.push_back(ImageLock::writer(child));
   }
 
+  // The layers merged must be consistent: with overlapping metadata (an L2 entry pointing into a
+  // metadata cluster, a cluster shared beyond its refcount, the L1 table used as an L2 table)
+  // the bytes they show are not guest data and would be copied into BASE. Leaks are harmless.
+  // A dirty (lazy refcounts) layer's refcounts are stale, so it is not judged by them here.
+  for (size_t i = 0; i < base_depth; ++i) {
+    qcow2::Layer& layer = chain.layer(i);
+    if (!layer.qcow2 || layer.qcow2->dirty()) continue;
+    const auto r = qcow2::check(*layer.qcow2, qcow2::Repair::kNone);
+    if (r.corruptions == 0) continue;
+    std::string first;
+    for (const auto& m : r.messages)
+      if (m.rfind("ERROR", 0) == 0) { first = m; break; }
+    throw qcow2::CorruptionError(layer.path, "check found " + std::to_string(r.corruptions) +
+                                                 " corruptions" + (first.empty() ? "" : " (" + first + ")") +
+                                                 "; refusing to merge it");
+  }
+
   // 3. Checkpoint of an interrupted run.
   std::string identity;
   for (size_t i = 0; i < base_depth; ++i) identity += layer_identity(chain.layer(i).path) + " | ";
