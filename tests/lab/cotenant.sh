@@ -1,0 +1,52 @@
+# shellcheck shell=bash
+# Co-tenant scenario helpers (source after lab.sh): a second qcow2 chain on the lab's slow
+# storage, next to the probing guest's disk, to be merged on the host while the guest probes.
+#
+#   lab_cotenant_prepare MIB [CLUSTER]
+#       $LAB_MNT/ct-base.qcow2 (qcow2, 64 MiB of its own data at the start) and
+#       $LAB_MNT/ct-top.qcow2 on it, with MIB MiB written into TOP by qemu-io (sequential
+#       64 MiB writes, a different pattern per write, overwriting BASE's data too), all synced
+#       to the storage. Run it while the storage is fast (lab_storage_set 5G); it waits until
+#       the slowfs queue is idle. Exports LAB_CT_BASE, LAB_CT_TOP, LAB_CT_BYTES.
+#   lab_cotenant_check
+#       BASE equals TOP's view (qemu-img compare) and is clean (qemu-img check); run after the
+#       merge. Returns non-zero with a message on stderr otherwise.
+
+kCotenantPieceMiB=64
+
+lab_cotenant_prepare() {
+  local mib=$1 cluster=${2:-64k} vsize cmds=() off=0 n pat=1
+  [ "$mib" -gt 0 ] || lab_die "lab_cotenant_prepare: size must be > 0 MiB"
+  LAB_CT_BASE=$LAB_MNT/ct-base.qcow2
+  LAB_CT_TOP=$LAB_MNT/ct-top.qcow2
+  LAB_CT_BYTES=$((mib << 20))
+  export LAB_CT_BASE LAB_CT_TOP LAB_CT_BYTES
+  vsize=$(((mib + 1024) << 20))
+  qemu-img create -q -f qcow2 -o cluster_size="$cluster" "$LAB_CT_BASE" "$vsize"
+  qemu-io -f qcow2 -c "write -q -P 0xb0 0 ${kCotenantPieceMiB}M" "$LAB_CT_BASE" >/dev/null
+  qemu-img create -q -f qcow2 -o cluster_size="$cluster" -b ct-base.qcow2 -F qcow2 "$LAB_CT_TOP"
+  while [ "$off" -lt "$mib" ]; do
+    n=$((mib - off < kCotenantPieceMiB ? mib - off : kCotenantPieceMiB))
+    cmds+=(-c "write -q -P $((pat % 255 + 1)) ${off}M ${n}M")
+    off=$((off + n))
+    pat=$((pat + 1))
+  done
+  qemu-io -f qcow2 "${cmds[@]}" "$LAB_CT_TOP" >/dev/null
+  sync -f "$LAB_CT_TOP"
+  sync "$LAB_CT_BASE" "$LAB_CT_TOP"
+  lab_storage_wait_idle 300
+  lab_log "co-tenant chain: $LAB_CT_TOP (${mib} MiB written) on $LAB_CT_BASE"
+}
+
+lab_cotenant_check() {
+  local out
+  if ! out=$(qemu-img compare -f qcow2 -F qcow2 "$LAB_CT_BASE" "$LAB_CT_TOP" 2>&1); then
+    echo "co-tenant: BASE differs from TOP's view: $out" >&2
+    return 1
+  fi
+  if ! out=$(qemu-img check -f qcow2 "$LAB_CT_BASE" 2>&1); then
+    echo "co-tenant: qemu-img check BASE: $out" >&2
+    return 1
+  fi
+  return 0
+}
