@@ -203,6 +203,9 @@ void Governor::poll(TimePoint now, const std::set<std::string>* only) {
   for (const auto& dom : doms) {
     if (only && !only->count(dom.name)) continue;
     for (const auto& disk : dom.disks) {
+      if (opt_.only_disk &&
+          (opt_.only_disk->first != dom.name || opt_.only_disk->second != disk.target))
+        continue;
       std::optional<JobInfo> info = hv_.job_info(dom.name, disk.target);
       if (!info || !governed(info->type)) continue;
       DiskKey k{dom.name, disk.target};
@@ -421,7 +424,10 @@ void Governor::pace() {
 
 void Governor::release_all() {
   for (auto& [k, j] : jobs_) {
-    double rate = j->decision ? j->decision->rate_bytes_per_s : j->policy.floor_bytes_per_s;
+    // Finishing speed: what the storage was seen to absorb, never below the floor.
+    double rate = j->decision ? std::max(j->decision->rate_bytes_per_s,
+                                         j->decision->drain_estimate_bytes_per_s)
+                              : j->policy.floor_bytes_per_s;
     rate = std::max(rate, j->policy.floor_bytes_per_s);
     try {
       (void)hv_.set_job_speed(k.domain, k.disk,

@@ -29,6 +29,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "plugin/config.h"
@@ -53,11 +54,17 @@ inline constexpr double kSpeedChangeFraction = 0.02;  // re-set the speed when o
 struct GovernorOptions {
   Duration tick = std::chrono::milliseconds(100);
   Duration poll = std::chrono::milliseconds(500);
-  Duration pace = std::chrono::milliseconds(20);  // writeback pacing runs this often
+  // Writeback pacing runs this often.  Must be well below the latency budget: the pacer keeps at
+  // most one window under writeback, so it can push at most window / pace per second, and with
+  // window = budget × drain a pace equal to the budget would pin the drain estimate where it is.
+  Duration pace = std::chrono::milliseconds(5);
   Duration reconnect_min = std::chrono::milliseconds(500);
   Duration reconnect_max = std::chrono::seconds(5);
   std::uint64_t min_speed_bytes_per_s = kMinJobSpeedBytesPerS;
   WritebackConfig writeback;
+  // When set, only the job on this domain's disk target is governed (`qcommit live` runs a
+  // governor in-process for the job it started); the other disks still give foreground signals.
+  std::optional<std::pair<std::string, std::string>> only_disk;
   [[nodiscard]] std::optional<std::string> validate() const;
 };
 

@@ -4,8 +4,11 @@
 #include <libvirt/libvirt-qemu.h>
 #include <libvirt/virterror.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 
 #include "plugin/config.h"
@@ -215,20 +218,100 @@ std::vector<DomainInfo> LibvirtHypervisor::running_domains() {
   std::free(list);
   std::vector<DomainInfo> out;
   for (auto& d : doms) {
-    DomainInfo info;
-    const char* name = virDomainGetName(d.get());
-    if (!name) continue;
-    info.name = name;
-    char uuid[VIR_UUID_STRING_BUFLEN];
-    if (virDomainGetUUIDString(d.get(), uuid) == 0) info.uuid = uuid;
-    CString xml(virDomainGetXMLDesc(d.get(), 0));
-    if (!xml) continue;  // domain went away
-    info.disks = parse_domain_disks(xml.get());
-    CString meta(virDomainGetMetadata(d.get(), VIR_DOMAIN_METADATA_ELEMENT, kMetadataNamespace, 0));
-    if (meta) info.policy_xml = meta.get();
-    out.push_back(std::move(info));
+    if (auto info = describe(d.get())) out.push_back(std::move(*info));
   }
   return out;
+}
+
+std::optional<DomainInfo> LibvirtHypervisor::describe(virDomainPtr d) {
+  DomainInfo info;
+  const char* name = virDomainGetName(d);
+  if (!name) return std::nullopt;
+  info.name = name;
+  char uuid[VIR_UUID_STRING_BUFLEN];
+  if (virDomainGetUUIDString(d, uuid) == 0) info.uuid = uuid;
+  CString xml(virDomainGetXMLDesc(d, 0));
+  if (!xml) return std::nullopt;  // domain went away
+  info.disks = parse_domain_disks(xml.get());
+  CString meta(virDomainGetMetadata(d, VIR_DOMAIN_METADATA_ELEMENT, kMetadataNamespace, 0));
+  if (meta) info.policy_xml = meta.get();
+  return info;
+}
+
+void LibvirtHypervisor::throw_job_error(const std::string& what) {
+  check_alive();
+  virErrorPtr e = virGetLastError();
+  throw BlockJobError(what + ": " + (e && e->message ? e->message : "failed"));
+}
+
+std::optional<DomainInfo> LibvirtHypervisor::domain(const std::string& name) {
+  check_alive();
+  Domain d(virDomainLookupByName(conn_, name.c_str()));
+  if (!d) {
+    check_alive();
+    return std::nullopt;
+  }
+  return describe(d.get());
+}
+
+void LibvirtHypervisor::start_commit(const std::string& domain, const std::string& disk,
+                                     const std::string& base, const std::string& top,
+                                     std::uint64_t bandwidth_bytes_per_s, bool active) {
+  check_alive();
+  Domain d(virDomainLookupByName(conn_, domain.c_str()));
+  if (!d) throw_job_error(domain);
+  unsigned int flags = VIR_DOMAIN_BLOCK_COMMIT_BANDWIDTH_BYTES;
+  if (active) flags |= VIR_DOMAIN_BLOCK_COMMIT_ACTIVE;
+  if (virDomainBlockCommit(d.get(), disk.c_str(), base.c_str(), top.c_str(),
+                           bandwidth_bytes_per_s, flags) < 0)
+    throw_job_error(domain + " " + disk + ": block commit of " + top + " into " + base);
+}
+
+void LibvirtHypervisor::create_overlay(const std::string& domain, const std::string& disk,
+                                       const std::string& overlay_path) {
+  check_alive();
+  Domain d(virDomainLookupByName(conn_, domain.c_str()));
+  if (!d) throw_job_error(domain);
+  std::optional<DomainInfo> info = describe(d.get());
+  if (!info) throw_job_error(domain);
+  auto esc = [](const std::string& v) {
+    gchar* e = g_markup_escape_text(v.c_str(), static_cast<gssize>(v.size()));
+    std::string out = e;
+    g_free(e);
+    return out;
+  };
+  std::string xml = "<domainsnapshot><disks>";
+  for (const auto& dk : info->disks) {
+    if (dk.target == disk)
+      xml += "<disk name='" + esc(dk.target) + "' snapshot='external' type='file'>"
+             "<driver type='qcow2'/><source file='" + esc(overlay_path) + "'/></disk>";
+    else
+      xml += "<disk name='" + esc(dk.target) + "' snapshot='no'/>";
+  }
+  xml += "</disks></domainsnapshot>";
+  virDomainSnapshotPtr snap = virDomainSnapshotCreateXML(
+      d.get(), xml.c_str(),
+      VIR_DOMAIN_SNAPSHOT_CREATE_DISK_ONLY | VIR_DOMAIN_SNAPSHOT_CREATE_NO_METADATA |
+          VIR_DOMAIN_SNAPSHOT_CREATE_ATOMIC);
+  if (!snap) throw_job_error(domain + " " + disk + ": external overlay " + overlay_path);
+  virDomainSnapshotFree(snap);
+}
+
+bool LibvirtHypervisor::pivot(const std::string& domain, const std::string& disk) {
+  check_alive();
+  Domain d(virDomainLookupByName(conn_, domain.c_str()));
+  if (!d) throw_job_error(domain);
+  if (virDomainBlockJobAbort(d.get(), disk.c_str(), VIR_DOMAIN_BLOCK_JOB_ABORT_PIVOT) == 0)
+    return true;
+  check_alive();
+  virErrorPtr e = virGetLastError();
+  if (e && e->code == VIR_ERR_BLOCK_COPY_ACTIVE) return false;  // not ready yet
+  throw_job_error(domain + " " + disk + ": pivot");
+}
+
+void LibvirtHypervisor::remove_file(const std::string& path) {
+  if (::unlink(path.c_str()) != 0 && errno != ENOENT)
+    throw BlockJobError(path + ": cannot remove: " + std::strerror(errno));
 }
 
 std::vector<PoolInfo> LibvirtHypervisor::pools() {

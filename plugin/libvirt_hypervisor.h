@@ -7,10 +7,11 @@
 #include <string>
 
 #include "plugin/hypervisor.h"
+#include "plugin/live.h"
 
 namespace qcommit::plugin {
 
-class LibvirtHypervisor final : public Hypervisor {
+class LibvirtHypervisor final : public Hypervisor, public BlockJobControl {
  public:
   explicit LibvirtHypervisor(std::string uri);
   ~LibvirtHypervisor() override;
@@ -30,6 +31,16 @@ class LibvirtHypervisor final : public Hypervisor {
                                    std::uint64_t bytes_per_s) override;
   void set_event_sink(EventSink sink) override { sink_ = std::move(sink); }
 
+  // BlockJobControl (`qcommit live`).
+  [[nodiscard]] std::optional<DomainInfo> domain(const std::string& name) override;
+  void start_commit(const std::string& domain, const std::string& disk, const std::string& base,
+                    const std::string& top, std::uint64_t bandwidth_bytes_per_s,
+                    bool active) override;
+  void create_overlay(const std::string& domain, const std::string& disk,
+                      const std::string& overlay_path) override;
+  [[nodiscard]] bool pivot(const std::string& domain, const std::string& disk) override;
+  void remove_file(const std::string& path) override;
+
   // Used by the C callbacks.
   void deliver(const JobEvent& e) {
     if (sink_) sink_(e);
@@ -42,6 +53,8 @@ class LibvirtHypervisor final : public Hypervisor {
   void disconnect();
   [[noreturn]] void throw_disconnected();
   void check_alive();  // throws HypervisorDisconnected when the connection is dead
+  [[noreturn]] void throw_job_error(const std::string& what);
+  [[nodiscard]] std::optional<DomainInfo> describe(virDomainPtr d);
 
   std::string uri_;
   virConnectPtr conn_ = nullptr;
