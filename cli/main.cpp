@@ -21,6 +21,7 @@ void usage(FILE* f) {
       "                               merge TOP (and intermediates) into BASE, offline\n"
       "  plan TOP [--base B]          what a merge would do (bytes, zeros, switch-over, ETA)\n"
       "  check IMAGE [--repair]       consistency check (like qemu-img check)\n"
+      "  doctor [DOMAIN]              what on this host makes merges stall guests, and why\n"
       "  status [--output=json]       block jobs governed by qcommitd\n"
       "  live DOMAIN DISK [--pivot]   governed block commit of a running domain's disk\n"
       "  demo                         build a small qcow2 chain, merge it and verify it\n"
@@ -46,6 +47,7 @@ int main(int argc, char** argv) {
     if (cmd == "merge") return cmd_merge(args);
     if (cmd == "check") return cmd_check(args);
     if (cmd == "plan") return cmd_plan(args);
+    if (cmd == "doctor") return cmd_doctor(args);
     if (cmd == "status") return cmd_status(args);
     if (cmd == "live") return cmd_live(args);
     if (cmd == "-h" || cmd == "--help" || cmd == "help") {

@@ -1,0 +1,210 @@
+// qcommit doctor: what on this host makes snapshot merges stall guests, and what to change.
+// Each finding carries its reason. Reads only: libvirt definitions, /proc, /sys, versions.
+#include <libvirt/libvirt.h>
+#include <libxml/parser.h>
+#include <libxml/tree.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <sstream>
+
+#include "cli/json.h"
+#include "cli/options.h"
+#include "cli/process.h"
+#include "cli/units.h"
+
+namespace qcommit::cli {
+
+namespace {
+
+inline constexpr double kAssumedSharedStorageBytesPerS = 100e6;  // a sync NFS export, per the users
+inline constexpr const char* kDefaultSocket = "/run/qcommit/qcommitd.sock";
+
+struct Finding {
+  std::string level;  // "ok", "warn", "info"
+  std::string subject;
+  std::string text;
+  std::string reason;
+};
+
+uint64_t read_u64(const std::string& path) {
+  std::ifstream in(path);
+  uint64_t v = 0;
+  in >> v;
+  return v;
+}
+
+uint64_t mem_total_bytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  uint64_t kb = 0;
+  std::string unit;
+  while (in >> key >> kb >> unit)
+    if (key == "MemTotal:") return kb * 1024;
+  return 0;
+}
+
+std::string xattr(xmlNodePtr n, const char* name) {
+  if (!n) return "";
+  xmlChar* v = xmlGetProp(n, BAD_CAST name);
+  if (!v) return "";
+  std::string s(reinterpret_cast<char*>(v));
+  xmlFree(v);
+  return s;
+}
+
+xmlNodePtr xchild(xmlNodePtr n, const char* name) {
+  for (xmlNodePtr c = n ? n->children : nullptr; c; c = c->next)
+    if (c->type == XML_ELEMENT_NODE && xmlStrcmp(c->name, BAD_CAST name) == 0) return c;
+  return nullptr;
+}
+
+bool daemon_answers(const std::string& path) {
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::snprintf(addr.sun_path, sizeof addr.sun_path, "%s", path.c_str());
+  bool ok = connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+  close(fd);
+  return ok;
+}
+
+void check_domain(virDomainPtr dom, std::vector<Finding>& out) {
+  const std::string name = virDomainGetName(dom);
+  std::unique_ptr<char, decltype(&free)> xml(virDomainGetXMLDesc(dom, 0), &free);
+  if (!xml) return;
+  std::unique_ptr<xmlDoc, decltype(&xmlFreeDoc)> doc(
+      xmlReadMemory(xml.get(), int(strlen(xml.get())), "d.xml", nullptr, XML_PARSE_NONET), &xmlFreeDoc);
+  if (!doc) return;
+  xmlNodePtr root = xmlDocGetRootElement(doc.get());
+  const bool iothreads = xchild(root, "iothreads") != nullptr;
+  xmlNodePtr devices = xchild(root, "devices");
+  for (xmlNodePtr d = devices ? devices->children : nullptr; d; d = d->next) {
+    if (d->type != XML_ELEMENT_NODE || xmlStrcmp(d->name, BAD_CAST "disk") != 0) continue;
+    if (xattr(d, "device") != "disk") continue;
+    const std::string dev = xattr(xchild(d, "target"), "dev");
+    xmlNodePtr drv = xchild(d, "driver");
+    const std::string cache = xattr(drv, "cache"), io = xattr(drv, "io");
+    const std::string subject = "domain " + name + " disk " + dev;
+    if (cache.empty() || cache == "writeback" || cache == "default")
+      out.push_back({"warn", subject, "cache mode is writeback (libvirt's default when none is set)",
+                     "a commit job then copies into the host page cache at read speed and the guest's "
+                     "flush waits behind the whole backlog: multi-second stalls. Use cache='none' "
+                     "(io='native'), or run qcommitd, which paces the writeback of the job's target"});
+    else if (cache == "none" || cache == "directsync")
+      out.push_back({"ok", subject, "cache=" + cache + " (O_DIRECT)",
+                     "the queue ahead of the guest is what the job has in flight, which a speed limit governs"});
+    else
+      out.push_back({"info", subject, "cache=" + cache, "not a mode qcommit has measured"});
+    if ((cache == "none" || cache == "directsync") && io != "native" && io != "io_uring")
+      out.push_back({"info", subject, "io mode is '" + (io.empty() ? std::string("threads") : io) + "'",
+                     "with O_DIRECT, io='native' keeps requests in flight without a thread per request"});
+    if (!iothreads)
+      out.push_back({"info", "domain " + name, "no <iothreads>",
+                     "block jobs and guest I/O share QEMU's main loop; an iothread for the disk keeps "
+                     "the guest's requests moving while a job runs"});
+  }
+}
+
+}  // namespace
+
+int cmd_doctor(const Args& args) {
+  po::options_description opts("options");
+  std::string domain, output = "human", uri = "qemu:///system", socket_path = kDefaultSocket;
+  opts.add_options()("domain", po::value(&domain), "only this domain (default: every running domain)")(
+      "uri", po::value(&uri), "libvirt connection URI")("socket", po::value(&socket_path), "qcommitd's socket")(
+      "output", po::value(&output), "human or json");
+  po::positional_options_description pos;
+  pos.add("domain", 1);
+  po::variables_map vm;
+  if (!parse(args, opts, pos, vm, "qcommit doctor [DOMAIN] [--output=json]",
+             "Reads the host's settings and the domains' definitions and says what makes merges\n"
+             "stall guests here, each finding with its reason. Writes nothing.\n"))
+    return kExitOk;
+  const Output out = parse_output(output);
+  std::vector<Finding> f;
+
+  // Host page cache limits against shared storage bandwidth.
+  const uint64_t mem = mem_total_bytes();
+  uint64_t dirty_bytes = read_u64("/proc/sys/vm/dirty_bytes");
+  const uint64_t dirty_ratio = read_u64("/proc/sys/vm/dirty_ratio");
+  if (!dirty_bytes) dirty_bytes = mem * dirty_ratio / 100;
+  const double drain_s = double(dirty_bytes) / kAssumedSharedStorageBytesPerS;
+  f.push_back({drain_s > 1 ? "warn" : "ok", "host",
+               "up to " + format_size(dirty_bytes) + " of dirty page cache allowed (vm.dirty_" +
+                   (read_u64("/proc/sys/vm/dirty_bytes") ? "bytes" : "ratio=" + std::to_string(dirty_ratio)) + ")",
+               "at 100 MB/s of shared storage that is " + std::to_string(int(drain_s)) +
+                   " s of writeback a guest's flush can wait behind; lowering vm.dirty_bytes bounds it "
+                   "host-wide, qcommit/qcommitd bound it per merge"});
+
+  // NFS mounts.
+  std::ifstream mounts("/proc/mounts");
+  std::string dev, mnt, type, mopts, rest;
+  while (mounts >> dev >> mnt >> type >> mopts && std::getline(mounts, rest)) {
+    if (type != "nfs" && type != "nfs4") continue;
+    const std::string subject = "NFS mount " + mnt;
+    if (mopts.find("nconnect=") == std::string::npos)
+      f.push_back({"warn", subject, "no nconnect", "one TCP connection serialises the copy and the guests' I/O; nconnect=8..16 spreads them"});
+    if (mopts.find("write=eager") == std::string::npos)
+      f.push_back({"info", subject, "write=eager not set", "with write=eager the client sends writes at once instead of piling dirty pages"});
+    if (mopts.find(",sync") != std::string::npos || mopts.rfind("sync", 0) == 0)
+      f.push_back({"info", subject, "mounted sync", "every write waits for the server: queues ahead of guests drain slowly"});
+  }
+
+  // QEMU version caveats.
+  ProcessResult q = run_process({"qemu-system-x86_64", "--version"});
+  int major = 0, minor = 0;
+  if (q.exit_code == 0 && std::sscanf(q.output.c_str(), "QEMU emulator version %d.%d", &major, &minor) == 2) {
+    if (major < 8 || (major == 8 && minor < 1))
+      f.push_back({"info", "QEMU " + std::to_string(major) + "." + std::to_string(minor),
+                   "lowering a block job's speed takes effect only after its current sleep (fixed in 8.1)",
+                   "and active commit keeps 16 x 1 MiB requests in flight whatever its speed: with "
+                   "cache=none that is a floor of 16 MiB / bandwidth of added latency"});
+  }
+
+  // qcommitd.
+  const bool daemon = daemon_answers(socket_path);
+  f.push_back({daemon ? "ok" : "warn", "qcommitd",
+               daemon ? "running (socket " + socket_path + ")" : "not running (no socket at " + socket_path + ")",
+               daemon ? "virsh blockcommit jobs are governed by their pool's budget"
+                      : "virsh blockcommit jobs run unthrottled: start qcommitd (systemctl start qcommitd)"});
+
+  // Domains.
+  std::unique_ptr<virConnect, decltype(&virConnectClose)> conn(virConnectOpenReadOnly(uri.c_str()), &virConnectClose);
+  if (!conn) {
+    f.push_back({"info", "libvirt", "cannot connect to " + uri, "domain checks skipped"});
+  } else if (!domain.empty()) {
+    virDomainPtr d = virDomainLookupByName(conn.get(), domain.c_str());
+    if (!d) throw std::runtime_error("domain " + domain + ": not found");
+    check_domain(d, f);
+    virDomainFree(d);
+  } else {
+    virDomainPtr* doms = nullptr;
+    int n = virConnectListAllDomains(conn.get(), &doms, VIR_CONNECT_LIST_DOMAINS_ACTIVE);
+    for (int i = 0; i < n; ++i) {
+      check_domain(doms[i], f);
+      virDomainFree(doms[i]);
+    }
+    free(doms);
+  }
+
+  if (out == Output::kJson) {
+    std::string js = "{\"findings\": [";
+    for (size_t i = 0; i < f.size(); ++i)
+      js += std::string(i ? ", " : "") + "{\"level\": " + json_string(f[i].level) + ", \"subject\": " +
+            json_string(f[i].subject) + ", \"finding\": " + json_string(f[i].text) + ", \"reason\": " +
+            json_string(f[i].reason) + "}";
+    std::printf("%s]}\n", js.c_str());
+  } else {
+    for (const auto& x : f)
+      std::printf("[%-4s] %s: %s\n       why: %s\n", x.level.c_str(), x.subject.c_str(), x.text.c_str(), x.reason.c_str());
+  }
+  return kExitOk;
+}
+
+}  // namespace qcommit::cli
