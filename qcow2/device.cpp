@@ -21,7 +21,9 @@ namespace {
 }  // namespace
 
 std::unique_ptr<FileDevice> FileDevice::open(const std::string& path, FileOpenOptions options) {
-  int flags = (options.writable ? O_RDWR : O_RDONLY) | O_CLOEXEC;
+  // O_NONBLOCK: opening a FIFO (a hostile backing file name) must not wait for a writer; the
+  // constructor refuses anything but regular files and block devices. Cleared once open.
+  int flags = (options.writable ? O_RDWR : O_RDONLY) | O_CLOEXEC | O_NONBLOCK;
   int fd = -1;
   if (options.direct) {
     fd = ::open(path.c_str(), flags | O_DIRECT);
@@ -29,6 +31,7 @@ std::unique_ptr<FileDevice> FileDevice::open(const std::string& path, FileOpenOp
   }
   if (fd < 0) fd = ::open(path.c_str(), flags);
   if (fd < 0) throw_errno(path, "cannot open", errno);
+  if (int fl = ::fcntl(fd, F_GETFL); fl >= 0) (void)::fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
   return std::unique_ptr<FileDevice>(new FileDevice(path, fd, options.writable));
 }
 
