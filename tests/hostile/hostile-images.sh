@@ -91,6 +91,13 @@ expect symlink info top.qcow2 0 -- top.qcow2
 expect symlink map top.qcow2 0 -- top.qcow2
 ln -sfn /etc/passwd base.qcow2
 all_refused symlink top.qcow2 top.qcow2 0 top.qcow2 real.qcow2 /etc/passwd
+# 3. A backing file that is a FIFO (inside the tree, and outside it): opening it must not wait
+#    for a writer (it hung before), it is refused as not a regular file.
+new_case fifo; mkfifo pipe; mkfifo ../outside-pipe
+qemu-img create -q -f qcow2 -u -b pipe -F raw top.qcow2 4M
+qemu-img create -q -f qcow2 -u -b ../outside-pipe -F raw top2.qcow2 4M
+all_refused fifo top.qcow2 pipe 0 top.qcow2
+all_refused fifo top2.qcow2 outside-pipe 0 top2.qcow2
 
 echo "metadata"
 # Layers for the metadata cases: BASE (valid) and TOP with data in its first clusters.
