@@ -22,6 +22,7 @@ int cmd_merge(const Args& args);
 int cmd_check(const Args& args);
 int cmd_plan(const Args& args);
 int cmd_doctor(const Args& args);
+int cmd_report(const Args& args);
 int cmd_status(const Args& args);  // asks qcommitd over its control socket
 int cmd_live(const Args& args);    // governed libvirt block commit of a running domain
 

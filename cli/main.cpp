@@ -22,6 +22,7 @@ void usage(FILE* f) {
       "  plan TOP [--base B]          what a merge would do (bytes, zeros, switch-over, ETA)\n"
       "  check IMAGE [--repair]       consistency check (like qemu-img check)\n"
       "  doctor [DOMAIN]              what on this host makes merges stall guests, and why\n"
+      "  report TRACE.csv -o F.html   self-contained HTML plots of a merge --trace\n"
       "  status [--output=json]       block jobs governed by qcommitd\n"
       "  live DOMAIN DISK [--pivot]   governed block commit of a running domain's disk\n"
       "  demo                         build a small qcow2 chain, merge it and verify it\n"
@@ -48,6 +49,7 @@ int main(int argc, char** argv) {
     if (cmd == "check") return cmd_check(args);
     if (cmd == "plan") return cmd_plan(args);
     if (cmd == "doctor") return cmd_doctor(args);
+    if (cmd == "report") return cmd_report(args);
     if (cmd == "status") return cmd_status(args);
     if (cmd == "live") return cmd_live(args);
     if (cmd == "-h" || cmd == "--help" || cmd == "help") {
