@@ -423,21 +423,28 @@ MergeResult merge(const MergeOptions& opt) {
   };
 
   // Bulk copies src→dst. Adjacent requests that are contiguous on both sides are coalesced up to
-  // kChunkBytes; the destination must be aligned for O_DIRECT, else the buffered fd is used.
+  // the governor's preferred request size (at most kChunkBytes); the destination must be aligned
+  // for O_DIRECT, else the buffered fd is used.
   CopyJob pending;
   auto submit_pending = [&] {
     if (pending.length) pool.submit(pending);
     pending.length = 0;
   };
+  auto request_bytes = [&]() -> uint64_t {
+    if (!opt.governor) return kChunkBytes;
+    const uint64_t r = std::clamp<uint64_t>(opt.governor->preferred_request_bytes(), kDirectAlignment, kChunkBytes);
+    return r - r % kDirectAlignment;
+  };
   auto submit_copy = [&](int src_fd, const std::string& src_name, uint64_t src_off, uint64_t dst_off,
                          uint64_t len) {
+    const uint64_t chunk = request_bytes();
     for (uint64_t p = 0; p < len;) {
-      const uint64_t n = std::min(kChunkBytes, len - p);
+      const uint64_t n = std::min(chunk, len - p);
       const bool aligned = (dst_off + p) % kDirectAlignment == 0 && n % kDirectAlignment == 0;
       const int fd = aligned ? bulk_fd : dst_file->fd();
       if (pending.length && pending.src_fd == src_fd && pending.dst_fd == fd &&
           pending.src_offset + pending.length == src_off + p &&
-          pending.dst_offset + pending.length == dst_off + p && pending.length + n <= kChunkBytes) {
+          pending.dst_offset + pending.length == dst_off + p && pending.length + n <= chunk) {
         pending.length += n;
       } else {
         submit_pending();

@@ -37,6 +37,10 @@ class CopyGovernor {
   virtual void completed(Clock::time_point now, uint64_t bytes, Duration latency) = 0;
   // Called about every tick while the copy runs (and while it waits).
   virtual void tick(Clock::time_point /*now*/) {}
+  // Largest write request the governor wants now (the engine splits and coalesces copies up to
+  // this, within [kDirectAlignment-multiple, kChunkBytes]): a request larger than the window
+  // would queue more ahead of co-tenants than the window allows.
+  [[nodiscard]] virtual uint64_t preferred_request_bytes() { return kChunkBytes; }
 };
 
 struct Progress {
