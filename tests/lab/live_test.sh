@@ -163,20 +163,24 @@ run_b() {
     local waited
     waited=$(wait_job_listed "$LAB_DOM" vda 30) || fail "qcommitd did not re-adopt the job after the libvirtd restart: $(live_status)"
     lab_log "job re-adopted $(elapsed_since "$t_down")s after libvirtd went down"
-    local bw=""
+    live_status | grep -q '"connected":true' || fail "qcommitd not reconnected: $(live_status)"
+    # Governing again, not just listed: a speed set by hand behind its back is overridden.
+    virsh -q blockjob "$LAB_DOM" vda --bytes --bandwidth 12345 >/dev/null || fail "cannot set the job speed by hand"
+    local bw=12345
     for _ in $(seq 30); do
-      bw=$(live_job_bandwidth "$LAB_DOM" vda)
-      [ -n "$bw" ] && [ "$bw" -gt 0 ] && [ -n "$(live_job_field "$LAB_DOM" vda window_bytes)" ] &&
-        [ "$(live_job_field "$LAB_DOM" vda phase)" != adopted ] && break
       sleep 0.1
+      bw=$(live_job_bandwidth "$LAB_DOM" vda)
+      [ -n "$bw" ] && [ "$bw" != 12345 ] && break
     done
-    [ "$(live_job_field "$LAB_DOM" vda phase)" != adopted ] || fail "re-adopted job never ticked"
+    [ -n "$bw" ] && [ "$bw" != 12345 ] || fail "qcommitd does not govern the job after the libvirtd restart (speed stays 12345 B/s)"
+    lab_log "after the restart qcommitd re-set the speed to $bw B/s"
     echo "run B: re-adopted after libvirtd restart, bandwidth $bw B/s" >"$LAB_DIR/result"
   fi
   # Pivot by hand once ready.
-  local ready=0
+  local ready=0 cur end
   for _ in $(seq 900); do
-    if virsh -q blockjob "$LAB_DOM" vda --info 2>/dev/null | grep -q '100 %'; then ready=1; break; fi
+    read -r cur end < <(live_job_cur_end "$LAB_DOM" vda || true) || true
+    if [ -n "${end:-}" ] && [ "${end:-0}" -gt 0 ] && [ "$cur" = "$end" ]; then ready=1; break; fi
     sleep 0.2
   done
   [ "$ready" = 1 ] || fail "job never reached 100 %"
