@@ -32,9 +32,9 @@ BudgetGovernor::BudgetGovernor(BudgetGovernorConfig cfg)
       epoch_(Clock::now()) {
   if (!cfg_.probe_dir.empty()) {
     probe_path_ = cfg_.probe_dir + "/.qcommit-probe-" + std::to_string(getpid());
-    probe_fd_ = ::open(probe_path_.c_str(), O_RDWR | O_CREAT | O_DIRECT | O_DSYNC | O_CLOEXEC, 0600);
-    if (probe_fd_ < 0)  // no O_DIRECT here: O_DSYNC alone still waits for the storage
-      probe_fd_ = ::open(probe_path_.c_str(), O_RDWR | O_CREAT | O_DSYNC | O_CLOEXEC, 0600);
+    probe_fd_ = ::open(probe_path_.c_str(), O_RDWR | O_CREAT | O_DIRECT | O_CLOEXEC, 0600);
+    if (probe_fd_ < 0)  // no O_DIRECT here: the fdatasync still waits for the storage
+      probe_fd_ = ::open(probe_path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
     if (probe_fd_ >= 0) {
       ::unlink(probe_path_.c_str());
       probe_thread_ = std::thread([this] { probe_loop(); });
@@ -44,25 +44,28 @@ BudgetGovernor::BudgetGovernor(BudgetGovernorConfig cfg)
     trace_ = std::fopen(cfg_.trace_path.c_str(), "w");
     if (trace_)
       std::fputs("t_s,fg_max_ms,fg_samples,fg_outstanding_ms,copy_max_ms,backlog_bytes,drained_bytes,"
-                 "bytes_done,window_bytes,rate_bytes_per_s,paused,phase,queue_delay_ms,drain_estimate_bytes_per_s\n",
+                 "bytes_done,window_bytes,rate_bytes_per_s,paused,phase,queue_delay_ms,drain_estimate_bytes_per_s,"
+                 "request_bytes\n",
                  trace_);
   }
   decision_ = ctl_.tick({.now = tp(Clock::now())});
 }
 
-void BudgetGovernor::trace_row(Clock::time_point now, const throttle::TickInput& in) {
+void BudgetGovernor::trace_row(Clock::time_point now, const throttle::TickInput& in,
+                               const std::vector<throttle::CopySample>& copy) {
   if (!trace_) return;
   auto ms = [](throttle::Duration d) { return std::chrono::duration<double, std::milli>(d).count(); };
   double fg_max = 0, copy_max = 0;
   for (auto d : in.foreground_latencies) fg_max = std::max(fg_max, ms(d));
-  for (auto& c : in.copy_samples) copy_max = std::max(copy_max, ms(c.latency));
-  std::fprintf(trace_, "%.3f,%.3f,%zu,%.3f,%.3f,%llu,%llu,%llu,%llu,%.0f,%d,%s,%.3f,%.0f\n",
+  for (auto& c : copy) copy_max = std::max(copy_max, ms(c.latency));
+  std::fprintf(trace_, "%.3f,%.3f,%zu,%.3f,%.3f,%llu,%llu,%llu,%llu,%.0f,%d,%s,%.3f,%.0f,%llu\n",
                std::chrono::duration<double>(now - epoch_).count(), fg_max, in.foreground_latencies.size(),
                in.foreground_oldest_outstanding ? ms(*in.foreground_oldest_outstanding) : 0.0, copy_max,
                (unsigned long long)in.backlog_bytes, (unsigned long long)in.drained_bytes,
                (unsigned long long)drained_total_, (unsigned long long)decision_.window_bytes,
                decision_.rate_bytes_per_s, decision_.paused ? 1 : 0, throttle::to_string(decision_.phase),
-               ms(decision_.queue_delay), decision_.drain_estimate_bytes_per_s);
+               ms(decision_.queue_delay), decision_.drain_estimate_bytes_per_s,
+               (unsigned long long)request_bytes_locked());
 }
 
 BudgetGovernor::~BudgetGovernor() {
@@ -83,11 +86,12 @@ void BudgetGovernor::probe_loop() {
   while (!stop_) {
     const auto t0 = Clock::now();
     probe_started_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(t0.time_since_epoch()).count();
-    const ssize_t n = ::pwrite(probe_fd_, mem, kProbeBytes, 0);
+    const bool ok = ::pwrite(probe_fd_, mem, kProbeBytes, 0) == ssize_t(kProbeBytes) && ::fdatasync(probe_fd_) == 0;
     const auto t1 = Clock::now();
     probe_started_ns_ = 0;
-    if (n == ssize_t(kProbeBytes)) {
+    if (ok) {
       std::lock_guard lk(mu_);
+      probe_samples_ok_ = true;
       fg_samples_.push_back(std::chrono::duration_cast<throttle::Duration>(t1 - t0));
     }
     std::this_thread::sleep_for(kProbeInterval);
@@ -107,12 +111,18 @@ void BudgetGovernor::tick(Clock::time_point now) {
     in.foreground_oldest_outstanding =
         std::chrono::nanoseconds(std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count() - started);
   }
-  in.copy_samples = copy_samples_;
+  // With a working probe, its latency is what a co-tenant sees, and it is the signal. Our own
+  // writes' latency also contains the queue among our own requests, part of which may never
+  // reach the shared queue (the kernel serialises extending O_DIRECT writes per file, FUSE and
+  // NFS split requests): steering it to the target would throttle us for a queue that delays
+  // nobody else. Without a probe, our own latency is the only signal we have.
+  const bool probing = probe_fd_ >= 0 && probe_samples_ok_;
+  if (!probing) in.copy_samples = copy_samples_;
   in.backlog_bytes = inflight_;
   in.drained_bytes = drained_;
   decision_ = ctl_.tick(in);
   drained_total_ += drained_;
-  trace_row(now, in);
+  trace_row(now, in, copy_samples_);
   fg_samples_.clear();
   copy_samples_.clear();
   drained_ = 0;
@@ -138,6 +148,17 @@ void BudgetGovernor::completed(Clock::time_point, uint64_t bytes, Duration laten
   copy_samples_.push_back({std::chrono::duration_cast<throttle::Duration>(latency), bytes});
   drained_ += bytes;
   inflight_ = inflight_ > bytes ? inflight_ - bytes : 0;
+}
+
+uint64_t BudgetGovernor::request_bytes_locked() const {
+  uint64_t r = kChunkBytes;
+  while (r > kMinRequestBytes && r * kRequestsPerWindow > decision_.window_bytes) r /= 2;
+  return r;
+}
+
+uint64_t BudgetGovernor::preferred_request_bytes() {
+  std::lock_guard lk(mu_);
+  return request_bytes_locked();
 }
 
 throttle::Decision BudgetGovernor::last_decision() {

@@ -66,14 +66,26 @@ Controller::Controller(ControllerConfig cfg) : cfg_(cfg) {
 }
 
 void Controller::update_drain(const TickInput& in, Duration dt, bool window_limited) {
-  acc_bytes_ += in.drained_bytes;
-  acc_time_ += dt;
-  acc_window_limited_ = acc_window_limited_ && window_limited;
+  if (in_slowdown_ && !drain_sampled_) {
+    // A slowdown before the first drain sample (the guest became active at the start): the copy
+    // was held at the floor on purpose, so what it drained says nothing about the storage, and
+    // as the only sample it would replace the initial estimate; the rate, capped by headroom x
+    // estimate, would then take seconds to climb back.  Later slowdowns are sampled: the max
+    // filter's horizon still holds the samples taken before them.
+    acc_bytes_ = 0;
+    acc_time_ = Duration::zero();
+    acc_window_limited_ = true;
+  } else {
+    acc_bytes_ += in.drained_bytes;
+    acc_time_ += dt;
+    acc_window_limited_ = acc_window_limited_ && window_limited;
+  }
   if (acc_time_ >= kDrainSampleInterval) {
     const double r = static_cast<double>(acc_bytes_) / seconds(acc_time_);
     // Window-limited samples measure what storage gives us; app-limited ones only a lower
     // bound, so they count only when they raise the estimate (BBR).
     drain_samples_.push_back({in.now, r, acc_window_limited_ || r > drain_est_});
+    drain_sampled_ = true;
     acc_bytes_ = 0;
     acc_time_ = Duration::zero();
     acc_window_limited_ = true;

@@ -19,6 +19,8 @@
 //  * Drain rate D: BBR-style max filter (horizon kDrainFilterHorizon) over drain samples taken
 //    while the copy was window-limited; app-limited samples only raise the estimate, unless no
 //    window-limited sample is left in the horizon (then the max of all recent samples).
+//    A slowdown before the first drain sample is not sampled (it would replace the initial
+//    estimate by the floor rate).
 //  * Window (hard cap on backlog bytes) = budget × D, never below
 //    min_window_bytes (liveness: one small I/O at a time) and never above max_window_bytes.
 //  * Pacing rate R: slow start (doubling) while q is small, then additive increase
@@ -234,6 +236,7 @@ class Controller {
   Duration acc_time_{};
   bool acc_window_limited_ = true;
   std::deque<DrainSample> drain_samples_;
+  bool drain_sampled_ = false;  // a drain sample has been taken
 };
 
 }  // namespace qcommit::throttle
