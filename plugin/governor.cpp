@@ -411,7 +411,7 @@ void Governor::pace() {
   for (auto& [k, j] : jobs_) {
     if (!j->file || !j->decision) continue;
     std::optional<PageCacheState> pc = j->file->page_cache();
-    if (!pc) continue;
+    if (!pc || (pc->per_file && pc->dirty_bytes == 0)) continue;  // nothing to push
     WritebackInput wi;
     wi.file_size = j->file->size();
     wi.writeback_bytes = pc->per_file ? pc->writeback_bytes : 0;

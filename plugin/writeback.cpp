@@ -25,8 +25,25 @@ WritebackPlan WritebackPlanner::plan(const WritebackInput& in, const DirtyProbe&
       in.window_bytes > in.writeback_bytes ? in.window_bytes - in.writeback_bytes : 0;
   const std::uint64_t start = cursor_;
   std::uint64_t scanned = 0;
+  // Clean stretches are skipped with one probe of kWritebackSkipPieces pieces: the job dirties
+  // a small part of a large target at a time, and probing every piece of a multi-GiB file each
+  // pace interval costs more than the pace interval.
+  const std::uint64_t span_bytes = cfg_.piece_bytes * kWritebackSkipPieces;
+  std::uint64_t dirty_span_end = 0;  // pieces are probed one by one below this offset
   for (std::uint32_t probes = 0; probes < cfg_.max_probes_per_tick && scanned < in.file_size;
        ++probes) {
+    if (cursor_ >= dirty_span_end || cursor_ < dirty_span_end - span_bytes) {
+      ByteRange span{cursor_, std::min(span_bytes, in.file_size - cursor_)};
+      if (dirty_in(span) == 0) {
+        scanned += span.length;
+        cursor_ += span.length;
+        if (cursor_ >= in.file_size) cursor_ = 0;
+        if (cursor_ == start) break;
+        continue;
+      }
+      dirty_span_end = span.offset + span.length;
+      ++probes;
+    }
     ByteRange r{cursor_, std::min(cfg_.piece_bytes, in.file_size - cursor_)};
     const std::uint64_t d = dirty_in(r);
     if (d > 0) {

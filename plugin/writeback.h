@@ -25,6 +25,7 @@ struct ByteRange {
 
 inline constexpr std::uint64_t kWritebackPieceBytes = 256 * 1024;
 inline constexpr std::uint32_t kMaxWritebackProbesPerTick = 4096;  // 1 GiB of file per tick
+inline constexpr std::uint64_t kWritebackSkipPieces = 64;  // clean spans skipped per probe
 
 struct WritebackConfig {
   std::uint64_t piece_bytes = kWritebackPieceBytes;  // granularity of probes and writeback
