@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# ctest lab.cotenant_merge: our merge of a chain on shared slow storage does not stall a guest
+# that probes the same storage, and it merges correctly.
+# Guest (cache=none) probes 50 MB/s FIFO sync storage (4 KiB O_DIRECT|O_DSYNC write every 100 ms).
+# A second qcow2 chain on the same storage (256 MiB written into TOP with qemu-io) is merged twice
+# from the same starting state: `qcommit merge --budget 20ms`, then `qemu-img commit` unthrottled
+# as the reference. Asserts:
+#  - our merge: rc 0, BASE equals TOP's view (qemu-img compare) and is clean (qemu-img check);
+#  - probe max during our merge <= kMaxProbeMs (100 ms). Why 100: a guest sync write is a write
+#    plus a flush, both queue behind what the merge has in flight; the budget (20 ms) bounds that
+#    queue to ~1 MB (20 ms x 50 MB/s), so each waits <= ~20 ms (+ service, + TCG guest noise:
+#    the lab's baseline max without any merge reaches ~40 ms on a loaded host). 100 ms = 2 x
+#    (20 ms + 20 ms) + 20 ms margin; a merge that ignores the budget queues MiBs (>= 200 ms);
+#  - storage side (slowfs log): each of the guest's requests (write, flush) waits + is served in
+#    the FIFO <= kMaxFifoMs (25 ms): the window (budget x drain rate, 20 ms of our bytes) plus
+#    margin for the drain estimate running ahead of the storage for a tick; this is the part of
+#    the guest's latency the merge is responsible for, free of CPU noise;
+#  - the unthrottled reference stalls the probe by at least kReferenceFactor x our max (so the
+#    scenario does stress the storage and the bound above is not trivially met);
+#  - liveness: our merge takes < kMaxSlowdown x the time the storage needs for the data
+#    (the throughput target itself, >= 80% of the leftover bandwidth, is in scripts/bench-stall).
+# Afterwards nothing of the run may be left: domain, mount, processes.
+set -euo pipefail
+source "$(dirname "$0")/lab.sh"
+source "$(dirname "$0")/cotenant.sh"
+
+fail() {
+  echo "FAIL: $*" >&2
+  exit 1
+}
+kSizeMiB=256
+kBaselineS=6
+kMaxProbeMs=100
+kMaxFifoMs=25
+kReferenceFactor=2
+kMaxSlowdown=4
+qcommit=$LAB_BUILD_DIR/qcommit
+[ -x "$qcommit" ] || fail "$qcommit missing: build target qcommit"
+
+"$LAB_SOURCE_DIR/scripts/lab-cleanup" >&2
+lab_init cotenant
+lab_storage_start --bandwidth 50M
+lab_storage_set 5G
+lab_guest_start --cache none --fill 0 --interval 100
+lab_wait_probing 180
+
+prepare() {
+  lab_storage_set 5G
+  lab_cotenant_prepare "$kSizeMiB"
+  lab_storage_set 50M
+  lab_storage_wait_idle 60
+  sleep "$kBaselineS"
+}
+
+# 1. Our merge.
+prepare
+lab_merge "$qcommit" merge "$LAB_CT_TOP" --budget 20ms --trace "$LAB_DIR/cotenant-trace.csv" --output=json
+sleep 2
+lab_collect qcommit "$kBaselineS" 2
+[ "$LAB_MERGE_RC" -eq 0 ] || fail "qcommit merge failed: $(tail -n 3 "$LAB_DIR/merge.log")"
+lab_cotenant_check || fail "BASE after qcommit merge is wrong"
+[ "$LAB_STATS_base_n" -ge $((kBaselineS * 10 / 2)) ] || fail "probe too slow: $LAB_STATS_base_n baseline samples in ${kBaselineS}s"
+lab_cotenant_fifo_wait 2
+ours_fifo_max=$LAB_FIFO_max ours_fifo_n=$LAB_FIFO_n
+ours_max=$LAB_STATS_max ours_p99=$LAB_STATS_p99 ours_s=$LAB_STATS_merge_s ours_base_max=$LAB_STATS_base_max
+direct=$(grep -o '"direct-io": [a-z]*' "$LAB_DIR/merge.log" | tail -n1)
+ideal_s=$(awk -v b=$((kSizeMiB << 20)) -v bw="$LAB_BW_BPS" 'BEGIN {printf "%.1f", b / bw}')
+
+# 2. The unthrottled reference, same chain state.
+prepare
+lab_merge qemu-img commit -f qcow2 "$LAB_CT_TOP"
+sleep 2
+lab_collect unthrottled "$kBaselineS" 2
+[ "$LAB_MERGE_RC" -eq 0 ] || fail "qemu-img commit failed: $(tail -n 3 "$LAB_DIR/merge.log")"
+ref_max=$LAB_STATS_max
+lab_cotenant_fifo_wait 2
+
+echo "qcommit merge --budget 20ms ($direct): ${ours_s}s for ${kSizeMiB} MiB (storage alone: ${ideal_s}s);" \
+  "probe p99 ${ours_p99} ms, max ${ours_max} ms (baseline max ${ours_base_max} ms), guest requests in the FIFO max ${ours_fifo_max} ms;" \
+  "qemu-img commit unthrottled: ${LAB_STATS_merge_s}s, probe p99 ${LAB_STATS_p99} ms, max ${ref_max} ms, FIFO max ${LAB_FIFO_max} ms"
+[ "$ours_fifo_n" -gt 0 ] || fail "no guest request in the slowfs log during our merge"
+awk -v m="$ours_fifo_max" -v lim="$kMaxFifoMs" 'BEGIN {exit !(m <= lim)}' ||
+  fail "a guest request waited ${ours_fifo_max} ms in the storage FIFO during our merge > ${kMaxFifoMs} ms"
+awk -v m="$ours_max" -v lim="$kMaxProbeMs" 'BEGIN {exit !(m <= lim)}' ||
+  fail "probe max ${ours_max} ms during our merge > ${kMaxProbeMs} ms (trace: $LAB_DIR/cotenant-trace.csv)"
+awk -v r="$ref_max" -v m="$ours_max" -v k="$kReferenceFactor" 'BEGIN {exit !(r >= k * m)}' ||
+  fail "unthrottled reference max ${ref_max} ms is not >= ${kReferenceFactor} x ours (${ours_max} ms): scenario does not stress the storage"
+awk -v s="$ours_s" -v i="$ideal_s" -v k="$kMaxSlowdown" 'BEGIN {exit !(s < k * i)}' ||
+  fail "our merge took ${ours_s}s, >= ${kMaxSlowdown} x the ${ideal_s}s the storage needs: starved"
+
+lab_teardown
+lab_assert_clean || fail "run $LAB_ID left resources behind"
+echo "PASS lab.cotenant_merge ($SECONDS s)"
