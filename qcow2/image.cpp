@@ -130,7 +130,10 @@ void Image::parse_header() {
   const uint64_t ext_start = h.header_length;
   uint64_t ext_end = cs;
   if (h.backing_file_offset != 0 && h.backing_file_offset < ext_end) ext_end = h.backing_file_offset;
-  if (ext_start < ext_end) parse_extensions(ext_start, std::min(ext_end, file_size));
+  // The end is clamped to the file first: a header_length beyond the end of a short file left
+  // start > end, and the extension area's size wrapped (std::length_error, no file named).
+  ext_end = std::min(ext_end, file_size);
+  if (ext_start < ext_end) parse_extensions(ext_start, ext_end);
 
   if (h.crypt_method != 0)
     throw UnsupportedError(nm, std::string("encrypted images are not supported (") +
