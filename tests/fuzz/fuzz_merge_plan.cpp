@@ -85,8 +85,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {
     (void)engine::merge(mo);
     merged = true;
-  } catch (const qcow2::Error&) {
+  } catch (const qcow2::Error& e) {
+    if (std::getenv("QCOMMIT_FUZZ_VERBOSE")) std::fprintf(stderr, "merge refused: %s\n", e.what());
   }
+  if (std::getenv("QCOMMIT_FUZZ_VERBOSE") && merged)
+    std::fprintf(stderr, "merged (view %s)\n", before ? "compared" : "unreadable before");
   if (!merged || !before) return 0;
   // Merged: BASE alone must now show what TOP showed.
   std::optional<std::vector<uint8_t>> after;
