@@ -8,7 +8,7 @@ for t in fuzz_image fuzz_chain fuzz_merge_plan; do
   [ -d "$dir/$t" ] || continue
   files=("$dir/$t"/*)
   [ -e "${files[0]}" ] || continue
-  "$bin/$t" -rss_limit_mb=512 -malloc_limit_mb=256 -timeout=10 "${files[@]}" >/dev/null 2>"$bin/$t.regressions.log" ||
+  "$bin/$t" -rss_limit_mb=512 -malloc_limit_mb=256 -timeout=5 "${files[@]}" >/dev/null 2>"$bin/$t.regressions.log" ||
     { echo "FAIL: $t on one of ${files[*]}"; tail -40 "$bin/$t.regressions.log"; exit 1; }
   n=$((n + ${#files[@]}))
 done
