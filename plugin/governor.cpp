@@ -69,6 +69,8 @@ struct Governor::Job {
   std::deque<std::pair<TimePoint, std::uint64_t>> progress;
   bool ready = false;
   bool seen_in_poll = true;
+  double drain_credit = 0;  // bytes of progress not yet reported to the controller
+  std::optional<TimePoint> last_tick;
 };
 
 Governor::Governor(Hypervisor& hv, TargetFiles& files, DaemonConfig cfg, GovernorOptions opt)
@@ -132,6 +134,8 @@ void Governor::lost_connection(TimePoint now) {
   next_pace_.reset();
   for (auto& [k, j] : jobs_) {
     j->has_info = false;  // progress baseline restarts after the reconnect
+    j->drain_credit = 0;
+    j->last_tick.reset();
     j->seen_in_poll = false;
   }
   next_reconnect_ = now;  // first retry immediately, then back off
@@ -360,13 +364,29 @@ void Governor::tick(TimePoint now) {
         pc ? pc->writeback_bytes +
                  (pc->dirty_bytes > pace_production ? pc->dirty_bytes - pace_production : 0)
            : 0;
+    // QEMU reports progress in bursts (the mirror: 16 MiB at once, then it sleeps the burst off
+    // at the set speed; commit.c counts unallocated stretches without copying).  Per tick that
+    // looks like "idle" most of the time, so the controller would never see the job use its
+    // allowance and never raise the rate (cache=none: stuck at the floor).  Bursts go into a
+    // credit that is released at up to kDrainCreditRateFactor × the paced rate per tick.
     std::uint64_t drained = 0;
     if (j.has_info && info->cur >= j.info.cur) {
       const auto written = static_cast<std::int64_t>(info->cur - j.info.cur);
       const std::int64_t growth =
           static_cast<std::int64_t>(backlog) - static_cast<std::int64_t>(j.backlog);
-      drained = static_cast<std::uint64_t>(std::max<std::int64_t>(0, written - growth));
+      j.drain_credit += static_cast<double>(std::max<std::int64_t>(0, written - growth));
     }
+    if (j.last_tick) {
+      const double dt = std::chrono::duration<double>(now - *j.last_tick).count();
+      const double rate = std::max({j.decision ? j.decision->rate_bytes_per_s : 0.0,
+                                    static_cast<double>(j.speed_set),
+                                    static_cast<double>(opt_.min_speed_bytes_per_s)});
+      const double release = std::min(j.drain_credit, kDrainCreditRateFactor * rate * dt);
+      drained = static_cast<std::uint64_t>(release);
+      j.drain_credit = std::min(j.drain_credit - release,
+                                rate * std::chrono::duration<double>(kMaxDrainCredit).count());
+    }
+    j.last_tick = now;
     throttle::TickInput in;
     in.now = now;
     in.foreground_latencies = s.samples;
@@ -377,8 +397,17 @@ void Governor::tick(TimePoint now) {
     const throttle::Decision d = j.ctl.tick(in);
     j.decision = d;
 
+    // Hold the job at the minimum while more is queued at storage than the window allows.  Dirty
+    // pages the pacer has not pushed yet are not queued anywhere: up to one QEMU request burst of
+    // them (kDirtyAllowanceBytes) lets the job copy its next burst while the pacer drains the
+    // previous one, instead of idling the storage between bursts.
+    const std::uint64_t queued =
+        pc ? pc->writeback_bytes + (pc->dirty_bytes > kDirtyAllowanceBytes
+                                        ? pc->dirty_bytes - kDirtyAllowanceBytes
+                                        : 0)
+           : 0;
     std::uint64_t speed;
-    if (d.paused || backlog > d.window_bytes) {
+    if (d.paused || queued > d.window_bytes) {
       speed = opt_.min_speed_bytes_per_s;
     } else {
       speed = static_cast<std::uint64_t>(std::llround(std::clamp(

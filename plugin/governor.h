@@ -11,9 +11,11 @@
 //    with the silence as its age (never good news), for at most kMaxSuspectedStall;
 //  * backlog = pages of the target under writeback + dirty pages beyond one pace interval's
 //    production at the current speed (the pacer below pushes fresh dirty pages every `pace`, so
-//    only dirty pages it could not push count as queued); drained = Δcur − backlog growth;
+//    only dirty pages it could not push count as queued); drained = Δcur − backlog growth,
+//    smoothed (QEMU reports progress in bursts) by a credit released at ≤ 2 × the paced rate;
 //  * throttle::Controller decides; the job speed becomes the decision's rate, or the minimum
-//    speed (never 0: 0 is "unlimited" in QEMU) while paused or while backlog > window;
+//    speed (never 0: 0 is "unlimited" in QEMU) while paused or while the queued bytes (under
+//    writeback, plus dirty beyond kDirtyAllowanceBytes) exceed the window;
 //  * every `pace` the WritebackPlanner starts writeback of the target's dirty pages within the
 //    last window.
 // Discovery: JOB_STATUS_CHANGE events trigger a scan of the domain at the next step; BLOCK_JOB_2
@@ -50,6 +52,13 @@ inline constexpr Duration kEtaHistory = std::chrono::seconds(5);
 inline constexpr std::size_t kMaxReleasedHistory = 32;
 inline constexpr std::size_t kMaxLatencySamples = 100000;
 inline constexpr double kSpeedChangeFraction = 0.02;  // re-set the speed when off by > 2 %
+// Dirty (not yet under writeback) target pages tolerated before the job is held at the minimum:
+// one burst of QEMU's mirror (16 requests x 1 MiB).  The pacer meters them out within the window.
+inline constexpr std::uint64_t kDirtyAllowanceBytes = 16ull * 1024 * 1024;
+// Job progress is released to the controller at up to this × the paced rate per tick, carrying
+// at most kMaxDrainCredit worth of progress at that rate (see Governor::tick).
+inline constexpr double kDrainCreditRateFactor = 2.0;
+inline constexpr Duration kMaxDrainCredit = std::chrono::seconds(2);
 
 struct GovernorOptions {
   Duration tick = std::chrono::milliseconds(100);
