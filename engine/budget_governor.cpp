@@ -121,6 +121,15 @@ void BudgetGovernor::tick(Clock::time_point now) {
   in.backlog_bytes = inflight_;
   in.drained_bytes = drained_;
   decision_ = ctl_.tick(in);
+  // Request size follows the largest window of the last one to two kRequestSizeEpoch: a window
+  // that shrinks for a few seconds (a hiccup, CPU contention) must not shrink the requests too,
+  // or their per-request overhead lowers the drain rate, the window, and the requests again.
+  if (now - window_epoch_start_ >= kRequestSizeEpoch) {
+    window_max_prev_ = window_max_cur_;
+    window_max_cur_ = 0;
+    window_epoch_start_ = now;
+  }
+  window_max_cur_ = std::max(window_max_cur_, decision_.window_bytes);
   drained_total_ += drained_;
   trace_row(now, in, copy_samples_);
   fg_samples_.clear();
@@ -151,8 +160,9 @@ void BudgetGovernor::completed(Clock::time_point, uint64_t bytes, Duration laten
 }
 
 uint64_t BudgetGovernor::request_bytes_locked() const {
+  const uint64_t window = std::max({window_max_prev_, window_max_cur_, decision_.window_bytes});
   uint64_t r = kChunkBytes;
-  while (r > kMinRequestBytes && r * kRequestsPerWindow > decision_.window_bytes) r /= 2;
+  while (r > kMinRequestBytes && r * kRequestsPerWindow > window) r /= 2;
   return r;
 }
 

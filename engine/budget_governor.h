@@ -36,6 +36,7 @@ inline constexpr double kAdditiveIncreaseBytesPerS2 = 256.0 * 1024 * 1024;
 // 15% at 128 KiB on 50 MB/s, 8% at 256 KiB).
 inline constexpr uint64_t kRequestsPerWindow = 2;
 inline constexpr uint64_t kMinRequestBytes = 64 * 1024;
+inline constexpr auto kRequestSizeEpoch = std::chrono::seconds(5);  // request size: max window of 1-2 epochs
 
 struct BudgetGovernorConfig {
   Duration budget = std::chrono::milliseconds(20);
@@ -82,6 +83,8 @@ class BudgetGovernor final : public CopyGovernor {
   uint64_t inflight_ = 0;
   uint64_t drained_ = 0;
   uint64_t drained_total_ = 0;
+  uint64_t window_max_cur_ = 0, window_max_prev_ = 0;  // for the request size
+  Clock::time_point window_epoch_start_{};
   FILE* trace_ = nullptr;
   // probe
   std::string probe_path_;
