@@ -51,19 +51,25 @@ lab_cotenant_check() {
   return 0
 }
 
-# Storage-side share of the guest's latency during the last merge: wait + service in the slowfs
-# FIFO of each request on the guest's disk (its active layer, overlay.qcow2 after
-# lab_guest_start's snapshot: writes and flushes; a guest sync write is one of each) issued from merge_start to merge_end + SETTLE_S. Separates the queueing the
-# merge causes from guest/host CPU noise (TCG on a loaded host). Sets LAB_FIFO_{n,p99,max} (ms).
+# Storage-side share of the guest's latency during the last merge: for each request on the
+# guest's disk (its active layer, overlay.qcow2 after lab_guest_start's snapshot: writes and
+# flushes; a guest sync write is one of each) issued from merge_start to merge_end + SETTLE_S,
+# the bytes queued ahead of it in the slowfs FIFO when it arrived, as time at the storage
+# bandwidth, plus its own service: the delay the queue causes (the budget's meaning), free of
+# guest CPU noise (TCG on a loaded host) and of the emulator's own stalls when the host starves
+# it (its measured wait then exceeds this; the max of wait + service is LAB_FIFO_wait_max).
+# Sets LAB_FIFO_{n,p99,max,wait_max} (ms).
 lab_cotenant_fifo_wait() {
   local settle=${1:-0} ino out kv
   ino=$(stat -c %i "$LAB_DIR/backing/$(basename "$LAB_OVERLAY")")
-  out=$(awk -F, -v ino="$ino" -v ms="$(lab_event merge_start)" -v me="$(lab_event merge_end)" -v st="$settle" '
-    NR > 1 && $3 == ino && $1 >= ms && $1 <= me + st { n++; v[n] = $8 + $9 }
+  out=$(awk -F, -v ino="$ino" -v bw="$LAB_BW_BPS" -v ms="$(lab_event merge_start)" -v me="$(lab_event merge_end)" -v st="$settle" '
+    NR > 1 && $3 == ino && $1 >= ms && $1 <= me + st {
+      n++; v[n] = 1000 * $7 / bw + $9; if ($8 + $9 > wmax) wmax = $8 + $9
+    }
     END {
       for (i = 2; i <= n; i++) { t = v[i]; for (j = i - 1; j >= 1 && v[j] > t; j--) v[j + 1] = v[j]; v[j + 1] = t }
       k = int(0.99 * n + 0.999999); if (k < 1) k = 1
-      printf "n=%d p99=%.1f max=%.1f\n", n, n ? v[k] : -1, n ? v[n] : -1
+      printf "n=%d p99=%.1f max=%.1f wait_max=%.1f\n", n, n ? v[k] : -1, n ? v[n] : -1, wmax + 0
     }' "$LAB_DIR/slowfs.csv")
   for kv in $out; do printf -v "LAB_FIFO_${kv%%=*}" '%s' "${kv#*=}"; done
 }
