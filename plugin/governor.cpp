@@ -414,6 +414,13 @@ void Governor::tick(TimePoint now) {
           d.rate_bytes_per_s, static_cast<double>(opt_.min_speed_bytes_per_s),
           j.policy.ceiling_bytes_per_s)));
     }
+    // A mirror (active commit, copy) becomes ready only when nothing is left to copy; the
+    // guest keeps dirtying clusters, and at a low speed the mirror sleeps off every small copy
+    // and may never get there (seen in the lab: 1 byte left for minutes at the 1 MiB/s floor).
+    // What is left is at most kMirrorConvergeBytes, so finishing it unpaced queues at most that.
+    if ((j.type == JobType::ActiveCommit || j.type == JobType::Copy) && !j.ready &&
+        info->end > info->cur && info->end - info->cur <= kMirrorConvergeBytes && !d.paused)
+      speed = static_cast<std::uint64_t>(j.policy.ceiling_bytes_per_s);
     const double off = std::fabs(static_cast<double>(speed) - static_cast<double>(j.speed_set));
     if (j.speed_set == 0 || off > kSpeedChangeFraction * static_cast<double>(j.speed_set) ||
         info->bandwidth_bytes_per_s != j.speed_set ||

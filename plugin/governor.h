@@ -59,6 +59,9 @@ inline constexpr std::uint64_t kDirtyAllowanceBytes = 16ull * 1024 * 1024;
 // at most kMaxDrainCredit worth of progress at that rate (see Governor::tick).
 inline constexpr double kDrainCreditRateFactor = 2.0;
 inline constexpr Duration kMaxDrainCredit = std::chrono::seconds(2);
+// A mirror with at most this much left (and not paused) runs at the ceiling so that it converges
+// to ready (see Governor::tick).
+inline constexpr std::uint64_t kMirrorConvergeBytes = 1024 * 1024;
 
 struct GovernorOptions {
   Duration tick = std::chrono::milliseconds(100);
