@@ -1,6 +1,10 @@
 // qcommit status: asks qcommitd (control socket) which block jobs it governs.
 #include <poll.h>
 #include <sys/socket.h>
+
+#include <cctype>
+#include <chrono>
+#include <thread>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -34,26 +38,11 @@ std::string str(const plugin::json::Value& o, const char* key) {
 
 }  // namespace
 
-int cmd_status(const Args& args) {
-  std::string socket_path = kDefaultSocket;
-  bool json_out = false;
-  for (size_t i = 0; i < args.size(); ++i) {
-    const std::string& a = args[i];
-    if (a == "--output=json" || (a == "--output" && i + 1 < args.size() && args[i + 1] == "json")) {
-      json_out = true;
-      if (a == "--output") ++i;
-    } else if (a.rfind("--socket=", 0) == 0) {
-      socket_path = a.substr(9);
-    } else if (a == "--socket" && i + 1 < args.size()) {
-      socket_path = args[++i];
-    } else if (a == "-h" || a == "--help") {
-      std::puts("usage: qcommit status [--output=json] [--socket PATH]\n"
-                "  block jobs governed by qcommitd (default socket /run/qcommit/qcommitd.sock)");
-      return kExitOk;
-    } else {
-      throw UsageError("unknown argument '" + a + "'");
-    }
-  }
+namespace {
+
+inline constexpr double kDefaultWatchSeconds = 1.0;
+
+int status_once(const std::string& socket_path, bool json_out) {
   sockaddr_un addr{};
   if (socket_path.size() >= sizeof addr.sun_path) throw UsageError("socket path too long");
   const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -132,6 +121,46 @@ int cmd_status(const Args& args) {
                   num_or_dash(r.find("age_s"), "%.0f").c_str());
   }
   return kExitOk;
+}
+
+
+}  // namespace
+
+int cmd_status(const Args& args) {
+  std::string socket_path = kDefaultSocket;
+  bool json_out = false;
+  double watch = 0;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "--output=json" || (a == "--output" && i + 1 < args.size() && args[i + 1] == "json")) {
+      json_out = true;
+      if (a == "--output") ++i;
+    } else if (a.rfind("--socket=", 0) == 0) {
+      socket_path = a.substr(9);
+    } else if (a == "--socket" && i + 1 < args.size()) {
+      socket_path = args[++i];
+    } else if (a == "--watch") {
+      watch = kDefaultWatchSeconds;
+      if (i + 1 < args.size() && std::isdigit(static_cast<unsigned char>(args[i + 1][0])))
+        watch = std::stod(args[++i]);
+      if (!(watch >= 0.1)) throw UsageError("--watch interval must be at least 0.1 s");
+    } else if (a == "-h" || a == "--help") {
+      std::puts("usage: qcommit status [--output=json] [--socket PATH] [--watch [SECONDS]]\n"
+                "  block jobs governed by qcommitd (default socket /run/qcommit/qcommitd.sock)\n"
+                "  --watch: redraw every SECONDS (default 1) until interrupted");
+      return kExitOk;
+    } else {
+      throw UsageError("unknown argument '" + a + "'");
+    }
+  }
+  if (watch <= 0) return status_once(socket_path, json_out);
+  for (;;) {
+    if (!json_out) std::fputs("\033[H\033[2J", stdout);  // home + clear: a live view
+    const int rc = status_once(socket_path, json_out);
+    std::fflush(stdout);
+    if (rc != kExitOk) return rc;
+    std::this_thread::sleep_for(std::chrono::duration<double>(watch));
+  }
 }
 
 }  // namespace qcommit::cli
