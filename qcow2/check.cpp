@@ -212,6 +212,7 @@ class Checker {
     const uint64_t block_entries = geo_.refcount_block_entries();
     uint64_t seen_block = ~0ull;
     bool block_missing = false;
+    uint64_t unrepairable = 0;
     for (uint64_t c = 0; c < n; ++c) {
       const uint64_t want = c < refs_.size() ? refs_[c] : 0;
       if (c / block_entries != seen_block) {
@@ -244,9 +245,17 @@ class Checker {
                             " reference=" + std::to_string(want));
         else
           ++res_.corruptions;  // same count, no message built
-        if (repair_ == Repair::kAll && want <= geo_.refcount_max()) fixes.push_back({c, want});
+        // Without a refcount block there is nothing to repair (the loop below would skip it);
+        // queueing millions of such clusters (references far beyond the file) took >256 MiB.
+        if (repair_ == Repair::kAll && want <= geo_.refcount_max()) {
+          if (!block_missing) fixes.push_back({c, want});
+          else ++unrepairable;
+        }
       }
     }
+    if (unrepairable && res_.messages.size() < kMaxCheckMessages)
+      res_.messages.push_back("cannot repair " + std::to_string(unrepairable) +
+                              " clusters: their refcount blocks are missing");
     if (fixes.empty() && (repair_ != Repair::kAll || (copied_fix_l1_.empty() && copied_fix_l2_.empty()))) return;
     // Apply refcount fixes block by block.
     const uint64_t per_block = geo_.refcount_block_entries();
