@@ -549,11 +549,32 @@ MergeResult merge(const MergeOptions& opt) {
       done_bytes += p.end - p.start;
       report(false);
     }
-    std::stable_sort(direct.begin(), direct.end(), [](const Piece* x, const Piece* y) {
-      const uint64_t xo = *x->e->offset + (x->start - x->e->start), yo = *y->e->offset + (y->start - y->e->start);
-      return std::tie(x->e->depth, xo) < std::tie(y->e->depth, yo);
-    });
+    // Pieces BASE already holds in place are written in BASE's host order (the device sees an
+    // ascending stream); pieces that need new clusters go in source order, and their clusters
+    // are allocated in that order, so both sides stay contiguous and coalesce.
+    struct Keyed {
+      uint64_t group, major, minor;
+      const Piece* p;
+    };
+    std::vector<Keyed> order;
+    order.reserve(direct.size());
     for (const Piece* p : direct) {
+      const uint64_t src = *p->e->offset + (p->start - p->e->start);
+      if (!writer) {
+        order.push_back({0, p->start, 0, p});
+        continue;
+      }
+      const qcow2::Run r = base.qcow2->lookup(p->start, 1);
+      if (r.type == qcow2::SubclusterType::kNormal)
+        order.push_back({0, r.host_offset, 0, p});
+      else
+        order.push_back({1, p->e->depth, src, p});
+    }
+    std::stable_sort(order.begin(), order.end(), [](const Keyed& x, const Keyed& y) {
+      return std::tie(x.group, x.major, x.minor) < std::tie(y.group, y.major, y.minor);
+    });
+    for (const Keyed& k : order) {
+      const Piece* p = k.p;
       copy_direct(*p->e, p->start, p->end);
       res.copied_bytes += p->end - p->start;
       done_bytes += p->end - p->start;  // submitted; durable at the window's commit
