@@ -124,7 +124,8 @@ int cmd_doctor(const Args& args) {
   po::variables_map vm;
   if (!parse(args, opts, pos, vm, "qcommit doctor [DOMAIN] [--output=json]",
              "Reads the host's settings and the domains' definitions and says what makes merges\n"
-             "stall guests here, each finding with its reason. Writes nothing.\n"))
+             "stall guests here, each finding with its reason. Writes nothing.\n"
+             "examples:\n  qcommit doctor\n  qcommit doctor vm1 --output=json | jq '.findings[] | select(.level==\"warn\")'\n"))
     return kExitOk;
   const Output out = parse_output(output);
   std::vector<Finding> f;

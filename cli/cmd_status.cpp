@@ -147,7 +147,8 @@ int cmd_status(const Args& args) {
     } else if (a == "-h" || a == "--help") {
       std::puts("usage: qcommit status [--output=json] [--socket PATH] [--watch [SECONDS]]\n"
                 "  block jobs governed by qcommitd (default socket /run/qcommit/qcommitd.sock)\n"
-                "  --watch: redraw every SECONDS (default 1) until interrupted");
+                "  --watch: redraw every SECONDS (default 1) until interrupted\n"
+                "examples:\n  qcommit status\n  qcommit status --watch 0.5\n  qcommit status --output=json | jq .");
       return kExitOk;
     } else {
       throw UsageError("unknown argument '" + a + "'");
