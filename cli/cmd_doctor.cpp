@@ -3,8 +3,6 @@
 #include <libvirt/libvirt.h>
 #include <libxml/parser.h>
 #include <libxml/tree.h>
-#include <sys/socket.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -12,6 +10,7 @@
 #include <memory>
 #include <sstream>
 
+#include "cli/daemon.h"
 #include "cli/json.h"
 #include "cli/options.h"
 #include "cli/process.h"
@@ -22,7 +21,6 @@ namespace qcommit::cli {
 namespace {
 
 inline constexpr double kAssumedSharedStorageBytesPerS = 100e6;  // a sync NFS export, per the users
-inline constexpr const char* kDefaultSocket = "/run/qcommit/qcommitd.sock";
 
 struct Finding {
   std::string level;  // "ok", "warn", "info"
@@ -61,17 +59,6 @@ xmlNodePtr xchild(xmlNodePtr n, const char* name) {
   for (xmlNodePtr c = n ? n->children : nullptr; c; c = c->next)
     if (c->type == XML_ELEMENT_NODE && xmlStrcmp(c->name, BAD_CAST name) == 0) return c;
   return nullptr;
-}
-
-bool daemon_answers(const std::string& path) {
-  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return false;
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::snprintf(addr.sun_path, sizeof addr.sun_path, "%s", path.c_str());
-  bool ok = connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
-  close(fd);
-  return ok;
 }
 
 void check_domain(virDomainPtr dom, std::vector<Finding>& out) {
@@ -115,7 +102,7 @@ void check_domain(virDomainPtr dom, std::vector<Finding>& out) {
 
 int cmd_doctor(const Args& args) {
   po::options_description opts("options");
-  std::string domain, output = "human", uri = "qemu:///system", socket_path = kDefaultSocket;
+  std::string domain, output = "human", uri = "qemu:///system", socket_path = kDaemonSocket;
   opts.add_options()("domain", po::value(&domain), "only this domain (default: every running domain)")(
       "uri", po::value(&uri), "libvirt connection URI")("socket", po::value(&socket_path), "qcommitd's socket")(
       "output", po::value(&output), "human or json");
@@ -169,7 +156,7 @@ int cmd_doctor(const Args& args) {
   }
 
   // qcommitd.
-  const bool daemon = daemon_answers(socket_path);
+  const bool daemon = qcommitd_answers(socket_path);
   f.push_back({daemon ? "ok" : "warn", "qcommitd",
                daemon ? "running (socket " + socket_path + ")" : "not running (no socket at " + socket_path + ")",
                daemon ? "virsh blockcommit jobs are governed by their pool's budget"

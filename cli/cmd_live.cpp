@@ -11,6 +11,7 @@
 #include <string>
 
 #include "cli/commands.h"
+#include "cli/daemon.h"
 #include "cli/options.h"
 #include "plugin/config.h"
 #include "plugin/governor.h"
@@ -42,7 +43,9 @@ constexpr const char* kUsage =
     "  --strategy direct: one active commit (QEMU's mirror: 16 x 1 MiB requests in flight).\n"
     "  --pivot    switch the disk to BASE when the active commit is ready (else it is left ready)\n"
     "  --dry-run  print the steps, change nothing\n"
-    "  Do not run it on a job qcommitd also governs: stop qcommitd or exclude the domain.\n";
+    "  Refused while qcommitd answers on its socket (--daemon-socket PATH, default\n"
+    "  /run/qcommit/qcommitd.sock): it would govern the same jobs.\n"
+    "examples:\n  qcommit live vm1 vda --pivot\n  qcommit live vm1 vda --dry-run --strategy direct\n";
 
 }  // namespace
 
@@ -52,6 +55,7 @@ int cmd_live(const Args& args) {
   std::string uri = kDefaultUri;
   std::string budget = "20ms";
   bool dry_run = false;
+  std::string daemon_socket = kDaemonSocket;
   std::vector<std::string> pos;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
@@ -84,6 +88,8 @@ int cmd_live(const Args& args) {
       req.pivot = true;
     } else if (a == "--dry-run") {
       dry_run = true;
+    } else if (is("--daemon-socket")) {
+      daemon_socket = value("--daemon-socket");
     } else if (!a.empty() && a[0] == '-') {
       throw UsageError("unknown option '" + a + "'");
     } else {
@@ -91,6 +97,16 @@ int cmd_live(const Args& args) {
     }
   }
   if (pos.size() != 2) throw UsageError("expected DOMAIN DISK (see --help)");
+  // One governor per job: with qcommitd running it would also govern the jobs we start and the
+  // two would fight over their speed. qcommitd wins; we refuse before touching anything.
+  if (!dry_run && qcommitd_answers(daemon_socket)) {
+    std::fprintf(stderr,
+                 "qcommit live: %s: qcommitd is running (%s) and governs every block job; start the "
+                 "merge with 'virsh blockcommit %s %s --active --pivot' and let it govern, or stop "
+                 "qcommitd to use qcommit live\n",
+                 pos[0].c_str(), daemon_socket.c_str(), pos[0].c_str(), pos[1].c_str());
+    return kExitError;
+  }
   req.domain = pos[0];
   req.disk = pos[1];
 
