@@ -15,6 +15,7 @@
 #include "cli/options.h"
 #include "cli/process.h"
 #include "cli/units.h"
+#include "cli/xml.h"
 
 namespace qcommit::cli {
 
@@ -46,21 +47,6 @@ uint64_t mem_total_bytes() {
   return 0;
 }
 
-std::string xattr(xmlNodePtr n, const char* name) {
-  if (!n) return "";
-  xmlChar* v = xmlGetProp(n, BAD_CAST name);
-  if (!v) return "";
-  std::string s(reinterpret_cast<char*>(v));
-  xmlFree(v);
-  return s;
-}
-
-xmlNodePtr xchild(xmlNodePtr n, const char* name) {
-  for (xmlNodePtr c = n ? n->children : nullptr; c; c = c->next)
-    if (c->type == XML_ELEMENT_NODE && xmlStrcmp(c->name, BAD_CAST name) == 0) return c;
-  return nullptr;
-}
-
 void check_domain(virDomainPtr dom, std::vector<Finding>& out) {
   const std::string name = virDomainGetName(dom);
   std::unique_ptr<char, decltype(&free)> xml(virDomainGetXMLDesc(dom, 0), &free);
@@ -69,14 +55,14 @@ void check_domain(virDomainPtr dom, std::vector<Finding>& out) {
       xmlReadMemory(xml.get(), int(strlen(xml.get())), "d.xml", nullptr, XML_PARSE_NONET), &xmlFreeDoc);
   if (!doc) return;
   xmlNodePtr root = xmlDocGetRootElement(doc.get());
-  const bool iothreads = xchild(root, "iothreads") != nullptr;
-  xmlNodePtr devices = xchild(root, "devices");
+  const bool iothreads = xml_child(root, "iothreads") != nullptr;
+  xmlNodePtr devices = xml_child(root, "devices");
   for (xmlNodePtr d = devices ? devices->children : nullptr; d; d = d->next) {
     if (d->type != XML_ELEMENT_NODE || xmlStrcmp(d->name, BAD_CAST "disk") != 0) continue;
-    if (xattr(d, "device") != "disk") continue;
-    const std::string dev = xattr(xchild(d, "target"), "dev");
-    xmlNodePtr drv = xchild(d, "driver");
-    const std::string cache = xattr(drv, "cache"), io = xattr(drv, "io");
+    if (xml_attr(d, "device") != "disk") continue;
+    const std::string dev = xml_attr(xml_child(d, "target"), "dev");
+    xmlNodePtr drv = xml_child(d, "driver");
+    const std::string cache = xml_attr(drv, "cache"), io = xml_attr(drv, "io");
     const std::string subject = "domain " + name + " disk " + dev;
     if (cache.empty() || cache == "writeback" || cache == "default")
       out.push_back({"warn", subject, "cache mode is writeback (libvirt's default when none is set)",

@@ -13,6 +13,7 @@
 #include <memory>
 
 #include "qcow2/chain.h"
+#include "cli/xml.h"
 #include "qcow2/error.h"
 
 namespace qcommit::cli {
@@ -49,27 +50,13 @@ Doc parse_xml(const std::string& xml, const std::string& what) {
   return d;
 }
 
-std::string attr(xmlNodePtr n, const char* name) {
-  xmlChar* v = xmlGetProp(n, reinterpret_cast<const xmlChar*>(name));
-  if (!v) return "";
-  std::string s(reinterpret_cast<char*>(v));
-  xmlFree(v);
-  return s;
-}
-
-xmlNodePtr child(xmlNodePtr n, const char* name) {
-  for (xmlNodePtr c = n ? n->children : nullptr; c; c = c->next)
-    if (c->type == XML_ELEMENT_NODE && xmlStrcmp(c->name, reinterpret_cast<const xmlChar*>(name)) == 0) return c;
-  return nullptr;
-}
-
 // The <disk> element of `doc` whose <target dev=...> is `dev` (domain XML: devices/disk;
 // snapshot XML: disks/disk with name=).
 xmlNodePtr find_domain_disk(xmlDocPtr doc, const std::string& dev) {
-  xmlNodePtr devices = child(xmlDocGetRootElement(doc), "devices");
+  xmlNodePtr devices = xml_child(xmlDocGetRootElement(doc), "devices");
   for (xmlNodePtr d = devices ? devices->children : nullptr; d; d = d->next) {
     if (d->type != XML_ELEMENT_NODE || xmlStrcmp(d->name, BAD_CAST "disk") != 0) continue;
-    if (attr(child(d, "target"), "dev") == dev) return d;
+    if (xml_attr(xml_child(d, "target"), "dev") == dev) return d;
   }
   return nullptr;
 }
@@ -110,8 +97,8 @@ std::vector<Pool> pools_holding(virConnectPtr conn, const std::string& file) {
     CStr xml(virStoragePoolGetXMLDesc(p.get(), 0));
     if (!xml) continue;
     Doc d = parse_xml(xml.get(), "pool");
-    xmlNodePtr target = child(xmlDocGetRootElement(d.get()), "target");
-    xmlNodePtr path = child(target, "path");
+    xmlNodePtr target = xml_child(xmlDocGetRootElement(d.get()), "target");
+    xmlNodePtr path = xml_child(target, "path");
     if (!path) continue;
     xmlChar* t = xmlNodeGetContent(path);
     std::string dir = canonical(reinterpret_cast<char*>(t));
@@ -185,10 +172,10 @@ DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(
   Doc doc = parse_xml(xml.get(), "domain " + req.domain);
   xmlNodePtr disk = find_domain_disk(doc.get(), req.disk);
   if (!disk) throw Error("domain " + req.domain, "has no disk with target '" + req.disk + "'");
-  xmlNodePtr source = child(disk, "source");
-  std::string active = attr(source, "file");
-  if (active.empty() && !attr(source, "volume").empty())
-    active = volume_path(conn.get(), attr(source, "pool"), attr(source, "volume"));
+  xmlNodePtr source = xml_child(disk, "source");
+  std::string active = xml_attr(source, "file");
+  if (active.empty() && !xml_attr(source, "volume").empty())
+    active = volume_path(conn.get(), xml_attr(source, "pool"), xml_attr(source, "volume"));
   if (active.empty())
     throw Error("domain " + req.domain, "disk " + req.disk + " is not a file or pool volume; cannot merge it offline");
 
@@ -251,11 +238,11 @@ DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(
       CStr sx(virDomainSnapshotGetXMLDesc(s.get(), 0));
       if (!sx) continue;
       Doc sd = parse_xml(sx.get(), "snapshot");
-      xmlNodePtr disks = child(xmlDocGetRootElement(sd.get()), "disks");
+      xmlNodePtr disks = xml_child(xmlDocGetRootElement(sd.get()), "disks");
       bool hit = false;
       for (xmlNodePtr d = disks ? disks->children : nullptr; d; d = d->next) {
-        if (d->type != XML_ELEMENT_NODE || attr(d, "name") != req.disk) continue;
-        const std::string f = canonical(attr(child(d, "source"), "file"));
+        if (d->type != XML_ELEMENT_NODE || xml_attr(d, "name") != req.disk) continue;
+        const std::string f = canonical(xml_attr(xml_child(d, "source"), "file"));
         // The snapshot's overlay, or the state it captured (the overlay's backing file), merged.
         auto pos = std::find(layers.begin(), layers.end(), f);
         if (pos != layers.end()) {
@@ -265,8 +252,8 @@ DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(
       }
       if (!hit) continue;
       const std::string name = virDomainSnapshotGetName(s.get());
-      if (child(xmlDocGetRootElement(sd.get()), "memory") &&
-          attr(child(xmlDocGetRootElement(sd.get()), "memory"), "snapshot") == "external")
+      if (xml_child(xmlDocGetRootElement(sd.get()), "memory") &&
+          xml_attr(xml_child(xmlDocGetRootElement(sd.get()), "memory"), "snapshot") == "external")
         problems.push_back("snapshot '" + name + "' has saved memory state that needs the merged disk state");
       affected.push_back(std::move(s));
     }
@@ -304,17 +291,17 @@ DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(
         o.allowed_backing_dirs.push_back(fs::path(res.base).parent_path().string());
         return o;
       }());
-      xmlNodePtr src = child(disk, "source");
-      if (!attr(src, "volume").empty()) {
+      xmlNodePtr src = xml_child(disk, "source");
+      if (!xml_attr(src, "volume").empty()) {
         xmlUnsetProp(src, BAD_CAST "pool");
         xmlUnsetProp(src, BAD_CAST "volume");
         xmlSetProp(disk, BAD_CAST "type", BAD_CAST "file");
       }
       xmlSetProp(src, BAD_CAST "file", BAD_CAST res.base.c_str());
-      if (xmlNodePtr drv = child(disk, "driver"))
+      if (xmlNodePtr drv = xml_child(disk, "driver"))
         xmlSetProp(drv, BAD_CAST "type", BAD_CAST qcow2::to_string(bchain.top().format));
       // libvirt re-detects the chain below the new source.
-      while (xmlNodePtr bs = child(disk, "backingStore")) {
+      while (xmlNodePtr bs = xml_child(disk, "backingStore")) {
         xmlUnlinkNode(bs);
         xmlFreeNode(bs);
       }
