@@ -4,6 +4,7 @@
 
 #include "cli/json.h"
 #include "cli/options.h"
+#include "cli/units.h"
 #include "qcow2/chain.h"
 #include "qcow2/error.h"
 

@@ -26,7 +26,5 @@ int cmd_report(const Args& args);
 int cmd_status(const Args& args);  // asks qcommitd over its control socket
 int cmd_live(const Args& args);    // governed libvirt block commit of a running domain
 
-// "1.5 GiB (1610612736 bytes)"
-std::string human_size(unsigned long long bytes);
 
 }  // namespace qcommit::cli

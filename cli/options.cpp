@@ -39,20 +39,4 @@ std::vector<std::string> backing_policy(const std::string& image, const std::vec
   return dirs;
 }
 
-std::string human_size(unsigned long long bytes) {
-  static const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
-  double v = double(bytes);
-  int u = 0;
-  while (v >= 1024 && u < 6) {
-    v /= 1024;
-    ++u;
-  }
-  char buf[64];
-  if (u == 0)
-    std::snprintf(buf, sizeof buf, "%llu B", bytes);
-  else
-    std::snprintf(buf, sizeof buf, "%.3g %s (%llu bytes)", v, units[u], bytes);
-  return buf;
-}
-
 }  // namespace qcommit::cli

@@ -51,16 +51,38 @@ uint64_t parse_size(const std::string& s) {
   return uint64_t(v * mul);
 }
 
-std::string format_size(uint64_t bytes) {
-  static const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
-  double v = double(bytes);
-  int u = 0;
-  while (v >= 1024 && u < 5) {
-    v /= 1024;
-    ++u;
+namespace {
+// bytes expressed in the largest binary unit (up to units[max_unit]) that keeps the value >= 1.
+struct Scaled {
+  double value;
+  int unit;
+};
+constexpr const char* kSizeUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+Scaled scale_size(uint64_t bytes, int max_unit) {
+  Scaled s{double(bytes), 0};
+  while (s.value >= 1024 && s.unit < max_unit) {
+    s.value /= 1024;
+    ++s.unit;
   }
+  return s;
+}
+}  // namespace
+
+std::string format_size(uint64_t bytes) {
+  const Scaled s = scale_size(bytes, 5);
   char buf[32];
-  std::snprintf(buf, sizeof buf, u ? "%.1f %s" : "%.0f %s", v, units[u]);
+  std::snprintf(buf, sizeof buf, s.unit ? "%.1f %s" : "%.0f %s", s.value, kSizeUnits[s.unit]);
+  return buf;
+}
+
+std::string human_size(uint64_t bytes) {
+  const Scaled s = scale_size(bytes, 6);
+  char buf[64];
+  if (s.unit == 0)
+    std::snprintf(buf, sizeof buf, "%llu B", static_cast<unsigned long long>(bytes));
+  else
+    std::snprintf(buf, sizeof buf, "%.3g %s (%llu bytes)", s.value, kSizeUnits[s.unit],
+                  static_cast<unsigned long long>(bytes));
   return buf;
 }
 

@@ -14,6 +14,7 @@ namespace qcommit::cli {
 std::chrono::nanoseconds parse_duration(const std::string& s);
 uint64_t parse_size(const std::string& s);
 std::string format_size(uint64_t bytes);  // "1.5 GiB"
+std::string human_size(uint64_t bytes);   // "1.5 GiB (1610612736 bytes)", as qcommit info prints
 
 // The latency-budget governor for an offline merge into `base` (the directory of TOP when base
 // is empty): our own write latencies, a 4 KiB O_DSYNC probe on the target's filesystem, and the
