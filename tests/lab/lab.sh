@@ -28,7 +28,7 @@
 # LAB_VERBOSE=1 logs more. Needs root, /dev/fuse, qemu-system-x86, libvirt.
 
 LAB_SOURCE_DIR=${QCOMMIT_SOURCE_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}
-LAB_BUILD_DIR=${QCOMMIT_BUILD_DIR:-$LAB_SOURCE_DIR/build}
+LAB_BUILD_DIR=$(realpath -m "${QCOMMIT_BUILD_DIR:-$LAB_SOURCE_DIR/build}")
 LAB_SLOWFS=$LAB_BUILD_DIR/lab/qcommit-slowfs
 LAB_PROBE=$LAB_BUILD_DIR/lab/qcommit-lab-probe
 LAB_CACHE=$LAB_BUILD_DIR/lab-cache
