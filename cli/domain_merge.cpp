@@ -6,8 +6,12 @@
 #include <libxml/tree.h>
 #include <libxml/xpath.h>
 
+#include <signal.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -38,6 +42,16 @@ using Pool = std::unique_ptr<virStoragePool, PoolFree>;
 using Vol = std::unique_ptr<virStorageVol, VolFree>;
 using Doc = std::unique_ptr<xmlDoc, DocFree>;
 using CStr = std::unique_ptr<char, CharFree>;
+
+// Test-only seam: QCOMMIT_TEST_KILL_AT=<point> makes this process SIGKILL itself at that named
+// point of a domain merge, so tests can crash it between the steps a re-run must finish
+// (tests/libvirt/offline-domain-crash.sh). Points, in order: data-window (after the first
+// committed window of the copy), data-merged, snapshots-removed, defined (before the pools are
+// refreshed and the journal is removed). Not for production use.
+void test_kill_point(const char* point) {
+  const char* at = std::getenv("QCOMMIT_TEST_KILL_AT");
+  if (at && std::strcmp(at, point) == 0) ::kill(::getpid(), SIGKILL);
+}
 
 std::string last_libvirt_error() {
   const virError* e = virGetLastError();
@@ -273,7 +287,12 @@ DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(
     req.merge.base = res.base;
     if (t > 0) req.merge.rebase = {layers[t - 1]};
     if (req.make_governor) req.merge.governor = req.make_governor(res.base);
+    req.merge.on_checkpoint = [inner = req.merge.on_checkpoint](uint64_t done) {
+      if (inner) inner(done);
+      test_kill_point("data-window");
+    };
     res.merge = engine::merge(req.merge);
+    test_kill_point("data-merged");
 
     for (auto& s : affected) {
       const std::string name = virDomainSnapshotGetName(s.get());
@@ -282,6 +301,7 @@ DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(
       else
         note("could not remove metadata of snapshot '" + name + "': " + last_libvirt_error());
     }
+    test_kill_point("snapshots-removed");
 
     // The definition: when TOP was the active layer, the disk now runs on BASE.
     if (t == 0) {
@@ -312,6 +332,7 @@ DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(
                                                 "; run the same command again");
       res.definition_updated = true;
     }
+    test_kill_point("defined");
   }
   for (auto& p : pools_holding(conn.get(), res.base)) {
     if (virStoragePoolRefresh(p.get(), 0) == 0) res.pools_refreshed.push_back(virStoragePoolGetName(p.get()));
