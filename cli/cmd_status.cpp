@@ -11,7 +11,9 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <string>
+#include <utility>
 
 #include "cli/commands.h"
 #include "cli/options.h"
@@ -42,13 +44,15 @@ namespace {
 
 inline constexpr double kDefaultWatchSeconds = 1.0;
 
-int status_once(const std::string& socket_path, bool json_out) {
+// One request line to qcommitd, one response line back (without the newline); nullopt after
+// printing why not.
+std::optional<std::string> ask(const std::string& socket_path, const std::string& request) {
   sockaddr_un addr{};
   if (socket_path.size() >= sizeof addr.sun_path) throw UsageError("socket path too long");
   const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) {
     std::fprintf(stderr, "qcommit status: socket: %s\n", std::strerror(errno));
-    return kExitError;
+    return std::nullopt;
   }
   addr.sun_family = AF_UNIX;
   std::memcpy(addr.sun_path, socket_path.c_str(), socket_path.size() + 1);
@@ -56,13 +60,13 @@ int status_once(const std::string& socket_path, bool json_out) {
     std::fprintf(stderr, "qcommit status: %s: cannot connect to qcommitd: %s\n",
                  socket_path.c_str(), std::strerror(errno));
     ::close(fd);
-    return kExitError;
+    return std::nullopt;
   }
-  const std::string req = "{\"cmd\":\"status\"}\n";
+  const std::string req = request + "\n";
   if (::send(fd, req.data(), req.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(req.size())) {
     std::fprintf(stderr, "qcommit status: %s: send failed\n", socket_path.c_str());
     ::close(fd);
-    return kExitError;
+    return std::nullopt;
   }
   std::string line;
   char buf[4096];
@@ -75,6 +79,32 @@ int status_once(const std::string& socket_path, bool json_out) {
   }
   ::close(fd);
   if (auto nl = line.find('\n'); nl != std::string::npos) line.resize(nl);
+  return line;
+}
+
+// The libvirt hook's message: DOMAIN is data (any bytes), EVENT one of the hook's operations.
+int send_domain_event(const std::string& socket_path, const std::string& domain,
+                      const std::string& event) {
+  const std::optional<std::string> line =
+      ask(socket_path, "{\"cmd\":\"domain-event\",\"domain\":" + plugin::json::quote(domain) +
+                           ",\"event\":" + plugin::json::quote(event) + "}");
+  if (!line) return kExitError;
+  std::string err;
+  auto v = plugin::json::parse(*line, &err);
+  const auto* ok = v && v->is_object() ? v->find("ok") : nullptr;
+  if (!ok || !ok->is_bool() || !ok->boolean()) {
+    const auto* e = v && v->is_object() ? v->find("error") : nullptr;
+    std::fprintf(stderr, "qcommit status: qcommitd refused the domain event: %s\n",
+                 e && e->is_string() ? e->string().c_str() : "bad response");
+    return kExitError;
+  }
+  return kExitOk;
+}
+
+int status_once(const std::string& socket_path, bool json_out) {
+  const std::optional<std::string> got = ask(socket_path, "{\"cmd\":\"status\"}");
+  if (!got) return kExitError;
+  const std::string& line = *got;
   std::string err;
   auto v = plugin::json::parse(line, &err);
   if (!v || !v->is_object()) {
@@ -130,6 +160,7 @@ int cmd_status(const Args& args) {
   std::string socket_path = kDefaultSocket;
   bool json_out = false;
   double watch = 0;
+  std::optional<std::pair<std::string, std::string>> domain_event;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     if (a == "--output=json" || (a == "--output" && i + 1 < args.size() && args[i + 1] == "json")) {
@@ -144,16 +175,26 @@ int cmd_status(const Args& args) {
       if (i + 1 < args.size() && std::isdigit(static_cast<unsigned char>(args[i + 1][0])))
         watch = std::stod(args[++i]);
       if (!(watch >= 0.1)) throw UsageError("--watch interval must be at least 0.1 s");
+    } else if (a == "--domain-event") {
+      // Used by the libvirt hook: the next two arguments are taken verbatim (a domain name may
+      // start with '-').
+      if (i + 2 >= args.size()) throw UsageError("--domain-event needs DOMAIN and EVENT");
+      domain_event = std::make_pair(args[i + 1], args[i + 2]);
+      i += 2;
     } else if (a == "-h" || a == "--help") {
       std::puts("usage: qcommit status [--output=json] [--socket PATH] [--watch [SECONDS]]\n"
+                "       qcommit status [--socket PATH] --domain-event DOMAIN EVENT\n"
                 "  block jobs governed by qcommitd (default socket /run/qcommit/qcommitd.sock)\n"
                 "  --watch: redraw every SECONDS (default 1) until interrupted\n"
+                "  --domain-event: tell qcommitd that DOMAIN started/stopped/reconnect/release\n"
+                "    (what the libvirt hook does; qcommitd then looks at that domain at once)\n"
                 "examples:\n  qcommit status\n  qcommit status --watch 0.5\n  qcommit status --output=json | jq .");
       return kExitOk;
     } else {
       throw UsageError("unknown argument '" + a + "'");
     }
   }
+  if (domain_event) return send_domain_event(socket_path, domain_event->first, domain_event->second);
   if (watch <= 0) return status_once(socket_path, json_out);
   for (;;) {
     if (!json_out) std::fputs("\033[H\033[2J", stdout);  // home + clear: a live view

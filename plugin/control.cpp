@@ -7,7 +7,10 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <iterator>
+#include <string_view>
 #include <cstring>
 #include <stdexcept>
 #include <vector>
@@ -28,11 +31,28 @@ std::string num(double d) {
 
 std::string u64(std::uint64_t v) { return std::to_string(v); }
 
+std::string domain_event(const json::Value& req, const DomainEventSink& sink) {
+  const json::Value* dom = req.find("domain");
+  const json::Value* ev = req.find("event");
+  if (req.object().size() != 3 || !dom || !ev)
+    return error_response("malformed request: domain-event takes exactly \"domain\" and \"event\"");
+  if (!dom->is_string() || dom->string().empty() || dom->string().size() > kMaxDomainNameBytes)
+    return error_response("malformed request: \"domain\" must be a non-empty string of at most " +
+                          std::to_string(kMaxDomainNameBytes) + " bytes");
+  if (!ev->is_string() || std::find(std::begin(kHookEvents), std::end(kHookEvents),
+                                    std::string_view(ev->string())) == std::end(kHookEvents))
+    return error_response("malformed request: unknown domain event");
+  if (!sink) return error_response("domain events are not accepted here");
+  sink(dom->string(), ev->string());
+  return "{\"ok\":true}";
+}
+
 double ms(Duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
 
 }  // namespace
 
-std::string answer_request(const std::string& line, const StatusSource& status) {
+std::string answer_request(const std::string& line, const StatusSource& status,
+                           const DomainEventSink& on_domain_event) {
   if (line.size() > kMaxRequestBytes) return error_response("request too large");
   std::string err;
   std::optional<json::Value> req = json::parse(line, &err);
@@ -40,6 +60,7 @@ std::string answer_request(const std::string& line, const StatusSource& status) 
   if (!req->is_object()) return error_response("malformed request: expected a JSON object");
   const json::Value* cmd = req->find("cmd");
   if (!cmd || !cmd->is_string()) return error_response("malformed request: missing \"cmd\" string");
+  if (cmd->string() == "domain-event") return domain_event(*req, on_domain_event);
   if (req->object().size() != 1) return error_response("malformed request: unknown members");
   if (cmd->string() == "status") return status();
   if (cmd->string() == "ping") return "{\"ok\":true}";
@@ -78,8 +99,8 @@ std::string status_json(const GovernorStatus& st, TimePoint now) {
   return o;
 }
 
-ControlServer::ControlServer(std::string path, StatusSource status)
-    : path_(std::move(path)), status_(std::move(status)) {
+ControlServer::ControlServer(std::string path, StatusSource status, DomainEventSink on_domain_event)
+    : path_(std::move(path)), status_(std::move(status)), on_domain_event_(std::move(on_domain_event)) {
   sockaddr_un addr{};
   if (path_.empty() || path_.size() >= sizeof addr.sun_path)
     throw std::runtime_error(path_ + ": socket path empty or too long");
@@ -202,7 +223,7 @@ void ControlServer::run() {
         std::string line = c.buf.substr(0, nl);
         c.buf.erase(0, nl + 1);
         if (!line.empty() && line.back() == '\r') line.pop_back();
-        send_line(c.fd, answer_request(line, status_));
+        send_line(c.fd, answer_request(line, status_, on_domain_event_));
       }
       if (c.buf.size() > kMaxRequestBytes) {
         send_line(c.fd, error_response("request too large (limit " +
