@@ -296,51 +296,16 @@ void Governor::set_speed(Job& j, std::uint64_t speed) {
 void Governor::tick(TimePoint now) {
   if (jobs_.empty()) return;
   // Foreground signals, per storage key, from every running domain's disks.
-  struct Signals {
-    std::vector<Duration> samples;
-    std::uint32_t outstanding = 0;
-    std::optional<Duration> oldest;
-  };
   std::set<std::string> wanted;
   for (const auto& [k, j] : jobs_) wanted.insert(j->storage);
-  std::map<std::string, Signals> sig;
+  std::map<std::string, throttle::ForegroundSignals> sig;
   for (const auto& dom : domains_) {
     for (const auto& disk : dom.disks) {
       const std::string key = storage_key(disk.source, disk.device, nullptr);
       if (!wanted.count(key)) continue;
       std::optional<BlockStats> st = hv_.block_stats(dom.name, disk.target);
       if (!st) continue;
-      GuestDisk& g = guests_[DiskKey{dom.name, disk.target}];
-      Signals& s = sig[key];
-      if (g.has_prev && st->wr_reqs >= g.prev.wr_reqs && st->flush_reqs >= g.prev.flush_reqs) {
-        const std::int64_t dw = st->wr_reqs - g.prev.wr_reqs;
-        const std::int64_t df = st->flush_reqs - g.prev.flush_reqs;
-        if (dw > 0)
-          s.samples.push_back(Duration(std::max<std::int64_t>(
-              0, (st->wr_total_times_ns - g.prev.wr_total_times_ns) / dw)));
-        if (df > 0)
-          s.samples.push_back(Duration(std::max<std::int64_t>(
-              0, (st->flush_total_times_ns - g.prev.flush_total_times_ns) / df)));
-        if (dw + df > 0) {
-          if (g.last_completion) {
-            const Duration gap = now - *g.last_completion;
-            g.interval = g.interval ? Duration((g.interval->count() * 3 + gap.count()) / 4) : gap;
-          }
-          g.last_completion = now;
-        } else if (g.last_completion && g.interval) {
-          const Duration silence = now - *g.last_completion;
-          const Duration usual = std::max(*g.interval, opt_.tick);
-          const auto threshold =
-              Duration(static_cast<std::int64_t>(kStallFactor * static_cast<double>(usual.count())));
-          if (silence > threshold && silence <= threshold + kMaxSuspectedStall) {
-            const Duration age = silence - usual;
-            s.outstanding += 1;
-            if (!s.oldest || age > *s.oldest) s.oldest = age;
-          }
-        }
-      }
-      g.prev = *st;
-      g.has_prev = true;
+      guests_[DiskKey{dom.name, disk.target}].sample(now, *st, opt_.tick, sig[key]);
     }
   }
   std::vector<DiskKey> keys;
@@ -354,7 +319,7 @@ void Governor::tick(TimePoint now) {
       release(k, "no longer listed", now);
       continue;
     }
-    const Signals& s = sig[j.storage];
+    const throttle::ForegroundSignals& s = sig[j.storage];
     // Backlog: the target's dirty + writeback pages.
     std::optional<PageCacheState> pc;
     if (j.file) pc = j.file->page_cache();
@@ -389,9 +354,9 @@ void Governor::tick(TimePoint now) {
     j.last_tick = now;
     throttle::TickInput in;
     in.now = now;
-    in.foreground_latencies = s.samples;
+    in.foreground_latencies = s.latencies;
     in.foreground_outstanding = s.outstanding;
-    in.foreground_oldest_outstanding = s.oldest;
+    in.foreground_oldest_outstanding = s.oldest_outstanding;
     in.backlog_bytes = backlog;
     in.drained_bytes = drained;
     const throttle::Decision d = j.ctl.tick(in);
@@ -428,8 +393,8 @@ void Governor::tick(TimePoint now) {
       set_speed(j, speed);
     }
 
-    for (Duration l : s.samples) j.latencies.emplace_back(now, l);
-    if (s.oldest) j.latencies.emplace_back(now, *s.oldest);
+    for (Duration l : s.latencies) j.latencies.emplace_back(now, l);
+    if (s.oldest_outstanding) j.latencies.emplace_back(now, *s.oldest_outstanding);
     while (!j.latencies.empty() &&
            (j.latencies.front().first < now - kLatencyHistory ||
             j.latencies.size() > kMaxLatencySamples))

@@ -5,10 +5,8 @@
 // Per tick (every GovernorOptions::tick) and governed job:
 //  * foreground signals: for every running domain's disk on the same storage as the job's
 //    target (same libvirt pool, else same st_dev, else the same path), the block-stats deltas
-//    Δwr_total_times/Δwr_reqs and Δflush_total_times/Δflush_reqs are latency samples.  libvirt
-//    counts requests only when they complete, so a disk that was completing requests and has
-//    gone silent for longer than kStallFactor × its usual interval is reported as outstanding,
-//    with the silence as its age (never good news), for at most kMaxSuspectedStall;
+//    block stats become latency samples and suspected stalls as throttle/io_stats.h describes
+//    (the offline merge reads its co-tenants' stats through the same code);
 //  * backlog = pages of the target under writeback + dirty pages beyond one pace interval's
 //    production at the current speed (the pacer below pushes fresh dirty pages every `pace`, so
 //    only dirty pages it could not push count as queued); drained = Δcur − backlog growth,
@@ -38,6 +36,7 @@
 #include "plugin/hypervisor.h"
 #include "plugin/writeback.h"
 #include "throttle/controller.h"
+#include "throttle/io_stats.h"
 
 namespace qcommit::plugin {
 
@@ -45,8 +44,6 @@ using throttle::Duration;
 using throttle::TimePoint;
 
 inline constexpr std::uint64_t kMinJobSpeedBytesPerS = 64 * 1024;  // "paused": never 0
-inline constexpr double kStallFactor = 3.0;          // silence > 3 × usual interval ⇒ stall
-inline constexpr Duration kMaxSuspectedStall = std::chrono::seconds(3);
 inline constexpr Duration kLatencyHistory = std::chrono::seconds(10);  // p99 over this
 inline constexpr Duration kEtaHistory = std::chrono::seconds(5);
 inline constexpr std::size_t kMaxReleasedHistory = 32;
@@ -134,13 +131,6 @@ class Governor {
     std::string domain, disk;
     auto operator<=>(const DiskKey&) const = default;
   };
-  struct GuestDisk {
-    BlockStats prev{};
-    bool has_prev = false;
-    std::optional<TimePoint> last_completion;
-    std::optional<Duration> interval;  // EWMA of time between ticks with completions
-    bool seen = false;                 // present in the latest tick
-  };
   struct Job;
 
   void handle_events(TimePoint now);
@@ -171,7 +161,7 @@ class Governor {
   std::vector<DomainInfo> domains_;
   std::vector<PoolInfo> pools_;
   std::map<std::string, std::optional<PoolInfo>> pool_cache_;
-  std::map<DiskKey, GuestDisk> guests_;
+  std::map<DiskKey, throttle::IoCounterSampler> guests_;
   std::map<DiskKey, std::unique_ptr<Job>> jobs_;
   std::deque<ReleasedJob> released_;
 };

@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "throttle/io_stats.h"
+
 namespace qcommit::plugin {
 
 struct HypervisorDisconnected : std::runtime_error {
@@ -42,12 +44,7 @@ struct PoolInfo {
 };
 
 // Cumulative counters of virDomainBlockStatsFlags (times in ns).
-struct BlockStats {
-  std::int64_t wr_reqs = 0;
-  std::int64_t wr_total_times_ns = 0;
-  std::int64_t flush_reqs = 0;
-  std::int64_t flush_total_times_ns = 0;
-};
+using BlockStats = throttle::IoCounters;
 
 enum class JobType { Unknown, Pull, Copy, Commit, ActiveCommit, Backup };
 [[nodiscard]] const char* to_string(JobType t);
