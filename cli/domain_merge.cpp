@@ -6,7 +6,9 @@
 #include <libxml/tree.h>
 #include <libxml/xpath.h>
 
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -15,6 +17,8 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <optional>
+#include <utility>
 
 #include "qcow2/chain.h"
 #include "cli/xml.h"
@@ -124,31 +128,128 @@ std::vector<Pool> pools_holding(virConnectPtr conn, const std::string& file) {
   return out;
 }
 
+bool is_block_device(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISBLK(st.st_mode);
+}
+
+// Points the <source> of a <disk> or <backingStore> element at `path` (a file or a block device).
+void set_source(xmlNodePtr element, xmlNodePtr source, const std::string& path) {
+  const bool block = is_block_device(path);
+  xmlSetProp(element, BAD_CAST "type", BAD_CAST(block ? "block" : "file"));
+  for (const char* a : {"file", "dev", "pool", "volume"}) xmlUnsetProp(source, BAD_CAST a);
+  xmlSetProp(source, BAD_CAST(block ? "dev" : "file"), BAD_CAST path.c_str());
+}
+
+// Replaces the disk's <backingStore> chain with the layers below the top of `chain`, ended by an
+// empty <backingStore/>. libvirt takes an inactive definition's chain as written instead of
+// probing the files, so a chain that still names a merged layer keeps reading through it, or the
+// domain fails to start once that file is gone.
+void set_backing_store(xmlNodePtr disk, const qcow2::Chain& chain) {
+  while (xmlNodePtr bs = xml_child(disk, "backingStore")) {
+    xmlUnlinkNode(bs);
+    xmlFreeNode(bs);
+  }
+  xmlNodePtr parent = disk;
+  for (size_t i = 1; i < chain.depth(); ++i) {
+    const qcow2::Layer& l = chain.layer(i);
+    xmlNodePtr bs = xmlNewChild(parent, nullptr, BAD_CAST "backingStore", nullptr);
+    xmlNodePtr fmt = xmlNewChild(bs, nullptr, BAD_CAST "format", nullptr);
+    xmlSetProp(fmt, BAD_CAST "type", BAD_CAST qcow2::to_string(l.format));
+    set_source(bs, xmlNewChild(bs, nullptr, BAD_CAST "source", nullptr), l.path);
+    parent = bs;
+  }
+  xmlNewChild(parent, nullptr, BAD_CAST "backingStore", nullptr);
+}
+
+void write_file_durably(const std::string& path, const std::string& data) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << data;
+    out.flush();
+    if (!out) throw Error(tmp, "cannot write the domain-merge journal");
+  }
+  const std::string dir = fs::path(path).has_parent_path() ? fs::path(path).parent_path().string() : ".";
+  for (const std::string& p : {tmp, dir}) {
+    const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0 || ::fsync(fd) != 0) {
+      if (fd >= 0) ::close(fd);
+      throw Error(p, "cannot flush the domain-merge journal");
+    }
+    ::close(fd);
+    if (p == tmp) fs::rename(tmp, path);
+  }
+}
+
+// What a re-run needs to finish an interrupted merge, written beside BASE before the first write.
+// Paths are as the chain names them (what goes into the definition); compare them canonically.
 struct Journal {
   std::string path;
   std::string domain_uuid, disk, top, base;
+  bool switch_source = false;          // TOP was the active layer: the disk moves to BASE
+  bool delete_merged = false;          // --delete: remove `merged` once the definition is updated
+  std::vector<std::string> merged;     // TOP and the intermediates
+  std::vector<std::string> snapshots;  // snapshot metadata of merged states, to remove
+
   bool load() {
-    std::ifstream in(path);
-    if (!in) return false;
-    std::string magic;
-    std::getline(in, magic);
-    std::getline(in, domain_uuid);
-    std::getline(in, disk);
-    std::getline(in, top);
-    std::getline(in, base);
-    return magic == "qcommit-domain-merge v1" && !base.empty();
-  }
-  void save() const {
-    const std::string tmp = path + ".tmp";
-    {
-      std::ofstream out(tmp, std::ios::trunc);
-      out << "qcommit-domain-merge v1\n" << domain_uuid << "\n" << disk << "\n" << top << "\n" << base << "\n";
-      out.flush();
-      if (!out) throw Error(tmp, "cannot write the domain-merge journal");
+    std::error_code ec;
+    if (!fs::exists(path, ec)) return false;
+    Doc d(xmlReadFile(path.c_str(), nullptr, XML_PARSE_NONET | XML_PARSE_NOBLANKS));
+    xmlNodePtr root = d ? xmlDocGetRootElement(d.get()) : nullptr;
+    if (!root || xmlStrcmp(root->name, BAD_CAST "qcommit-domain-merge") != 0 || xml_attr(root, "version") != "2")
+      return false;
+    auto text = [](xmlNodePtr n) {
+      xmlChar* t = xmlNodeGetContent(n);
+      std::string s = t ? reinterpret_cast<char*>(t) : "";
+      xmlFree(t);
+      return s;
+    };
+    domain_uuid = xml_attr(root, "domain-uuid");
+    disk = xml_attr(root, "disk");
+    switch_source = xml_attr(root, "switch-source") == "yes";
+    delete_merged = xml_attr(root, "delete-merged") == "yes";
+    for (xmlNodePtr n = root->children; n; n = n->next) {
+      if (n->type != XML_ELEMENT_NODE) continue;
+      const std::string name = reinterpret_cast<const char*>(n->name);
+      if (name == "top") top = text(n);
+      else if (name == "base") base = text(n);
+      else if (name == "merged") merged.push_back(text(n));
+      else if (name == "snapshot") snapshots.push_back(text(n));
     }
-    fs::rename(tmp, path);
+    return !top.empty() && !base.empty();
+  }
+
+  void save() const {
+    Doc d(xmlNewDoc(BAD_CAST "1.0"));
+    xmlNodePtr root = xmlNewDocNode(d.get(), nullptr, BAD_CAST "qcommit-domain-merge", nullptr);
+    xmlDocSetRootElement(d.get(), root);
+    xmlSetProp(root, BAD_CAST "version", BAD_CAST "2");
+    xmlSetProp(root, BAD_CAST "domain-uuid", BAD_CAST domain_uuid.c_str());
+    xmlSetProp(root, BAD_CAST "disk", BAD_CAST disk.c_str());
+    xmlSetProp(root, BAD_CAST "switch-source", BAD_CAST(switch_source ? "yes" : "no"));
+    xmlSetProp(root, BAD_CAST "delete-merged", BAD_CAST(delete_merged ? "yes" : "no"));
+    xmlNewTextChild(root, nullptr, BAD_CAST "top", BAD_CAST top.c_str());
+    xmlNewTextChild(root, nullptr, BAD_CAST "base", BAD_CAST base.c_str());
+    for (const auto& m : merged) xmlNewTextChild(root, nullptr, BAD_CAST "merged", BAD_CAST m.c_str());
+    for (const auto& s : snapshots) xmlNewTextChild(root, nullptr, BAD_CAST "snapshot", BAD_CAST s.c_str());
+    write_file_durably(path, dump(d.get()));
   }
 };
+
+qcow2::ChainOptions chain_options(const std::vector<std::string>& allowed_dirs) {
+  qcow2::ChainOptions o;
+  o.allowed_backing_dirs = allowed_dirs;
+  return o;
+}
+
+void refresh_pools_holding(virConnectPtr conn, const std::string& file, DomainMergeResult& res) {
+  for (auto& p : pools_holding(conn, file)) {
+    const std::string name = virStoragePoolGetName(p.get());
+    if (std::find(res.pools_refreshed.begin(), res.pools_refreshed.end(), name) != res.pools_refreshed.end()) continue;
+    if (virStoragePoolRefresh(p.get(), 0) == 0) res.pools_refreshed.push_back(name);
+  }
+}
 
 }  // namespace
 
@@ -170,6 +271,8 @@ DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(
     Pool p(virStoragePoolLookupByName(conn.get(), req.pool.c_str()));
     if (!p) p.reset(virStoragePoolLookupByUUIDString(conn.get(), req.pool.c_str()));
     if (p && !req.dry_run && virStoragePoolRefresh(p.get(), 0) == 0) res.pools_refreshed.push_back(req.pool);
+    // BASE may live in another pool (an overlay in a dir pool on a logical volume).
+    if (!req.dry_run) refresh_pools_holding(conn.get(), res.base, res);
     return res;
   }
 
@@ -181,72 +284,81 @@ DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(
                                             " " + req.disk + "' (or shut it off first)");
   char uuid[VIR_UUID_STRING_BUFLEN] = {};
   virDomainGetUUIDString(dom.get(), uuid);
-  CStr xml(virDomainGetXMLDesc(dom.get(), VIR_DOMAIN_XML_INACTIVE));
-  if (!xml) throw Error("domain " + req.domain, "cannot read its definition: " + last_libvirt_error());
-  Doc doc = parse_xml(xml.get(), "domain " + req.domain);
-  xmlNodePtr disk = find_domain_disk(doc.get(), req.disk);
-  if (!disk) throw Error("domain " + req.domain, "has no disk with target '" + req.disk + "'");
-  xmlNodePtr source = xml_child(disk, "source");
-  std::string active = xml_attr(source, "file");
-  if (active.empty() && !xml_attr(source, "volume").empty())
-    active = volume_path(conn.get(), xml_attr(source, "pool"), xml_attr(source, "volume"));
-  if (active.empty())
-    throw Error("domain " + req.domain, "disk " + req.disk + " is not a file or pool volume; cannot merge it offline");
+  auto read_disk_source = [&](Doc& doc) {
+    CStr xml(virDomainGetXMLDesc(dom.get(), VIR_DOMAIN_XML_INACTIVE));
+    if (!xml) throw Error("domain " + req.domain, "cannot read its definition: " + last_libvirt_error());
+    doc = parse_xml(xml.get(), "domain " + req.domain);
+    xmlNodePtr disk = find_domain_disk(doc.get(), req.disk);
+    if (!disk) throw Error("domain " + req.domain, "has no disk with target '" + req.disk + "'");
+    xmlNodePtr source = xml_child(disk, "source");
+    std::string path = xml_attr(source, "file");
+    if (path.empty()) path = xml_attr(source, "dev");
+    if (path.empty() && !xml_attr(source, "volume").empty())
+      path = volume_path(conn.get(), xml_attr(source, "pool"), xml_attr(source, "volume"));
+    if (path.empty())
+      throw Error("domain " + req.domain, "disk " + req.disk + " is not a file, block device or pool volume; cannot merge it offline");
+    return std::pair{disk, path};
+  };
+  Doc doc;
+  const std::string active = read_disk_source(doc).second;
 
-  // A journal left by an interrupted run of this same merge takes precedence.
-  qcow2::Chain chain = qcow2::Chain::open(active, [&] {
-    qcow2::ChainOptions o;
-    o.allowed_backing_dirs = req.merge.allowed_backing_dirs;
-    return o;
-  }());
-  std::vector<std::string> layers;
-  for (size_t i = 0; i < chain.depth(); ++i) layers.push_back(canonical(chain.layer(i).path));
+  qcow2::Chain chain = qcow2::Chain::open(active, chain_options(req.merge.allowed_backing_dirs));
+  std::vector<std::string> paths, layers;  // as the chain names them; canonical, for comparisons
+  for (size_t i = 0; i < chain.depth(); ++i) {
+    paths.push_back(chain.layer(i).path);
+    layers.push_back(canonical(paths.back()));
+  }
+  auto index_of = [&](const std::string& p) -> std::optional<size_t> {
+    auto it = std::find(layers.begin(), layers.end(), canonical(p));
+    if (it == layers.end()) return std::nullopt;
+    return size_t(it - layers.begin());
+  };
 
-  std::string top = req.top ? canonical(*req.top) : layers[0];
-  std::optional<std::string> base = req.base ? std::optional<std::string>(canonical(*req.base)) : std::nullopt;
+  // A journal left by an interrupted run of a merge on this disk takes precedence. It lies beside
+  // that merge's BASE, which is still in the chain (the active layer once the definition moved).
   Journal journal;
-  {
-    // The journal lives beside the base; look for one next to each candidate base.
-    for (size_t i = 1; i < layers.size(); ++i) {
-      Journal j;
-      j.path = engine::checkpoint_path(layers[i]) + ".domain";
-      if (j.load() && j.domain_uuid == uuid && j.disk == req.disk) {
-        journal = j;
-        top = j.top;
-        base = j.base;
-        res.finished_earlier_run = true;
-        note("finishing an interrupted merge of " + j.top + " into " + j.base);
-        break;
-      }
+  for (size_t i = 0; i < paths.size() && !res.finished_earlier_run; ++i) {
+    Journal j;
+    j.path = engine::checkpoint_path(paths[i]) + ".domain";
+    if (j.load() && j.domain_uuid == uuid && j.disk == req.disk) {
+      journal = j;
+      res.finished_earlier_run = true;
+      note("finishing an interrupted merge of " + j.top + " into " + j.base);
     }
   }
-  // Interrupted after the definition was switched: the active layer is already the base.
-  if (res.finished_earlier_run && layers[0] == *base) {
-    res.top = top;
-    res.base = *base;
+
+  // Where the data stands: TOP still above BASE in the chain means the copy (or the switch of
+  // the definition) has not happened; re-running the merge is safe either way (the engine
+  // resumes from its checkpoint, or copies TOP's data again into a BASE that already holds it).
+  std::optional<size_t> t, b;
+  if (res.finished_earlier_run) {
+    b = index_of(journal.base);
+    if (!b)
+      throw Error(journal.path, "names BASE " + journal.base + ", which is not in the chain of domain " + req.domain +
+                                    " disk " + req.disk + "; remove this journal if that merge was abandoned");
+    t = index_of(journal.top);
+    if (!t || *t >= *b) t.reset();  // data merged and TOP out of the chain
+    res.top = journal.top;
+    res.base = journal.base;
+    if (req.dry_run) return res;
   } else {
-    auto it = std::find(layers.begin(), layers.end(), top);
-    if (it == layers.end()) throw Error(top, "is not in the chain of domain " + req.domain + " disk " + req.disk);
-    const size_t t = size_t(it - layers.begin());
-    size_t b = t + 1;
-    if (base) {
-      auto bi = std::find(layers.begin(), layers.end(), *base);
-      if (bi == layers.end() || size_t(bi - layers.begin()) <= t)
-        throw Error(*base, "is not below " + top + " in the chain of domain " + req.domain);
-      b = size_t(bi - layers.begin());
+    t = req.top ? index_of(*req.top) : std::optional<size_t>(0);
+    if (!t) throw Error(*req.top, "is not in the chain of domain " + req.domain + " disk " + req.disk);
+    b = *t + 1;
+    if (req.base) {
+      b = index_of(*req.base);
+      if (!b || *b <= *t) throw Error(*req.base, "is not below " + paths[*t] + " in the chain of domain " + req.domain);
     }
-    if (b >= layers.size()) throw Error(top, "has no backing file: nothing to merge into");
-    res.top = top;
-    res.base = layers[b];
-    std::vector<std::string> merged(layers.begin() + long(t), layers.begin() + long(b));
+    if (*b >= paths.size()) throw Error(paths[*t], "has no backing file: nothing to merge into");
+    res.top = paths[*t];
+    res.base = paths[*b];
 
     // Snapshot metadata that points at merged files would describe states that no longer
     // exist: remove it the way `virsh snapshot-delete` of an external snapshot leaves things.
     // Decide before writing anything; refuse what cannot be kept consistent.
     virDomainSnapshotPtr* snaps = nullptr;
     int ns = virDomainListAllSnapshots(dom.get(), &snaps, 0);
-    std::vector<Snap> affected;
-    std::vector<std::string> problems;
+    std::vector<std::string> affected, problems;
     for (int i = 0; i < ns; ++i) {
       Snap s(snaps[i]);
       CStr sx(virDomainSnapshotGetXMLDesc(s.get(), 0));
@@ -256,20 +368,16 @@ DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(
       bool hit = false;
       for (xmlNodePtr d = disks ? disks->children : nullptr; d; d = d->next) {
         if (d->type != XML_ELEMENT_NODE || xml_attr(d, "name") != req.disk) continue;
-        const std::string f = canonical(xml_attr(xml_child(d, "source"), "file"));
         // The snapshot's overlay, or the state it captured (the overlay's backing file), merged.
-        auto pos = std::find(layers.begin(), layers.end(), f);
-        if (pos != layers.end()) {
-          const size_t k = size_t(pos - layers.begin());
-          hit = (k >= t && k < b) || (k + 1 >= t && k + 1 <= b);
-        }
+        if (auto k = index_of(xml_attr(xml_child(d, "source"), "file")))
+          hit = (*k >= *t && *k < *b) || (*k + 1 >= *t && *k + 1 <= *b);
       }
       if (!hit) continue;
       const std::string name = virDomainSnapshotGetName(s.get());
-      if (xml_child(xmlDocGetRootElement(sd.get()), "memory") &&
-          xml_attr(xml_child(xmlDocGetRootElement(sd.get()), "memory"), "snapshot") == "external")
+      xmlNodePtr memory = xml_child(xmlDocGetRootElement(sd.get()), "memory");
+      if (memory && xml_attr(memory, "snapshot") == "external")
         problems.push_back("snapshot '" + name + "' has saved memory state that needs the merged disk state");
-      affected.push_back(std::move(s));
+      affected.push_back(name);
     }
     std::free(snaps);
     if (!problems.empty()) {
@@ -277,67 +385,87 @@ DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(
       for (auto& p : problems) all += (all.empty() ? "" : "; ") + p;
       throw Error("domain " + req.domain, "cannot keep the snapshot list consistent: " + all + " (nothing written)");
     }
-    for (auto& s : affected) note(std::string("snapshot metadata to remove: ") + virDomainSnapshotGetName(s.get()));
+    for (auto& s : affected) note("snapshot metadata to remove: " + s);
 
     if (req.dry_run) return res;
-    journal = Journal{engine::checkpoint_path(res.base) + ".domain", uuid, req.disk, res.top, res.base};
+    journal.path = engine::checkpoint_path(res.base) + ".domain";
+    journal.domain_uuid = uuid;
+    journal.disk = req.disk;
+    journal.top = res.top;
+    journal.base = res.base;
+    journal.switch_source = *t == 0;
+    journal.delete_merged = req.merge.delete_merged;
+    journal.merged.assign(paths.begin() + long(*t), paths.begin() + long(*b));
+    journal.snapshots = affected;
     journal.save();
+  }
 
-    req.merge.top = res.top;
-    req.merge.base = res.base;
-    if (t > 0) req.merge.rebase = {layers[t - 1]};
-    if (req.make_governor) req.merge.governor = req.make_governor(res.base);
+  // 1. Data. Merged files are deleted only once the definition no longer names them (step 4).
+  if (t) {
+    req.merge.top = paths[*t];
+    req.merge.base = paths[*b];
+    req.merge.rebase.clear();
+    if (*t > 0) req.merge.rebase = {paths[*t - 1]};
+    req.merge.delete_merged = false;
+    if (req.make_governor) req.merge.governor = req.make_governor(paths[*b]);
     req.merge.on_checkpoint = [inner = req.merge.on_checkpoint](uint64_t done) {
       if (inner) inner(done);
       test_kill_point("data-window");
     };
     res.merge = engine::merge(req.merge);
-    test_kill_point("data-merged");
+  } else {
+    // The engine had finished: its last step moved TOP's child (or the definition moved) onto
+    // BASE. A kill between that step and its cleanup leaves a stale checkpoint.
+    std::error_code ec;
+    fs::remove(engine::checkpoint_path(journal.base), ec);
+  }
+  test_kill_point("data-merged");
 
-    for (auto& s : affected) {
-      const std::string name = virDomainSnapshotGetName(s.get());
-      if (virDomainSnapshotDelete(s.get(), VIR_DOMAIN_SNAPSHOT_DELETE_METADATA_ONLY) == 0)
-        res.snapshot_metadata_removed.push_back(name);
-      else
-        note("could not remove metadata of snapshot '" + name + "': " + last_libvirt_error());
-    }
-    test_kill_point("snapshots-removed");
+  // 2. Snapshot metadata of merged states (those an interrupted run removed are gone already).
+  for (const auto& name : journal.snapshots) {
+    Snap s(virDomainSnapshotLookupByName(dom.get(), name.c_str(), 0));
+    if (!s) continue;
+    if (virDomainSnapshotDelete(s.get(), VIR_DOMAIN_SNAPSHOT_DELETE_METADATA_ONLY) == 0)
+      res.snapshot_metadata_removed.push_back(name);
+    else
+      note("could not remove metadata of snapshot '" + name + "': " + last_libvirt_error());
+  }
+  test_kill_point("snapshots-removed");
 
-    // The definition: when TOP was the active layer, the disk now runs on BASE.
-    if (t == 0) {
-      qcow2::Chain bchain = qcow2::Chain::open(res.base, [&] {
-        qcow2::ChainOptions o;
-        o.allowed_backing_dirs = req.merge.allowed_backing_dirs;
-        o.allowed_backing_dirs.push_back(fs::path(res.base).parent_path().string());
-        return o;
-      }());
-      xmlNodePtr src = xml_child(disk, "source");
-      if (!xml_attr(src, "volume").empty()) {
-        xmlUnsetProp(src, BAD_CAST "pool");
-        xmlUnsetProp(src, BAD_CAST "volume");
-        xmlSetProp(disk, BAD_CAST "type", BAD_CAST "file");
-      }
-      xmlSetProp(src, BAD_CAST "file", BAD_CAST res.base.c_str());
+  // 3. The definition: the disk runs on BASE when TOP was the active layer, and its
+  // <backingStore> chain is the files' chain after the merge.
+  {
+    auto [disk, source_path] = read_disk_source(doc);
+    const std::string new_active = journal.switch_source ? journal.base : source_path;
+    qcow2::Chain after = qcow2::Chain::open(new_active, [&] {
+      qcow2::ChainOptions o = chain_options(req.merge.allowed_backing_dirs);
+      o.allowed_backing_dirs.push_back(fs::path(new_active).parent_path().string());
+      return o;
+    }());
+    if (journal.switch_source) {
+      set_source(disk, xml_child(disk, "source"), new_active);
       if (xmlNodePtr drv = xml_child(disk, "driver"))
-        xmlSetProp(drv, BAD_CAST "type", BAD_CAST qcow2::to_string(bchain.top().format));
-      // libvirt re-detects the chain below the new source.
-      while (xmlNodePtr bs = xml_child(disk, "backingStore")) {
-        xmlUnlinkNode(bs);
-        xmlFreeNode(bs);
-      }
-      const std::string newxml = dump(doc.get());
-      Dom redefined(virDomainDefineXML(conn.get(), newxml.c_str()));
-      if (!redefined)
-        throw Error("domain " + req.domain, "merge done, but redefining the domain failed: " + last_libvirt_error() +
-                                                "; run the same command again");
-      res.definition_updated = true;
+        xmlSetProp(drv, BAD_CAST "type", BAD_CAST qcow2::to_string(after.top().format));
     }
-    test_kill_point("defined");
+    set_backing_store(disk, after);
+    const std::string newxml = dump(doc.get());
+    Dom redefined(virDomainDefineXML(conn.get(), newxml.c_str()));
+    if (!redefined)
+      throw Error("domain " + req.domain, "merge done, but redefining the domain failed: " + last_libvirt_error() +
+                                              "; run the same command again");
+    res.definition_updated = true;
   }
-  for (auto& p : pools_holding(conn.get(), res.base)) {
-    if (virStoragePoolRefresh(p.get(), 0) == 0) res.pools_refreshed.push_back(virStoragePoolGetName(p.get()));
+  test_kill_point("defined");
+
+  // 4. Merged files, pools, journal.
+  if (journal.delete_merged) {
+    for (const auto& p : journal.merged) {
+      std::error_code ec;
+      if (fs::remove(p, ec)) res.merge.deleted.push_back(p);
+    }
   }
-  if (!journal.path.empty()) fs::remove(journal.path);
+  refresh_pools_holding(conn.get(), res.base, res);
+  fs::remove(journal.path);
   return res;
 }
 
