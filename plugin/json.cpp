@@ -13,11 +13,24 @@ const Value* Value::find(const std::string& key) const {
   return it == o.end() ? nullptr : &it->second;
 }
 
+std::optional<std::int64_t> Value::integer() const {
+  if (!is_number()) return std::nullopt;
+  const double d = number();
+  if (std::fabs(d) > kMaxExactInteger || std::trunc(d) != d) return std::nullopt;
+  return static_cast<std::int64_t>(d);
+}
+
+std::optional<std::uint64_t> Value::unsigned_integer() const {
+  const std::optional<std::int64_t> i = integer();
+  if (!i || *i < 0) return std::nullopt;
+  return static_cast<std::uint64_t>(*i);
+}
+
 namespace {
 
 class Parser {
  public:
-  explicit Parser(std::string_view s) : s_(s) {}
+  Parser(std::string_view s, std::size_t max_values) : s_(s), max_values_(max_values) {}
 
   std::optional<Value> run(std::string* error) {
     std::optional<Value> v = value(0);
@@ -51,6 +64,10 @@ class Parser {
   std::optional<Value> value(int depth) {
     if (depth > kMaxDepth) {
       fail("nesting too deep");
+      return std::nullopt;
+    }
+    if (++values_ > max_values_) {
+      fail("too many values");
       return std::nullopt;
     }
     ws();
@@ -210,14 +227,59 @@ class Parser {
   }
 
   std::string_view s_;
+  std::size_t max_values_;
+  std::size_t values_ = 0;
   size_t pos_ = 0;
   std::string err_;
 };
 
+void write(std::string& out, const Value& v) {
+  if (std::holds_alternative<std::nullptr_t>(v.v)) {
+    out += "null";
+  } else if (v.is_bool()) {
+    out += v.boolean() ? "true" : "false";
+  } else if (v.is_number()) {
+    char buf[32];
+    if (const auto i = v.integer())
+      std::snprintf(buf, sizeof buf, "%lld", static_cast<long long>(*i));
+    else
+      std::snprintf(buf, sizeof buf, "%.17g", v.number());
+    out += buf;
+  } else if (v.is_string()) {
+    out += quote(v.string());
+  } else if (v.is_array()) {
+    out += '[';
+    bool first = true;
+    for (const auto& e : v.array()) {
+      if (!first) out += ',';
+      first = false;
+      write(out, e);
+    }
+    out += ']';
+  } else {
+    out += '{';
+    bool first = true;
+    for (const auto& [k, e] : v.object()) {
+      if (!first) out += ',';
+      first = false;
+      out += quote(k);
+      out += ':';
+      write(out, e);
+    }
+    out += '}';
+  }
+}
+
 }  // namespace
 
-std::optional<Value> parse(std::string_view text, std::string* error) {
-  return Parser(text).run(error);
+std::optional<Value> parse(std::string_view text, std::string* error, std::size_t max_values) {
+  return Parser(text, max_values).run(error);
+}
+
+std::string serialize(const Value& v) {
+  std::string out;
+  write(out, v);
+  return out;
 }
 
 std::string quote(std::string_view s) {

@@ -1,0 +1,537 @@
+// QMP client, framer and adapter against a scripted QMP server (tests/qmp/fake_qmp.h); the JSON
+// shapes are QEMU 7.2's (captured from qemu-system-x86_64 7.2, trimmed).
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <string>
+#include <thread>
+
+#include "plugin/json.h"
+#include "plugin/qmp_client.h"
+#include "plugin/qmp_hypervisor.h"
+#include "tests/qmp/fake_qmp.h"
+
+using namespace qcommit::plugin;
+using namespace qcommit::plugin::test;
+using namespace std::chrono_literals;
+
+namespace {
+
+QmpOptions quick() {
+  QmpOptions o;
+  o.greeting_timeout = 300ms;
+  o.command_timeout = 300ms;
+  return o;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+bool contains(const std::string& s, const std::string& what) {
+  return s.find(what) != std::string::npos;
+}
+
+}  // namespace
+
+TEST_CASE("qmp.json.integers_serialize_limits") {
+  auto v = json::parse(R"({"a": 123456789012, "b": -4, "c": 1.5, "d": 1e300, "e": "x\n"})", nullptr);
+  REQUIRE(v);
+  CHECK(v->find("a")->integer() == 123456789012);
+  CHECK(v->find("a")->unsigned_integer() == 123456789012u);
+  CHECK(v->find("b")->integer() == -4);
+  CHECK_FALSE(v->find("b")->unsigned_integer());
+  CHECK_FALSE(v->find("c")->integer());
+  CHECK_FALSE(v->find("d")->integer());  // beyond 2^53: not exact
+  CHECK_FALSE(v->find("e")->integer());
+  const std::string text = json::serialize(*v);
+  CHECK(contains(text, "\"a\":123456789012"));
+  CHECK(contains(text, "\"c\":1.5"));
+  CHECK(contains(text, "\"e\":\"x\\n\""));
+  auto again = json::parse(text, nullptr);
+  REQUIRE(again);
+  CHECK(json::serialize(*again) == text);
+  // The value cap: 1000 array elements + the array itself.
+  std::string arr = "[";
+  for (int i = 0; i < 1000; ++i) arr += i ? ",0" : "0";
+  arr += "]";
+  std::string err;
+  CHECK(json::parse(arr, &err, 1001));
+  CHECK_FALSE(json::parse(arr, &err, 1000));
+  CHECK(contains(err, "too many values"));
+}
+
+TEST_CASE("qmp.framer.splits_objects") {
+  const std::string stream =
+      "{\"QMP\": {\"x\": [1, {\"y\": \"}\"}]}}\r\n{\"a\": \"\\\"{\"}\n\n  {\n \"b\":\n [\n ]\n}\r\n";
+  // Whole, and fed one byte at a time: the same three messages.
+  for (std::size_t chunk : {stream.size(), std::size_t{1}, std::size_t{7}}) {
+    QmpFramer f(4096);
+    std::vector<std::string> got;
+    for (std::size_t i = 0; i < stream.size(); i += chunk) {
+      std::string err;
+      REQUIRE(f.feed(std::string_view(stream).substr(i, chunk), &err));
+      while (auto m = f.next()) got.push_back(*m);
+    }
+    REQUIRE(got.size() == 3);
+    CHECK(got[0] == "{\"QMP\": {\"x\": [1, {\"y\": \"}\"}]}}");
+    CHECK(got[1] == "{\"a\": \"\\\"{\"}");
+    for (const auto& m : got) CHECK(json::parse(m, nullptr));
+    CHECK(f.buffered() == 0);
+  }
+  std::string err;
+  QmpFramer g(4096);
+  CHECK_FALSE(g.feed("SSH-2.0-OpenSSH_9.2\r\n", &err));
+  CHECK(contains(err, "expected a JSON object, got 'S'"));
+  QmpFramer h(4096);
+  CHECK(h.feed("{\"a\": \"" + std::string(4000, 'x'), &err));
+  CHECK_FALSE(h.feed(std::string(200, 'x'), &err));
+  CHECK(contains(err, "larger than 4096 bytes"));
+}
+
+TEST_CASE("qmp.client.handshake_execute_events") {
+  FakeQmp srv([](const json::Value& cmd) {
+    if (command_name(cmd) == "query-name")
+      // An event, a late reply to an older command, then the answer.
+      return event("JOB_STATUS_CHANGE", R"({"status": "running", "id": "j1"})") +
+             R"({"return": {"name": "stale"}, "id": "qcommit-0"})" "\r\n" +
+             reply(cmd, R"({"name": "vm-100"})");
+    if (command_name(cmd) == "echo-args") return reply(cmd, json::serialize(*cmd.find("arguments")));
+    return error_reply(cmd, "CommandNotFound", "The command " + command_name(cmd) + " has not been found");
+  });
+  QmpClient c = QmpClient::connect(srv.path(), quick());
+  CHECK(c.greeting().find("QMP"));
+  const json::Value name = c.execute("query-name");
+  CHECK(name.find("name")->string() == "vm-100");
+  auto events = c.take_queued_events();
+  REQUIRE(events.size() == 1);
+  CHECK(events[0].name == "JOB_STATUS_CHANGE");
+  CHECK(events[0].data.find("id")->string() == "j1");
+  CHECK(events[0].timestamp_us == 1700000000000005);
+
+  json::Object args{{"device", json::Value{std::string("vd\"a")}}, {"speed", json::Value{1048576.0}}};
+  const json::Value echoed = c.execute("echo-args", json::Value{args});
+  CHECK(echoed.find("device")->string() == "vd\"a");
+  CHECK(echoed.find("speed")->integer() == 1048576);
+
+  const std::string e = error_of([&] { (void)c.execute("no-such-command"); });
+  CHECK(e.rfind(srv.path() + ": no-such-command: The command", 0) == 0);
+  CHECK(contains(e, "(CommandNotFound)"));
+  try {
+    (void)c.execute("no-such-command");
+    FAIL("no error");
+  } catch (const QmpCommandError& ce) {
+    CHECK(ce.error_class == "CommandNotFound");
+  }
+  CHECK(c.is_open());  // a command error leaves the connection usable
+  CHECK(c.execute("query-name").find("name")->string() == "vm-100");
+
+  const auto names = srv.received_names();
+  REQUIRE(names.size() >= 2);
+  CHECK(names[0] == "qmp_capabilities");
+  for (const auto& cmd : srv.received()) CHECK(cmd.find("id"));  // every command carries an id
+}
+
+TEST_CASE("qmp.client.pretty_printed_monitor") {
+  // `-mon ...,pretty=on`: messages spread over lines.
+  const std::string greeting = "{\n    \"QMP\": {\n        \"version\": {},\n        \"capabilities\": [\n        ]\n    }\n}\n";
+  FakeQmp srv(
+      [](const json::Value& cmd) {
+        const std::string id = json::serialize(*cmd.find("id"));
+        return "{\n    \"return\": [\n        {\n            \"device\": \"vda\"\n        }\n    ],\n    \"id\": " +
+               id + "\n}\n";
+      },
+      greeting);
+  QmpClient c = QmpClient::connect(srv.path(), quick());
+  const json::Value r = c.execute("query-block");
+  REQUIRE(r.is_array());
+  CHECK(r.array().at(0).find("device")->string() == "vda");
+}
+
+TEST_CASE("qmp.client.not_a_monitor") {
+  auto none = [](const json::Value&) { return std::string(); };
+  {
+    FakeQmp srv(none, "SSH-2.0-OpenSSH_9.2p1\r\n");
+    const std::string e = error_of([&] { (void)QmpClient::connect(srv.path(), quick()); });
+    CHECK(e.rfind(srv.path() + ": not a QMP monitor: protocol error: expected a JSON object", 0) == 0);
+    CHECK(e.find('\n') == std::string::npos);
+  }
+  {
+    FakeQmp srv(none, "{\"hello\": \"world\"}\n");
+    const std::string e = error_of([&] { (void)QmpClient::connect(srv.path(), quick()); });
+    CHECK(e == srv.path() + ": not a QMP monitor: its first message has no \"QMP\" greeting");
+  }
+  {
+    FakeQmp srv(none, "");  // silent, like a monitor another client holds
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::string e = error_of([&] { (void)QmpClient::connect(srv.path(), quick()); });
+    CHECK(e.rfind(srv.path() + ": no QMP greeting within 0.3 s", 0) == 0);
+    CHECK(std::chrono::steady_clock::now() - t0 < 5s);
+  }
+  {
+    FakeQmp srv(none, std::string(10000, '{'));  // never ends: bounded by the message size
+    QmpOptions o = quick();
+    o.max_message_bytes = 4096;
+    const std::string e = error_of([&] { (void)QmpClient::connect(srv.path(), o); });
+    CHECK(contains(e, "larger than 4096 bytes"));
+  }
+  const std::string missing = "/nonexistent-dir/qmp.sock";
+  CHECK(error_of([&] { (void)QmpClient::connect(missing, quick()); }) ==
+        missing + ": cannot connect: No such file or directory");
+  const std::string too_long = "/tmp/" + std::string(200, 'x');
+  CHECK(error_of([&] { (void)QmpClient::connect(too_long, quick()); }).rfind(too_long + ": not a usable", 0) == 0);
+}
+
+TEST_CASE("qmp.client.garbage_oversized_timeout_eof") {
+  std::string mode;
+  FakeQmp srv([&](const json::Value& cmd) -> std::string {
+    if (mode == "garbage") return "]]]\r\n";
+    if (mode == "badjson") return "{\"return\": }\r\n";
+    if (mode == "oversized") return "{\"return\": \"" + std::string(8192, 'x') + "\"}\r\n";
+    if (mode == "values") {
+      std::string arr = "[0";
+      for (int i = 0; i < 100; ++i) arr += ",0";
+      return reply(cmd, arr + "]");
+    }
+    if (mode == "silent") return "";
+    if (mode == "close") return FakeQmp::kClose;
+    return reply(cmd);
+  });
+  QmpOptions o = quick();
+  o.max_message_bytes = 4096;
+  o.max_message_values = 64;
+  for (const auto& [m, expect] : std::vector<std::pair<std::string, std::string>>{
+           {"garbage", "protocol error: expected a JSON object, got ']'"},
+           {"badjson", "protocol error: invalid JSON: unexpected character"},
+           {"oversized", "protocol error: message larger than 4096 bytes"},
+           {"values", "protocol error: invalid JSON: too many values"},
+           {"silent", "no reply to query-x within 0.3 s"},
+           {"close", "connection closed by the peer (QEMU quit?)"}}) {
+    CAPTURE(m);
+    mode = "";
+    QmpClient c = QmpClient::connect(srv.path(), o);
+    mode = m;
+    const std::string e = error_of([&] { (void)c.execute("query-x"); });
+    CHECK(e.rfind(srv.path() + ": " + expect, 0) == 0);
+    CHECK_FALSE(c.is_open());  // transport failures close the connection
+    CHECK(error_of([&] { (void)c.execute("query-x"); }) == srv.path() + ": connection closed");
+    c.close();
+    // The server drops the old client when it sees EOF; wait so the next connect is accepted.
+    std::this_thread::sleep_for(20ms);
+  }
+}
+
+TEST_CASE("qmp.client.events_bounded_and_waited_for") {
+  FakeQmp srv([](const json::Value& cmd) {
+    std::string out;
+    for (int i = 0; i < 50; ++i)
+      out += event("JOB_STATUS_CHANGE", R"({"status": "running", "id": "j)" + std::to_string(i) + "\"}");
+    return out + reply(cmd);
+  });
+  QmpOptions o = quick();
+  o.max_queued_events = 10;
+  QmpClient c = QmpClient::connect(srv.path(), o);
+  (void)c.execute("query-block-jobs");
+  auto ev = c.take_events(0ms);
+  REQUIRE(ev.size() == 10);
+  CHECK(ev.front().data.find("id")->string() == "j40");  // the oldest were dropped
+  CHECK(c.dropped_events() == 40);
+  // Nothing queued: take_events waits up to its timeout, and returns early when one arrives.
+  auto t0 = std::chrono::steady_clock::now();
+  CHECK(c.take_events(100ms).empty());
+  CHECK(std::chrono::steady_clock::now() - t0 >= 90ms);
+  std::thread later([&] {
+    std::this_thread::sleep_for(50ms);
+    srv.push(event("BLOCK_JOB_READY", R"({"device": "qcommit-vda", "len": 5, "offset": 5, "speed": 0, "type": "commit"})"));
+  });
+  t0 = std::chrono::steady_clock::now();
+  ev = c.take_events(5000ms);
+  later.join();
+  REQUIRE(ev.size() == 1);
+  CHECK(ev[0].name == "BLOCK_JOB_READY");
+  CHECK(std::chrono::steady_clock::now() - t0 < 4s);
+}
+
+// --- adapter ---------------------------------------------------------------------------------
+
+namespace {
+
+// query-block of `-drive file=top.qcow2,if=none,id=vda -device virtio-blk-pci,drive=vda,id=disk0`
+// on top.qcow2 → mid.qcow2 → base.qcow2, and of a -blockdev disk (device "", qdev path).
+const char* kQueryBlock = R"([
+ {"device": "vda", "qdev": "/machine/peripheral/disk0/virtio-backend", "locked": false,
+  "inserted": {"node-name": "#block182", "drv": "qcow2", "file": "/s/top.qcow2",
+   "backing_file": "/s/mid.qcow2", "backing_file_depth": 2,
+   "image": {"filename": "/s/top.qcow2", "format": "qcow2", "backing-filename": "mid.qcow2",
+    "backing-image": {"filename": "/s/mid.qcow2", "format": "qcow2",
+     "backing-image": {"filename": "/s/base.qcow2", "format": "qcow2", "virtual-size": 67108864}}}}},
+ {"device": "", "qdev": "/machine/peripheral/vdb/virtio-backend",
+  "inserted": {"node-name": "top-fmt", "drv": "qcow2", "file": "/s/b-top.qcow2",
+   "image": {"filename": "/s/b-top.qcow2", "format": "qcow2",
+    "backing-image": {"filename": "/s/b-base.raw", "format": "raw"}}}},
+ {"device": "cd0", "locked": false, "removable": true}
+])";
+
+const char* kNamedNodes = R"([
+ {"node-name": "#block592", "drv": "qcow2", "file": "/s/base.qcow2"},
+ {"node-name": "#block474", "drv": "file", "file": "/s/base.qcow2"},
+ {"node-name": "#block311", "drv": "qcow2", "file": "/s/mid.qcow2"},
+ {"node-name": "#block272", "drv": "file", "file": "/s/mid.qcow2"},
+ {"node-name": "#block182", "drv": "qcow2", "file": "/s/top.qcow2"},
+ {"node-name": "#block168", "drv": "raw", "file": "/s/b-base.raw"},
+ {"node-name": "#block055", "drv": "file", "file": "/s/b-base.raw"},
+ {"node-name": "top-fmt", "drv": "qcow2", "file": "/s/b-top.qcow2"}
+])";
+
+const char* kBlockStats = R"([
+ {"device": "vda", "node-name": "#block182", "qdev": "/machine/peripheral/disk0/virtio-backend",
+  "stats": {"wr_operations": 7, "wr_total_time_ns": 7000000, "flush_operations": 2,
+   "flush_total_time_ns": 900000, "rd_operations": 3}, "parent": {"stats": {"wr_operations": 99}}},
+ {"device": "", "node-name": "top-fmt", "qdev": "/machine/peripheral/vdb/virtio-backend",
+  "stats": {"wr_operations": 1, "wr_total_time_ns": 5, "flush_operations": 0, "flush_total_time_ns": 0}}
+])";
+
+json::Value parsed(const char* text) {
+  auto v = json::parse(text, nullptr);
+  REQUIRE(v);
+  return *v;
+}
+
+}  // namespace
+
+TEST_CASE("qmp.adapter.parse_query_block_stats_jobs") {
+  const auto disks = parse_query_block(parsed(kQueryBlock));
+  REQUIRE(disks.size() == 2);  // the empty cd drive is skipped
+  CHECK(disks[0].info.target == "vda");
+  CHECK(disks[0].info.source == "/s/top.qcow2");
+  CHECK(disks[0].info.backing_chain == std::vector<std::string>{"/s/mid.qcow2", "/s/base.qcow2"});
+  CHECK(disks[0].formats == std::vector<std::string>{"qcow2", "qcow2", "qcow2"});
+  CHECK(disks[0].qmp_device() == "vda");
+  CHECK(disks[0].matches("disk0"));
+  CHECK(disks[0].matches("/s/top.qcow2"));
+  CHECK_FALSE(disks[0].matches(""));
+  CHECK(disks[1].info.target == "vdb");  // -blockdev: named by the device id
+  CHECK(disks[1].qmp_device() == "top-fmt");
+  CHECK(disks[1].info.backing_chain == std::vector<std::string>{"/s/b-base.raw"});
+
+  const auto nodes = parse_named_block_nodes(parsed(kNamedNodes));
+  CHECK(node_of(nodes, "/s/mid.qcow2", "qcow2") == "#block311");
+  CHECK(node_of(nodes, "/s/b-base.raw", "raw") == "#block168");  // not the protocol node
+  CHECK(node_of(nodes, "/s/other.qcow2", "qcow2").empty());
+
+  const auto s0 = parse_blockstats(parsed(kBlockStats), disks[0]);
+  REQUIRE(s0);
+  CHECK(s0->wr_reqs == 7);  // the backend's counters, not the protocol node's ("parent")
+  CHECK(s0->wr_total_times_ns == 7000000);
+  CHECK(s0->flush_reqs == 2);
+  CHECK(s0->flush_total_times_ns == 900000);
+  const auto s1 = parse_blockstats(parsed(kBlockStats), disks[1]);
+  REQUIRE(s1);
+  CHECK(s1->wr_reqs == 1);
+
+  CHECK(qdev_id("/machine/peripheral/scsi0/virtio-backend") == "scsi0");
+  CHECK(qdev_id("/machine/peripheral-anon/device[0]/virtio-backend").empty());
+  CHECK(qdev_id("ide0-hd0") == "ide0-hd0");
+  CHECK(qcommit_job_id("drive-scsi0") == "qcommit-drive-scsi0");
+  CHECK(qcommit_job_id("/machine/x") == "qcommit-_machine_x");
+  CHECK(name_from_socket("/var/run/qemu-server/100.qmp") == "100");
+  CHECK(name_from_socket("qmp") == "qmp");
+
+  const auto jobs = parse_block_jobs(parsed(R"([
+    {"device": "qcommit-vda", "type": "commit", "status": "ready", "len": 0, "offset": 0,
+     "speed": 1048576, "ready": true, "auto-dismiss": true},
+    {"device": "j2", "type": "commit", "status": "running", "len": 100, "offset": 100, "speed": 0,
+     "ready": false},
+    {"device": "j3", "type": "mirror", "status": "running", "len": 100, "offset": 100, "ready": false}])"));
+  REQUIRE(jobs.size() == 3);
+  // Ready with nothing to copy (0/0): still cur == end > 0, which is what "ready" means to
+  // LiveMerge and the governor.
+  const JobInfo ready = to_job_info(jobs[0], true);
+  CHECK(ready.type == JobType::ActiveCommit);
+  CHECK(ready.end > 0);
+  CHECK(ready.cur == ready.end);
+  CHECK(ready.bandwidth_bytes_per_s == 1048576);
+  // An active commit that copied everything but is not ready: not cur == end.
+  const JobInfo busy = to_job_info(jobs[1], true);
+  CHECK(busy.cur + 1 == busy.end);
+  // A non-active commit is just copying: cur == end is fine; foreign jobs are typed by QEMU's type.
+  CHECK(to_job_info(jobs[1], false).cur == 100);
+  CHECK(to_job_info(jobs[1], std::nullopt).type == JobType::Commit);
+  CHECK(to_job_info(jobs[0], std::nullopt).type == JobType::ActiveCommit);
+  CHECK(to_job_info(jobs[2], std::nullopt).type == JobType::Copy);
+  CHECK(to_job_info(jobs[2], std::nullopt).cur == 99);
+}
+
+TEST_CASE("qmp.adapter.commit_speed_events_pivot") {
+  // A scripted QEMU: one commit job on vda; its state is driven by the test.
+  std::mutex m;
+  std::string job_status;  // "" = no job
+  bool ready = false;
+  std::string active_layer = "/s/top.qcow2";
+  FakeQmp srv([&](const json::Value& cmd) -> std::string {
+    std::lock_guard<std::mutex> g(m);
+    const std::string& c = command_name(cmd);
+    if (c == "query-name") return reply(cmd, "{}");  // unnamed: the socket's name is used
+    if (c == "query-block") {
+      std::string qb = kQueryBlock;
+      if (active_layer != "/s/top.qcow2") {
+        // After the pivot: base is the active layer.
+        qb = R"([{"device": "vda", "qdev": "/machine/peripheral/disk0/virtio-backend",
+                 "inserted": {"node-name": "#block592", "image": {"filename": "/s/base.qcow2",
+                 "format": "qcow2"}}}])";
+      }
+      return reply(cmd, qb);
+    }
+    if (c == "query-named-block-nodes") return reply(cmd, kNamedNodes);
+    if (c == "query-blockstats") return reply(cmd, kBlockStats);
+    if (c == "query-block-jobs") {
+      if (job_status.empty()) return reply(cmd, "[]");
+      return reply(cmd, R"([{"device": "qcommit-vda", "type": "commit", "status": ")" + job_status +
+                            R"(", "len": 1000, "offset": 400, "speed": 4194304, "ready": )" +
+                            (ready ? "true" : "false") + "}]");
+    }
+    if (c == "block-commit") {
+      job_status = "running";
+      return event("JOB_STATUS_CHANGE", R"({"status": "created", "id": "qcommit-vda"})") + reply(cmd);
+    }
+    if (c == "block-job-set-speed") {
+      if (job_status.empty()) return error_reply(cmd, "DeviceNotActive", "Block job 'x' not found");
+      return reply(cmd);
+    }
+    if (c == "block-job-complete") {
+      if (!ready) return error_reply(cmd, "GenericError", "The active block job 'qcommit-vda' cannot be completed");
+      job_status = "";
+      active_layer = "/s/base.qcow2";
+      return event("BLOCK_JOB_COMPLETED", R"({"device": "qcommit-vda", "len": 1000, "offset": 1000, "speed": 0, "type": "commit"})") +
+             reply(cmd);
+    }
+    return error_reply(cmd, "CommandNotFound", c);
+  });
+
+  QmpHypervisor hv(srv.path(), "", quick());
+  std::vector<JobEvent> events;
+  hv.set_event_sink([&](const JobEvent& e) { events.push_back(e); });
+  REQUIRE(hv.connect());
+  CHECK(hv.name() == "qmp");  // qmp.sock, no -name
+  CHECK(hv.resolve_disk("disk0") == "vda");
+  CHECK(hv.resolve_disk("vdb") == "vdb");
+  CHECK_FALSE(hv.resolve_disk("vdz"));
+  auto doms = hv.running_domains();
+  REQUIRE(doms.size() == 1);
+  CHECK(doms[0].disks.size() == 2);
+  CHECK_FALSE(hv.job_info("qmp", "vda"));
+  CHECK_FALSE(hv.set_job_speed("qmp", "vda", 1000));  // no job: an ordinary false
+  CHECK(hv.block_stats("qmp", "vda")->wr_reqs == 7);
+  CHECK_FALSE(hv.block_stats("other-vm", "vda"));
+
+  // Errors name the disk and what was asked.
+  CHECK(error_of([&] { hv.start_commit("qmp", "vda", "/s/base.qcow2", "/s/top.qcow2", 1, false); }) ==
+        "qmp vda: block commit of /s/top.qcow2 into /s/base.qcow2: /s/top.qcow2 is the active layer");
+  CHECK(contains(error_of([&] { hv.start_commit("qmp", "vda", "/s/nope.qcow2", "/s/top.qcow2", 1, true); }),
+                 "/s/nope.qcow2 is not in the disk's chain"));
+
+  hv.start_commit("qmp", "vda", "/s/base.qcow2", "/s/top.qcow2", 4194304, true);
+  json::Value commit;
+  for (const auto& c : srv.received())
+    if (command_name(c) == "block-commit") commit = *c.find("arguments");
+  CHECK(json::serialize(commit) ==
+        R"({"base-node":"#block592","device":"vda","job-id":"qcommit-vda","speed":4194304,"top-node":"#block182"})");
+  auto info = hv.job_info("qmp", "vda");
+  REQUIRE(info);
+  CHECK(info->type == JobType::ActiveCommit);  // typed by us: QEMU says "commit"
+  CHECK(info->cur == 400);
+  CHECK(info->end == 1000);
+  CHECK(hv.running_domains()[0].disks[0].mirror == "/s/base.qcow2");
+  CHECK(hv.set_job_speed("qmp", "vda", 2 << 20));
+  CHECK_FALSE(hv.set_job_speed("qmp", "vda", 0));  // 0 would be unlimited: never sent
+  json::Value speed;
+  for (const auto& c : srv.received())
+    if (command_name(c) == "block-job-set-speed") speed = *c.find("arguments");
+  CHECK(json::serialize(speed) == R"({"device":"qcommit-vda","speed":2097152})");
+
+  // Events reach the sink from pump(), mapped to the disk.
+  srv.push(event("BLOCK_JOB_READY", R"({"device": "qcommit-vda", "len": 1000, "offset": 1000, "speed": 0, "type": "commit"})"));
+  hv.pump(2000ms);
+  REQUIRE(events.size() >= 2);
+  CHECK(events[0].kind == JobEventKind::StatusChange);
+  CHECK(events[0].detail == "qcommit-vda created");
+  CHECK(events[0].disk == "vda");
+  CHECK(events.back().kind == JobEventKind::Ready);
+  CHECK(events.back().disk == "vda");
+  CHECK(events.back().domain == "qmp");
+  CHECK(events.back().type == JobType::ActiveCommit);
+
+  // Pivot: not before QEMU says ready; then complete, done once the job is gone and BASE is
+  // the active layer.
+  CHECK_FALSE(hv.pivot("qmp", "vda"));
+  {
+    std::lock_guard<std::mutex> g(m);
+    job_status = "ready";
+    ready = true;
+  }
+  CHECK(hv.pivot("qmp", "vda"));
+  hv.pump(0ms);
+  CHECK(events.back().kind == JobEventKind::Completed);
+  bool completed_sent = false;
+  for (const auto& n : srv.received_names()) completed_sent |= n == "block-job-complete";
+  CHECK(completed_sent);
+  CHECK(hv.running_domains()[0].disks[0].source == "/s/base.qcow2");
+}
+
+TEST_CASE("qmp.adapter.failed_job_and_lost_connection") {
+  std::atomic<bool> quit{false};
+  FakeQmp srv([&](const json::Value& cmd) -> std::string {
+    const std::string& c = command_name(cmd);
+    if (quit) return FakeQmp::kClose;
+    if (c == "query-name") return reply(cmd, R"({"name": "vm-7"})");
+    if (c == "query-block") return reply(cmd, kQueryBlock);
+    if (c == "query-named-block-nodes") return reply(cmd, kNamedNodes);
+    if (c == "query-block-jobs") return reply(cmd, "[]");
+    if (c == "block-commit")
+      return reply(cmd) + event("BLOCK_JOB_ERROR", R"({"device": "qcommit-vda", "operation": "write", "action": "report"})") +
+             event("BLOCK_JOB_COMPLETED", R"({"device": "qcommit-vda", "len": 9, "offset": 3, "speed": 0, "type": "commit", "error": "No space left on device"})");
+    return error_reply(cmd, "CommandNotFound", c);
+  });
+  QmpHypervisor hv(srv.path(), "", quick());
+  std::vector<JobEvent> events;
+  hv.set_event_sink([&](const JobEvent& e) { events.push_back(e); });
+  REQUIRE(hv.connect());
+  CHECK(hv.name() == "vm-7");
+  hv.start_commit("vm-7", "vda", "/s/base.qcow2", "/s/mid.qcow2", 1 << 20, false);
+  hv.pump(200ms);
+  REQUIRE(events.size() == 2);
+  CHECK(events[0].kind == JobEventKind::StatusChange);
+  CHECK(events[0].detail == "qcommit-vda error write report");
+  CHECK(events[1].kind == JobEventKind::Failed);
+  CHECK(events[1].disk == "vda");
+  CHECK(events[1].type == JobType::Commit);
+  CHECK(hv.last_job_error() == "job qcommit-vda failed: No space left on device");
+  CHECK_FALSE(hv.job_info("vm-7", "vda"));
+
+  // QEMU goes away: calls throw HypervisorDisconnected naming the socket; connect() fails with
+  // a one-line reason.
+  quit = true;
+  const std::string e = error_of([&] { (void)hv.running_domains(); });
+  CHECK(e == srv.path() + ": connection closed by the peer (QEMU quit?)");
+  CHECK_FALSE(hv.connected());
+  try {
+    (void)hv.job_info("vm-7", "vda");
+    FAIL("no exception");
+  } catch (const HypervisorDisconnected& d) {
+    CHECK(contains(d.what(), srv.path()));
+  }
+  hv.pump(10ms);  // disconnected: sleeps, no throw
+  quit = false;
+  std::this_thread::sleep_for(20ms);
+  REQUIRE(hv.connect());  // reconnects to the same monitor
+  CHECK(srv.accepted() == 2);
+  QmpHypervisor gone("/nonexistent/100.qmp", "", quick());
+  CHECK_FALSE(gone.connect());
+  CHECK(gone.last_error() == "/nonexistent/100.qmp: cannot connect: No such file or directory");
+}
