@@ -3,19 +3,106 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 
 namespace qcommit::engine {
 
 namespace {
 inline constexpr auto kPausedWait = std::chrono::milliseconds(10);
 inline constexpr auto kWindowFullWait = std::chrono::milliseconds(1);
+
+throttle::TimePoint to_tp(Clock::time_point t) {
+  return throttle::TimePoint(std::chrono::duration_cast<throttle::Duration>(t.time_since_epoch()));
+}
 }  // namespace
+
+// The co-tenants' state, shared by the governor and its sampling thread (which holds it alive:
+// a thread stuck in the hypervisor past the governor's end touches nothing else).
+struct BudgetGovernor::Feed {
+  Feed(std::shared_ptr<ForegroundSource> s, Duration i) : source(std::move(s)), interval(i) {}
+  const std::shared_ptr<ForegroundSource> source;
+  const Duration interval;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool stop = false;      // (mu)
+  bool finished = false;  // (mu) the sampling thread has left its loop
+  std::map<std::string, throttle::IoCounterSampler> samplers;  // (mu) per disk id
+  std::vector<throttle::Duration> latencies;  // (mu) of the latest answer
+  uint32_t outstanding = 0;                   // (mu) as of state_at
+  std::optional<throttle::Duration> oldest;   // (mu) as of state_at
+  std::optional<Clock::time_point> state_at;  // (mu)
+  CotenantStats stats;                        // (mu)
+
+  void record_locked(const std::vector<ForegroundDisk>& disks, Clock::time_point now) {
+    throttle::ForegroundSignals sig;
+    std::map<std::string, throttle::IoCounterSampler> next;
+    for (const auto& d : disks) {
+      auto node = samplers.extract(d.id);
+      throttle::IoCounterSampler smp = node.empty() ? throttle::IoCounterSampler{} : node.mapped();
+      smp.sample(to_tp(now), d.counters, interval, sig);
+      next.insert_or_assign(d.id, smp);
+    }
+    samplers.swap(next);  // disks that are gone lose their history
+    latencies = sig.latencies;
+    outstanding = sig.outstanding;
+    oldest = sig.oldest_outstanding;
+    state_at = now;
+    ++stats.polls;
+    stats.disks = disks.size();
+    stats.max_disks = std::max(stats.max_disks, disks.size());
+    stats.samples += sig.latencies.size();
+    if (sig.outstanding) ++stats.stall_polls;
+    for (auto l : sig.latencies) stats.max_latency = std::max(stats.max_latency, l);
+  }
+
+  // The co-tenants' state as of `now`: the latencies of the latest answer, which stand for the
+  // co-tenants' latency until the next answer replaces them (every controller tick until then
+  // sees them: a co-tenant that waits too long must keep the rate from rising on the ticks in
+  // between, on which only the copy's own samples would speak), and the suspected stalls, aged
+  // by the time since.  Nothing from an answer older than two intervals (sampling is stuck).
+  throttle::ForegroundSignals take(Clock::time_point now) {
+    std::lock_guard lk(mu);
+    throttle::ForegroundSignals out;
+    if (!state_at || now < *state_at) return out;
+    const Duration age = now - *state_at;
+    if (age <= 2 * interval) out.latencies = latencies;
+    if (age <= kCotenantStateMaxAge && outstanding) {
+      out.outstanding = outstanding;
+      if (oldest) out.oldest_outstanding = *oldest + age;  // still silent since
+    }
+    return out;
+  }
+
+  static void run(const std::shared_ptr<Feed>& f) {
+    std::unique_lock lk(f->mu);
+    while (!f->stop) {
+      lk.unlock();
+      std::vector<ForegroundDisk> disks;
+      bool ok = true;
+      try {
+        disks = f->source->sample();
+      } catch (...) {
+        ok = false;  // must not throw; if it does, skip this round
+      }
+      const auto now = Clock::now();
+      lk.lock();
+      if (f->stop) break;
+      if (ok) f->record_locked(disks, now);
+      f->cv.wait_for(lk, f->interval, [&] { return f->stop; });
+    }
+    f->finished = true;
+    f->cv.notify_all();
+  }
+};
 
 std::string BudgetGovernorConfig::validate() const {
   if (budget <= Duration::zero()) return "the latency budget must be positive";
   if (budget > std::chrono::seconds(60)) return "a latency budget over 60 s makes no sense; use --budget off";
+  if (cotenants && (cotenant_interval <= Duration::zero() || cotenant_interval > std::chrono::seconds(1)))
+    return "the co-tenant sampling interval must be in (0, 1s]";
   throttle::ControllerConfig c = controller;
   c.latency_budget = budget;
   if (auto e = c.validate()) return *e;
@@ -40,43 +127,73 @@ BudgetGovernor::BudgetGovernor(BudgetGovernorConfig cfg)
       probe_thread_ = std::thread([this] { probe_loop(); });
     }
   }
+  if (cfg_.cotenants) {
+    feed_ = std::make_shared<Feed>(cfg_.cotenants, cfg_.cotenant_interval);
+    if (cfg_.cotenant_thread) feed_thread_ = std::thread([f = feed_] { Feed::run(f); });
+  }
   if (!cfg_.trace_path.empty()) {
     trace_ = std::fopen(cfg_.trace_path.c_str(), "w");
     if (trace_)
       std::fputs("t_s,fg_max_ms,fg_samples,fg_outstanding_ms,copy_max_ms,backlog_bytes,drained_bytes,"
                  "bytes_done,window_bytes,rate_bytes_per_s,paused,phase,queue_delay_ms,drain_estimate_bytes_per_s,"
-                 "request_bytes\n",
+                 "request_bytes,cotenant_max_ms,cotenant_samples,cotenant_outstanding_ms\n",
                  trace_);
   }
   decision_ = ctl_.tick({.now = tp(Clock::now())});
 }
 
 void BudgetGovernor::trace_row(Clock::time_point now, const throttle::TickInput& in,
-                               const std::vector<throttle::CopySample>& copy) {
+                               const std::vector<throttle::CopySample>& copy,
+                               const throttle::ForegroundSignals& cot) {
   if (!trace_) return;
   auto ms = [](throttle::Duration d) { return std::chrono::duration<double, std::milli>(d).count(); };
-  double fg_max = 0, copy_max = 0;
+  double fg_max = 0, copy_max = 0, cot_max = 0;
   for (auto d : in.foreground_latencies) fg_max = std::max(fg_max, ms(d));
   for (auto& c : copy) copy_max = std::max(copy_max, ms(c.latency));
-  std::fprintf(trace_, "%.3f,%.3f,%zu,%.3f,%.3f,%llu,%llu,%llu,%llu,%.0f,%d,%s,%.3f,%.0f,%llu\n",
+  for (auto d : cot.latencies) cot_max = std::max(cot_max, ms(d));
+  std::fprintf(trace_, "%.3f,%.3f,%zu,%.3f,%.3f,%llu,%llu,%llu,%llu,%.0f,%d,%s,%.3f,%.0f,%llu,%.3f,%zu,%.3f\n",
                std::chrono::duration<double>(now - epoch_).count(), fg_max, in.foreground_latencies.size(),
                in.foreground_oldest_outstanding ? ms(*in.foreground_oldest_outstanding) : 0.0, copy_max,
                (unsigned long long)in.backlog_bytes, (unsigned long long)in.drained_bytes,
                (unsigned long long)drained_total_, (unsigned long long)decision_.window_bytes,
                decision_.rate_bytes_per_s, decision_.paused ? 1 : 0, throttle::to_string(decision_.phase),
                ms(decision_.queue_delay), decision_.drain_estimate_bytes_per_s,
-               (unsigned long long)request_bytes_locked());
+               (unsigned long long)request_bytes_locked(), cot_max, cot.latencies.size(),
+               cot.oldest_outstanding ? ms(*cot.oldest_outstanding) : 0.0);
 }
 
 BudgetGovernor::~BudgetGovernor() {
   stop_ = true;
+  if (feed_thread_.joinable()) {
+    bool finished;
+    {
+      std::unique_lock lk(feed_->mu);
+      feed_->stop = true;
+      feed_->cv.notify_all();
+      finished = feed_->cv.wait_for(lk, kCotenantJoinTimeout, [&] { return feed_->finished; });
+    }
+    // Stuck in the hypervisor: leave it; it holds the Feed and the source alive by itself.
+    if (finished) feed_thread_.join();
+    else feed_thread_.detach();
+  }
   if (probe_thread_.joinable()) probe_thread_.join();
   if (probe_fd_ >= 0) ::close(probe_fd_);
   if (trace_) std::fclose(trace_);
 }
 
-throttle::TimePoint BudgetGovernor::tp(Clock::time_point t) const {
-  return throttle::TimePoint(std::chrono::duration_cast<throttle::Duration>(t.time_since_epoch()));
+throttle::TimePoint BudgetGovernor::tp(Clock::time_point t) const { return to_tp(t); }
+
+void BudgetGovernor::sample_cotenants(Clock::time_point now) {
+  if (!feed_) return;
+  std::vector<ForegroundDisk> disks = feed_->source->sample();  // may block: no lock held
+  std::lock_guard lk(feed_->mu);
+  feed_->record_locked(disks, now);
+}
+
+CotenantStats BudgetGovernor::cotenant_stats() {
+  if (!feed_) return {};
+  std::lock_guard lk(feed_->mu);
+  return feed_->stats;
 }
 
 void BudgetGovernor::probe_loop() {
@@ -104,12 +221,19 @@ void BudgetGovernor::tick(Clock::time_point now) {
   if (now < next_tick_) return;
   throttle::TickInput in;
   in.now = tp(now);
-  in.foreground_latencies = fg_samples_;
+  // Foreground: the probe and the co-tenants.
+  const throttle::ForegroundSignals cot = feed_ ? feed_->take(now) : throttle::ForegroundSignals{};
+  std::vector<throttle::Duration> fg = fg_samples_;
+  fg.insert(fg.end(), cot.latencies.begin(), cot.latencies.end());
+  in.foreground_latencies = fg;
+  in.foreground_outstanding = cot.outstanding;
+  in.foreground_oldest_outstanding = cot.oldest_outstanding;
   const int64_t started = probe_started_ns_;
   if (started) {
-    in.foreground_outstanding = 1;
-    in.foreground_oldest_outstanding =
-        std::chrono::nanoseconds(std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count() - started);
+    const throttle::Duration age(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count() - started);
+    in.foreground_outstanding += 1;
+    in.foreground_oldest_outstanding = std::max(in.foreground_oldest_outstanding.value_or(age), age);
   }
   // With a working probe, its latency is what a co-tenant sees, and it is the signal. Our own
   // writes' latency also contains the queue among our own requests, part of which may never
@@ -131,7 +255,7 @@ void BudgetGovernor::tick(Clock::time_point now) {
   }
   window_max_cur_ = std::max(window_max_cur_, decision_.window_bytes);
   drained_total_ += drained_;
-  trace_row(now, in, copy_samples_);
+  trace_row(now, in, copy_samples_, cot);
   fg_samples_.clear();
   copy_samples_.clear();
   drained_ = 0;

@@ -4,6 +4,12 @@
 // sync write would), and the bytes we have in flight. Actuators: the byte window (max in flight),
 // the pacing rate, and the request size (preferred_request_bytes: a fraction of the window).
 //
+// Co-tenants (optional, ForegroundSource): the cumulative I/O counters of the running guests
+// that share BASE's storage, sampled every cotenant_interval on a thread of the governor's own
+// (a slow hypervisor delays the next sample, never the copy) and turned into latency samples and
+// suspected stalls by throttle::IoCounterSampler; they join the probe's samples as foreground
+// signals of the controller.
+//
 // Why write + fdatasync and not one O_DSYNC write: a guest's sync write reaches the host as a
 // write followed by a flush (virtio-blk has no FUA; QEMU turns the flush into fdatasync), and on
 // sync network storage (NFS, the lab's FUSE FIFO) both wait behind our queued bytes. A single
@@ -13,11 +19,13 @@
 
 #include <atomic>
 #include <chrono>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "engine/foreground.h"
 #include "engine/merge.h"
 #include "throttle/controller.h"
 #include "throttle/pacer.h"
@@ -37,11 +45,23 @@ inline constexpr double kAdditiveIncreaseBytesPerS2 = 256.0 * 1024 * 1024;
 inline constexpr uint64_t kRequestsPerWindow = 2;
 inline constexpr uint64_t kMinRequestBytes = 64 * 1024;
 inline constexpr auto kRequestSizeEpoch = std::chrono::seconds(5);  // request size: max window of 1-2 epochs
+// Co-tenants' block stats: how often they are read (QEMU counts per request, libvirt answers in
+// ~1 ms per disk); a sampled stall state older than kCotenantStateMaxAge is not used (the
+// sampling thread is stuck in the hypervisor); the destructor waits at most kCotenantJoinTimeout
+// for a sampling thread stuck there, then leaves it behind (it owns what it touches).
+inline constexpr auto kCotenantInterval = std::chrono::milliseconds(100);
+inline constexpr auto kCotenantStateMaxAge = std::chrono::seconds(1);
+inline constexpr auto kCotenantJoinTimeout = std::chrono::seconds(1);
 
 struct BudgetGovernorConfig {
   Duration budget = std::chrono::milliseconds(20);
   std::string probe_dir;  // empty: no probe
   std::string trace_path;  // CSV, one row per controller tick (empty: none)
+  // Co-tenants' counters (null: none), read every cotenant_interval on the governor's own thread,
+  // or, with cotenant_thread false, only when the owner calls sample_cotenants() (tests).
+  std::shared_ptr<ForegroundSource> cotenants;
+  Duration cotenant_interval = kCotenantInterval;
+  bool cotenant_thread = true;
   throttle::ControllerConfig controller = default_controller();  // latency_budget from `budget`
   static throttle::ControllerConfig default_controller() {
     throttle::ControllerConfig c;
@@ -50,6 +70,16 @@ struct BudgetGovernorConfig {
     return c;
   }
   [[nodiscard]] std::string validate() const;
+};
+
+// What the co-tenants contributed so far.
+struct CotenantStats {
+  uint64_t polls = 0;           // answers of the ForegroundSource
+  size_t disks = 0;             // disks in the latest answer
+  size_t max_disks = 0;
+  uint64_t samples = 0;         // latency samples fed to the controller
+  uint64_t stall_polls = 0;     // answers with a suspected stall
+  Duration max_latency{};       // largest sample
 };
 
 class BudgetGovernor final : public CopyGovernor {
@@ -64,10 +94,16 @@ class BudgetGovernor final : public CopyGovernor {
 
   [[nodiscard]] throttle::Decision last_decision();
 
+  // Reads the co-tenants' counters once, as at `now` (the sampling thread does this every
+  // cotenant_interval).  No-op without cfg.cotenants.
+  void sample_cotenants(Clock::time_point now);
+  [[nodiscard]] CotenantStats cotenant_stats();
+
  private:
+  struct Feed;
   void probe_loop();
   void trace_row(Clock::time_point now, const throttle::TickInput& in,
-                 const std::vector<throttle::CopySample>& copy);
+                 const std::vector<throttle::CopySample>& copy, const throttle::ForegroundSignals& cot);
   [[nodiscard]] uint64_t request_bytes_locked() const;
   throttle::TimePoint tp(Clock::time_point t) const;
 
@@ -93,6 +129,9 @@ class BudgetGovernor final : public CopyGovernor {
   std::atomic<int64_t> probe_started_ns_{0};  // 0 = no probe outstanding
   bool probe_samples_ok_ = false;  // (mu_) a probe write+fdatasync has succeeded
   std::thread probe_thread_;
+  // co-tenants
+  std::shared_ptr<Feed> feed_;
+  std::thread feed_thread_;
 };
 
 }  // namespace qcommit::engine
