@@ -236,9 +236,14 @@ void save_checkpoint(const std::string& path, const Checkpoint& cp) {
   if (dir.fd >= 0) ::fsync(dir.fd);
 }
 
+// Same inode, or the same block device through two nodes (/dev/vg/lv, /dev/mapper/vg-lv).
+// Not fs::equivalent: libstdc++'s refuses device files (ENOTSUP), so a BASE on a logical volume
+// or loop device was "not in the backing chain".
 bool same_file(const std::string& a, const std::string& b) {
-  std::error_code ec;
-  return fs::equivalent(a, b, ec);
+  struct stat sa {}, sb {};
+  if (::stat(a.c_str(), &sa) != 0 || ::stat(b.c_str(), &sb) != 0) return false;
+  if (S_ISBLK(sa.st_mode) && S_ISBLK(sb.st_mode)) return sa.st_rdev == sb.st_rdev;
+  return sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
 }
 
 size_t find_base_depth(const MergeOptions& opt) {
