@@ -9,6 +9,19 @@
  *    completion_ms is CLOCK_MONOTONIC of the guest. Writes never overlap: a write that outlasts the
  *    interval delays the next one (no catch-up burst).
  * Marker lines: "LAB FILL <mib>", "LAB FILLED <ms>", "LAB PROBING <interval_ms>", "LAB ERROR ...".
+ *
+ *   probe pattern DEV
+ *
+ * Known patterns at known offsets for merge tests (tests/lab/boot_verify.py regenerates them).
+ * Prints "LAB SUM <crc32>" of the pattern region [0, PAT_REGION) as read back from DEV, then
+ * reads commands from stdin, one per line:
+ *   W <phase>  write phase <phase>'s blocks (O_DIRECT), fsync, read the region back and print
+ *              "LAB WROTE <phase> <crc32>"
+ *   V          print "LAB SUM <crc32>" again
+ * Phase 0 writes all PAT_BLOCKS blocks of PAT_BLOCK bytes at i * PAT_BLOCK; phase p >= 1 writes
+ * block i when (i + p) % (p + 1) == 0, at i * PAT_BLOCK + p * 4 KiB (straddling two clusters).
+ * Block contents: byte k = k * 131 + i * 7 + p * 29 + 1, then the first 16 bytes replaced by
+ * "QCLB", p (u32 LE), i (u64 LE). CRC-32 as zlib's crc32().
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -47,7 +60,79 @@ static void say(const char *fmt, ...) {
   }
 }
 
+#define PAT_BLOCK (64 * 1024)
+#define PAT_BLOCKS 512
+#define PAT_REGION (PAT_BLOCKS * PAT_BLOCK + MIB)
+
+static uint32_t crc32_update(uint32_t crc, const unsigned char *p, size_t n) {
+  static uint32_t table[256];
+  if (!table[1]) {
+    for (uint32_t i = 0; i < 256; i++) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; k++) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+      table[i] = c;
+    }
+  }
+  crc = ~crc;
+  while (n--) crc = table[(crc ^ *p++) & 0xff] ^ (crc >> 8);
+  return ~crc;
+}
+
+static int region_crc(int fd, char *buf, uint32_t *out) {
+  uint32_t crc = 0;
+  for (off_t off = 0; off < PAT_REGION; off += MIB) {
+    if (pread(fd, buf, MIB, off) != MIB) return -1;
+    crc = crc32_update(crc, (const unsigned char *)buf, MIB);
+  }
+  *out = crc;
+  return 0;
+}
+
+static int pattern_main(const char *dev) {
+  int fd = open(dev, O_RDWR | O_DIRECT);
+  char *buf = NULL;
+  if (fd < 0 || posix_memalign((void **)&buf, 4096, MIB) != 0) {
+    say("LAB ERROR open %s: %s\n", dev, strerror(errno));
+    return 1;
+  }
+  uint32_t crc;
+  if (region_crc(fd, buf, &crc) != 0) {
+    say("LAB ERROR read %s: %s\n", dev, strerror(errno));
+    return 1;
+  }
+  say("LAB SUM %08x\n", crc);
+  char line[64];
+  while (fgets(line, sizeof line, stdin)) {
+    unsigned phase;
+    if (line[0] == 'V') {
+      if (region_crc(fd, buf, &crc) != 0) say("LAB ERROR read: %s\n", strerror(errno));
+      else say("LAB SUM %08x\n", crc);
+    } else if (sscanf(line, "W %u", &phase) == 1) {
+      for (uint64_t i = 0; i < PAT_BLOCKS; i++) {
+        if (phase > 0 && (i + phase) % (phase + 1) != 0) continue;
+        for (int k = 0; k < PAT_BLOCK; k++) buf[k] = (char)(k * 131 + (int)i * 7 + (int)phase * 29 + 1);
+        memcpy(buf, "QCLB", 4);
+        uint32_t p32 = phase;
+        memcpy(buf + 4, &p32, 4);
+        memcpy(buf + 8, &i, 8);
+        off_t off = (off_t)(i * PAT_BLOCK + phase * 4096u);
+        if (pwrite(fd, buf, PAT_BLOCK, off) != PAT_BLOCK) {
+          say("LAB ERROR pattern write at %lld: %s\n", (long long)off, strerror(errno));
+          return 1;
+        }
+      }
+      if (fsync(fd) != 0 || region_crc(fd, buf, &crc) != 0) {
+        say("LAB ERROR fsync/read back: %s\n", strerror(errno));
+        return 1;
+      }
+      say("LAB WROTE %u %08x\n", phase, crc);
+    }
+  }
+  return 0;
+}
+
 int main(int argc, char **argv) {
+  if (argc == 3 && strcmp(argv[1], "pattern") == 0) return pattern_main(argv[2]);
   if (argc != 4) {
     say("LAB ERROR usage: probe DEV FILL_MIB INTERVAL_MS\n");
     return 2;
