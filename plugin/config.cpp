@@ -151,6 +151,7 @@ bool looks_like_uuid(const std::string& s) {
 
 DaemonConfig parse_config(const std::string& text, const std::string& origin) {
   DaemonConfig cfg;
+  cfg.origin = origin;
   std::unique_ptr<GKeyFile, KeyFileDeleter> kf(g_key_file_new());
   GError* raw_err = nullptr;
   if (!g_key_file_load_from_data(kf.get(), text.data(), text.size(), G_KEY_FILE_NONE, &raw_err)) {
@@ -160,8 +161,10 @@ DaemonConfig parse_config(const std::string& text, const std::string& origin) {
   gsize ngroups = 0;
   std::unique_ptr<char*, GStrvDeleter> groups(g_key_file_get_groups(kf.get(), &ngroups));
   // [default] first, so that pools inherit it.
-  if (g_key_file_has_group(kf.get(), "default"))
+  if (g_key_file_has_group(kf.get(), "default")) {
     read_policy_group(kf.get(), "default", origin + ": [default]", cfg.defaults);
+    cfg.has_default = true;
+  }
   for (gsize i = 0; i < ngroups; ++i) {
     const std::string g = groups.get()[i];
     if (g == "default") continue;
@@ -210,6 +213,7 @@ namespace {
 struct OverrideParse {
   Policy policy;
   bool seen = false;
+  bool budget_given = false;
   std::string error;
 };
 
@@ -224,8 +228,10 @@ void on_start(GMarkupParseContext*, const gchar* element, const gchar** names,
     for (size_t i = 0; names[i]; ++i) {
       const std::string n = names[i];
       const std::string what = std::string("domain metadata policy ") + n;
-      if (n == "budget") st->policy.budget = parse_duration(values[i], what);
-      else if (n == "floor") st->policy.floor_bytes_per_s = parse_size(values[i], what);
+      if (n == "budget") {
+        st->policy.budget = parse_duration(values[i], what);
+        st->budget_given = true;
+      } else if (n == "floor") st->policy.floor_bytes_per_s = parse_size(values[i], what);
       else if (n == "ceiling") st->policy.ceiling_bytes_per_s = parse_size(values[i], what);
       else if (n.rfind("xmlns", 0) == 0) continue;
       else st->error = "domain metadata policy: unknown attribute '" + n + "'";
@@ -237,7 +243,8 @@ void on_start(GMarkupParseContext*, const gchar* element, const gchar** names,
 
 }  // namespace
 
-std::optional<std::string> apply_domain_override(const std::string& xml, Policy& p) {
+std::optional<std::string> apply_domain_override(const std::string& xml, Policy& p,
+                                                 bool* budget_given) {
   OverrideParse st;
   st.policy = p;
   GMarkupParser parser{};
@@ -255,7 +262,54 @@ std::optional<std::string> apply_domain_override(const std::string& xml, Policy&
   if (!st.seen) return std::string("domain metadata: no <qcommit:policy/> element");
   if (auto e = st.policy.validate()) return "domain metadata policy: " + *e;
   p = st.policy;
+  if (budget_given) *budget_given = st.budget_given;
   return std::nullopt;
+}
+
+const char* to_string(PolicySource s) {
+  switch (s) {
+    case PolicySource::Option: return "option";
+    case PolicySource::DomainMetadata: return "domain-metadata";
+    case PolicySource::PoolPolicy: return "pool-policy";
+    case PolicySource::DefaultPolicy: return "default-policy";
+    case PolicySource::BuiltIn: return "built-in";
+  }
+  return "?";
+}
+
+PolicyResolution resolve_policy(const DaemonConfig& cfg, const PolicyQuery& q) {
+  PolicyResolution r;
+  r.policy = cfg.defaults;  // the built-in values unless the file has [default]
+  if (cfg.has_default) {
+    r.source = PolicySource::DefaultPolicy;
+    r.detail = "[default] in " + cfg.origin;
+  } else {
+    r.source = PolicySource::BuiltIn;
+    r.detail = cfg.origin.empty() ? "built-in default" : "built-in default (" + cfg.origin + " has no [default])";
+  }
+  auto pool = cfg.pools.end();
+  if (q.pool_name) pool = cfg.pools.find(*q.pool_name);
+  if (pool == cfg.pools.end() && q.pool_uuid) pool = cfg.pools.find(lower(*q.pool_uuid));
+  if (pool != cfg.pools.end()) {
+    r.policy = pool->second;  // sections inherit [default]
+    r.source = PolicySource::PoolPolicy;
+    r.detail = "[pool:" + pool->first + "] in " + cfg.origin;
+  }
+  if (q.domain_policy_xml) {
+    bool budget_given = false;
+    if (auto e = apply_domain_override(*q.domain_policy_xml, r.policy, &budget_given)) {
+      r.metadata_error = *e;
+    } else if (budget_given) {
+      r.source = PolicySource::DomainMetadata;
+      r.detail = "domain metadata";
+    }
+  }
+  if (q.budget_option) {
+    r.policy.budget = *q.budget_option;
+    r.source = PolicySource::Option;
+    r.detail = "--budget";
+  }
+  return r;
 }
 
 }  // namespace qcommit::plugin

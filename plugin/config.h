@@ -43,6 +43,8 @@ struct Policy {
 struct DaemonConfig {
   Policy defaults;
   std::map<std::string, Policy> pools;  // key: pool name or UUID (UUIDs lower-case)
+  std::string origin;        // the file it was read from; empty: built-in defaults
+  bool has_default = false;  // the file has a [default] section
   std::string uri = kDefaultUri;
   std::string socket_path = kDefaultSocketPath;
 
@@ -64,7 +66,28 @@ struct DaemonConfig {
                                      const std::string* pool_uuid);
 
 // Applies a domain's <qcommit:policy/> element to `p`.  Returns an error line (and leaves `p`
-// unchanged) when the XML or a value is bad.
-[[nodiscard]] std::optional<std::string> apply_domain_override(const std::string& xml, Policy& p);
+// unchanged) when the XML or a value is bad.  *budget_given: the element sets the budget.
+[[nodiscard]] std::optional<std::string> apply_domain_override(const std::string& xml, Policy& p,
+                                                               bool* budget_given = nullptr);
+
+// Where a merge's budget came from, strongest first: the command line, the domain's metadata,
+// the [pool:...] section of the pool holding the target, [default], the built-in default.
+enum class PolicySource { Option, DomainMetadata, PoolPolicy, DefaultPolicy, BuiltIn };
+[[nodiscard]] const char* to_string(PolicySource s);  // "option", "domain-metadata", ...
+
+struct PolicyQuery {
+  std::optional<std::chrono::nanoseconds> budget_option{};  // --budget
+  std::optional<std::string> domain_policy_xml{};           // the domain's <qcommit:policy/>
+  std::optional<std::string> pool_name{}, pool_uuid{};      // pool holding the target
+};
+
+struct PolicyResolution {
+  Policy policy;  // budget from `source`; floor and ceiling from the same chain without the option
+  PolicySource source = PolicySource::BuiltIn;
+  std::string detail;  // e.g. "[pool:images] in /etc/qcommit/qcommitd.conf"
+  std::optional<std::string> metadata_error;  // bad domain metadata: ignored, as qcommitd does
+};
+
+[[nodiscard]] PolicyResolution resolve_policy(const DaemonConfig& cfg, const PolicyQuery& q);
 
 }  // namespace qcommit::plugin

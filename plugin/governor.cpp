@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "plugin/cotenants.h"
+
 namespace qcommit::plugin {
 
 const char* to_string(JobType t) {
@@ -174,19 +176,7 @@ void Governor::handle_events(TimePoint now) {
 
 std::optional<PoolInfo> Governor::resolve_pool(const std::string& path) {
   if (auto it = pool_cache_.find(path); it != pool_cache_.end()) return it->second;
-  std::optional<PoolInfo> found = hv_.pool_of_volume(path);
-  if (!found) {
-    size_t best = 0;
-    for (const auto& p : pools_) {
-      if (p.target_path.empty()) continue;
-      std::string prefix = p.target_path;
-      if (prefix.back() != '/') prefix += '/';
-      if (path.rfind(prefix, 0) == 0 && prefix.size() > best) {
-        best = prefix.size();
-        found = p;
-      }
-    }
-  }
+  std::optional<PoolInfo> found = pool_holding(hv_, pools_, path);
   pool_cache_.emplace(path, found);
   return found;
 }
