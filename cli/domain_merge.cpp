@@ -6,7 +6,6 @@
 #include <libxml/tree.h>
 #include <libxml/xpath.h>
 
-#include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -15,7 +14,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <memory>
 #include <optional>
 #include <utility>
@@ -51,7 +49,7 @@ using CStr = std::unique_ptr<char, CharFree>;
 // point of a domain merge, so tests can crash it between the steps a re-run must finish
 // (tests/libvirt/offline-domain-crash.sh). Points, in order: data-window (after the first
 // committed window of the copy), data-merged, snapshots-removed, defined (before the pools are
-// refreshed and the journal is removed). Not for production use.
+// refreshed and the journal is removed from the definition). Not for production use.
 void test_kill_point(const char* point) {
   const char* at = std::getenv("QCOMMIT_TEST_KILL_AT");
   if (at && std::strcmp(at, point) == 0) ::kill(::getpid(), SIGKILL);
@@ -162,50 +160,37 @@ void set_backing_store(xmlNodePtr disk, const qcow2::Chain& chain) {
   xmlNewChild(parent, nullptr, BAD_CAST "backingStore", nullptr);
 }
 
-void write_file_durably(const std::string& path, const std::string& data) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << data;
-    out.flush();
-    if (!out) throw Error(tmp, "cannot write the domain-merge journal");
-  }
-  const std::string dir = fs::path(path).has_parent_path() ? fs::path(path).parent_path().string() : ".";
-  for (const std::string& p : {tmp, dir}) {
-    const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0 || ::fsync(fd) != 0) {
-      if (fd >= 0) ::close(fd);
-      throw Error(p, "cannot flush the domain-merge journal");
-    }
-    ::close(fd);
-    if (p == tmp) fs::rename(tmp, path);
-  }
-}
+// The journal: what a re-run needs to finish an interrupted merge, kept in the domain's own
+// definition (<metadata>, namespace kJournalUri) before the first write. There it survives a
+// reboot whatever BASE is (a file, a logical volume under /dev), goes with the domain, and the
+// redefinition of the disk carries it along. Paths are as the chain names them (what goes into
+// the definition); compare them canonically.
+constexpr const char* kJournalUri = "urn:qcommit:domain-merge";
+constexpr const char* kJournalKey = "qcommit";
 
-// What a re-run needs to finish an interrupted merge, written beside BASE before the first write.
-// Paths are as the chain names them (what goes into the definition); compare them canonically.
 struct Journal {
-  std::string path;
-  std::string domain_uuid, disk, top, base;
+  std::string disk, top, base;
   bool switch_source = false;          // TOP was the active layer: the disk moves to BASE
   bool delete_merged = false;          // --delete: remove `merged` once the definition is updated
   std::vector<std::string> merged;     // TOP and the intermediates
   std::vector<std::string> snapshots;  // snapshot metadata of merged states, to remove
 
-  bool load() {
-    std::error_code ec;
-    if (!fs::exists(path, ec)) return false;
-    Doc d(xmlReadFile(path.c_str(), nullptr, XML_PARSE_NONET | XML_PARSE_NOBLANKS));
-    xmlNodePtr root = d ? xmlDocGetRootElement(d.get()) : nullptr;
-    if (!root || xmlStrcmp(root->name, BAD_CAST "qcommit-domain-merge") != 0 || xml_attr(root, "version") != "2")
-      return false;
+  // False when the domain has none.
+  bool load(virDomainPtr dom) {
+    CStr xml(virDomainGetMetadata(dom, VIR_DOMAIN_METADATA_ELEMENT, kJournalUri, VIR_DOMAIN_AFFECT_CONFIG));
+    if (!xml) return false;
+    Doc d = parse_xml(xml.get(), "domain-merge journal");
+    xmlNodePtr root = xmlDocGetRootElement(d.get());
+    if (!root || xmlStrcmp(root->name, BAD_CAST "merge") != 0 || xml_attr(root, "version") != "2")
+      throw Error(std::string("domain ") + virDomainGetName(dom),
+                  "has a qcommit merge journal this version cannot read (remove it: virsh metadata DOMAIN " +
+                      std::string(kJournalUri) + " --config --remove)");
     auto text = [](xmlNodePtr n) {
       xmlChar* t = xmlNodeGetContent(n);
-      std::string s = t ? reinterpret_cast<char*>(t) : "";
+      std::string v = t ? reinterpret_cast<char*>(t) : "";
       xmlFree(t);
-      return s;
+      return v;
     };
-    domain_uuid = xml_attr(root, "domain-uuid");
     disk = xml_attr(root, "disk");
     switch_source = xml_attr(root, "switch-source") == "yes";
     delete_merged = xml_attr(root, "delete-merged") == "yes";
@@ -217,23 +202,39 @@ struct Journal {
       else if (name == "merged") merged.push_back(text(n));
       else if (name == "snapshot") snapshots.push_back(text(n));
     }
-    return !top.empty() && !base.empty();
+    return true;
   }
 
-  void save() const {
+  void save(virDomainPtr dom) const {
     Doc d(xmlNewDoc(BAD_CAST "1.0"));
-    xmlNodePtr root = xmlNewDocNode(d.get(), nullptr, BAD_CAST "qcommit-domain-merge", nullptr);
+    xmlNodePtr root = xmlNewDocNode(d.get(), nullptr, BAD_CAST "merge", nullptr);
     xmlDocSetRootElement(d.get(), root);
     xmlSetProp(root, BAD_CAST "version", BAD_CAST "2");
-    xmlSetProp(root, BAD_CAST "domain-uuid", BAD_CAST domain_uuid.c_str());
     xmlSetProp(root, BAD_CAST "disk", BAD_CAST disk.c_str());
     xmlSetProp(root, BAD_CAST "switch-source", BAD_CAST(switch_source ? "yes" : "no"));
     xmlSetProp(root, BAD_CAST "delete-merged", BAD_CAST(delete_merged ? "yes" : "no"));
     xmlNewTextChild(root, nullptr, BAD_CAST "top", BAD_CAST top.c_str());
     xmlNewTextChild(root, nullptr, BAD_CAST "base", BAD_CAST base.c_str());
     for (const auto& m : merged) xmlNewTextChild(root, nullptr, BAD_CAST "merged", BAD_CAST m.c_str());
-    for (const auto& s : snapshots) xmlNewTextChild(root, nullptr, BAD_CAST "snapshot", BAD_CAST s.c_str());
-    write_file_durably(path, dump(d.get()));
+    for (const auto& n : snapshots) xmlNewTextChild(root, nullptr, BAD_CAST "snapshot", BAD_CAST n.c_str());
+    xmlChar* out = nullptr;
+    int len = 0;
+    xmlDocDumpMemory(d.get(), &out, &len);
+    // Without the XML declaration: libvirt wants one element.
+    std::string x(reinterpret_cast<char*>(out), size_t(len));
+    xmlFree(out);
+    x.erase(0, x.find("<merge"));
+    if (virDomainSetMetadata(dom, VIR_DOMAIN_METADATA_ELEMENT, x.c_str(), kJournalKey, kJournalUri,
+                             VIR_DOMAIN_AFFECT_CONFIG) != 0)
+      throw Error(std::string("domain ") + virDomainGetName(dom),
+                  "cannot record the merge journal in its definition (nothing written): " + last_libvirt_error());
+  }
+
+  static void remove(virDomainPtr dom) {
+    if (virDomainSetMetadata(dom, VIR_DOMAIN_METADATA_ELEMENT, nullptr, nullptr, kJournalUri,
+                             VIR_DOMAIN_AFFECT_CONFIG) != 0)
+      throw Error(std::string("domain ") + virDomainGetName(dom),
+                  "merge done, but removing its journal from the definition failed: " + last_libvirt_error());
   }
 };
 
@@ -282,8 +283,6 @@ DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(
   if (virDomainIsActive(dom.get()) == 1)
     throw Error("domain " + req.domain, "is running; merge its disks live with 'qcommit live " + req.domain +
                                             " " + req.disk + "' (or shut it off first)");
-  char uuid[VIR_UUID_STRING_BUFLEN] = {};
-  virDomainGetUUIDString(dom.get(), uuid);
   auto read_disk_source = [&](Doc& doc) {
     CStr xml(virDomainGetXMLDesc(dom.get(), VIR_DOMAIN_XML_INACTIVE));
     if (!xml) throw Error("domain " + req.domain, "cannot read its definition: " + last_libvirt_error());
@@ -314,17 +313,14 @@ DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(
     return size_t(it - layers.begin());
   };
 
-  // A journal left by an interrupted run of a merge on this disk takes precedence. It lies beside
-  // that merge's BASE, which is still in the chain (the active layer once the definition moved).
+  // A journal left by an interrupted run takes precedence (one per domain: finish it first).
   Journal journal;
-  for (size_t i = 0; i < paths.size() && !res.finished_earlier_run; ++i) {
-    Journal j;
-    j.path = engine::checkpoint_path(paths[i]) + ".domain";
-    if (j.load() && j.domain_uuid == uuid && j.disk == req.disk) {
-      journal = j;
-      res.finished_earlier_run = true;
-      note("finishing an interrupted merge of " + j.top + " into " + j.base);
-    }
+  if (journal.load(dom.get())) {
+    if (journal.disk != req.disk)
+      throw Error("domain " + req.domain, "has an interrupted merge of disk " + journal.disk +
+                                              " to finish first: run this command with --disk " + journal.disk);
+    res.finished_earlier_run = true;
+    note("finishing an interrupted merge of " + journal.top + " into " + journal.base);
   }
 
   // Where the data stands: TOP still above BASE in the chain means the copy (or the switch of
@@ -334,8 +330,9 @@ DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(
   if (res.finished_earlier_run) {
     b = index_of(journal.base);
     if (!b)
-      throw Error(journal.path, "names BASE " + journal.base + ", which is not in the chain of domain " + req.domain +
-                                    " disk " + req.disk + "; remove this journal if that merge was abandoned");
+      throw Error("domain " + req.domain, "its merge journal names BASE " + journal.base +
+                                              ", which is not in the chain of disk " + req.disk + " (virsh metadata " +
+                                              req.domain + " " + kJournalUri + " --config shows it)");
     t = index_of(journal.top);
     if (!t || *t >= *b) t.reset();  // data merged and TOP out of the chain
     res.top = journal.top;
@@ -388,8 +385,6 @@ DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(
     for (auto& s : affected) note("snapshot metadata to remove: " + s);
 
     if (req.dry_run) return res;
-    journal.path = engine::checkpoint_path(res.base) + ".domain";
-    journal.domain_uuid = uuid;
     journal.disk = req.disk;
     journal.top = res.top;
     journal.base = res.base;
@@ -397,7 +392,7 @@ DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(
     journal.delete_merged = req.merge.delete_merged;
     journal.merged.assign(paths.begin() + long(*t), paths.begin() + long(*b));
     journal.snapshots = affected;
-    journal.save();
+    journal.save(dom.get());
   }
 
   // 1. Data. Merged files are deleted only once the definition no longer names them (step 4).
@@ -465,7 +460,7 @@ DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(
     }
   }
   refresh_pools_holding(conn.get(), res.base, res);
-  fs::remove(journal.path);
+  Journal::remove(dom.get());
   return res;
 }
 

@@ -10,11 +10,11 @@
 #include <cstring>
 #include <exception>
 #include <mutex>
-#include <set>
 #include <string>
 
 #include "plugin/config.h"
 #include "plugin/control.h"
+#include "plugin/daemon_log.h"
 #include "plugin/governor.h"
 #include "plugin/libvirt_hypervisor.h"
 #include "plugin/writeback.h"
@@ -31,7 +31,12 @@ void usage(FILE* f) {
       "  --config PATH   policy file (default /etc/qcommit/qcommitd.conf; missing = defaults)\n"
       "  --uri URI       libvirt connection (default qemu:///system)\n"
       "  --socket PATH   control socket (default /run/qcommit/qcommitd.sock)\n"
-      "  --trace FILE    append governed jobs' speed/window/backlog/p99 every 100 ms (CSV)\n",
+      "  --trace FILE    append governed jobs' speed/window/backlog/p99 every 100 ms (CSV)\n"
+      "Logs one line per connection change, job adopted, decision change and job released on\n"
+      "stderr (see qcommitd(8)).\n"
+      "examples:\n"
+      "  qcommitd                      # as qcommitd.service runs it\n"
+      "  qcommitd --uri qemu:///system --socket /tmp/q.sock --trace /var/tmp/qcommitd.csv\n",
       f);
 }
 
@@ -46,6 +51,11 @@ void wake_timer(int, void*) {}
 
 int main(int argc, char** argv) {
   using namespace qcommit::plugin;
+  // Every record on stderr (the journal under systemd) goes through this log: one line each,
+  // names as data.
+  DaemonLog log([](std::string_view r) {
+    std::fprintf(stderr, "qcommitd: %.*s\n", static_cast<int>(r.size()), r.data());
+  });
   std::string config_path = kDefaultConfigPath;
   bool config_given = false;
   std::string uri, socket_path, trace_path;
@@ -55,7 +65,7 @@ int main(int argc, char** argv) {
       const std::string prefix = std::string(opt) + "=";
       if (a.rfind(prefix, 0) == 0) return a.substr(prefix.size());
       if (i + 1 >= argc) {
-        std::fprintf(stderr, "qcommitd: %s needs a value\n", opt);
+        log.record(std::string(opt) + " needs a value");
         std::exit(2);
       }
       return argv[++i];
@@ -73,7 +83,7 @@ int main(int argc, char** argv) {
     } else if (a.rfind("--trace", 0) == 0) {
       trace_path = value("--trace");
     } else {
-      std::fprintf(stderr, "qcommitd: unknown option '%s'\n", a.c_str());
+      log.record("unknown option " + log_field(a));
       usage(stderr);
       return 2;
     }
@@ -83,12 +93,12 @@ int main(int argc, char** argv) {
     if (!uri.empty()) cfg.uri = uri;
     if (!socket_path.empty()) cfg.socket_path = socket_path;
     if (auto e = cfg.validate()) {
-      std::fprintf(stderr, "qcommitd: %s: %s\n", config_path.c_str(), e->c_str());
+      log.record(log_field(config_path) + ": " + *e);
       return 1;
     }
     GovernorOptions opt;
     if (auto e = opt.validate()) {
-      std::fprintf(stderr, "qcommitd: %s\n", e->c_str());
+      log.record(*e);
       return 1;
     }
 
@@ -99,7 +109,7 @@ int main(int argc, char** argv) {
     signal(SIGPIPE, SIG_IGN);
 
     if (virEventRegisterDefaultImpl() < 0) {
-      std::fprintf(stderr, "qcommitd: cannot register the libvirt event loop\n");
+      log.record("cannot register the libvirt event loop");
       return 1;
     }
     // Wake the loop every pace interval so ticks/polls/pacing run on time without libvirt
@@ -107,7 +117,7 @@ int main(int argc, char** argv) {
     if (virEventAddTimeout(static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(
                                                 GovernorOptions{}.pace).count()),
                            wake_timer, nullptr, nullptr) < 0) {
-      std::fprintf(stderr, "qcommitd: cannot add the event loop timer\n");
+      log.record("cannot add the event loop timer");
       return 1;
     }
 
@@ -122,63 +132,37 @@ int main(int argc, char** argv) {
       return snapshot;
     });
     server.start();
-    std::fprintf(stderr, "qcommitd: governing block jobs on %s, control socket %s\n",
-                 cfg.uri.c_str(), cfg.socket_path.c_str());
+    log.record("governing block jobs on " + log_field(cfg.uri) + ", control socket " +
+               log_field(cfg.socket_path));
 
-    bool was_connected = false;
-    std::set<std::string> known_jobs;
     FILE* trace = nullptr;
     if (!trace_path.empty()) {
       trace = std::fopen(trace_path.c_str(), "a");
       if (!trace) {
-        std::fprintf(stderr, "qcommitd: %s: cannot open the trace file\n", trace_path.c_str());
+        log.record(log_field(trace_path) + ": cannot open the trace file");
         return 1;
       }
       std::fputs("mono_s,domain,disk,speed_bps,window_bytes,backlog_bytes,p99_ms,bytes_left,phase\n", trace);
     }
     auto next_trace = mono_now();
-    std::size_t released_seen = 0;
     while (!g_stop) {
       const auto now = mono_now();
       (void)gov.step(now);
       GovernorStatus st = gov.status(now);
-      if (st.connected != was_connected) {
-        std::fprintf(stderr, "qcommitd: %s %s%s%s\n", st.connected ? "connected to" : "not connected to",
-                     cfg.uri.c_str(), st.connected ? "" : ": ",
-                     st.connected ? "" : hv.last_error().c_str());
-        was_connected = st.connected;
-      }
-      // One line per adopted / released job.
-      std::set<std::string> now_jobs;
-      for (const auto& j : st.jobs) {
-        const std::string k = j.domain + " " + j.disk;
-        now_jobs.insert(k);
-        if (!known_jobs.count(k))
-          std::fprintf(stderr, "qcommitd: governing %s job on %s %s (target %s, storage %s)\n",
-                       to_string(j.type), j.domain.c_str(), j.disk.c_str(), j.target.c_str(),
-                       j.storage.c_str());
-      }
-      for (const auto& k : known_jobs)
-        if (!now_jobs.count(k)) {
-          std::string reason = "released";
-          for (const auto& r : st.released)
-            if (r.domain + " " + r.disk == k) { reason = r.reason; break; }
-          std::fprintf(stderr, "qcommitd: %s: %s\n", k.c_str(), reason.c_str());
-        }
-      known_jobs.swap(now_jobs);
+      log.observe(st, cfg.uri, hv.last_error());
       if (trace && now >= next_trace) {
         next_trace = now + std::chrono::milliseconds(100);
         const double t = std::chrono::duration<double>(now.time_since_epoch()).count();
         for (const auto& j : st.jobs)
-          std::fprintf(trace, "%.3f,%s,%s,%llu,%llu,%llu,%.1f,%llu,%s\n", t, j.domain.c_str(),
-                       j.disk.c_str(), static_cast<unsigned long long>(j.speed_bytes_per_s),
+          std::fprintf(trace, "%.3f,%s,%s,%llu,%llu,%llu,%.1f,%llu,%s\n", t,
+                       csv_field(j.domain).c_str(), csv_field(j.disk).c_str(),
+                       static_cast<unsigned long long>(j.speed_bytes_per_s),
                        static_cast<unsigned long long>(j.window_bytes),
                        static_cast<unsigned long long>(j.backlog_bytes),
                        j.latency_p99 ? std::chrono::duration<double, std::milli>(*j.latency_p99).count() : -1.0,
                        static_cast<unsigned long long>(j.bytes_left), j.phase.c_str());
         std::fflush(trace);
       }
-      (void)released_seen;
       {
         std::string j = status_json(st, now);
         std::lock_guard<std::mutex> lk(snap_mu);
@@ -186,15 +170,15 @@ int main(int argc, char** argv) {
       }
       if (virEventRunDefaultImpl() < 0) break;
     }
-    std::fprintf(stderr, "qcommitd: stopping; governed jobs get a finishing speed\n");
+    log.record("stopping; governed jobs get a finishing speed");
     gov.release_all();
     server.stop();
     return 0;
   } catch (const ConfigError& e) {
-    std::fprintf(stderr, "qcommitd: %s\n", e.what());
+    log.record(e.what());
     return 1;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "qcommitd: %s\n", e.what());
+    log.record(e.what());
     return 1;
   }
 }

@@ -142,7 +142,8 @@ else
   fail "domain does not start on $base: $(cat start.err)"
 fi
 left=$(find "$dir" "$(dirname "$base")" -maxdepth 1 -name '*.qcommit-merge*' 2>/dev/null | xargs)
-[[ -z $left ]] || fail "journal/checkpoint files left behind: $left"
+[[ -z $left ]] || fail "checkpoint files left behind: $left"
+! virsh -q metadata "$dom" urn:qcommit:domain-merge --config >/dev/null 2>&1 || fail "merge journal left in the definition"
 
 if ((${#fails[@]})); then printf '  %s\n' "${fails[@]}" >&2; exit 1; fi
 echo "libvirt.offline_blockdev ($mode): OK"

@@ -1,0 +1,160 @@
+#include "plugin/daemon_log.h"
+
+#include <chrono>
+#include <cstdio>
+#include <set>
+
+namespace qcommit::plugin {
+
+namespace {
+
+constexpr double kBytesPerMiB = 1024.0 * 1024.0;
+
+bool bare_char(char c) {
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+         c == '.' || c == '_' || c == ':' || c == '/' || c == '@' || c == '+' || c == '=' ||
+         c == ',' || c == '-';
+}
+
+bool control_char(char c) {
+  const auto u = static_cast<unsigned char>(c);
+  return u < 0x20 || u == 0x7f;
+}
+
+void append_control(std::string& out, char c) {
+  switch (c) {
+    case '\n': out += "\\n"; return;
+    case '\r': out += "\\r"; return;
+    case '\t': out += "\\t"; return;
+    default: {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\x%02x", static_cast<unsigned>(static_cast<unsigned char>(c)));
+      out += buf;
+    }
+  }
+}
+
+// "domain D disk K"
+std::string job_name(const std::string& domain, const std::string& disk) {
+  return "domain " + log_field(domain) + " disk " + log_field(disk);
+}
+
+// The decision a status shows: the phase, except that a periodic slowdown keeps the previous one.
+std::string decision_of(const JobStatus& j, const std::string& previous) {
+  if (j.phase == throttle::to_string(throttle::Phase::Slowdown)) return previous;
+  return j.phase;
+}
+
+std::string figures(const JobStatus& j) {
+  char buf[160];
+  int n = std::snprintf(buf, sizeof buf, "speed %.1f MiB/s, window %llu KiB",
+                        static_cast<double>(j.speed_bytes_per_s) / kBytesPerMiB,
+                        static_cast<unsigned long long>(j.window_bytes / 1024));
+  std::string s(buf, static_cast<size_t>(n));
+  if (j.latency_p99) {
+    n = std::snprintf(buf, sizeof buf, ", guests' p99 %.1f ms",
+                      std::chrono::duration<double, std::milli>(*j.latency_p99).count());
+    s.append(buf, static_cast<size_t>(n));
+  }
+  return s;
+}
+
+}  // namespace
+
+std::string log_field(std::string_view s) {
+  bool bare = !s.empty();
+  for (char c : s) bare = bare && bare_char(c);
+  if (bare) return std::string(s);
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (control_char(c)) {
+      append_control(out, c);
+    } else {
+      out += c;
+    }
+  }
+  out += '"';
+  return out;
+}
+
+std::string log_escape_controls(std::string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  for (char c : s) {
+    if (control_char(c)) append_control(out, c);
+    else out += c;
+  }
+  return out;
+}
+
+std::string csv_field(std::string_view s) {
+  const std::string e = log_escape_controls(s);
+  if (e.find_first_of(",\"") == std::string::npos) return e;
+  std::string out = "\"";
+  for (char c : e) {
+    if (c == '"') out += '"';
+    out += c;
+  }
+  out += '"';
+  return out;
+}
+
+void DaemonLog::record(std::string_view message) { sink_(log_escape_controls(message)); }
+
+void DaemonLog::observe(const GovernorStatus& st, std::string_view uri,
+                        std::string_view last_error) {
+  if (!connected_ || *connected_ != st.connected) {
+    std::string m = (st.connected ? "connected to " : "not connected to ") + log_field(uri);
+    if (!st.connected && !last_error.empty()) m += ": " + std::string(last_error);
+    record(m);
+    connected_ = st.connected;
+  }
+  std::set<std::pair<std::string, std::string>> listed;
+  for (const auto& j : st.jobs) {
+    const auto key = std::make_pair(j.domain, j.disk);
+    listed.insert(key);
+    auto it = jobs_.find(key);
+    if (it == jobs_.end()) {
+      Known k{decision_of(j, "adopted"), j.ready};
+      std::string m = "governing " + std::string(to_string(j.type)) + " job on " +
+                      job_name(j.domain, j.disk) + " (target " + log_field(j.target) +
+                      ", storage " + log_field(j.storage);
+      if (!j.pool.empty()) m += ", pool " + log_field(j.pool);
+      m += ", budget " +
+           std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(j.budget).count()) +
+           " ms): " + k.decision + ", " + figures(j);
+      if (!j.policy_error.empty())
+        m += "; domain policy ignored: " + log_field(j.policy_error);
+      record(m);
+      jobs_.emplace(key, std::move(k));
+      continue;
+    }
+    Known& k = it->second;
+    const std::string d = decision_of(j, k.decision);
+    if (d != k.decision) {
+      record(job_name(j.domain, j.disk) + ": " + d + " (was " + k.decision + "), " + figures(j));
+      k.decision = d;
+    }
+    if (j.ready && !k.ready) record(job_name(j.domain, j.disk) + ": ready");
+    k.ready = j.ready;
+  }
+  for (auto it = jobs_.begin(); it != jobs_.end();) {
+    if (listed.count(it->first)) {
+      ++it;
+      continue;
+    }
+    std::string reason = "released";
+    for (const auto& r : st.released)  // newest first
+      if (r.domain == it->first.first && r.disk == it->first.second) {
+        reason = r.reason;
+        break;
+      }
+    record(job_name(it->first.first, it->first.second) + ": " + reason);
+    it = jobs_.erase(it);
+  }
+}
+
+}  // namespace qcommit::plugin

@@ -1,0 +1,61 @@
+// qcommitd's log: one record per line, names as data.
+//
+// Domain, disk, pool and file names come from libvirt and from whoever defined the domain; they
+// may hold spaces, quotes, `$(...)`, backticks, `;` and newlines.  They are written as fields
+// (log_field): bare when harmless, else quoted with escapes, so a record stays one line and its
+// fields stay separable.  Nothing in a record is ever passed to a shell.
+//
+// DaemonLog turns successive GovernorStatus snapshots into records: connection changes, one per
+// job adopted, one per decision change, one per job released — never one per tick.  A decision
+// is the controller's phase (slow-start, steady, paused) or the job becoming ready; the periodic
+// slowdowns (throttle::ControllerConfig::slowdown_interval) are scheduled, not decided, and are
+// not logged.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include "plugin/governor.h"
+
+namespace qcommit::plugin {
+
+// Receives one record: no trailing newline, no control characters.
+using LogSink = std::function<void(std::string_view record)>;
+
+// `s` as it is when it is non-empty and consists of [A-Za-z0-9._:/@+=,-] only, else in double
+// quotes with \" \\ and control characters escaped (\n \r \t, others \xNN).
+[[nodiscard]] std::string log_field(std::string_view s);
+
+// `s` with control characters (bytes < 0x20 and 0x7f) escaped as in log_field; backslashes and
+// quotes are left alone (fields are quoted by log_field).
+[[nodiscard]] std::string log_escape_controls(std::string_view s);
+
+// A CSV field (qcommitd --trace): control characters escaped as in log_field, then quoted with
+// doubled quotes when it holds a comma or a quote, so a row stays one line of the same columns.
+[[nodiscard]] std::string csv_field(std::string_view s);
+
+class DaemonLog {
+ public:
+  explicit DaemonLog(LogSink sink) : sink_(std::move(sink)) {}
+
+  // One record; control characters are escaped whatever the caller passed.
+  void record(std::string_view message);
+
+  // Records what changed since the previous call.  `uri` and `last_error` name the connection.
+  void observe(const GovernorStatus& st, std::string_view uri, std::string_view last_error);
+
+ private:
+  struct Known {
+    std::string decision;
+    bool ready = false;
+  };
+  LogSink sink_;
+  std::optional<bool> connected_;
+  std::map<std::pair<std::string, std::string>, Known> jobs_;
+};
+
+}  // namespace qcommit::plugin

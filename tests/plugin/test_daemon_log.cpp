@@ -1,0 +1,181 @@
+// qcommitd's log (plugin/daemon_log.*) with the governor against the fake hypervisor: hostile
+// names stay data on one line, and a long job logs per decision change, not per tick.
+#include <doctest/doctest.h>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "plugin/daemon_log.h"
+#include "plugin/governor.h"
+#include "tests/plugin/fake_hypervisor.h"
+#include "tests/plugin/world.h"
+
+using namespace qcommit::plugin;
+using namespace qcommit::plugin::test;
+using namespace std::chrono_literals;
+
+namespace {
+
+bool has_control_char(const std::string& s) {
+  return std::any_of(s.begin(), s.end(), [](char c) {
+    const auto u = static_cast<unsigned char>(c);
+    return u < 0x20 || u == 0x7f;
+  });
+}
+
+std::vector<std::string> matching(const std::vector<std::string>& records, const std::string& part) {
+  std::vector<std::string> out;
+  for (const auto& r : records)
+    if (r.find(part) != std::string::npos) out.push_back(r);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("plugin.log.fields") {
+  CHECK(log_field("vm1") == "vm1");
+  CHECK(log_field("/var/lib/libvirt/images/vm-1_a.qcow2") == "/var/lib/libvirt/images/vm-1_a.qcow2");
+  CHECK(log_field("pool:aaaa-01") == "pool:aaaa-01");
+  CHECK(log_field("") == "\"\"");
+  CHECK(log_field("vm one") == "\"vm one\"");
+  CHECK(log_field("a\"b\\c") == "\"a\\\"b\\\\c\"");
+  CHECK(log_field("x\ny\r\tz\x01\x7f") == "\"x\\ny\\r\\tz\\x01\\x7f\"");
+  CHECK(log_field("$(id)`id`;") == "\"$(id)`id`;\"");
+  CHECK(log_field("v\xc3\xa9m") == "\"v\xc3\xa9m\"");  // UTF-8 stays, quoted
+  CHECK(log_escape_controls("a \"b\"\nc") == "a \"b\"\\nc");
+  CHECK(csv_field("vm1") == "vm1");
+  CHECK(csv_field("a,b") == "\"a,b\"");
+  CHECK(csv_field("say \"hi\"\n") == "\"say \"\"hi\"\"\\n\"");
+}
+
+TEST_CASE("plugin.log.hostile_names") {
+  const std::string dir = std::filesystem::temp_directory_path().string() + "/qcommit-log-" +
+                          std::to_string(getpid());
+  std::filesystem::create_directories(dir);
+  const std::string m1 = dir + "/pwned1", m2 = dir + "/pwned2", m3 = dir + "/pwned3";
+  // Spaces, quotes, $(...), backticks, ';', a forged second record after a newline, CR, tab, ^A.
+  const std::string dom = "vm one 'sq' \"dq\" $(touch " + m1 + ") `touch " + m2 + "`; touch " +
+                          m3 + "\nqcommitd: governing forged job\r\t\x01" "end";
+  const std::string dom_logged = "\"vm one 'sq' \\\"dq\\\" $(touch " + m1 + ") `touch " + m2 +
+                                 "`; touch " + m3 +
+                                 "\\nqcommitd: governing forged job\\r\\t\\x01end\"";
+  const std::string target = "/pool/base $(touch " + m1 + ").qcow2\n";
+  const std::string target_logged = "\"/pool/base $(touch " + m1 + ").qcow2\\n\"";
+  const std::string pool = "pool \"p\"; `touch " + m2 + "`\n";
+  const std::string pool_logged = "\"pool \\\"p\\\"; `touch " + m2 + "`\\n\"";
+
+  World w(dom, target);
+  w.hv.pool_list = {PoolInfo{pool, "", "/pool"}};  // no UUID: the storage key is the name
+  std::vector<std::string> records;
+  DaemonLog log([&](std::string_view r) { records.emplace_back(r); });
+
+  // libvirtd down first: the error (which may quote a name) is one line too.
+  w.hv.daemon_up = false;
+  {
+    Governor g(w.hv, w.files, DaemonConfig{});
+    (void)g.step(w.now);
+    log.observe(g.status(w.now), "qemu:///system", "no domain '" + dom + "'");
+  }
+  w.hv.daemon_up = true;
+  w.start_job();
+  Governor g(w.hv, w.files, DaemonConfig{});
+  TimePoint next = w.now;
+  auto observe = [&] { log.observe(g.status(w.now), "qemu:///system", ""); };
+  w.run(g, 3s, &next, observe);
+  REQUIRE(g.job_count() == 1);
+  w.hv.jobs.clear();
+  w.hv.emit(JobEvent{JobEventKind::Completed, dom, "vda", JobType::ActiveCommit, ""});
+  w.run(g, 50ms, &next, observe);
+  CHECK(g.job_count() == 0);
+
+  REQUIRE_FALSE(records.empty());
+  for (const auto& r : records) {
+    INFO("record: " << r);
+    CHECK_FALSE(has_control_char(r));
+    // The forged record only ever appears inside the quoted name.
+    const bool forged_inside_name = r.find("forged") == std::string::npos ||
+                                    r.find(dom_logged) != std::string::npos ||
+                                    r.find("no domain") != std::string::npos;
+    CHECK(forged_inside_name);
+  }
+  CHECK(records.front() == "not connected to qemu:///system: no domain '" +
+                               std::string("vm one 'sq' \"dq\" $(touch ") + m1 + ") `touch " + m2 +
+                               "`; touch " + m3 + "\\nqcommitd: governing forged job\\r\\t\\x01end'");
+  const auto adopted = matching(records, "governing active-commit job on");
+  REQUIRE(adopted.size() == 1);
+  CHECK(adopted[0].rfind("governing active-commit job on domain " + dom_logged + " disk vda (target " +
+                             target_logged + ", storage \"pool:" + pool_logged.substr(1) +
+                             ", pool " + pool_logged + ", budget 20 ms): ",
+                         0) == 0);
+  CHECK(records.back() == "domain " + dom_logged + " disk vda: completed");
+  CHECK(matching(records, "connected to qemu:///system").size() == 2);
+  // Names are never run.
+  CHECK_FALSE(std::filesystem::exists(m1));
+  CHECK_FALSE(std::filesystem::exists(m2));
+  CHECK_FALSE(std::filesystem::exists(m3));
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("plugin.log.one_line_per_decision_change") {
+  World w;
+  w.start_job();
+  Governor g(w.hv, w.files, DaemonConfig{});
+  std::vector<std::string> records;
+  DaemonLog log([&](std::string_view r) { records.emplace_back(r); });
+  // The decisions as the status shows them after every step (periodic slowdowns are scheduled,
+  // not decided: they keep the previous decision).
+  std::vector<std::string> decisions;
+  std::size_t slowdowns = 0;
+  bool in_slowdown = false;
+  auto observe = [&] {
+    const GovernorStatus st = g.status(w.now);
+    log.observe(st, "qemu:///system", "");
+    if (st.jobs.empty()) return;
+    const std::string& p = st.jobs[0].phase;
+    if (p == "slowdown") {
+      if (!in_slowdown) ++slowdowns;
+      in_slowdown = true;
+      if (decisions.empty()) decisions.push_back("adopted");
+      return;
+    }
+    in_slowdown = false;
+    if (decisions.empty() || decisions.back() != p) decisions.push_back(p);
+  };
+  TimePoint next = w.now;
+  const TimePoint start = w.now;
+  w.run(g, 30s, &next, observe);  // steady signal: 2 ms guest writes
+  const std::size_t steady_records = records.size();
+  const std::vector<std::string> steady_decisions = decisions;
+  w.guest_latency = 200ms;  // 10 x the budget
+  w.run(g, 3s, &next, observe);
+  w.guest_latency = 2ms;
+  w.run(g, 12s, &next, observe);
+  const auto ticks = (w.now - start) / GovernorOptions{}.tick;
+
+  INFO("decisions: " << [&] {
+    std::string s;
+    for (const auto& d : decisions) s += d + " ";
+    return s;
+  }());
+  // 450 ticks; the records: connected, adopted (with its first decision), one per change.
+  CHECK(ticks >= 400);
+  CHECK(slowdowns >= 3);  // the periodic slowdowns happened and were not logged
+  REQUIRE(decisions.size() >= 3);
+  const std::size_t changes = decisions.size() - 1;
+  const auto changed = matching(records, " (was ");
+  CHECK(changed.size() == changes);
+  CHECK(records.size() == 2 + changes);
+  CHECK(records.size() <= 12);
+  CHECK(matching(records, "slowdown").empty());
+  // Steady signal: after slow start, nothing to report for ~29 s of ticks.
+  CHECK(steady_decisions.size() <= 2);
+  CHECK(steady_records == 1 + steady_decisions.size());
+  // The change of signal is reported: paused, then resumed.
+  CHECK(matching(records, ": paused (was ").size() == 1);
+  CHECK(matching(records, " (was paused)").size() == 1);
+  CHECK(decisions.back() != "paused");
+}

@@ -1,0 +1,100 @@
+// A small virtual world for governor tests: domain `dom` (disk vda on the pool "fast", target
+// `base_path`) and vm2 (disk vdb on other storage) whose guests complete one write per 10 ms, a
+// block job that copies at its set speed into the target's page cache, storage that drains the
+// target's writeback pages.  Time advances in 10 ms steps; the governor is stepped when it asks.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "plugin/governor.h"
+#include "tests/plugin/fake_hypervisor.h"
+
+namespace qcommit::plugin::test {
+
+inline constexpr const char* kBase = "/pool/vm1-base.qcow2";
+inline constexpr const char* kTop = "/pool/vm1-top.qcow2";
+
+struct World {
+  FakeHypervisor hv;
+  FakeTargetFiles files;
+  std::shared_ptr<FakeFileState> base = std::make_shared<FakeFileState>();
+  std::string dom;  // the domain whose disk vda runs the job
+  TimePoint now{std::chrono::seconds(1000)};
+  bool guest_active = true;  // dom/vda and vm2/vdb complete one write per 10 ms
+  bool other_active = true;
+  Duration guest_latency = std::chrono::milliseconds(2);
+  double storage_bytes_per_s = 200.0 * 1024 * 1024;  // writeback drain
+
+  explicit World(std::string dom_name = "vm1", const std::string& base_path = kBase)
+      : dom(std::move(dom_name)) {
+    files.files[base_path] = base;
+    DomainInfo vm1{dom, "11111111-1111-1111-1111-111111111111", {}, std::nullopt};
+    vm1.disks.push_back(DiskInfo{"vda", kTop, {base_path}, std::nullopt, 7});
+    DomainInfo vm2{"vm2", "22222222-2222-2222-2222-222222222222", {}, std::nullopt};
+    vm2.disks.push_back(DiskInfo{"vdb", "/other/vm2.qcow2", {}, std::nullopt, 9});
+    hv.domains = {vm1, vm2};
+    hv.pool_list = {PoolInfo{"fast", "aaaaaaaa-0000-0000-0000-000000000001", "/pool"}};
+    hv.stats[{dom, "vda"}] = {};
+    hv.stats[{"vm2", "vdb"}] = {};
+  }
+  void start_job(JobType t = JobType::ActiveCommit, std::uint64_t end = 8ull << 30) {
+    hv.jobs[{dom, "vda"}] = JobInfo{t, 0, end, 0};
+  }
+  // Advances the world by `dt` in 10 ms steps, stepping the governor when it asks; `after_step`
+  // (if any) runs after every governor step.
+  void run(Governor& g, Duration dt, TimePoint* next = nullptr,
+           const std::function<void()>& after_step = {}) {
+    TimePoint local_next = now;
+    TimePoint& nx = next ? *next : local_next;
+    const TimePoint until = now + dt;
+    while (now < until) {
+      if (now >= nx) {
+        nx = g.step(now);
+        if (after_step) after_step();
+      }
+      now += std::chrono::milliseconds(10);
+      simulate(std::chrono::milliseconds(10));
+    }
+  }
+  void simulate(Duration dt) {
+    const double secs = std::chrono::duration<double>(dt).count();
+    if (guest_active) {
+      auto& s = hv.stats[{dom, "vda"}];
+      s.wr_reqs += 1;
+      s.wr_total_times_ns += guest_latency.count();
+    }
+    if (other_active) {
+      auto& s = hv.stats[{"vm2", "vdb"}];
+      s.wr_reqs += 1;
+      s.wr_total_times_ns += 1000000;
+    }
+    auto it = hv.jobs.find({dom, "vda"});
+    if (it != hv.jobs.end() && it->second.bandwidth_bytes_per_s > 0) {
+      const auto n = std::min<std::uint64_t>(
+          it->second.end - it->second.cur,
+          static_cast<std::uint64_t>(static_cast<double>(it->second.bandwidth_bytes_per_s) * secs));
+      it->second.cur += n;
+      base->dirty += n;
+    }
+    const auto drained = std::min<std::uint64_t>(
+        base->writeback, static_cast<std::uint64_t>(storage_bytes_per_s * secs));
+    base->writeback -= drained;
+  }
+  [[nodiscard]] std::uint64_t cur() const { return hv.jobs.at({dom, "vda"}).cur; }
+  // Job progress (bytes/s) over the next `dt`.
+  double progress(Governor& g, Duration dt, TimePoint& next) {
+    const std::uint64_t c0 = cur();
+    run(g, dt, &next);
+    return static_cast<double>(cur() - c0) / std::chrono::duration<double>(dt).count();
+  }
+  [[nodiscard]] bool speed_ever_zero() const {
+    return std::any_of(hv.speed_calls.begin(), hv.speed_calls.end(),
+                       [](const SpeedCall& c) { return c.speed == 0; });
+  }
+};
+
+}  // namespace qcommit::plugin::test
