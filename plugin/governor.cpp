@@ -228,9 +228,21 @@ void Governor::poll(TimePoint now, const std::set<std::string>* only) {
       if (it == domains_.end()) domains_.push_back(d);
       else *it = d;
     }
+    // Scanned domains that are no longer running (stopped since): forget them.
+    std::erase_if(domains_, [&](const DomainInfo& x) {
+      return only->count(x.name) &&
+             std::none_of(doms.begin(), doms.end(), [&](const DomainInfo& d) { return d.name == x.name; });
+    });
   } else {
     domains_ = std::move(doms);
   }
+}
+
+void Governor::domain_event(const std::string& domain, const std::string& event) {
+  (void)event;  // every lifecycle change means the same: look at this domain now
+  // Its counters restart with a new QEMU process: no delta across the change.
+  std::erase_if(guests_, [&](const auto& kv) { return kv.first.domain == domain; });
+  if (connected_) scan_domains_.insert(domain);
 }
 
 void Governor::adopt(const DomainInfo& dom, const DiskInfo& disk, const JobInfo& info,

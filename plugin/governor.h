@@ -120,6 +120,11 @@ class Governor {
   // Does what is due at `now` (events, reconnect, poll, tick); returns when to call again.
   [[nodiscard]] TimePoint step(TimePoint now);
 
+  // News from the libvirt hook (a domain started, stopped, was reconnected or released): the
+  // next step() looks at that domain at once instead of at the next poll — a new co-tenant's
+  // stats count from its start, a stopped domain's jobs and stats are dropped.
+  void domain_event(const std::string& domain, const std::string& event);
+
   // Graceful stop: every governed job gets a finishing speed (max(floor, last rate)).
   void release_all();
 

@@ -11,6 +11,8 @@
 #include <exception>
 #include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "plugin/config.h"
 #include "plugin/control.h"
@@ -127,10 +129,20 @@ int main(int argc, char** argv) {
 
     std::mutex snap_mu;
     std::string snapshot = "{\"ok\":true,\"connected\":false,\"jobs\":[],\"released\":[]}";
-    ControlServer server(cfg.socket_path, [&] {
-      std::lock_guard<std::mutex> lk(snap_mu);
-      return snapshot;
-    });
+    // The libvirt hook's domain events arrive on the control thread: queued here, handed to the
+    // governor by this loop (the control thread never touches the governor).
+    std::mutex hook_mu;
+    std::vector<std::pair<std::string, std::string>> hook_events;
+    ControlServer server(
+        cfg.socket_path,
+        [&] {
+          std::lock_guard<std::mutex> lk(snap_mu);
+          return snapshot;
+        },
+        [&](const std::string& domain, const std::string& event) {
+          std::lock_guard<std::mutex> lk(hook_mu);
+          if (hook_events.size() < kMaxQueuedHookEvents) hook_events.emplace_back(domain, event);
+        });
     server.start();
     log.record("governing block jobs on " + log_field(cfg.uri) + ", control socket " +
                log_field(cfg.socket_path));
@@ -146,6 +158,17 @@ int main(int argc, char** argv) {
     }
     auto next_trace = mono_now();
     while (!g_stop) {
+      {
+        std::vector<std::pair<std::string, std::string>> events;
+        {
+          std::lock_guard<std::mutex> lk(hook_mu);
+          events.swap(hook_events);
+        }
+        for (const auto& [domain, event] : events) {
+          log.record("libvirt hook: domain " + log_field(domain) + " " + log_field(event));
+          gov.domain_event(domain, event);
+        }
+      }
       const auto now = mono_now();
       (void)gov.step(now);
       GovernorStatus st = gov.status(now);
