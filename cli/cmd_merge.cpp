@@ -9,6 +9,7 @@
 #include "cli/options.h"
 #include "cli/units.h"
 #include "cli/domain_merge.h"
+#include "cli/merge_policy.h"
 #include "engine/merge.h"
 
 namespace qcommit::cli {
@@ -32,7 +33,9 @@ void print_bar(const engine::Progress& p) {
 
 int cmd_merge(const Args& args) {
   po::options_description opts("options");
-  std::string top, base, output = "human", budget = "20ms", trace, probe = "on";
+  std::string top, base, output = "human", budget, trace, probe = "on", cotenants = "on";
+  std::string config_path = plugin::kDefaultConfigPath;
+  bool verbose = false;
   std::vector<std::string> rebase;
   bool del = false, no_direct = false, force_direct = false;
   std::string domain, disk, pool, vol, uri = "qemu:///system";
@@ -42,12 +45,19 @@ int cmd_merge(const Args& args) {
       "disk", po::value(&disk), "the domain's disk target, e.g. vda (TOP defaults to its active layer)")(
       "pool", po::value(&pool), "storage pool of the volume to merge (with --vol)")(
       "vol", po::value(&vol), "volume name in --pool to merge into its backing file")(
-      "uri", po::value(&uri), "libvirt connection URI (default qemu:///system)")(
+      "connect,c", po::value(&uri), "libvirt connection URI (default qemu:///system)")(
+      "uri", po::value(&uri), "the same as --connect")(
       "dry-run", po::bool_switch(&dry_run), "with --domain: resolve and check everything, write nothing")(
       "base", po::value(&base), "merge into this image of TOP's chain (default: TOP's backing file)")(
       "rebase", po::value(&rebase)->multitoken(), "images whose backing file is TOP: point them at BASE")(
       "delete", po::bool_switch(&del), "remove TOP and the intermediates afterwards")(
-      "budget", po::value(&budget), "added-latency budget for co-tenants, e.g. 20ms, or 'off'")(
+      "budget", po::value(&budget),
+      "added-latency budget for co-tenants, e.g. 20ms, or 'off' (default: the policy of BASE's pool in the "
+      "qcommitd configuration, else its [default], else 20ms)")(
+      "config", po::value(&config_path), "qcommitd configuration with the per-pool policies (default /etc/qcommit/qcommitd.conf)")(
+      "cotenants", po::value(&cotenants),
+      "on (default): the block stats of running guests on BASE's storage (libvirt) join the probe; off")(
+      "verbose,v", po::bool_switch(&verbose), "say also why co-tenants are off")(
       "no-direct", po::bool_switch(&no_direct), "buffered writes with bounded dirty data (default with --budget off)")(
       "direct", po::bool_switch(&force_direct), "O_DIRECT writes where the filesystem allows (default with a budget)")(
       "trace", po::value(&trace), "write one CSV row per controller tick to this file (see scripts/plot-trace)")(
@@ -59,7 +69,8 @@ int cmd_merge(const Args& args) {
   pos.add("top", 1);
   po::variables_map vm;
   if (!parse(args, opts, pos, vm,
-             "qcommit merge TOP [--base BASE] [--rebase CHILD...] [--delete] [--budget DURATION|off]",
+             "qcommit merge TOP [--base BASE] [--rebase CHILD...] [--delete] [--budget DURATION|off]\n"
+             "              [--config FILE] [--connect URI] [--cotenants on|off] [--probe on|off] [--trace FILE.csv]",
              "examples:\n"
              "  qcommit merge snap1.qcow2                      # into snap1's backing file\n"
              "  qcommit merge snap2.qcow2 --base base.qcow2 --rebase snap3.qcow2\n"
@@ -86,13 +97,40 @@ int cmd_merge(const Args& args) {
   // random-cluster merges on this project's machines (see scripts/bench-merge).
   if (no_direct && force_direct) throw UsageError("--direct and --no-direct exclude each other");
   mo.direct = force_direct || (!no_direct && budget != "off");
-  if (budget != "off") {
-    const auto b = parse_duration(budget);
+  const bool governed = budget != "off";
+  MergePolicyOptions popts;
+  if (governed) {
+    if (!budget.empty()) popts.budget = parse_duration(budget);
     if (probe != "on" && probe != "off") throw UsageError("--probe must be 'on' or 'off'");
-    if (!top.empty() || !base.empty()) mo.governor = make_budget_governor(b, top, base, trace, probe == "on");
+    if (cotenants != "on" && cotenants != "off") throw UsageError("--cotenants must be 'on' or 'off'");
+    popts.config_path = config_path;
+    popts.config_given = vm.count("config") > 0;
+    popts.uri = uri;
+    popts.domain = domain;
+    popts.cotenants = cotenants == "on";
   } else if (!trace.empty()) {
     throw UsageError("--trace needs a budget (the trace records the controller's decisions)");
   }
+  // The budget and co-tenants depend on BASE (its pool, its filesystem): decided once BASE is
+  // known, said before the copy starts.
+  std::optional<MergePolicy> policy;
+  std::shared_ptr<engine::BudgetGovernor> governor;
+  auto governor_for = [&](const std::string& merge_base) -> std::shared_ptr<engine::CopyGovernor> {
+    policy = resolve_merge_policy(popts, merge_base);
+    if (out == Output::kJson) {
+      std::printf("{\"event\": \"policy\", %s}\n", policy->json_fields().c_str());
+      for (const auto& n : policy->notes) std::printf("{\"event\": \"note\", \"message\": %s}\n", json_string(n).c_str());
+      std::fflush(stdout);
+    } else {
+      std::printf("%s\n", policy->budget_line().c_str());
+      if (verbose || !policy->cotenant_disks.empty()) std::printf("%s\n", policy->cotenant_line().c_str());
+      std::fflush(stdout);
+      for (const auto& n : policy->notes) std::fprintf(stderr, "%s\n", n.c_str());
+    }
+    governor = make_budget_governor(*policy, trace, probe == "on");
+    return governor;
+  };
+  if (governed && !via_libvirt) mo.governor = governor_for(merge_base_of(top, mo.base, mo.allowed_backing_dirs));
   const bool tty = isatty(2) && out == Output::kHuman;
   mo.on_progress = [&](const engine::Progress& p) {
     if (out == Output::kJson) {
@@ -116,14 +154,14 @@ int cmd_merge(const Args& args) {
     if (!base.empty()) req.base = base;
     req.dry_run = dry_run;
     req.merge = mo;
-    if (budget != "off" && !mo.governor) {
-      const auto b = parse_duration(budget);
-      req.make_governor = [=](const std::string& target) {
-        return make_budget_governor(b, target, target, trace, probe == "on");
-      };
-    }
     if (!top.empty()) req.merge.allowed_backing_dirs = backing_policy(top, allow_dirs);
     else req.merge.allowed_backing_dirs = allow_dirs.empty() ? std::vector<std::string>{"/"} : allow_dirs;
+    if (governed) {
+      // --domain hands over BASE; --pool/--vol hands over TOP (the volume).
+      req.make_governor = [&, dirs = req.merge.allowed_backing_dirs](const std::string& target) {
+        return governor_for(domain.empty() ? merge_base_of(target, mo.base, dirs) : target);
+      };
+    }
     auto note = [&](const std::string& m) {
       if (out == Output::kJson)
         std::printf("{\"event\": \"note\", \"message\": %s}\n", json_string(m).c_str());
@@ -154,6 +192,20 @@ int cmd_merge(const Args& args) {
     js += ", \"leaks-repaired\": " + std::to_string(r.leaks_repaired);
     js += ", \"bitmaps-removed\": " + std::to_string(r.bitmaps_removed);
     js += std::string(", \"direct-io\": ") + json_bool(r.direct_io);
+    if (policy) {
+      const engine::CotenantStats cs = governor->cotenant_stats();
+      char c[200];
+      std::snprintf(c, sizeof c,
+                    ", \"budget-ms\": %g, \"budget-source\": %s, \"cotenant-samples\": %llu, "
+                    "\"cotenant-disks-max\": %zu, \"cotenant-max-ms\": %.3f",
+                    std::chrono::duration<double, std::milli>(policy->resolution.policy.budget).count(),
+                    json_string(plugin::to_string(policy->resolution.source)).c_str(),
+                    static_cast<unsigned long long>(cs.samples), cs.max_disks,
+                    std::chrono::duration<double, std::milli>(cs.max_latency).count());
+      js += c;
+    } else {
+      js += ", \"budget-ms\": null, \"budget-source\": \"off\"";
+    }
     char t[160];
     std::snprintf(t, sizeof t, ", \"copy-seconds\": %.3f, \"switch-seconds\": %.6f, \"total-seconds\": %.3f",
                   r.copy_seconds, r.switch_seconds, r.total_seconds);
@@ -174,6 +226,13 @@ int cmd_merge(const Args& args) {
     for (auto& c : r.rebased) std::printf("rebased %s onto %s\n", c.c_str(), r.base.c_str());
     for (auto& d : r.deleted) std::printf("deleted %s\n", d.c_str());
     std::printf("switch-over took %.3f ms\n", r.switch_seconds * 1000);
+    if (governor) {
+      const engine::CotenantStats cs = governor->cotenant_stats();
+      if (cs.samples)
+        std::printf("co-tenants: %llu latency samples from up to %zu disks, largest %.1f ms\n",
+                    static_cast<unsigned long long>(cs.samples), cs.max_disks,
+                    std::chrono::duration<double, std::milli>(cs.max_latency).count());
+    }
   }
   return kExitOk;
 }

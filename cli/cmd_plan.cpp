@@ -10,6 +10,7 @@
 #include <filesystem>
 
 #include "cli/json.h"
+#include "cli/merge_policy.h"
 #include "cli/options.h"
 #include "cli/units.h"
 #include "engine/merge.h"
@@ -48,7 +49,8 @@ double measure_write_bandwidth(const std::string& dir) {
 
 int cmd_plan(const Args& args) {
   po::options_description opts("options");
-  std::string top, base, output = "human", rate;
+  std::string top, base, output = "human", rate, budget, uri = plugin::kDefaultUri;
+  std::string config_path = plugin::kDefaultConfigPath;
   std::vector<std::string> rebase, allow_dirs;
   bool measure = false;
   opts.add_options()("top", po::value(&top)->required(), "the image to merge (TOP)")(
@@ -57,6 +59,10 @@ int cmd_plan(const Args& args) {
       "rate", po::value(&rate), "expected copy rate for the ETA, e.g. 80M (per second)")(
       "measure", po::bool_switch(&measure),
       "measure the target's sequential write bandwidth for the ETA (writes 32 MiB beside BASE)")(
+      "budget", po::value(&budget), "the budget the merge would be given on the command line (20ms, off)")(
+      "config", po::value(&config_path), "qcommitd configuration with the per-pool policies (default /etc/qcommit/qcommitd.conf)")(
+      "connect,c", po::value(&uri), "libvirt connection URI for the pool of BASE and its co-tenants (default qemu:///system)")(
+      "uri", po::value(&uri), "the same as --connect")(
       "output", po::value(&output), "human or json");
   add_backing_policy(opts, allow_dirs);
   po::positional_options_description pos;
@@ -82,6 +88,16 @@ int cmd_plan(const Args& args) {
     bw_source = "measured";
   }
   const double eta = bw > 0 ? double(p.data_bytes) / bw : -1;
+  // The budget `qcommit merge` would take, and from where.
+  std::optional<MergePolicy> policy;
+  if (budget != "off") {
+    MergePolicyOptions popts;
+    if (!budget.empty()) popts.budget = parse_duration(budget);
+    popts.config_path = config_path;
+    popts.config_given = vm.count("config") > 0;
+    popts.uri = uri;
+    policy = resolve_merge_policy(popts, p.base);
+  }
   if (out == Output::kJson) {
     std::string js = "{\"top\": " + json_string(top) + ", \"base\": " + json_string(p.base) +
                      ", \"base-format\": " + json_string(p.base_format) + ", \"layers\": [";
@@ -96,6 +112,8 @@ int cmd_plan(const Args& args) {
     for (size_t i = 0; i < p.rebase.size(); ++i) js += (i ? ", " : "") + json_string(p.rebase[i]);
     js += "]";
     if (p.resume_from) js += ", \"resume-from\": " + std::to_string(*p.resume_from);
+    if (policy) js += ", " + policy->json_fields();
+    else js += ", \"budget-ms\": null, \"budget-source\": \"off\"";
     if (bw > 0) {
       char b[96];
       std::snprintf(b, sizeof b, ", \"rate\": %.0f, \"eta-seconds\": %.1f", bw, eta);
@@ -124,6 +142,12 @@ int cmd_plan(const Args& args) {
     for (size_t i = 0; i < p.rebase.size(); ++i)
       std::printf("%srewrite the header of %s to point at %s\n", i ? "                " : "", p.rebase[i].c_str(),
                   p.base.c_str());
+  if (policy) {
+    std::printf("budget:         %s\n", policy->budget_line().substr(7).c_str());
+    std::printf("                %s\n", policy->cotenant_line().c_str());
+  } else {
+    std::printf("budget:         off (unthrottled)\n");
+  }
   if (bw > 0)
     std::printf("ETA:            %.1f s at %s/s (%s; with a latency budget the copy takes what co-tenants leave)\n",
                 eta, format_size(uint64_t(bw)).c_str(), bw_source.c_str());

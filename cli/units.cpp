@@ -2,10 +2,8 @@
 
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
 
 #include "cli/options.h"
-#include "engine/budget_governor.h"
 
 namespace qcommit::cli {
 
@@ -84,19 +82,6 @@ std::string human_size(uint64_t bytes) {
     std::snprintf(buf, sizeof buf, "%.3g %s (%llu bytes)", s.value, kSizeUnits[s.unit],
                   static_cast<unsigned long long>(bytes));
   return buf;
-}
-
-std::shared_ptr<engine::CopyGovernor> make_budget_governor(std::chrono::nanoseconds budget,
-                                                           const std::string& top, const std::string& base,
-                                                           const std::string& trace_path, bool probe) {
-  const std::string target = base.empty() ? top : base;
-  auto dir = std::filesystem::absolute(target).parent_path().string();
-  engine::BudgetGovernorConfig cfg;
-  cfg.budget = budget;
-  if (probe) cfg.probe_dir = dir;
-  cfg.trace_path = trace_path;
-  if (auto err = cfg.validate(); !err.empty()) throw UsageError(err);
-  return std::make_shared<engine::BudgetGovernor>(cfg);
 }
 
 }  // namespace qcommit::cli
