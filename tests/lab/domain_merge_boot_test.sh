@@ -35,11 +35,13 @@ fail() {
 "$LAB_SOURCE_DIR/scripts/lab-cleanup" >&2
 lab_init dmboot
 pool=$LAB_ID-pool
+cmd_sock=/tmp/$LAB_ID.cmd.sock  # short: a unix socket path under the build dir may exceed 107 bytes
 cleanup() {
   virsh -q destroy "$LAB_DOM" >/dev/null 2>&1 || true
   virsh -q undefine "$LAB_DOM" --snapshots-metadata >/dev/null 2>&1 || true
   virsh -q pool-destroy "$pool" >/dev/null 2>&1 || true
   virsh -q pool-undefine "$pool" >/dev/null 2>&1 || true
+  rm -f "$cmd_sock"
   lab_teardown
 }
 trap cleanup EXIT
@@ -50,7 +52,6 @@ base=$LAB_MNT/base.raw
 truncate -s "$kDiskSize" "$base"
 cp "$LAB_CACHE/vmlinuz" "$LAB_CACHE/initramfs.cpio.gz" "$LAB_DIR/"
 : >"$LAB_DIR/console.log"
-cmd_sock=$LAB_DIR/cmd.sock
 cat >"$LAB_DIR/domain.xml" <<EOF
 <domain type='qemu'>
   <name>$LAB_DOM</name>
