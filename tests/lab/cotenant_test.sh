@@ -6,6 +6,7 @@
 # from the same starting state: `qcommit merge --budget 20ms`, then `qemu-img commit` unthrottled
 # as the reference. Asserts:
 #  - our merge: rc 0, BASE equals TOP's view (qemu-img compare) and is clean (qemu-img check);
+#  - the guest's disk was our merge's co-tenant: its libvirt block stats reached the controller;
 #  - probe max during our merge <= kMaxProbeMs (100 ms). Why 100: a guest sync write is a write
 #    plus a flush, both queue behind what the merge has in flight; the budget (20 ms) bounds that
 #    queue to ~1 MB (20 ms x 50 MB/s), so each waits <= ~20 ms (+ service, + TCG guest noise:
@@ -66,6 +67,18 @@ lab_cotenant_fifo_wait 2
 ours_fifo_max=$LAB_FIFO_max ours_fifo_n=$LAB_FIFO_n ours_fifo_wait=$LAB_FIFO_wait_max
 ours_max=$LAB_STATS_max ours_p99=$LAB_STATS_p99 ours_s=$LAB_STATS_merge_s ours_base_max=$LAB_STATS_base_max
 direct=$(grep -o '"direct-io": [a-z]*' "$LAB_DIR/merge.log" | tail -n1)
+# Co-tenants: the probing guest's disk lives on the same storage as BASE, so libvirt's block stats
+# of it must have been found and fed to the controller next to the probe (trace column
+# cotenant_samples: co-tenant latency samples per tick).
+ct_disks=$(grep '"event": "policy"' "$LAB_DIR/merge.log" | tail -n1 | jq -r '."cotenant-disks" | join(",")')
+ct_result=$(grep '"event": "result"' "$LAB_DIR/merge.log" | tail -n1)
+ct_samples=$(jq -r '."cotenant-samples"' <<<"$ct_result")
+ct_max=$(jq -r '."cotenant-max-ms"' <<<"$ct_result")
+ct_ticks=$(awk -F, 'NR == 1 {for (i = 1; i <= NF; i++) if ($i == "cotenant_samples") c = i; next} c && $c > 0 {n++} END {print n + 0}' \
+  "$LAB_DIR/cotenant-trace.csv")
+[[ ,$ct_disks, == *",$LAB_DOM/"* ]] || fail "the guest's disk is not among the merge's co-tenants: '$ct_disks'"
+[ "$ct_samples" -gt 0 ] && [ "$ct_ticks" -gt 0 ] ||
+  fail "no co-tenant samples reached the controller (result: $ct_samples samples, trace: $ct_ticks ticks with some)"
 ideal_s=$(awk -v b=$((kSizeMiB << 20)) -v bw="$LAB_BW_BPS" 'BEGIN {printf "%.1f", b / bw}')
 
 # 2. The unthrottled reference, same chain state.
@@ -77,7 +90,7 @@ lab_collect unthrottled "$kBaselineS" 2
 ref_max=$LAB_STATS_max
 lab_cotenant_fifo_wait 2
 
-echo "qcommit merge --budget 20ms ($direct): ${ours_s}s for ${kSizeMiB} MiB (storage alone: ${ideal_s}s);" \
+echo "qcommit merge --budget 20ms ($direct, co-tenants $ct_disks: $ct_samples samples, max $ct_max ms): ${ours_s}s for ${kSizeMiB} MiB (storage alone: ${ideal_s}s);" \
   "probe p99 ${ours_p99} ms, max ${ours_max} ms (baseline max ${ours_base_max} ms), guest requests: queue ahead max ${ours_fifo_max} ms (measured wait max ${ours_fifo_wait} ms);" \
   "qemu-img commit unthrottled: ${LAB_STATS_merge_s}s, probe p99 ${LAB_STATS_p99} ms, max ${ref_max} ms, queue ahead max ${LAB_FIFO_max} ms"
 [ "$ours_fifo_n" -gt 0 ] || fail "no guest request in the slowfs log during our merge"
