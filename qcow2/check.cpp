@@ -35,11 +35,15 @@ class Checker {
       const uint64_t off = rt[i] & kRefTableOffsetMask;
       if (!off) continue;
       if (off % cs_ != 0) {
-        problem(true, "ERROR refcount block " + std::to_string(i) + " at " + hex(off) + " is not cluster aligned");
+        problem(true, [&] {
+          return "ERROR refcount block " + std::to_string(i) + " at " + hex(off) + " is not cluster aligned";
+        });
         continue;
       }
       if (off / cs_ >= nb_clusters_) {
-        problem(true, "ERROR refcount block " + std::to_string(i) + " at " + hex(off) + " is outside the image");
+        problem(true, [&] {
+          return "ERROR refcount block " + std::to_string(i) + " at " + hex(off) + " is outside the image";
+        });
         bad_blocks_ = true;
         continue;
       }
@@ -65,9 +69,14 @@ class Checker {
   }
 
  private:
-  void problem(bool corruption, const std::string& msg) {
+  // Counts a problem and keeps its message among the first kMaxCheckMessages. `msg` builds the
+  // message and runs only while messages are kept: a hostile image (thousands of snapshots
+  // sharing broken tables) yields millions of problems, and building each message cost most of
+  // the check's time.
+  template <typename Msg>
+  void problem(bool corruption, Msg&& msg) {
     if (corruption) ++res_.corruptions;
-    if (res_.messages.size() < kMaxCheckMessages) res_.messages.push_back(msg);
+    if (res_.messages.size() < kMaxCheckMessages) res_.messages.emplace_back(msg());
   }
 
   void inc(uint64_t offset, uint64_t size, const char* what) {
@@ -79,7 +88,9 @@ class Checker {
         // comparison reports it as QEMU does. Far past it: a corruption per reference, without
         // growing the table (a few-KiB hostile image must not cost memory or time).
         if (c - nb_clusters_ > kBeyondEofSlackClusters) {
-          problem(true, std::string("ERROR ") + what + " at " + hex(offset) + " lies beyond end of file");
+          problem(true, [&] {
+            return std::string("ERROR ") + what + " at " + hex(offset) + " lies beyond end of file";
+          });
           return;
         }
         refs_.resize(c + 1, 0);
@@ -92,7 +103,7 @@ class Checker {
     inc(l1_offset, l1_size * 8, "L1 table");
     if (l1_size == 0) return;
     if (l1_size * 8 > kMaxL1TableBytes || l1_offset % cs_ != 0) {
-      problem(true, "ERROR " + what + " at " + hex(l1_offset) + " is invalid");
+      problem(true, [&] { return "ERROR " + what + " at " + hex(l1_offset) + " is invalid"; });
       return;
     }
     std::vector<uint8_t> buf(l1_size * 8);
@@ -102,21 +113,25 @@ class Checker {
       const uint64_t l2 = e & kL1OffsetMask;
       if (!l2) continue;
       if (l2 % cs_ != 0) {
-        problem(true, "ERROR " + what + " entry " + std::to_string(i) + ": L2 table offset " + hex(l2) +
-                          " is not cluster aligned");
+        problem(true, [&] {
+          return "ERROR " + what + " entry " + std::to_string(i) + ": L2 table offset " + hex(l2) +
+                 " is not cluster aligned";
+        });
         continue;
       }
       if (active) {
         const uint64_t rc = safe_refcount(l2 / cs_);
         if ((rc == 1) != ((e & kOflagCopied) != 0)) {
-          problem(true, "ERROR OFLAG_COPIED L2 cluster: l1_index=" + std::to_string(i) + " l1_entry=" + hex(e) +
-                            " refcount=" + std::to_string(rc));
+          problem(true, [&] {
+            return "ERROR OFLAG_COPIED L2 cluster: l1_index=" + std::to_string(i) + " l1_entry=" + hex(e) +
+                   " refcount=" + std::to_string(rc);
+          });
           copied_fix_l1_.push_back(i);
         }
       }
       inc(l2, cs_, "L2 table");
       if (l2 / cs_ >= nb_clusters_) {
-        problem(true, "ERROR L2 table at " + hex(l2) + " lies beyond end of file");
+        problem(true, [&] { return "ERROR L2 table at " + hex(l2) + " lies beyond end of file"; });
         continue;
       }
       walk_l2(l2, active);
@@ -124,13 +139,18 @@ class Checker {
   }
 
   void walk_l2(uint64_t l2, bool active) {
-    std::vector<uint8_t> t(cs_);
+    std::vector<uint8_t>& t = l2_buf_;  // one buffer: snapshots may walk thousands of tables
+    t.resize(cs_);
     img_.file().read(l2, t);
     const uint64_t n = geo_.l2_entries();
     for (uint64_t i = 0; i < n; ++i) {
       const uint64_t e = load_big_u64(t.data() + i * geo_.l2_entry_bytes());
       if (e & kOflagCompressed) {
-        if (e & kOflagCopied) problem(true, "ERROR: coffset=" + hex(e & geo_.coffset_mask()) + ": copied flag must never be set for compressed clusters");
+        if (e & kOflagCopied)
+          problem(true, [&] {
+            return "ERROR: coffset=" + hex(e & geo_.coffset_mask()) +
+                   ": copied flag must never be set for compressed clusters";
+          });
         const uint64_t coff = e & geo_.coffset_mask();
         const uint64_t nsect = ((e >> geo_.csize_shift()) & geo_.csize_mask()) + 1;
         inc(coff & ~uint64_t(kCompressedSectorBytes - 1), nsect * kCompressedSectorBytes, "compressed data");
@@ -140,17 +160,23 @@ class Checker {
       if (geo_.extended_l2) {
         const uint64_t bm = load_big_u64(t.data() + i * 16 + 8);
         if ((uint32_t(bm) & uint32_t(bm >> 32)) != 0 || (!host && uint32_t(bm)))
-          problem(true, "ERROR invalid subcluster bitmap in L2 table at " + hex(l2) + " entry " + std::to_string(i));
+          problem(true, [&] {
+            return "ERROR invalid subcluster bitmap in L2 table at " + hex(l2) + " entry " + std::to_string(i);
+          });
       }
       if (!host || img_.has_data_file()) continue;
       if (host % cs_ != 0) {
-        problem(true, "ERROR offset=" + hex(host) + ": Cluster is not properly aligned; L2 entry corrupted.");
+        problem(true, [&] {
+          return "ERROR offset=" + hex(host) + ": Cluster is not properly aligned; L2 entry corrupted.";
+        });
         continue;
       }
       if (active) {
         const uint64_t rc = safe_refcount(host / cs_);
         if ((rc == 1) != ((e & kOflagCopied) != 0)) {
-          problem(true, "ERROR OFLAG_COPIED data cluster: l2_entry=" + hex(e) + " refcount=" + std::to_string(rc));
+          problem(true, [&] {
+            return "ERROR OFLAG_COPIED data cluster: l2_entry=" + hex(e) + " refcount=" + std::to_string(rc);
+          });
           copied_fix_l2_.push_back({l2, i});
         }
       }
@@ -178,7 +204,7 @@ class Checker {
     const auto& bi = img_.bitmaps();
     if (!bi || !(img_.header().autoclear_features & kAutoclearBitmaps)) return;
     if (bi->directory_size > (64ull << 20)) {
-      problem(true, "ERROR bitmap directory too large");
+      problem(true, [] { return std::string("ERROR bitmap directory too large"); });
       return;
     }
     inc(bi->directory_offset, bi->directory_size, "bitmap directory");
@@ -248,11 +274,10 @@ class Checker {
                                   " reference=" + std::to_string(want));
         if (repair_ != Repair::kNone) fixes.push_back({c, want});
       } else {
-        if (res_.messages.size() < kMaxCheckMessages)
-          problem(true, "ERROR cluster " + std::to_string(c) + " refcount=" + std::to_string(have) +
-                            " reference=" + std::to_string(want));
-        else
-          ++res_.corruptions;  // same count, no message built
+        problem(true, [&] {
+          return "ERROR cluster " + std::to_string(c) + " refcount=" + std::to_string(have) +
+                 " reference=" + std::to_string(want);
+        });
         // Without a refcount block there is nothing to repair (the loop below would skip it);
         // queueing millions of such clusters (references far beyond the file) took >256 MiB.
         if (repair_ == Repair::kAll && want <= geo_.refcount_max()) {
@@ -337,6 +362,7 @@ class Checker {
   bool bad_blocks_ = false;
   std::vector<uint64_t> copied_fix_l1_;
   std::vector<std::pair<uint64_t, uint64_t>> copied_fix_l2_;
+  std::vector<uint8_t> l2_buf_;
   CheckResult res_;
 };
 
