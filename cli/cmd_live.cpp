@@ -12,6 +12,7 @@
 
 #include "cli/commands.h"
 #include "cli/daemon.h"
+#include "cli/json.h"
 #include "cli/options.h"
 #include "plugin/config.h"
 #include "plugin/governor.h"
@@ -33,7 +34,7 @@ plugin::TimePoint mono_now() {
 
 constexpr const char* kUsage =
     "usage: qcommit live DOMAIN DISK [--top T] [--base B] [--budget 20ms] [--pivot]\n"
-    "                    [--strategy two-phase|direct] [--uri URI] [--dry-run]\n"
+    "                    [--strategy two-phase|direct] [--uri URI] [--dry-run] [--output=json]\n"
     "  Merges TOP (default: the disk's active layer) into BASE (default: the bottom of the chain)\n"
     "  on the running DOMAIN with libvirt block jobs, paced by the qcommitd governor so that the\n"
     "  guests on the same storage see at most BUDGET of added latency.\n"
@@ -43,9 +44,11 @@ constexpr const char* kUsage =
     "  --strategy direct: one active commit (QEMU's mirror: 16 x 1 MiB requests in flight).\n"
     "  --pivot    switch the disk to BASE when the active commit is ready (else it is left ready)\n"
     "  --dry-run  print the steps, change nothing\n"
+    "  --output=json  JSON lines on stdout: plan, step, progress (1/s) and result events\n"
     "  Refused while qcommitd answers on its socket (--daemon-socket PATH, default\n"
     "  /run/qcommit/qcommitd.sock): it would govern the same jobs.\n"
-    "examples:\n  qcommit live vm1 vda --pivot\n  qcommit live vm1 vda --dry-run --strategy direct\n";
+    "examples:\n  qcommit live vm1 vda --pivot\n  qcommit live vm1 vda --dry-run --strategy direct\n"
+    "  qcommit live vm1 vda --pivot --output=json | jq -c 'select(.event != \"progress\")'\n";
 
 }  // namespace
 
@@ -56,6 +59,7 @@ int cmd_live(const Args& args) {
   std::string budget = "20ms";
   bool dry_run = false;
   std::string daemon_socket = kDaemonSocket;
+  Output out = Output::kHuman;
   std::vector<std::string> pos;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
@@ -88,6 +92,8 @@ int cmd_live(const Args& args) {
       req.pivot = true;
     } else if (a == "--dry-run") {
       dry_run = true;
+    } else if (is("--output")) {
+      out = parse_output(value("--output"));
     } else if (is("--daemon-socket")) {
       daemon_socket = value("--daemon-socket");
     } else if (!a.empty() && a[0] == '-') {
@@ -155,10 +161,20 @@ int cmd_live(const Args& args) {
     std::fprintf(stderr, "qcommit live: %s\n", e.what());
     return kExitError;
   }
-  std::printf("qcommit live: %s %s, strategy %s, budget %s\n", req.domain.c_str(),
-              req.disk.c_str(), to_string(req.strategy), budget.c_str());
-  for (size_t i = 0; i < steps.size(); ++i)
-    std::printf("  %zu. %s\n", i + 1, steps[i].describe().c_str());
+  const bool json = out == Output::kJson;
+  if (json) {
+    std::string js = "{\"event\": \"plan\", \"domain\": " + json_string(req.domain) +
+                     ", \"disk\": " + json_string(req.disk) + ", \"strategy\": \"" +
+                     to_string(req.strategy) + "\", \"budget\": " + json_string(budget) +
+                     ", \"dry-run\": " + json_bool(dry_run) + ", \"steps\": [";
+    for (size_t i = 0; i < steps.size(); ++i) js += (i ? ", " : "") + json_string(steps[i].describe());
+    std::printf("%s]}\n", js.c_str());
+  } else {
+    std::printf("qcommit live: %s %s, strategy %s, budget %s\n", req.domain.c_str(),
+                req.disk.c_str(), to_string(req.strategy), budget.c_str());
+    for (size_t i = 0; i < steps.size(); ++i)
+      std::printf("  %zu. %s\n", i + 1, steps[i].describe().c_str());
+  }
   std::fflush(stdout);
   if (dry_run) return kExitOk;
 
@@ -191,13 +207,30 @@ int cmd_live(const Args& args) {
     (void)gov.step(now);
     if (merge.current() != shown_step && merge.current() < merge.steps().size()) {
       shown_step = merge.current();
-      std::printf("step %zu: %s\n", shown_step + 1, merge.steps()[shown_step].describe().c_str());
+      if (json)
+        std::printf("{\"event\": \"step\", \"step\": %zu, \"description\": %s}\n", shown_step + 1,
+                    json_string(merge.steps()[shown_step].describe()).c_str());
+      else
+        std::printf("step %zu: %s\n", shown_step + 1, merge.steps()[shown_step].describe().c_str());
       std::fflush(stdout);
     }
     if (now >= next_report) {
       next_report = now + std::chrono::seconds(1);
       const GovernorStatus st = gov.status(now);
       for (const auto& j : st.jobs) {
+        if (json) {
+          std::printf("{\"event\": \"progress\", \"type\": \"%s\", \"bytes-left\": %llu, "
+                      "\"speed\": %llu, \"window\": %llu, \"p99-ms\": %s, \"phase\": %s}\n",
+                      to_string(j.type), static_cast<unsigned long long>(j.bytes_left),
+                      static_cast<unsigned long long>(j.speed_bytes_per_s),
+                      static_cast<unsigned long long>(j.window_bytes),
+                      j.latency_p99 ? std::to_string(std::chrono::duration<double, std::milli>(
+                                                         *j.latency_p99).count()).c_str()
+                                    : "null",
+                      json_string(j.phase).c_str());
+          std::fflush(stdout);
+          continue;
+        }
         std::fprintf(stderr, "  %s: %llu bytes left, speed %.1f MiB/s, window %llu KiB, p99 %s, %s\n",
                      to_string(j.type), static_cast<unsigned long long>(j.bytes_left),
                      static_cast<double>(j.speed_bytes_per_s) / 1048576.0,
@@ -223,7 +256,11 @@ int cmd_live(const Args& args) {
     return kExitError;
   }
   gov.release_all();
-  if (merge.left_ready()) {
+  if (json) {
+    std::printf("{\"event\": \"result\", \"domain\": %s, \"disk\": %s, \"outcome\": \"%s\"}\n",
+                json_string(req.domain).c_str(), json_string(req.disk).c_str(),
+                merge.left_ready() ? "ready" : "done");
+  } else if (merge.left_ready()) {
     std::printf("qcommit live: active commit ready (mirroring); pivot with 'virsh blockjob %s %s "
                 "--pivot'\n", req.domain.c_str(), req.disk.c_str());
   } else {

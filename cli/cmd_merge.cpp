@@ -170,7 +170,11 @@ int cmd_merge(const Args& args) {
     };
     DomainMergeResult dr = merge_domain(req, note);
     if (dry_run) {
-      std::printf("would merge %s into %s (nothing written)\n", dr.top.c_str(), dr.base.c_str());
+      if (out == Output::kJson)
+        std::printf("{\"event\": \"dry-run\", \"top\": %s, \"base\": %s}\n", json_string(dr.top).c_str(),
+                    json_string(dr.base).c_str());
+      else
+        std::printf("would merge %s into %s (nothing written)\n", dr.top.c_str(), dr.base.c_str());
       return kExitOk;
     }
     for (auto& s : dr.snapshot_metadata_removed) note("removed metadata of snapshot '" + s + "'");

@@ -94,15 +94,21 @@ std::string svg_plot(const std::string& id, const std::string& title, const std:
 
 int cmd_report(const Args& args) {
   po::options_description opts("options");
-  std::string trace, out_path;
+  std::string trace, out_path, output = "human";
   opts.add_options()("trace", po::value(&trace)->required(), "CSV written by qcommit merge --trace")(
-      "output,o", po::value(&out_path)->required(), "the HTML file to write");
+      "html,o", po::value(&out_path), "the HTML file to write")(
+      "output", po::value(&output), "human or json: the summary printed on stdout");
   po::positional_options_description pos;
   pos.add("trace", 1);
   po::variables_map vm;
-  if (!parse(args, opts, pos, vm, "qcommit report TRACE.csv -o REPORT.html",
-             "examples:\n  qcommit merge top.qcow2 --trace t.csv && qcommit report t.csv -o t.html\n"))
+  if (!parse(args, opts, pos, vm, "qcommit report TRACE.csv [-o REPORT.html] [--output=json]",
+             "examples:\n  qcommit merge top.qcow2 --trace t.csv && qcommit report t.csv -o t.html\n"
+             "  qcommit report t.csv --output=json | jq '.\"probe-ms\".p99'\n"))
     return kExitOk;
+  if (output != "human" && output != "json")
+    throw UsageError("--output is the summary's format, human or json, not '" + output +
+                     "' (the HTML file is -o/--html FILE)");
+  const Output out = parse_output(output);
   std::ifstream in(trace);
   if (!in) throw std::runtime_error(trace + ": cannot open");
   std::string line;
@@ -144,29 +150,47 @@ int cmd_report(const Args& args) {
   const double done = rows.empty() ? 0 : rows.back()[col["bytes_done"]];
   const double secs = t.empty() ? 0 : t.back();
 
-  std::ostringstream html;
-  html << "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>qcommit merge report</title>\n"
-       << "<style>body{font-family:sans-serif;margin:2em;color:#222} table{border-collapse:collapse}"
-       << " td,th{border:1px solid #ccc;padding:4px 10px;text-align:right} .plot{display:block;margin:1em 0}</style>"
-       << "</head><body>\n<h1>qcommit merge report</h1>\n<p>trace: " << html_escape(trace) << "</p>\n"
-       << "<table><tr><th>duration</th><th>copied</th><th>mean rate</th><th>probe p50</th><th>probe p99</th>"
-       << "<th>probe max</th></tr><tr>";
-  char b[256];
-  std::snprintf(b, sizeof b, "<td>%.1f s</td><td>%.1f MiB</td><td>%.1f MiB/s</td><td>%.2f ms</td><td>%.2f ms</td><td>%.2f ms</td>",
-                secs, done * mib, secs > 0 ? done * mib / secs : 0, pct(0.5), pct(0.99), fg_sorted.empty() ? 0 : fg_sorted.back());
-  html << b << "</tr></table>\n";
-  html << svg_plot("latency", "Latency over time", "ms", t,
-                   {{"probe / foreground max per tick", "#c0392b", fg},
-                    {"queueing delay (controller)", "#2980b9", column("queue_delay_ms", 1)}});
-  html << svg_plot("rate", "Rate and window over time", "MiB/s  |  MiB", t,
-                   {{"pacing rate (MiB/s)", "#27ae60", column("rate_bytes_per_s", mib)},
-                    {"window (MiB)", "#8e44ad", column("window_bytes", mib)}});
-  html << "</body></html>\n";
-  std::ofstream out(out_path, std::ios::trunc);
-  out << html.str();
-  out.close();
-  if (!out) throw std::runtime_error(out_path + ": cannot write");
-  std::printf("%s\n", out_path.c_str());
+  const double mean_rate = secs > 0 ? done / secs : 0;
+  const double p50 = pct(0.5), p99 = pct(0.99), pmax = fg_sorted.empty() ? 0 : fg_sorted.back();
+
+  if (!out_path.empty()) {
+    std::ostringstream html;
+    html << "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>qcommit merge report</title>\n"
+         << "<style>body{font-family:sans-serif;margin:2em;color:#222} table{border-collapse:collapse}"
+         << " td,th{border:1px solid #ccc;padding:4px 10px;text-align:right} .plot{display:block;margin:1em 0}</style>"
+         << "</head><body>\n<h1>qcommit merge report</h1>\n<p>trace: " << html_escape(trace) << "</p>\n"
+         << "<table><tr><th>duration</th><th>copied</th><th>mean rate</th><th>probe p50</th><th>probe p99</th>"
+         << "<th>probe max</th></tr><tr>";
+    char b[256];
+    std::snprintf(b, sizeof b, "<td>%.1f s</td><td>%.1f MiB</td><td>%.1f MiB/s</td><td>%.2f ms</td><td>%.2f ms</td><td>%.2f ms</td>",
+                  secs, done * mib, mean_rate * mib, p50, p99, pmax);
+    html << b << "</tr></table>\n";
+    html << svg_plot("latency", "Latency over time", "ms", t,
+                     {{"probe / foreground max per tick", "#c0392b", fg},
+                      {"queueing delay (controller)", "#2980b9", column("queue_delay_ms", 1)}});
+    html << svg_plot("rate", "Rate and window over time", "MiB/s  |  MiB", t,
+                     {{"pacing rate (MiB/s)", "#27ae60", column("rate_bytes_per_s", mib)},
+                      {"window (MiB)", "#8e44ad", column("window_bytes", mib)}});
+    html << "</body></html>\n";
+    std::ofstream f(out_path, std::ios::trunc);
+    f << html.str();
+    f.close();
+    if (!f) throw std::runtime_error(out_path + ": cannot write");
+  }
+  if (out == Output::kJson) {
+    char b[512];
+    std::snprintf(b, sizeof b,
+                  ", \"rows\": %zu, \"duration-seconds\": %.3f, \"copied-bytes\": %.0f"
+                  ", \"mean-rate-bytes-per-second\": %.0f"
+                  ", \"probe-ms\": {\"p50\": %.3f, \"p99\": %.3f, \"max\": %.3f}}\n",
+                  rows.size(), secs, done, mean_rate, p50, p99, pmax);
+    std::printf("{\"trace\": %s, \"html\": %s%s", json_string(trace).c_str(),
+                out_path.empty() ? "null" : json_string(out_path).c_str(), b);
+  } else {
+    std::printf("%s: %.1f s, %.1f MiB copied at %.1f MiB/s; probe p50 %.2f ms, p99 %.2f ms, max %.2f ms\n",
+                trace.c_str(), secs, done * mib, mean_rate * mib, p50, p99, pmax);
+    if (!out_path.empty()) std::printf("%s\n", out_path.c_str());
+  }
   return kExitOk;
 }
 

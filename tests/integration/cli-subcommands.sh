@@ -1,0 +1,148 @@
+#!/usr/bin/env bash
+# cli.subcommands: every subcommand `qcommit --help` lists has `--help` with examples and an
+# `--output=json` whose output is valid JSON (one document, or JSON lines for the streaming
+# commands merge and live), checked with python3 -m json.tool and jq. A subcommand added to the
+# list without a case here fails the test. libvirt-facing commands use libvirt's test driver
+# (test:///FILE: a running domain "vm one" whose disk has a backing chain), no libvirtd needed.
+# usage: cli-subcommands.sh QCOMMIT QCOMMITD
+set -euo pipefail
+QCOMMIT=$(realpath "$1")
+QCOMMITD=$(realpath "$2")
+work=$(mktemp -d "${TMPDIR:-/var/tmp}/qcommit-cli.XXXXXX")
+daemon=
+cleanup() {
+  [[ -z $daemon ]] || kill "$daemon" 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+cd "$work"
+fail() { echo "cli.subcommands: $*" >&2; exit 1; }
+
+# One JSON document on stdout.
+json_doc() {  # json_doc NAME FILE
+  python3 -m json.tool "$2" >/dev/null || fail "$1: not one JSON document: $(head -c 300 "$2")"
+  [[ $(jq -s length "$2") == 1 ]] || fail "$1: more than one JSON value"
+}
+# A bad --output value is a usage error (exit 2) before anything runs, never ignored.
+bad_output() {  # bad_output CMD ARGS...
+  local rc=0
+  "$QCOMMIT" "$@" --output=xml >/dev/null 2>bad.err </dev/null || rc=$?
+  [[ $rc == 2 ]] || fail "$1 --output=xml: exit $rc, expected 2"
+  grep -q -- 'output' bad.err || fail "$1 --output=xml: the error does not name --output: $(cat bad.err)"
+}
+# JSON lines: every line one JSON value.
+json_lines() {  # json_lines NAME FILE
+  [[ -s $2 ]] || fail "$1: no output"
+  while IFS= read -r line; do
+    printf '%s' "$line" | python3 -m json.tool >/dev/null || fail "$1: line is not JSON: $line"
+  done <"$2"
+  [[ $(jq -s length "$2") == $(wc -l <"$2") ]] || fail "$1: one JSON value per line expected"
+}
+
+qemu-img create -q -f qcow2 base.qcow2 64M
+qemu-io -c 'write -P 1 0 4M' base.qcow2 >/dev/null
+qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2
+qemu-io -c 'write -P 2 1M 2M' top.qcow2 >/dev/null
+for n in m r; do
+  qemu-img create -q -f qcow2 $n-base.qcow2 64M
+  qemu-img create -q -f qcow2 -b $n-base.qcow2 -F qcow2 $n-top.qcow2
+  qemu-io -c 'write -P 3 0 16M' $n-top.qcow2 >/dev/null
+done
+cat >node.xml <<EOF
+<node>
+  <domain type='test'>
+    <name>vm one</name>
+    <memory>65536</memory>
+    <os><type>hvm</type></os>
+    <devices>
+      <disk type='file' device='disk'>
+        <driver name='qemu' type='qcow2'/>
+        <source file='$work/top.qcow2'/>
+        <backingStore type='file'>
+          <format type='qcow2'/>
+          <source file='$work/base.qcow2'/>
+          <backingStore/>
+        </backingStore>
+        <target dev='vda' bus='virtio'/>
+      </disk>
+    </devices>
+  </domain>
+</node>
+EOF
+uri="test://$work/node.xml"
+# A shut-off domain for merge --domain --dry-run.
+sed -e "s|<domain type='test'>|<domain type='test' xmlns:test='http://libvirt.org/schemas/domain/test/1.0'>|" \
+    -e 's|<name>vm one</name>|<name>vm off</name>|' -e 's|</devices>|</devices><test:runstate>5</test:runstate>|' \
+    node.xml >node-off.xml
+
+mapfile -t cmds < <("$QCOMMIT" --help | sed -n '/^commands:/,/^$/p' | awk '/^  [a-z]/ {print $1}')
+((${#cmds[@]} >= 10)) || fail "qcommit --help lists only ${#cmds[@]} commands: ${cmds[*]}"
+for cmd in "${cmds[@]}"; do
+  # --help: exit 0, an examples section with at least one full command line, --output listed.
+  "$QCOMMIT" "$cmd" --help >help.txt || fail "$cmd --help exited non-zero"
+  grep -q '^examples:' help.txt || fail "$cmd --help has no examples"
+  grep -q "^  qcommit $cmd" help.txt || fail "$cmd --help examples do not show 'qcommit $cmd ...'"
+  grep -q -- '--output' help.txt || fail "$cmd --help does not mention --output"
+
+  out=$cmd.json
+  case $cmd in
+    info) bad_output info top.qcow2
+          "$QCOMMIT" info top.qcow2 --output=json >"$out"; json_doc "$cmd" "$out"
+          [[ $(jq -r '.chain | length' "$out") == 2 ]] || fail "info: chain of 2 expected" ;;
+    map) bad_output map top.qcow2
+         "$QCOMMIT" map top.qcow2 --output=json >"$out"; json_doc "$cmd" "$out"
+         [[ $(jq -r 'type' "$out") == array ]] || fail "map: array expected" ;;
+    check) bad_output check base.qcow2
+           "$QCOMMIT" check base.qcow2 --output=json >"$out"; json_doc "$cmd" "$out"
+           [[ $(jq -r '.corruptions' "$out") == 0 ]] || fail "check: corruptions in a fresh image" ;;
+    plan) bad_output plan top.qcow2
+          "$QCOMMIT" plan top.qcow2 --output=json >"$out"; json_doc "$cmd" "$out"
+          [[ $(jq -r '."data-bytes"' "$out") == $((2 << 20)) ]] || fail "plan: 2 MiB to copy expected" ;;
+    merge) bad_output merge m-top.qcow2 --budget off
+           "$QCOMMIT" merge m-top.qcow2 --budget off --output=json >"$out"; json_lines "$cmd" "$out"
+           [[ $(tail -1 "$out" | jq -r '.event + " " + (.copied | tostring)') == "result $((16 << 20))" ]] ||
+             fail "merge: last line is not the result of a 16 MiB merge: $(tail -1 "$out")"
+           "$QCOMMIT" merge --domain "vm off" --disk vda --uri "test://$work/node-off.xml" --dry-run \
+             --output=json >"$out" 2>/dev/null
+           json_lines "$cmd --dry-run" "$out"
+           [[ $(jq -r '.event + " " + .base' "$out") == "dry-run $work/base.qcow2" ]] ||
+             fail "merge --dry-run: $(cat "$out")" ;;
+    report) "$QCOMMIT" merge r-top.qcow2 --budget 20ms --trace trace.csv >/dev/null 2>&1
+            bad_output report trace.csv
+            "$QCOMMIT" report trace.csv -o r.html --output=json >"$out"; json_doc "$cmd" "$out"
+            [[ -s r.html ]] || fail "report: -o r.html wrote nothing"
+            rows=$(($(wc -l <trace.csv) - 1))
+            [[ $(jq -r '.rows' "$out") == "$rows" ]] || fail "report: rows $(jq .rows "$out") != $rows"
+            done_col=$(head -1 trace.csv | tr ',' '\n' | grep -nx bytes_done | cut -d: -f1)
+            last_done=$(tail -1 trace.csv | cut -d, -f"$done_col")
+            ((last_done > 0)) && [[ $(jq -r '."copied-bytes"' "$out") == "$last_done" ]] ||
+              fail "report: copied-bytes $(jq '."copied-bytes"' "$out") != the trace's last bytes_done $last_done"
+            # Without -o: the summary only; --output FILE (the old spelling) is a usage error.
+            "$QCOMMIT" report trace.csv --output=json >"$out"; json_doc "$cmd (no -o)" "$out"
+            [[ $(jq -r '.html' "$out") == null ]] || fail "report: html should be null without -o"
+            rc=0; "$QCOMMIT" report trace.csv --output r.html 2>err.txt || rc=$?
+            [[ $rc == 2 ]] && grep -q -- '-o/--html' err.txt || fail "report --output FILE: rc $rc, $(cat err.txt)" ;;
+    demo) bad_output demo
+          "$QCOMMIT" demo --output=json >"$out"; json_doc "$cmd" "$out"
+          [[ $(jq -r '.passed' "$out") == true ]] || fail "demo: not passed"
+          [[ $(jq -r '.merge.event' "$out") == result ]] || fail "demo: no merge result" ;;
+    status) bad_output status --socket "$work/qcd.sock"
+            "$QCOMMITD" --uri "$uri" --socket "$work/qcd.sock" 2>qcd.log &
+            daemon=$!
+            for _ in $(seq 50); do [[ -S $work/qcd.sock ]] && break; sleep 0.1; done
+            "$QCOMMIT" status --socket "$work/qcd.sock" --output=json >"$out"; json_doc "$cmd" "$out"
+            [[ $(jq -r '.ok' "$out") == true ]] || fail "status: ok is not true"
+            kill "$daemon"; wait "$daemon" || true; daemon= ;;
+    doctor) bad_output doctor --uri "$uri"
+            "$QCOMMIT" doctor --uri "$uri" --socket "$work/none.sock" --output=json >"$out" 2>doctor.err ||
+              [[ $? == 1 ]] || fail "doctor exited with $?"
+            json_doc "$cmd" "$out" ;;
+    live) bad_output live "vm one" vda --uri "$uri" --dry-run
+          "$QCOMMIT" live "vm one" vda --uri "$uri" --dry-run --output=json >"$out"; json_lines "$cmd" "$out"
+          [[ $(jq -r '.event + " " + .domain' "$out") == "plan vm one" ]] || fail "live: no plan event"
+          (($(jq -r '.steps | length' "$out") >= 1)) || fail "live: plan without steps" ;;
+    *) fail "new subcommand '$cmd': add its --output=json case to this test" ;;
+  esac
+  echo "$cmd: --help with examples, --output=json valid"
+done
+echo "cli.subcommands: OK (${#cmds[@]} subcommands)"
