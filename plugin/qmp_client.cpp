@@ -161,7 +161,12 @@ QmpClient::QmpClient(UniqueFd fd, std::string label, QmpOptions opt)
     throw QmpError(label_ + ": not a QMP monitor: its first message has no \"QMP\" greeting");
   }
   greeting_ = *msg;
-  (void)execute("qmp_capabilities");
+  try {
+    (void)execute("qmp_capabilities");
+  } catch (const QmpCommandError& e) {
+    fd_.reset();
+    throw QmpError(label_ + ": capability negotiation refused: " + e.description);
+  }
 }
 
 void QmpClient::fail(const std::string& what) {

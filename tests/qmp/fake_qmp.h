@@ -52,11 +52,13 @@ class FakeQmp {
  public:
   static constexpr const char* kClose = "\x01close";  // handler result: hang up
 
-  // `handler` gets every command but qmp_capabilities (answered with {}), returns the bytes to
-  // send.  `greeting` is sent on accept ("" = nothing).
+  // `handler` gets every command but qmp_capabilities (answered with {} unless
+  // `handle_capabilities`), returns the bytes to send.  `greeting` is sent on accept ("" =
+  // nothing).
   explicit FakeQmp(std::function<std::string(const json::Value&)> handler,
-                   std::string greeting = kGreeting)
-      : handler_(std::move(handler)), greeting_(std::move(greeting)) {
+                   std::string greeting = kGreeting, bool handle_capabilities = false)
+      : handler_(std::move(handler)), greeting_(std::move(greeting)),
+        handle_capabilities_(handle_capabilities) {
     char tmpl[] = "/tmp/qcommit-qmp-XXXXXX";
     if (!::mkdtemp(tmpl)) throw std::runtime_error("mkdtemp");
     dir_ = tmpl;
@@ -157,7 +159,8 @@ class FakeQmp {
             received_.push_back(*cmd);
           }
           const std::string out =
-              command_name(*cmd) == "qmp_capabilities" ? reply(*cmd) : handler_(*cmd);
+              command_name(*cmd) == "qmp_capabilities" && !handle_capabilities_ ? reply(*cmd)
+                                                                               : handler_(*cmd);
           if (out == kClose) {
             ::close(client);
             client = -1;
@@ -172,6 +175,7 @@ class FakeQmp {
 
   std::function<std::string(const json::Value&)> handler_;
   std::string greeting_;
+  bool handle_capabilities_ = false;
   std::string dir_, path_;
   int listen_ = -1;
   int stop_[2] = {-1, -1};

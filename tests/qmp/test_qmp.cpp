@@ -181,6 +181,13 @@ TEST_CASE("qmp.client.not_a_monitor") {
     const std::string e = error_of([&] { (void)QmpClient::connect(srv.path(), o); });
     CHECK(contains(e, "larger than 4096 bytes"));
   }
+  {
+    FakeQmp srv([](const json::Value& cmd) {
+      return error_reply(cmd, "CommandNotFound", "Capabilities negotiation is already complete");
+    }, kGreeting, true);
+    const std::string e = error_of([&] { (void)QmpClient::connect(srv.path(), quick()); });
+    CHECK(e == srv.path() + ": capability negotiation refused: Capabilities negotiation is already complete");
+  }
   const std::string missing = "/nonexistent-dir/qmp.sock";
   CHECK(error_of([&] { (void)QmpClient::connect(missing, quick()); }) ==
         missing + ": cannot connect: No such file or directory");
