@@ -22,12 +22,13 @@ void usage(FILE* f) {
       "  plan TOP [--base B]          what a merge would do (bytes, zeros, switch-over, ETA)\n"
       "  check IMAGE [--repair]       consistency check (like qemu-img check)\n"
       "  doctor [DOMAIN]              what on this host makes merges stall guests, and why\n"
-      "  report TRACE.csv -o F.html   self-contained HTML plots of a merge --trace\n"
+      "  report TRACE.csv [-o F.html] summary and self-contained HTML plots of a merge --trace\n"
       "  status [--output=json]       block jobs governed by qcommitd\n"
       "  live DOMAIN DISK [--pivot]   governed block commit of a running domain's disk\n"
-      "  demo                         build a small qcow2 chain, merge it and verify it\n"
+      "  demo [--output=json]         build a small qcow2 chain, merge it and verify it\n"
       "\n"
-      "Run 'qcommit COMMAND --help' for the options of one command.\n",
+      "Every command takes --output=json. Run 'qcommit COMMAND --help' for the options and\n"
+      "examples of one command; 'qcommit --version' prints the version.\n",
       f);
 }
 
@@ -52,6 +53,10 @@ int main(int argc, char** argv) {
     if (cmd == "report") return cmd_report(args);
     if (cmd == "status") return cmd_status(args);
     if (cmd == "live") return cmd_live(args);
+    if (cmd == "--version" || cmd == "version") {
+      std::printf("qcommit %s\n", QCOMMIT_VERSION);
+      return kExitOk;
+    }
     if (cmd == "-h" || cmd == "--help" || cmd == "help") {
       usage(stdout);
       return kExitOk;

@@ -29,7 +29,7 @@ void on_signal(int) { g_stop = true; }
 
 void usage(FILE* f) {
   std::fputs(
-      "usage: qcommitd [--config PATH] [--uri URI] [--socket PATH] [--trace FILE]\n"
+      "usage: qcommitd [--config PATH] [--uri URI] [--socket PATH] [--trace FILE] [--version]\n"
       "  --config PATH   policy file (default /etc/qcommit/qcommitd.conf; missing = defaults)\n"
       "  --uri URI       libvirt connection (default qemu:///system)\n"
       "  --socket PATH   control socket (default /run/qcommit/qcommitd.sock)\n"
@@ -74,6 +74,9 @@ int main(int argc, char** argv) {
     };
     if (a == "-h" || a == "--help") {
       usage(stdout);
+      return 0;
+    } else if (a == "--version") {
+      std::printf("qcommitd %s\n", QCOMMIT_VERSION);
       return 0;
     } else if (a.rfind("--config", 0) == 0) {
       config_path = value("--config");

@@ -75,6 +75,9 @@ sed -e "s|<domain type='test'>|<domain type='test' xmlns:test='http://libvirt.or
     -e 's|<name>vm one</name>|<name>vm off</name>|' -e 's|</devices>|</devices><test:runstate>5</test:runstate>|' \
     node.xml >node-off.xml
 
+[[ $("$QCOMMIT" --version) =~ ^qcommit\ [0-9]+\.[0-9]+\.[0-9]+$ ]] || fail "qcommit --version: $("$QCOMMIT" --version)"
+[[ $("$QCOMMITD" --version) =~ ^qcommitd\ [0-9]+\.[0-9]+\.[0-9]+$ ]] || fail "qcommitd --version"
+"$QCOMMITD" --help | grep -q '^examples:' || fail "qcommitd --help has no examples"
 mapfile -t cmds < <("$QCOMMIT" --help | sed -n '/^commands:/,/^$/p' | awk '/^  [a-z]/ {print $1}')
 ((${#cmds[@]} >= 10)) || fail "qcommit --help lists only ${#cmds[@]} commands: ${cmds[*]}"
 for cmd in "${cmds[@]}"; do
