@@ -260,11 +260,16 @@ void Governor::adopt(const DomainInfo& dom, const DiskInfo& disk, const JobInfo&
   std::string storage =
       target.empty() ? storage_key(disk.source, disk.device, &pool)
                      : storage_key(target, file ? file->device() : std::nullopt, &pool);
-  Policy policy = policy_for_pool(cfg_, pool ? &pool->name : nullptr, pool ? &pool->uuid : nullptr);
-  std::string policy_error;
-  if (dom.policy_xml) {
-    if (auto e = apply_domain_override(*dom.policy_xml, policy)) policy_error = *e;
+  // The same order as an offline merge's (qcommit merge): domain metadata, pool, [default].
+  PolicyQuery query;
+  if (pool) {
+    query.pool_name = pool->name;
+    query.pool_uuid = pool->uuid;
   }
+  query.domain_policy_xml = dom.policy_xml;
+  const PolicyResolution resolved = resolve_policy(cfg_, query);
+  const Policy policy = resolved.policy;
+  const std::string policy_error = resolved.metadata_error.value_or("");
   auto j = std::make_unique<Job>(k, policy);
   j->type = info.type;
   j->target = target;
