@@ -16,6 +16,7 @@
 #include "cli/process.h"
 #include "cli/units.h"
 #include "cli/xml.h"
+#include "plugin/libvirt_handles.h"
 
 namespace qcommit::cli {
 
@@ -149,22 +150,17 @@ int cmd_doctor(const Args& args) {
                       : "virsh blockcommit jobs run unthrottled: start qcommitd (systemctl start qcommitd)"});
 
   // Domains.
-  std::unique_ptr<virConnect, decltype(&virConnectClose)> conn(virConnectOpenReadOnly(uri.c_str()), &virConnectClose);
+  plugin::lv::Conn conn(virConnectOpenReadOnly(uri.c_str()));
   if (!conn) {
     f.push_back({"info", "libvirt", "cannot connect to " + uri, "domain checks skipped"});
   } else if (!domain.empty()) {
-    virDomainPtr d = virDomainLookupByName(conn.get(), domain.c_str());
+    plugin::lv::Domain d(virDomainLookupByName(conn.get(), domain.c_str()));
     if (!d) throw std::runtime_error("domain " + domain + ": not found");
-    check_domain(d, f);
-    virDomainFree(d);
+    check_domain(d.get(), f);
   } else {
     virDomainPtr* doms = nullptr;
-    int n = virConnectListAllDomains(conn.get(), &doms, VIR_CONNECT_LIST_DOMAINS_ACTIVE);
-    for (int i = 0; i < n; ++i) {
-      check_domain(doms[i], f);
-      virDomainFree(doms[i]);
-    }
-    free(doms);
+    const int n = virConnectListAllDomains(conn.get(), &doms, VIR_CONNECT_LIST_DOMAINS_ACTIVE);
+    for (auto& d : plugin::lv::take_list<plugin::lv::Domain>(doms, n)) check_domain(d.get(), f);
   }
 
   if (out == Output::kJson) {

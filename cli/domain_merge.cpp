@@ -20,6 +20,7 @@
 
 #include "qcow2/chain.h"
 #include "cli/xml.h"
+#include "plugin/libvirt_handles.h"
 #include "qcow2/error.h"
 
 namespace qcommit::cli {
@@ -30,20 +31,14 @@ using qcow2::Error;
 namespace {
 
 // --- RAII for libvirt and libxml2 handles ----------------------------------------------------
-struct ConnFree { void operator()(virConnectPtr p) const { virConnectClose(p); } };
-struct DomFree { void operator()(virDomainPtr p) const { virDomainFree(p); } };
-struct SnapFree { void operator()(virDomainSnapshotPtr p) const { virDomainSnapshotFree(p); } };
-struct PoolFree { void operator()(virStoragePoolPtr p) const { virStoragePoolFree(p); } };
-struct VolFree { void operator()(virStorageVolPtr p) const { virStorageVolFree(p); } };
+using Conn = plugin::lv::Conn;
+using Dom = plugin::lv::Domain;
+using Snap = plugin::lv::Snapshot;
+using Pool = plugin::lv::Pool;
+using Vol = plugin::lv::Vol;
+using CStr = plugin::lv::CString;
 struct DocFree { void operator()(xmlDocPtr p) const { xmlFreeDoc(p); } };
-struct CharFree { void operator()(char* p) const { std::free(p); } };
-using Conn = std::unique_ptr<virConnect, ConnFree>;
-using Dom = std::unique_ptr<virDomain, DomFree>;
-using Snap = std::unique_ptr<virDomainSnapshot, SnapFree>;
-using Pool = std::unique_ptr<virStoragePool, PoolFree>;
-using Vol = std::unique_ptr<virStorageVol, VolFree>;
 using Doc = std::unique_ptr<xmlDoc, DocFree>;
-using CStr = std::unique_ptr<char, CharFree>;
 
 // Test-only seam: QCOMMIT_TEST_KILL_AT=<point> makes this process SIGKILL itself at that named
 // point of a domain merge, so tests can crash it between the steps a re-run must finish
@@ -107,9 +102,8 @@ std::string volume_path(virConnectPtr conn, const std::string& pool, const std::
 std::vector<Pool> pools_holding(virConnectPtr conn, const std::string& file) {
   std::vector<Pool> out;
   virStoragePoolPtr* pools = nullptr;
-  int n = virConnectListAllStoragePools(conn, &pools, VIR_CONNECT_LIST_STORAGE_POOLS_ACTIVE);
-  for (int i = 0; i < n; ++i) {
-    Pool p(pools[i]);
+  const int n = virConnectListAllStoragePools(conn, &pools, VIR_CONNECT_LIST_STORAGE_POOLS_ACTIVE);
+  for (Pool& p : plugin::lv::take_list<Pool>(pools, n)) {
     CStr xml(virStoragePoolGetXMLDesc(p.get(), 0));
     if (!xml) continue;
     Doc d = parse_xml(xml.get(), "pool");
@@ -122,7 +116,6 @@ std::vector<Pool> pools_holding(virConnectPtr conn, const std::string& file) {
     auto rel = fs::path(canonical(file)).lexically_relative(dir);
     if (!rel.empty() && *rel.begin() != "..") out.push_back(std::move(p));
   }
-  std::free(pools);
   return out;
 }
 
@@ -354,10 +347,9 @@ DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(
     // exist: remove it the way `virsh snapshot-delete` of an external snapshot leaves things.
     // Decide before writing anything; refuse what cannot be kept consistent.
     virDomainSnapshotPtr* snaps = nullptr;
-    int ns = virDomainListAllSnapshots(dom.get(), &snaps, 0);
+    const int ns = virDomainListAllSnapshots(dom.get(), &snaps, 0);
     std::vector<std::string> affected, problems;
-    for (int i = 0; i < ns; ++i) {
-      Snap s(snaps[i]);
+    for (Snap& s : plugin::lv::take_list<Snap>(snaps, ns)) {
       CStr sx(virDomainSnapshotGetXMLDesc(s.get(), 0));
       if (!sx) continue;
       Doc sd = parse_xml(sx.get(), "snapshot");
@@ -376,7 +368,6 @@ DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(
         problems.push_back("snapshot '" + name + "' has saved memory state that needs the merged disk state");
       affected.push_back(name);
     }
-    std::free(snaps);
     if (!problems.empty()) {
       std::string all;
       for (auto& p : problems) all += (all.empty() ? "" : "; ") + p;

@@ -12,26 +12,15 @@
 #include <memory>
 
 #include "plugin/config.h"
+#include "plugin/libvirt_handles.h"
 
 namespace qcommit::plugin {
 namespace {
 
-struct DomainDeleter {
-  void operator()(virDomainPtr d) const { virDomainFree(d); }
-};
-struct PoolDeleter {
-  void operator()(virStoragePoolPtr p) const { virStoragePoolFree(p); }
-};
-struct VolDeleter {
-  void operator()(virStorageVolPtr v) const { virStorageVolFree(v); }
-};
-struct CFree {
-  void operator()(void* p) const { std::free(p); }
-};
-using Domain = std::unique_ptr<virDomain, DomainDeleter>;
-using Pool = std::unique_ptr<virStoragePool, PoolDeleter>;
-using Vol = std::unique_ptr<virStorageVol, VolDeleter>;
-using CString = std::unique_ptr<char, CFree>;
+using lv::CString;
+using lv::Domain;
+using lv::Pool;
+using lv::Vol;
 
 void silent_error(void*, virErrorPtr) {}
 
@@ -213,9 +202,7 @@ std::vector<DomainInfo> LibvirtHypervisor::running_domains() {
     check_alive();
     return {};
   }
-  std::vector<Domain> doms;
-  for (int i = 0; i < n; ++i) doms.emplace_back(list[i]);
-  std::free(list);
+  std::vector<Domain> doms = lv::take_list<Domain>(list, n);
   std::vector<DomainInfo> out;
   for (auto& d : doms) {
     if (auto info = describe(d.get())) out.push_back(std::move(*info));
@@ -294,7 +281,7 @@ void LibvirtHypervisor::create_overlay(const std::string& domain, const std::str
       VIR_DOMAIN_SNAPSHOT_CREATE_DISK_ONLY | VIR_DOMAIN_SNAPSHOT_CREATE_NO_METADATA |
           VIR_DOMAIN_SNAPSHOT_CREATE_ATOMIC);
   if (!snap) throw_job_error(domain + " " + disk + ": external overlay " + overlay_path);
-  virDomainSnapshotFree(snap);
+  lv::Snapshot release(snap);
 }
 
 bool LibvirtHypervisor::pivot(const std::string& domain, const std::string& disk) {
@@ -322,9 +309,7 @@ std::vector<PoolInfo> LibvirtHypervisor::pools() {
     check_alive();
     return {};
   }
-  std::vector<Pool> pools;
-  for (int i = 0; i < n; ++i) pools.emplace_back(list[i]);
-  std::free(list);
+  std::vector<Pool> pools = lv::take_list<Pool>(list, n);
   std::vector<PoolInfo> out;
   for (auto& p : pools) {
     PoolInfo info;
