@@ -1,13 +1,19 @@
 // qcommit live DOMAIN DISK: a governed merge of a running domain's disk, started by qcommit.
-// Glue: options, the libvirt event loop and progress output.  The job order is plugin/live.cpp,
-// the pacing is plugin/governor.cpp (the same policy qcommitd applies), run in-process.
+// qcommit live --qmp SOCKET DISK: the same on a QEMU that libvirt does not manage, over QMP.
+// Glue: options, the event loop (libvirt's or the QMP socket's) and progress output.  The job
+// order is plugin/live.cpp, the pacing is plugin/governor.cpp (the same policy qcommitd
+// applies), run in-process.
 #include <libvirt/libvirt.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
+#include <functional>
+#include <memory>
 #include <string>
 
 #include "cli/commands.h"
@@ -18,6 +24,7 @@
 #include "plugin/governor.h"
 #include "plugin/libvirt_hypervisor.h"
 #include "plugin/live.h"
+#include "plugin/qmp_hypervisor.h"
 #include "plugin/writeback.h"
 
 namespace qcommit::cli {
@@ -35,6 +42,7 @@ plugin::TimePoint mono_now() {
 constexpr const char* kUsage =
     "usage: qcommit live DOMAIN DISK [--top T] [--base B] [--budget 20ms] [--pivot]\n"
     "                    [--strategy two-phase|direct] [--uri URI] [--dry-run] [--output=json]\n"
+    "       qcommit live --qmp SOCKET DISK [--top T] [--base B] [--budget 20ms] [--pivot] ...\n"
     "  Merges TOP (default: the disk's active layer) into BASE (default: the bottom of the chain)\n"
     "  on the running DOMAIN with libvirt block jobs, paced by the qcommitd governor so that the\n"
     "  guests on the same storage see at most BUDGET of added latency.\n"
@@ -45,10 +53,57 @@ constexpr const char* kUsage =
     "  --pivot    switch the disk to BASE when the active commit is ready (else it is left ready)\n"
     "  --dry-run  print the steps, change nothing\n"
     "  --output=json  JSON lines on stdout: plan, step, progress (1/s) and result events\n"
+    "  --qmp SOCKET   a QEMU that libvirt does not manage (e.g. Proxmox VE's\n"
+    "             /var/run/qemu-server/ID.qmp), driven over its QMP monitor. DISK: a drive id,\n"
+    "             device id, node name or the active layer's path; the domain name comes from\n"
+    "             query-name, else the socket's file name. QEMU serves one QMP client per\n"
+    "             socket: its other clients wait until qcommit live ends.\n"
     "  Refused while qcommitd answers on its socket (--daemon-socket PATH, default\n"
     "  /run/qcommit/qcommitd.sock): it would govern the same jobs.\n"
     "examples:\n  qcommit live vm1 vda --pivot\n  qcommit live vm1 vda --dry-run --strategy direct\n"
-    "  qcommit live vm1 vda --pivot --output=json | jq -c 'select(.event != \"progress\")'\n";
+    "  qcommit live vm1 vda --pivot --output=json | jq -c 'select(.event != \"progress\")'\n"
+    "  qcommit live --qmp /var/run/qemu-server/100.qmp drive-scsi0 --pivot\n";
+
+// `--qmp`: QEMU serves its QMP socket until it exits, so a connection that cannot be
+// re-established for this long means QEMU is gone.
+constexpr auto kQmpReconnectGiveUp = std::chrono::seconds(10);
+constexpr auto kEventWait = std::chrono::milliseconds(20);
+
+// A --top/--base path as the chain spells it, also when given relative or through symlinks (the
+// chain holds the paths QEMU opened).
+std::string as_in_chain(const std::string& path, const plugin::DiskInfo& disk) {
+  std::vector<std::string> chain{disk.source};
+  chain.insert(chain.end(), disk.backing_chain.begin(), disk.backing_chain.end());
+  if (path.empty() || std::find(chain.begin(), chain.end(), path) != chain.end()) return path;
+  auto real = [](const std::string& p) -> std::string {
+    char* r = ::realpath(p.c_str(), nullptr);
+    if (!r) return "";
+    std::string out = r;
+    std::free(r);
+    return out;
+  };
+  const std::string want = real(path);
+  for (const auto& c : chain)
+    if (!want.empty() && real(c) == want) return c;
+  return path;
+}
+
+// What differs between the libvirt and the QMP backend while the merge runs.
+struct LiveBackend {
+  plugin::Hypervisor& hv;
+  plugin::BlockJobControl& ctl;
+  std::function<bool()> wait_events;  // runs the event loop for ~kEventWait; false: broken
+  std::string job_hint;               // where to look at a job left running
+  std::string pivot_hint;             // how to pivot a job left ready
+  // --qmp: give up when the connection stays lost this long; libvirt: wait for libvirtd.
+  std::optional<plugin::Duration> give_up_after;
+  std::function<std::string()> lost_message;
+  std::function<std::string()> job_error;  // QEMU's last job error, "" when none
+};
+
+int run_live(LiveBackend& be, const plugin::LiveRequest& req,
+             const std::vector<plugin::LiveStep>& steps, const plugin::DaemonConfig& cfg,
+             bool json);
 
 }  // namespace
 
@@ -59,6 +114,8 @@ int cmd_live(const Args& args) {
   std::string budget = "20ms";
   bool dry_run = false;
   std::string daemon_socket = kDaemonSocket;
+  std::string qmp;
+  bool uri_given = false;
   Output out = Output::kHuman;
   std::vector<std::string> pos;
   for (size_t i = 0; i < args.size(); ++i) {
@@ -83,6 +140,9 @@ int cmd_live(const Args& args) {
       budget = value("--budget");
     } else if (is("--uri")) {
       uri = value("--uri");
+      uri_given = true;
+    } else if (is("--qmp")) {
+      qmp = value("--qmp");
     } else if (is("--strategy")) {
       const std::string s = value("--strategy");
       if (s == "direct") req.strategy = LiveStrategy::Direct;
@@ -102,10 +162,16 @@ int cmd_live(const Args& args) {
       pos.push_back(a);
     }
   }
-  if (pos.size() != 2) throw UsageError("expected DOMAIN DISK (see --help)");
+  if (!qmp.empty()) {
+    if (uri_given) throw UsageError("--qmp and --uri exclude each other");
+    if (pos.size() != 1) throw UsageError("expected --qmp SOCKET DISK (see --help)");
+  } else if (pos.size() != 2) {
+    throw UsageError("expected DOMAIN DISK (see --help)");
+  }
   // One governor per job: with qcommitd running it would also govern the jobs we start and the
   // two would fight over their speed. qcommitd wins; we refuse before touching anything.
-  if (!dry_run && qcommitd_answers(daemon_socket)) {
+  // (qcommitd governs libvirt's domains only: a QEMU reached with --qmp is not among them.)
+  if (qmp.empty() && !dry_run && qcommitd_answers(daemon_socket)) {
     std::fprintf(stderr,
                  "qcommit live: %s: qcommitd is running (%s) and governs every block job; start the "
                  "merge with 'virsh blockcommit %s %s --active --pivot' and let it govern, or stop "
@@ -113,8 +179,8 @@ int cmd_live(const Args& args) {
                  pos[0].c_str(), daemon_socket.c_str(), pos[0].c_str(), pos[1].c_str());
     return kExitError;
   }
-  req.domain = pos[0];
-  req.disk = pos[1];
+  req.domain = qmp.empty() ? pos[0] : "";
+  req.disk = qmp.empty() ? pos[1] : pos[0];
 
   DaemonConfig cfg;
   cfg.uri = uri;
@@ -127,29 +193,66 @@ int cmd_live(const Args& args) {
   req.initial_speed_bytes_per_s = static_cast<std::uint64_t>(
       cfg.defaults.controller_config().initial_rate_bytes_per_s);
 
-  if (virEventRegisterDefaultImpl() < 0 || virEventAddTimeout(20, wake_timer, nullptr, nullptr) < 0) {
-    std::fprintf(stderr, "qcommit live: cannot set up the libvirt event loop\n");
-    return kExitError;
+  std::unique_ptr<LibvirtHypervisor> lv;
+  std::unique_ptr<QmpHypervisor> qm;
+  std::optional<DomainInfo> dom;
+  if (qmp.empty()) {
+    if (virEventRegisterDefaultImpl() < 0 ||
+        virEventAddTimeout(static_cast<int>(kEventWait.count()), wake_timer, nullptr, nullptr) < 0) {
+      std::fprintf(stderr, "qcommit live: cannot set up the libvirt event loop\n");
+      return kExitError;
+    }
+    lv = std::make_unique<LibvirtHypervisor>(uri);
+    if (!lv->connect()) {
+      std::fprintf(stderr, "qcommit live: %s: %s\n", uri.c_str(), lv->last_error().c_str());
+      return kExitError;
+    }
+    dom = lv->domain(req.domain);
+    if (!dom) {
+      std::fprintf(stderr, "qcommit live: %s: no running domain of that name on %s\n",
+                   req.domain.c_str(), uri.c_str());
+      return kExitError;
+    }
+  } else {
+    qm = std::make_unique<QmpHypervisor>(qmp);
+    try {
+      if (!qm->connect()) {
+        std::fprintf(stderr, "qcommit live: %s\n", qm->last_error().c_str());
+        return kExitError;
+      }
+      req.domain = qm->name();
+      if (std::optional<std::string> target = qm->resolve_disk(req.disk)) req.disk = *target;
+      dom = qm->domain(req.domain);
+      if (dom && !dry_run) {
+        if (std::optional<JobInfo> j = qm->job_info(req.domain, req.disk)) {
+          std::fprintf(stderr, "qcommit live: %s: %s: a %s block job already runs on disk %s\n",
+                       qmp.c_str(), req.domain.c_str(), to_string(j->type), req.disk.c_str());
+          return kExitError;
+        }
+      }
+    } catch (const HypervisorDisconnected& e) {
+      std::fprintf(stderr, "qcommit live: %s\n", e.what());
+      return kExitError;
+    }
   }
-  LibvirtHypervisor hv(uri);
-  if (!hv.connect()) {
-    std::fprintf(stderr, "qcommit live: %s: %s\n", uri.c_str(), hv.last_error().c_str());
-    return kExitError;
-  }
-  std::optional<DomainInfo> dom = hv.domain(req.domain);
   if (!dom) {
-    std::fprintf(stderr, "qcommit live: %s: no running domain of that name on %s\n",
-                 req.domain.c_str(), uri.c_str());
+    std::fprintf(stderr, "qcommit live: %s: no domain\n", qmp.c_str());
     return kExitError;
   }
   const DiskInfo* disk = nullptr;
   for (const auto& d : dom->disks)
     if (d.target == req.disk || d.source == req.disk) disk = &d;
   if (!disk) {
-    std::fprintf(stderr, "qcommit live: %s: no disk '%s'\n", req.domain.c_str(), req.disk.c_str());
+    std::string known;
+    for (const auto& d : dom->disks) known += (known.empty() ? "" : ", ") + d.target;
+    std::fprintf(stderr, "qcommit live: %s%s%s: no disk '%s' (disks: %s)\n",
+                 qmp.empty() ? "" : qmp.c_str(), qmp.empty() ? "" : ": ", req.domain.c_str(),
+                 req.disk.c_str(), known.empty() ? "none" : known.c_str());
     return kExitError;
   }
   req.disk = disk->target;
+  req.top = as_in_chain(req.top, *disk);
+  req.base = as_in_chain(req.base, *disk);
   char stamp[32];
   const std::time_t t = std::time(nullptr);
   std::strftime(stamp, sizeof stamp, "%Y%m%d%H%M%S", std::gmtime(&t));
@@ -178,6 +281,33 @@ int cmd_live(const Args& args) {
   std::fflush(stdout);
   if (dry_run) return kExitOk;
 
+  if (lv) {
+    LiveBackend be{*lv, *lv, [] { return virEventRunDefaultImpl() >= 0; },
+                   "'virsh blockjob " + req.domain + " " + req.disk + " --info'",
+                   "'virsh blockjob " + req.domain + " " + req.disk + " --pivot'",
+                   std::nullopt, nullptr, nullptr};
+    return run_live(be, req, steps, cfg, json);
+  }
+  QmpHypervisor& q = *qm;
+  LiveBackend be{q, q, [&q] {
+                   q.pump(kEventWait);
+                   return true;
+                 },
+                 "query-block-jobs on " + qmp,
+                 "QMP block-job-complete of job " + qcommit_job_id(req.disk) + " on " + qmp,
+                 std::chrono::duration_cast<Duration>(kQmpReconnectGiveUp),
+                 [&q] { return "lost the QMP connection and could not reconnect: " + q.last_error(); },
+                 [&q] { return q.last_job_error(); }};
+  return run_live(be, req, steps, cfg, json);
+}
+
+namespace {
+
+int run_live(LiveBackend& be, const plugin::LiveRequest& req,
+             const std::vector<plugin::LiveStep>& steps, const plugin::DaemonConfig& cfg,
+             bool json) {
+  using namespace qcommit::plugin;
+  Hypervisor& hv = be.hv;
   GovernorOptions opt;
   opt.only_disk = std::make_pair(req.domain, req.disk);
   if (auto e = opt.validate()) {
@@ -186,7 +316,7 @@ int cmd_live(const Args& args) {
   }
   SystemTargetFiles files;
   Governor gov(hv, files, cfg, opt);
-  LiveMerge merge(hv, hv, steps, req);
+  LiveMerge merge(be.ctl, hv, steps, req);
 
   struct sigaction sa{};
   sa.sa_handler = on_interrupt;
@@ -196,8 +326,20 @@ int cmd_live(const Args& args) {
   std::size_t shown_step = static_cast<std::size_t>(-1);
   auto next_report = mono_now();
   bool running = true;
+  std::optional<TimePoint> lost_since;
   while (running && !g_interrupted) {
     const auto now = mono_now();
+    if (be.give_up_after) {
+      if (hv.connected()) {
+        lost_since.reset();
+      } else {
+        if (!lost_since) lost_since = now;
+        if (now - *lost_since > *be.give_up_after) {
+          std::fprintf(stderr, "qcommit live: %s\n", be.lost_message().c_str());
+          return kExitError;
+        }
+      }
+    }
     try {
       running = merge.step(now);
     } catch (const HypervisorDisconnected& e) {
@@ -241,18 +383,23 @@ int cmd_live(const Args& args) {
                      j.phase.c_str());
       }
     }
-    if (running && virEventRunDefaultImpl() < 0) break;
+    if (running && !be.wait_events()) break;
   }
   if (g_interrupted) {
     gov.release_all();
     std::fprintf(stderr, "qcommit live: interrupted at step %zu; the running block job (if any) "
-                         "continues at a finishing speed: see 'virsh blockjob %s %s --info'\n",
-                 merge.current() + 1, req.domain.c_str(), req.disk.c_str());
+                         "continues at a finishing speed: see %s\n",
+                 merge.current() + 1, be.job_hint.c_str());
     return kExitError;
   }
   if (merge.error()) {
     gov.release_all();
-    std::fprintf(stderr, "qcommit live: %s\n", merge.error()->c_str());
+    const std::string job_error = be.job_error ? be.job_error() : "";
+    if (job_error.empty() || merge.error()->find(job_error) != std::string::npos)
+      std::fprintf(stderr, "qcommit live: %s\n", merge.error()->c_str());
+    else
+      std::fprintf(stderr, "qcommit live: %s (QEMU: %s)\n", merge.error()->c_str(),
+                   job_error.c_str());
     return kExitError;
   }
   gov.release_all();
@@ -261,12 +408,14 @@ int cmd_live(const Args& args) {
                 json_string(req.domain).c_str(), json_string(req.disk).c_str(),
                 merge.left_ready() ? "ready" : "done");
   } else if (merge.left_ready()) {
-    std::printf("qcommit live: active commit ready (mirroring); pivot with 'virsh blockjob %s %s "
-                "--pivot'\n", req.domain.c_str(), req.disk.c_str());
+    std::printf("qcommit live: active commit ready (mirroring); pivot with %s\n",
+                be.pivot_hint.c_str());
   } else {
     std::printf("qcommit live: done\n");
   }
   return kExitOk;
 }
+
+}  // namespace
 
 }  // namespace qcommit::cli
