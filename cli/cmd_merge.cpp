@@ -119,6 +119,8 @@ int cmd_merge(const Args& args) {
     policy = resolve_merge_policy(popts, merge_base);
     if (out == Output::kJson) {
       std::printf("{\"event\": \"policy\", %s}\n", policy->json_fields().c_str());
+      if (policy->cotenant_state != "on")
+        std::printf("{\"event\": \"note\", \"message\": %s}\n", json_string(policy->cotenant_line()).c_str());
       for (const auto& n : policy->notes) std::printf("{\"event\": \"note\", \"message\": %s}\n", json_string(n).c_str());
       std::fflush(stdout);
     } else {
