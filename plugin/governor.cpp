@@ -66,6 +66,10 @@ struct Governor::Job {
   bool has_info = false;
   std::uint64_t backlog = 0;
   std::uint64_t speed_set = 0;
+  // The pacer's view of the target's page cache: last reading, when, and bytes issued since.
+  std::optional<PageCacheState> pace_pc;
+  std::optional<TimePoint> pace_pc_at;
+  std::uint64_t issued_since_pc = 0;
   std::optional<throttle::Decision> decision;
   std::deque<std::pair<TimePoint, Duration>> latencies;
   std::deque<std::pair<TimePoint, std::uint64_t>> progress;
@@ -114,7 +118,7 @@ TimePoint Governor::step(TimePoint now) {
       next_tick_ = now + opt_.tick;
     }
     if (!next_pace_ || now >= *next_pace_) {
-      pace();
+      pace(now);
       next_pace_ = now + opt_.pace;
     }
   } catch (const HypervisorDisconnected&) {
@@ -415,18 +419,28 @@ void Governor::tick(TimePoint now) {
   }
 }
 
-void Governor::pace() {
+void Governor::pace(TimePoint now) {
   for (auto& [k, j] : jobs_) {
     if (!j->file || !j->decision) continue;
-    std::optional<PageCacheState> pc = j->file->page_cache();
-    if (!pc || (pc->per_file && pc->dirty_bytes == 0)) continue;  // nothing to push
+    if (!j->pace_pc_at || now - *j->pace_pc_at >= opt_.page_cache_refresh) {
+      j->pace_pc = j->file->page_cache();
+      j->pace_pc_at = now;
+      j->issued_since_pc = 0;
+    }
+    if (!j->pace_pc) continue;
+    PageCacheState pc = *j->pace_pc;
+    // Between readings: what we issued counts as under writeback, no longer as dirty.
+    pc.writeback_bytes += j->issued_since_pc;
+    pc.dirty_bytes -= std::min(pc.dirty_bytes, j->issued_since_pc);
+    if (pc.per_file && pc.dirty_bytes == 0) continue;  // nothing to push
     WritebackInput wi;
     wi.file_size = j->file->size();
-    wi.writeback_bytes = pc->per_file ? pc->writeback_bytes : 0;
+    wi.writeback_bytes = pc.per_file ? pc.writeback_bytes : 0;
     wi.window_bytes = j->decision->window_bytes;
     TargetFile& f = *j->file;
     WritebackPlan plan = j->planner.plan(wi, [&f](const ByteRange& r) { return f.dirty_in(r); });
     for (const auto& r : plan.ranges) f.start_writeback(r);
+    j->issued_since_pc += plan.dirty_bytes_issued;
   }
 }
 
