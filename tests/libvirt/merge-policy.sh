@@ -12,6 +12,7 @@
 # Every merge must keep the guest view (qemu-img compare) and leave clean images.
 # usage: merge-policy.sh QCOMMIT
 set -euo pipefail
+source "$(dirname "$0")/lib.sh"
 QCOMMIT=$(realpath "$1")
 virsh -q list >/dev/null 2>&1 || { echo "libvirtd is not reachable (start it: virtlogd -d; libvirtd -d)" >&2; exit 1; }
 tag=qcp-$$-$RANDOM
@@ -109,21 +110,7 @@ check_merged "$other" d
 
 # 5. A shut-off domain's metadata beats the pool; --budget beats the metadata.
 chain "$dir" e
-cat >dom.xml <<XML
-<domain type='qemu'>
-  <name>$dom</name>
-  <memory unit='MiB'>64</memory>
-  <os><type arch='x86_64' machine='pc'>hvm</type></os>
-  <devices>
-    <disk type='file' device='disk'>
-      <driver name='qemu' type='qcow2'/>
-      <source file='$dir/e.qcow2'/>
-      <target dev='vda' bus='virtio'/>
-    </disk>
-  </devices>
-</domain>
-XML
-virsh -q define dom.xml >/dev/null
+define_disk_domain "$dom" "$dir/e.qcow2"
 virsh -q metadata "$dom" https://qcommit.dev/xmlns/1 --key qcommit --set '<policy budget="4ms"/>' --config >/dev/null
 "$QCOMMIT" merge --domain "$dom" --disk vda --config "$conf" --output=json >e.json 2>e.err || fail "merge --domain failed: $(cat e.err)"
 [[ $(field e.json result budget-ms) == 4 && $(field e.json result budget-source) == domain-metadata ]] ||

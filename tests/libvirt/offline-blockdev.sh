@@ -14,6 +14,7 @@
 # Cleans up domain, pools, VG/PV and loop device on exit.
 # usage: offline-blockdev.sh QCOMMIT lvm|loop
 set -euo pipefail
+source "$(dirname "$0")/lib.sh"
 QCOMMIT=$(realpath "$1")
 mode=$2
 kSkip=77
@@ -99,21 +100,7 @@ alloc=$(virsh vol-info --pool "$dpool" ov1.qcow2 --bytes | awk '/Allocation/{pri
 [[ $alloc == $(($(stat -c '%b * %B' ov1.qcow2))) ]] || fail "vol-info allocation of ov1 $alloc != the file's"
 
 # 2. The domain's chain into BASE: the disk moves onto the block device.
-cat >dom.xml <<XML
-<domain type='qemu'>
-  <name>$dom</name>
-  <memory unit='MiB'>64</memory>
-  <os><type arch='x86_64' machine='pc'>hvm</type></os>
-  <devices>
-    <disk type='file' device='disk'>
-      <driver name='qemu' type='qcow2'/>
-      <source file='$dir/ov2.qcow2'/>
-      <target dev='vda' bus='virtio'/>
-    </disk>
-  </devices>
-</domain>
-XML
-virsh -q define dom.xml >/dev/null
+define_disk_domain "$dom" "$dir/ov2.qcow2"
 "$QCOMMIT" merge --domain "$dom" --disk vda --base "$base" --budget off >out2.txt 2>&1 ||
   fail "domain merge failed: $(cat out2.txt)"
 qemu-img compare -q -f raw -F raw view2.raw "$base" || fail "BASE differs from ov2's view after the domain merge"

@@ -19,6 +19,7 @@
 #
 # usage: offline-domain-crash.sh QCOMMIT [SCENARIO...]
 set -euo pipefail
+source "$(dirname "$0")/lib.sh"
 QCOMMIT=$(realpath "$1")
 shift
 virsh -q list >/dev/null 2>&1 || { echo "libvirtd is not reachable (start it: virtlogd -d; libvirtd -d)" >&2; exit 1; }
@@ -51,21 +52,7 @@ setup() {
   cd "$dir"
   qemu-img create -q -f qcow2 base.qcow2 4G
   qemu-io -c 'write -P 1 0 8M' base.qcow2 >/dev/null
-  cat >dom.xml <<XML
-<domain type='qemu'>
-  <name>$dom</name>
-  <memory unit='MiB'>64</memory>
-  <os><type arch='x86_64' machine='pc'>hvm</type></os>
-  <devices>
-    <disk type='file' device='disk'>
-      <driver name='qemu' type='qcow2'/>
-      <source file='$dir/base.qcow2'/>
-      <target dev='vda' bus='virtio'/>
-    </disk>
-  </devices>
-</domain>
-XML
-  virsh -q define dom.xml >/dev/null
+  define_disk_domain "$dom" "$dir/base.qcow2"
   doms+=("$dom")
   virsh -q start "$dom" >/dev/null
   local s

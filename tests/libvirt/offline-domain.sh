@@ -6,6 +6,7 @@
 # refreshes the pool; the domain still starts afterwards.
 # usage: offline-domain.sh QCOMMIT
 set -euo pipefail
+source "$(dirname "$0")/lib.sh"
 QCOMMIT=$(realpath "$1")
 virsh -q list >/dev/null 2>&1 || { echo "libvirtd is not reachable (start it: virtlogd -d; libvirtd -d)" >&2; exit 1; }
 tag=qct-$$-$RANDOM
@@ -29,21 +30,7 @@ virsh -q pool-define-as "$pool" dir --target "$dir" >/dev/null
 virsh -q pool-start "$pool" >/dev/null
 qemu-img create -q -f qcow2 base.qcow2 64M
 qemu-io -c 'write -P 1 0 8M' base.qcow2 >/dev/null
-cat >dom.xml <<XML
-<domain type='qemu'>
-  <name>$dom</name>
-  <memory unit='MiB'>64</memory>
-  <os><type arch='x86_64' machine='pc'>hvm</type></os>
-  <devices>
-    <disk type='file' device='disk'>
-      <driver name='qemu' type='qcow2'/>
-      <source file='$dir/base.qcow2'/>
-      <target dev='vda' bus='virtio'/>
-    </disk>
-  </devices>
-</domain>
-XML
-virsh -q define dom.xml >/dev/null
+define_disk_domain "$dom" "$dir/base.qcow2"
 virsh -q start "$dom" >/dev/null
 for s in s1 s2 s3; do virsh -q snapshot-create-as "$dom" "$s" --disk-only --atomic >/dev/null; done
 # A running domain is refused, naming the way out.
