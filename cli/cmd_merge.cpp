@@ -58,7 +58,7 @@ int cmd_merge(const Args& args) {
       "cotenants", po::value(&cotenants),
       "on (default): the block stats of running guests on BASE's storage (libvirt) join the probe; off")(
       "verbose,v", po::bool_switch(&verbose), "say also why co-tenants are off")(
-      "no-direct", po::bool_switch(&no_direct), "buffered writes with bounded dirty data (default with --budget off)")(
+      "no-direct", po::bool_switch(&no_direct), "buffered writes with bounded dirty data, large requests too (--budget off default: large O_DIRECT, small buffered)")(
       "direct", po::bool_switch(&force_direct), "O_DIRECT writes where the filesystem allows (default with a budget)")(
       "trace", po::value(&trace), "write one CSV row per controller tick to this file (see scripts/plot-trace)")(
       "probe", po::value(&probe), "on (default): time a 4 KiB O_DSYNC write on the target's filesystem each tick; off")(
@@ -91,12 +91,14 @@ int cmd_merge(const Args& args) {
   if (!top.empty()) mo.allowed_backing_dirs = backing_policy(top, allow_dirs);
   mo.delete_merged = del;
   // With a budget, O_DIRECT: the bytes we have queued are exactly our requests in flight, which
-  // the controller bounds. Unthrottled, buffered writes whose writeback starts at once
-  // (sync_file_range per request, fdatasync per window) keep dirty data bounded and let the
-  // kernel merge and queue small random writes deeper than our threads do; measured faster for
-  // random-cluster merges on this project's machines (see scripts/bench-merge).
+  // the controller bounds. Unthrottled, kAuto: large requests O_DIRECT (spliced from the source's
+  // page cache), small ones buffered with writeback started at once, which lets the kernel merge
+  // and queue small random writes deeper than our threads do (see scripts/bench-merge).
   if (no_direct && force_direct) throw UsageError("--direct and --no-direct exclude each other");
-  mo.direct = force_direct || (!no_direct && budget != "off");
+  mo.write_mode = force_direct ? engine::WriteMode::kDirect
+                  : no_direct  ? engine::WriteMode::kBuffered
+                  : budget != "off" ? engine::WriteMode::kDirect
+                                    : engine::WriteMode::kAuto;
   const bool governed = budget != "off";
   MergePolicyOptions popts;
   if (governed) {
@@ -225,7 +227,9 @@ int cmd_merge(const Args& args) {
   } else {
     std::printf("merged %s into %s: %s copied, %s zeroed in %.2fs (%s)\n", r.top.c_str(), r.base.c_str(),
                 format_size(r.copied_bytes).c_str(), format_size(r.zeroed_bytes).c_str(), r.copy_seconds,
-                r.direct_io ? "O_DIRECT" : "buffered, bounded dirty data");
+                !r.direct_io ? "buffered, bounded dirty data"
+                : mo.write_mode == engine::WriteMode::kAuto ? "O_DIRECT for large requests, buffered for small"
+                                                           : "O_DIRECT");
     if (r.resumed_from) std::printf("resumed from offset %s of an interrupted run\n", format_size(r.resumed_from).c_str());
     if (r.leaks_repaired) std::printf("repaired %" PRIu64 " leaked clusters left by the interrupted run\n", r.leaks_repaired);
     if (r.bitmaps_removed) std::printf("removed %zu persistent bitmaps from the base (they would be stale)\n", r.bitmaps_removed);

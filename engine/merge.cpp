@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
@@ -36,6 +37,7 @@ using qcow2::MapEntry;
 namespace {
 
 inline constexpr uint64_t kDirectAlignment = 4096;
+inline constexpr uint64_t kMinSplicePipeBytes = 256ull << 10;  // smaller pipes: pread/pwrite
 inline constexpr auto kProgressInterval = std::chrono::milliseconds(200);
 inline constexpr const char* kCheckpointMagic = "qcommit-merge-checkpoint v1";
 
@@ -44,7 +46,45 @@ double seconds_since(Clock::time_point t0) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Copy jobs run by a small pool of threads: pread from a layer, pwrite to the base.
+// Copy jobs run by a small pool of threads, from a layer's host offsets to the base's.
+
+// RAII fd.
+struct Fd {
+  int fd = -1;
+  Fd() = default;
+  explicit Fd(int f) : fd(f) {}
+  Fd(Fd&& o) noexcept : fd(o.fd) { o.fd = -1; }
+  Fd& operator=(Fd&& o) noexcept {
+    std::swap(fd, o.fd);
+    return *this;
+  }
+  ~Fd() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+// A pipe through which splice(2) hands the source's page-cache pages to an O_DIRECT write of the
+// base: the device reads them where they are (no copy through user space, nothing dirtied in the
+// page cache). Capacity is one copy request if the kernel allows it (unprivileged pipes stop at
+// /proc/sys/fs/pipe-max-size, 1 MiB by default); then a request is written in several pieces.
+struct SplicePipe {
+  Fd rd, wr;
+  uint64_t capacity = 0;  // 0: not usable, copy through user space
+
+  [[nodiscard]] static SplicePipe open() {
+    SplicePipe p;
+    int fds[2];
+    if (::pipe2(fds, O_CLOEXEC) != 0) return p;
+    p.rd = Fd(fds[0]);
+    p.wr = Fd(fds[1]);
+    for (uint64_t want = kChunkBytes; want >= kMinSplicePipeBytes; want /= 2) {
+      if (::fcntl(p.wr.fd, F_SETPIPE_SZ, int(want)) >= 0) break;
+    }
+    const int got = ::fcntl(p.wr.fd, F_GETPIPE_SZ);
+    if (got >= int(kMinSplicePipeBytes)) p.capacity = uint64_t(got);
+    return p;
+  }
+};
 
 struct CopyJob {
   int src_fd = -1;
@@ -53,6 +93,7 @@ struct CopyJob {
   uint64_t dst_offset = 0;
   uint64_t length = 0;
   bool buffered_dst = false;  // start writeback right away (bounded dirty data)
+  bool direct_dst = false;    // dst_fd is O_DIRECT (offsets and length aligned)
   const std::string* src_name = nullptr;
   const std::string* dst_name = nullptr;
 };
@@ -113,6 +154,8 @@ class CopyPool {
     void* mem = nullptr;
     if (posix_memalign(&mem, kDirectAlignment, kChunkBytes) != 0) return;
     std::unique_ptr<uint8_t, decltype(&free)> buf(static_cast<uint8_t*>(mem), &free);
+    SplicePipe pipe;
+    bool pipe_tried = false;
     for (;;) {
       CopyJob job;
       {
@@ -125,7 +168,11 @@ class CopyPool {
       const auto t0 = Clock::now();
       std::exception_ptr err;
       try {
-        copy(job, buf.get());
+        if (job.direct_dst && !pipe_tried) {
+          pipe = SplicePipe::open();
+          pipe_tried = true;
+        }
+        copy(job, buf.get(), pipe);
       } catch (...) {
         err = std::current_exception();
       }
@@ -140,7 +187,63 @@ class CopyPool {
     }
   }
 
-  static void copy(const CopyJob& j, uint8_t* buf) {
+  // In-kernel copies. Each returns how many leading bytes of the job it wrote; it stops early
+  // (and the caller copies the rest through user space, which also names the file at fault on
+  // an I/O error) at the source's end, on a filesystem that refuses, or on any error.
+
+  // O_DIRECT destination: splice the source's cached pages through the pipe into the write.
+  static uint64_t splice_copy(const CopyJob& j, SplicePipe& pipe) {
+    if (!pipe.capacity || j.src_offset % kDirectAlignment != 0) return 0;
+    uint64_t done = 0;
+    while (done < j.length) {
+      loff_t src = loff_t(j.src_offset + done);
+      const ssize_t in = ::splice(j.src_fd, &src, pipe.wr.fd, nullptr, std::min(pipe.capacity, j.length - done), 0);
+      if (in < 0 && errno == EINTR) continue;
+      if (in <= 0) return done;  // source end or refused: the pipe is empty
+      uint64_t out = 0;
+      while (out < uint64_t(in)) {
+        loff_t dst = loff_t(j.dst_offset + done + out);
+        const ssize_t n = ::splice(pipe.rd.fd, nullptr, j.dst_fd, &dst, uint64_t(in) - out, 0);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) {
+          pipe = SplicePipe::open();  // drop what the failed write left in the pipe
+          return done + out;
+        }
+        out += uint64_t(n);
+      }
+      done += out;
+    }
+    return done;
+  }
+
+  // Buffered destination: copy_file_range (a page-cache copy in the kernel, or a reflink or a
+  // server-side copy where the filesystem offers one).
+  static uint64_t range_copy(const CopyJob& j) {
+    uint64_t done = 0;
+    while (done < j.length) {
+      loff_t src = loff_t(j.src_offset + done), dst = loff_t(j.dst_offset + done);
+      const ssize_t n = ::copy_file_range(j.src_fd, &src, j.dst_fd, &dst, j.length - done, 0);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return done;
+      done += uint64_t(n);
+    }
+    return done;
+  }
+
+  static void copy(const CopyJob& j, uint8_t* buf, SplicePipe& pipe) {
+    const uint64_t kernel_done = j.direct_dst ? splice_copy(j, pipe) : range_copy(j);
+    if (kernel_done < j.length) {
+      CopyJob rest = j;
+      rest.src_offset += kernel_done;
+      rest.dst_offset += kernel_done;
+      rest.length -= kernel_done;
+      user_copy(rest, buf);
+    }
+    if (j.buffered_dst)
+      ::sync_file_range(j.dst_fd, off_t(j.dst_offset), off_t(j.length), SYNC_FILE_RANGE_WRITE);
+  }
+
+  static void user_copy(const CopyJob& j, uint8_t* buf) {
     uint64_t done = 0;
     while (done < j.length) {
       ssize_t n = ::pread(j.src_fd, buf + done, j.length - done, off_t(j.src_offset + done));
@@ -163,8 +266,6 @@ class CopyPool {
       }
       done += uint64_t(n);
     }
-    if (j.buffered_dst)
-      ::sync_file_range(j.dst_fd, off_t(j.dst_offset), off_t(j.length), SYNC_FILE_RANGE_WRITE);
   }
 
   uint64_t limit_;
@@ -176,21 +277,6 @@ class CopyPool {
   bool stop_ = false;
   std::exception_ptr error_;
   std::vector<std::thread> workers_;
-};
-
-// RAII fd.
-struct Fd {
-  int fd = -1;
-  Fd() = default;
-  explicit Fd(int f) : fd(f) {}
-  Fd(Fd&& o) noexcept : fd(o.fd) { o.fd = -1; }
-  Fd& operator=(Fd&& o) noexcept {
-    std::swap(fd, o.fd);
-    return *this;
-  }
-  ~Fd() {
-    if (fd >= 0) ::close(fd);
-  }
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -217,21 +303,34 @@ std::optional<Checkpoint> load_checkpoint(const std::string& path) {
   std::getline(in, magic);
   std::getline(in, identity);
   std::getline(in, done);
-  if (magic != kCheckpointMagic || done.empty()) return Checkpoint{"", 0};  // unreadable: restart
-  return Checkpoint{identity, std::stoull(done)};
+  uint64_t n = 0;
+  const auto [end, ec] = std::from_chars(done.data(), done.data() + done.size(), n);
+  if (magic != kCheckpointMagic || done.empty() || ec != std::errc() || end != done.data() + done.size())
+    return Checkpoint{"", 0};  // unreadable (e.g. torn by a crash): restart
+  return Checkpoint{identity, n};
 }
 
-void save_checkpoint(const std::string& path, const Checkpoint& cp) {
+// The first checkpoint of a run is forced to disk (with its directory entry): its existence tells
+// the next run that this one was interrupted, and that run then repairs the leaks an interruption
+// can leave. Progress updates are atomic (rename) but not forced: each is written after the
+// window it names was committed, so any version a crash leaves names committed data or is
+// unreadable (then the next run starts over); losing the newest only means copying again what a
+// window copied. Forcing them cost two journal commits per window (1-23 ms each measured).
+enum class CheckpointSync : uint8_t { kDurable, kAtomic };
+
+void save_checkpoint(const std::string& path, const Checkpoint& cp, CheckpointSync sync) {
   const std::string tmp = path + ".tmp";
+  const bool durable = sync == CheckpointSync::kDurable;
   {
     Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
     if (fd.fd < 0) throw IoError(tmp, std::string("cannot write checkpoint: ") + strerror(errno), errno);
     std::string s = std::string(kCheckpointMagic) + "\n" + cp.identity + "\n" + std::to_string(cp.done) + "\n";
-    if (::write(fd.fd, s.data(), s.size()) != ssize_t(s.size()) || ::fsync(fd.fd) != 0)
+    if (::write(fd.fd, s.data(), s.size()) != ssize_t(s.size()) || (durable && ::fsync(fd.fd) != 0))
       throw IoError(tmp, std::string("cannot write checkpoint: ") + strerror(errno), errno);
   }
   if (::rename(tmp.c_str(), path.c_str()) != 0)
     throw IoError(path, std::string("cannot write checkpoint: ") + strerror(errno), errno);
+  if (!durable) return;
   Fd dir(::open(fs::path(path).parent_path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (dir.fd >= 0) ::fsync(dir.fd);
 }
@@ -364,7 +463,7 @@ MergeResult merge(const MergeOptions& opt) {
   }
   if (old_cp && old_cp->identity == identity) resume_from = old_cp->done;
   res.resumed_from = resume_from;
-  save_checkpoint(cp_path, {identity, resume_from});
+  save_checkpoint(cp_path, {identity, resume_from}, CheckpointSync::kDurable);
 
   // 4. Plan: the extents the layers above BASE provide (with the original sizes).
   progress({0, 0, seconds_since(t_start), 0, "plan"});
@@ -393,7 +492,8 @@ MergeResult merge(const MergeOptions& opt) {
   auto* dst_file = dynamic_cast<qcow2::FileDevice*>(&dst_dev);
   if (!dst_file) throw Error(base.path, "internal: base is not a file");
   Fd direct_fd;
-  if (opt.direct) direct_fd = Fd(::open(base.path.c_str(), O_RDWR | O_DIRECT | O_CLOEXEC));
+  if (opt.write_mode != WriteMode::kBuffered)
+    direct_fd = Fd(::open(base.path.c_str(), O_RDWR | O_DIRECT | O_CLOEXEC));
   res.direct_io = direct_fd.fd >= 0;
   const bool buffered = direct_fd.fd < 0;
   const int bulk_fd = buffered ? dst_file->fd() : direct_fd.fd;
@@ -422,16 +522,22 @@ MergeResult merge(const MergeOptions& opt) {
     } else {
       dst_dev.flush();
     }
-    save_checkpoint(cp_path, {identity, upto});
+    save_checkpoint(cp_path, {identity, upto}, CheckpointSync::kAtomic);
     if (opt.on_checkpoint) opt.on_checkpoint(upto);
     window_bytes = 0;
   };
 
   // Bulk copies src→dst. Adjacent requests that are contiguous on both sides are coalesced up to
   // the governor's preferred request size (at most kChunkBytes); the destination must be aligned
-  // for O_DIRECT, else the buffered fd is used.
+  // for O_DIRECT, else the buffered fd is used. kAuto sends requests smaller than
+  // kMinDirectRequestBytes through the page cache.
   CopyJob pending;
   auto submit_pending = [&] {
+    if (opt.write_mode == WriteMode::kAuto && pending.direct_dst && pending.length < kMinDirectRequestBytes) {
+      pending.dst_fd = dst_file->fd();  // small: through the page cache, writeback started at once
+      pending.direct_dst = false;
+      pending.buffered_dst = true;
+    }
     if (pending.length) pool.submit(pending);
     pending.length = 0;
   };
@@ -453,7 +559,8 @@ MergeResult merge(const MergeOptions& opt) {
         pending.length += n;
       } else {
         submit_pending();
-        pending = CopyJob{src_fd, src_off + p, fd, dst_off + p, n, buffered || !aligned, &src_name, &dst_name};
+        pending = CopyJob{src_fd,      src_off + p, fd, dst_off + p, n, buffered || !aligned,
+                          !buffered && aligned, &src_name, &dst_name};
       }
       p += n;
     }
@@ -618,7 +725,7 @@ MergeResult merge(const MergeOptions& opt) {
       if (window_bytes >= opt.window_bytes || (writer && window_l2s >= max_l2s)) run_window(off);
     }
   }
-  run_window(top_size);
+  if (!window.empty()) run_window(top_size);  // else everything is committed already
   res.copy_seconds = seconds_since(t_copy);
   report(true);
 

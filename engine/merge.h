@@ -4,7 +4,9 @@
 //
 // Our own I/O: only the union of extents allocated above BASE is read, reads sorted by host
 // offset, writes cluster-aligned and large, O_DIRECT where the filesystem allows it (else
-// buffered with bounded dirty data), several requests in flight, paced by a CopyGovernor.
+// buffered with bounded dirty data; see WriteMode), copied inside the kernel (splice into
+// O_DIRECT writes, copy_file_range into buffered ones), several requests in flight, paced by a
+// CopyGovernor.
 // Crash-safe (qcow2::Writer's ordered commits per window) and resumable (checkpoint file).
 #pragma once
 
@@ -26,6 +28,20 @@ inline constexpr uint64_t kDefaultInflightBytes = 32ull << 20;  // unthrottled q
 inline constexpr uint64_t kWindowBytes = 512ull << 20;          // guest bytes per commit
 inline constexpr uint64_t kMaxDirtyMetadataBytes = 8ull << 20;  // commit earlier if exceeded
 inline constexpr unsigned kDefaultIoThreads = 8;
+// With WriteMode::kAuto, requests at least this large bypass the page cache.
+inline constexpr uint64_t kMinDirectRequestBytes = 1ull << 20;
+
+// How BASE's data is written.
+enum class WriteMode : uint8_t {
+  // O_DIRECT for every aligned request: what is queued is exactly what is in flight (governed).
+  kDirect,
+  // Page cache, writeback started per request (sync_file_range), a flush per window.
+  kBuffered,
+  // O_DIRECT for requests of at least kMinDirectRequestBytes (large runs: the source's cached
+  // pages are spliced into the write, nothing is copied through user space or dirtied), the
+  // page cache for smaller ones (the kernel merges and queues small scattered writes deeper).
+  kAuto,
+};
 
 // Paces the copy. The engine asks before each write request and reports each completion.
 // Implementations decide; the engine sleeps for the returned duration.
@@ -58,7 +74,7 @@ struct MergeOptions {
   // Backing files must lie inside these directory trees (empty: anywhere).
   std::vector<std::string> allowed_backing_dirs;
   bool delete_merged = false;
-  bool direct = true;               // O_DIRECT where possible
+  WriteMode write_mode = WriteMode::kDirect;  // O_DIRECT only where the filesystem allows it
   unsigned io_threads = kDefaultIoThreads;
   uint64_t inflight_bytes = kDefaultInflightBytes;
   uint64_t window_bytes = kWindowBytes;
@@ -82,7 +98,7 @@ struct MergeResult {
   uint64_t leaks_repaired = 0;
   size_t bitmaps_removed = 0;
   bool base_grown = false;
-  bool direct_io = false;
+  bool direct_io = false;  // O_DIRECT was available for (large) requests
   double copy_seconds = 0;
   double switch_seconds = 0;  // rebase of children + final header updates
   double total_seconds = 0;

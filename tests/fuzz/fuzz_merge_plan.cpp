@@ -77,7 +77,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   mo.top = top;
   mo.base = base;
   mo.allowed_backing_dirs = {dir};
-  mo.direct = false;
+  mo.write_mode = engine::WriteMode::kBuffered;
   mo.io_threads = 2;
   mo.inflight_bytes = engine::kChunkBytes;
   mo.window_bytes = engine::kChunkBytes;
