@@ -333,7 +333,12 @@ void Governor::tick(TimePoint now) {
     const throttle::ForegroundSignals& s = sig[j.storage];
     // Backlog: the target's dirty + writeback pages.
     std::optional<PageCacheState> pc;
-    if (j.file) pc = j.file->page_cache();
+    if (j.file) {
+      pc = j.file->page_cache();
+      j.pace_pc = pc;  // the pacer works from this reading until the next tick
+      j.pace_pc_at = now;
+      j.issued_since_pc = 0;
+    }
     const auto pace_production = static_cast<std::uint64_t>(
         static_cast<double>(j.speed_set) * std::chrono::duration<double>(opt_.pace).count());
     const std::uint64_t backlog =
