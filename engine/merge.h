@@ -27,7 +27,9 @@ inline constexpr uint64_t kChunkBytes = 2ull << 20;             // one copy requ
 inline constexpr uint64_t kDefaultInflightBytes = 32ull << 20;  // unthrottled queue depth
 inline constexpr uint64_t kWindowBytes = 512ull << 20;          // guest bytes per commit
 inline constexpr uint64_t kMaxDirtyMetadataBytes = 8ull << 20;  // commit earlier if exceeded
-inline constexpr unsigned kDefaultIoThreads = 8;
+// Threads (and so O_DIRECT requests in flight, unthrottled): 16 measured 0.40 s vs 0.43 s (seq4g)
+// and 0.83 s vs 0.90 s (rand4g) against 8 (medians of 8 and 6 alternated runs).
+inline constexpr unsigned kDefaultIoThreads = 16;
 // With WriteMode::kAuto, requests at least this large bypass the page cache.
 inline constexpr uint64_t kMinDirectRequestBytes = 1ull << 20;
 
