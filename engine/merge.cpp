@@ -114,15 +114,25 @@ uint64_t device_request_bytes(int fd) {
   return kChunkBytes;
 }
 
+// One source extent of a copy job.
+struct CopySource {
+  int fd = -1;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+  const std::string* name = nullptr;
+};
+
+// A write of one contiguous destination range, gathered from source extents in destination
+// order: pieces adjacent in BASE make one request even where their sources are not adjacent
+// (new clusters are allocated in source order, but their sources interleave with those of
+// clusters written in place).
 struct CopyJob {
-  int src_fd = -1;
-  uint64_t src_offset = 0;
+  std::vector<CopySource> sources;  // lengths add up to `length`
   int dst_fd = -1;
   uint64_t dst_offset = 0;
   uint64_t length = 0;
   bool buffered_dst = false;  // start writeback right away (bounded dirty data)
   bool direct_dst = false;    // dst_fd is O_DIRECT (offsets and length aligned)
-  const std::string* src_name = nullptr;
   const std::string* dst_name = nullptr;
 };
 
@@ -141,7 +151,7 @@ class CopyPool {
     for (auto& t : workers_) t.join();
   }
 
-  void submit(const CopyJob& job) {
+  void submit(CopyJob job) {
     if (governor_) {
       for (;;) {
         Duration wait = governor_->admit(Clock::now(), job.length, inflight());
@@ -154,7 +164,7 @@ class CopyPool {
     done_cv_.wait(lk, [&] { return inflight_ == 0 || inflight_ + job.length <= limit_ || error_; });
     rethrow_locked();
     inflight_ += job.length;
-    queue_.push_back(job);
+    queue_.push_back(std::move(job));
     cv_.notify_one();
   }
 
@@ -190,7 +200,7 @@ class CopyPool {
         std::unique_lock lk(mu_);
         cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
         if (stop_ && queue_.empty()) return;
-        job = queue_.front();
+        job = std::move(queue_.front());
         queue_.pop_front();
       }
       const auto t0 = Clock::now();
@@ -219,19 +229,35 @@ class CopyPool {
   // (and the caller copies the rest through user space, which also names the file at fault on
   // an I/O error) at the source's end, on a filesystem that refuses, or on any error.
 
-  // O_DIRECT destination: splice the source's cached pages through the pipe into the write.
+  // O_DIRECT destination: splice the sources' cached pages into the pipe, one device request's
+  // worth at a time, and the pipe into the write.
   static uint64_t splice_copy(const CopyJob& j, SplicePipe& pipe) {
-    if (!pipe.piece || j.src_offset % kDirectAlignment != 0) return 0;
+    if (!pipe.piece) return 0;
+    for (const CopySource& s : j.sources)
+      if (s.offset % kDirectAlignment != 0 || s.length % kDirectAlignment != 0) return 0;
     uint64_t done = 0;
+    size_t si = 0;    // current source
+    uint64_t sp = 0;  // position in it
     while (done < j.length) {
-      loff_t src = loff_t(j.src_offset + done);
-      const ssize_t in = ::splice(j.src_fd, &src, pipe.wr.fd, nullptr, std::min(pipe.piece, j.length - done), 0);
-      if (in < 0 && errno == EINTR) continue;
-      if (in <= 0) return done;  // source end or refused: the pipe is empty
+      const uint64_t want = std::min(pipe.piece, j.length - done);
+      uint64_t in = 0;
+      while (in < want) {
+        const CopySource& s = j.sources[si];
+        loff_t off = loff_t(s.offset + sp);
+        const ssize_t n = ::splice(s.fd, &off, pipe.wr.fd, nullptr, std::min(want - in, s.length - sp), 0);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) break;  // the source's end, or refused
+        in += uint64_t(n);
+        sp += uint64_t(n);
+        if (sp == s.length) {
+          ++si;
+          sp = 0;
+        }
+      }
       uint64_t out = 0;
-      while (out < uint64_t(in)) {
+      while (out < in) {
         loff_t dst = loff_t(j.dst_offset + done + out);
-        const ssize_t n = ::splice(pipe.rd.fd, nullptr, j.dst_fd, &dst, uint64_t(in) - out, 0);
+        const ssize_t n = ::splice(pipe.rd.fd, nullptr, j.dst_fd, &dst, in - out, 0);
         if (n < 0 && errno == EINTR) continue;
         if (n <= 0) {
           pipe = SplicePipe::open(pipe.piece);  // drop what the failed write left in the pipe
@@ -240,6 +266,7 @@ class CopyPool {
         out += uint64_t(n);
       }
       done += out;
+      if (in < want) return done;
     }
     return done;
   }
@@ -248,46 +275,48 @@ class CopyPool {
   // server-side copy where the filesystem offers one).
   static uint64_t range_copy(const CopyJob& j) {
     uint64_t done = 0;
-    while (done < j.length) {
-      loff_t src = loff_t(j.src_offset + done), dst = loff_t(j.dst_offset + done);
-      const ssize_t n = ::copy_file_range(j.src_fd, &src, j.dst_fd, &dst, j.length - done, 0);
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) return done;
-      done += uint64_t(n);
+    for (const CopySource& s : j.sources) {
+      for (uint64_t sp = 0; sp < s.length;) {
+        loff_t src = loff_t(s.offset + sp), dst = loff_t(j.dst_offset + done);
+        const ssize_t n = ::copy_file_range(s.fd, &src, j.dst_fd, &dst, s.length - sp, 0);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) return done;
+        sp += uint64_t(n);
+        done += uint64_t(n);
+      }
     }
     return done;
   }
 
   static void copy(const CopyJob& j, uint8_t* buf, SplicePipe& pipe) {
-    const uint64_t kernel_done = j.direct_dst ? splice_copy(j, pipe) : range_copy(j);
-    if (kernel_done < j.length) {
-      CopyJob rest = j;
-      rest.src_offset += kernel_done;
-      rest.dst_offset += kernel_done;
-      rest.length -= kernel_done;
-      user_copy(rest, buf);
-    }
+    uint64_t done = j.direct_dst ? splice_copy(j, pipe) : range_copy(j);
+    if (j.direct_dst) done -= done % kDirectAlignment;  // the rest must start aligned
+    if (done < j.length) user_copy(j, done, buf);
     if (j.buffered_dst)
       ::sync_file_range(j.dst_fd, off_t(j.dst_offset), off_t(j.length), SYNC_FILE_RANGE_WRITE);
   }
 
-  static void user_copy(const CopyJob& j, uint8_t* buf) {
-    uint64_t done = 0;
-    while (done < j.length) {
-      ssize_t n = ::pread(j.src_fd, buf + done, j.length - done, off_t(j.src_offset + done));
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        throw IoError(*j.src_name, "read at " + qcow2::hex(j.src_offset + done) + " failed: " + strerror(errno), errno);
+  // Bytes [from, length) of the job through `buf` (at least one request long).
+  static void user_copy(const CopyJob& j, uint64_t from, uint8_t* buf) {
+    uint64_t pos = 0;  // job offset where the current source starts
+    for (const CopySource& s : j.sources) {
+      const uint64_t end = pos + s.length;
+      for (uint64_t p = std::max(from, pos); p < end;) {
+        const ssize_t n = ::pread(s.fd, buf + (p - from), end - p, off_t(s.offset + (p - pos)));
+        if (n < 0) {
+          if (errno == EINTR) continue;
+          throw IoError(*s.name, "read at " + qcow2::hex(s.offset + (p - pos)) + " failed: " + strerror(errno), errno);
+        }
+        if (n == 0) {  // past the end of the source file: zeros
+          std::memset(buf + (p - from), 0, end - p);
+          break;
+        }
+        p += uint64_t(n);
       }
-      if (n == 0) {  // past the end of the source file: zeros
-        std::memset(buf + done, 0, j.length - done);
-        break;
-      }
-      done += uint64_t(n);
+      pos = end;
     }
-    done = 0;
-    while (done < j.length) {
-      ssize_t n = ::pwrite(j.dst_fd, buf + done, j.length - done, off_t(j.dst_offset + done));
+    for (uint64_t done = from; done < j.length;) {
+      const ssize_t n = ::pwrite(j.dst_fd, buf + (done - from), j.length - done, off_t(j.dst_offset + done));
       if (n < 0) {
         if (errno == EINTR) continue;
         throw IoError(*j.dst_name, "write at " + qcow2::hex(j.dst_offset + done) + " failed: " + strerror(errno), errno);
@@ -565,19 +594,30 @@ MergeResult merge(const MergeOptions& opt) {
     window_bytes = 0;
   };
 
-  // Bulk copies src→dst. Adjacent requests that are contiguous on both sides are coalesced up to
-  // the governor's preferred request size (at most kChunkBytes); the destination must be aligned
+  // Bulk copies src→dst. Adjacent requests contiguous in the destination are coalesced (their
+  // sources gathered) up to the governor's preferred request size (at most kChunkBytes), a whole
+  // number of device requests unthrottled; the destination must be aligned
   // for O_DIRECT, else the buffered fd is used. kAuto sends requests smaller than
   // kMinDirectRequestBytes through the page cache.
   CopyJob pending;
+  // kAuto: O_DIRECT for large overwrites of allocated space. Small requests go faster through
+  // the page cache (writeback merges and queues them); so do writes into new space (past BASE's
+  // end or a hole), which O_DIRECT allocates request by request under the inode lock while
+  // writeback allocates in bulk: 512 MiB into a new file took 0.47 s O_DIRECT, 0.38 s buffered
+  // (8 threads), and rand4g's gathered new clusters 0.79 s O_DIRECT vs 0.69 s buffered (medians).
+  auto direct_pays_off = [&](const CopyJob& j) {
+    if (j.length < kMinDirectRequestBytes) return false;
+    const qcow2::AllocationRun a = dst_file->allocation(j.dst_offset, j.length);
+    return a.data && a.length >= j.length;
+  };
   auto submit_pending = [&] {
-    if (opt.write_mode == WriteMode::kAuto && pending.direct_dst && pending.length < kMinDirectRequestBytes) {
-      pending.dst_fd = dst_file->fd();  // small: through the page cache, writeback started at once
+    if (opt.write_mode == WriteMode::kAuto && pending.direct_dst && !direct_pays_off(pending)) {
+      pending.dst_fd = dst_file->fd();  // through the page cache, writeback started at once
       pending.direct_dst = false;
       pending.buffered_dst = true;
     }
-    if (pending.length) pool.submit(pending);
-    pending.length = 0;
+    if (pending.length) pool.submit(std::move(pending));
+    pending = CopyJob{};
   };
   auto request_bytes = [&]() -> uint64_t {
     if (!opt.governor) return unthrottled_request;
@@ -591,14 +631,18 @@ MergeResult merge(const MergeOptions& opt) {
       const uint64_t n = std::min(chunk, len - p);
       const bool aligned = (dst_off + p) % kDirectAlignment == 0 && n % kDirectAlignment == 0;
       const int fd = aligned ? bulk_fd : dst_file->fd();
-      if (pending.length && pending.src_fd == src_fd && pending.dst_fd == fd &&
-          pending.src_offset + pending.length == src_off + p &&
-          pending.dst_offset + pending.length == dst_off + p && pending.length + n <= chunk) {
+      if (pending.length && pending.dst_fd == fd && pending.dst_offset + pending.length == dst_off + p &&
+          pending.length + n <= chunk) {
+        CopySource& last = pending.sources.back();
+        if (last.fd == src_fd && last.offset + last.length == src_off + p)
+          last.length += n;
+        else
+          pending.sources.push_back({src_fd, src_off + p, n, &src_name});
         pending.length += n;
       } else {
         submit_pending();
-        pending = CopyJob{src_fd,      src_off + p, fd, dst_off + p, n, buffered || !aligned,
-                          !buffered && aligned, &src_name, &dst_name};
+        pending = CopyJob{{{src_fd, src_off + p, n, &src_name}}, fd, dst_off + p, n, buffered || !aligned,
+                          !buffered && aligned, &dst_name};
       }
       p += n;
     }
