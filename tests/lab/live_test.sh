@@ -159,11 +159,18 @@ run_b() {
     done
     live_status | grep -q '"connected":false' || fail "qcommitd did not notice libvirtd going away"
     libvirtd -d
-    # ... and re-adopts it once libvirtd is back.
+    # ... and reconnects (its retry backs off up to 5 s, so allow 30 s) and
+    # re-adopts the job once libvirtd is back. The job list alone proves
+    # nothing: qcommitd keeps listing a job while it is disconnected.
+    local connected=0
+    for _ in $(seq 300); do
+      if live_status | grep -q '"connected":true'; then connected=1; break; fi
+      sleep 0.1
+    done
+    [ "$connected" = 1 ] || fail "qcommitd not reconnected 30 s after libvirtd came back: $(live_status)"
     local waited
     waited=$(wait_job_listed "$LAB_DOM" vda 30) || fail "qcommitd did not re-adopt the job after the libvirtd restart: $(live_status)"
-    lab_log "job re-adopted $(elapsed_since "$t_down")s after libvirtd went down"
-    live_status | grep -q '"connected":true' || fail "qcommitd not reconnected: $(live_status)"
+    lab_log "reconnected, job re-adopted $(elapsed_since "$t_down")s after libvirtd went down"
     # Governing again, not just listed: a speed set by hand behind its back is overridden.
     virsh -q blockjob "$LAB_DOM" vda --bytes --bandwidth 12345 >/dev/null || fail "cannot set the job speed by hand"
     local bw=12345
