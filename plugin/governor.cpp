@@ -66,10 +66,39 @@ struct Governor::Job {
   bool has_info = false;
   std::uint64_t backlog = 0;
   std::uint64_t speed_set = 0;
-  // The pacer's view of the target's page cache: last reading, when, and bytes issued since.
+  // The pacer's view of the target's page cache: last whole-file reading, when, and bytes
+  // issued since; the ranges it issued (re-read between whole-file readings) and what was under
+  // writeback outside them at the last whole-file reading (the kernel's own writeback).
   std::optional<PageCacheState> pace_pc;
   std::optional<TimePoint> pace_pc_at;
   std::uint64_t issued_since_pc = 0;
+  IssuedRanges issued;
+  std::uint64_t writeback_elsewhere = 0;
+  bool ranges_readable = true;  // false: cachestat of a range failed, count issued bytes instead
+
+  // Whole-file reading (cachestat over the target: CPU in proportion to its cached pages).
+  void read_page_cache(TimePoint now) {
+    pace_pc = file->page_cache();
+    pace_pc_at = now;
+    issued_since_pc = 0;
+    writeback_elsewhere = 0;
+    if (!pace_pc || !pace_pc->per_file) {
+      issued.clear();
+      return;
+    }
+    const std::optional<std::uint64_t> ours = issued_writeback();
+    ranges_readable = ours.has_value();
+    if (!ours) issued.clear();
+    writeback_elsewhere = pace_pc->writeback_bytes - std::min(pace_pc->writeback_bytes, ours.value_or(0));
+  }
+  // What is under writeback in the ranges the pacer issued (cachestat of each).
+  std::optional<std::uint64_t> issued_writeback() {
+    return issued.under_writeback([this](const ByteRange& r) -> std::optional<std::uint64_t> {
+      const std::optional<PageCacheState> st = file->page_cache_in(r);
+      if (!st) return std::nullopt;
+      return st->writeback_bytes;
+    });
+  }
   std::optional<throttle::Decision> decision;
   std::deque<std::pair<TimePoint, Duration>> latencies;
   std::deque<std::pair<TimePoint, std::uint64_t>> progress;
@@ -334,10 +363,8 @@ void Governor::tick(TimePoint now) {
     // Backlog: the target's dirty + writeback pages.
     std::optional<PageCacheState> pc;
     if (j.file) {
-      pc = j.file->page_cache();
-      j.pace_pc = pc;  // the pacer works from this reading until the next tick
-      j.pace_pc_at = now;
-      j.issued_since_pc = 0;
+      j.read_page_cache(now);  // the pacer works from this reading until the next one
+      pc = j.pace_pc;
     }
     const auto pace_production = static_cast<std::uint64_t>(
         static_cast<double>(j.speed_set) * std::chrono::duration<double>(opt_.pace).count());
@@ -427,16 +454,29 @@ void Governor::tick(TimePoint now) {
 void Governor::pace(TimePoint now) {
   for (auto& [k, j] : jobs_) {
     if (!j->file || !j->decision) continue;
+    bool fresh = false;
     if (!j->pace_pc_at || now - *j->pace_pc_at >= opt_.page_cache_refresh) {
-      j->pace_pc = j->file->page_cache();
-      j->pace_pc_at = now;
-      j->issued_since_pc = 0;
+      j->read_page_cache(now);
+      fresh = true;
     }
     if (!j->pace_pc) continue;
     PageCacheState pc = *j->pace_pc;
-    // Between readings: what we issued counts as under writeback, no longer as dirty.
-    pc.writeback_bytes += j->issued_since_pc;
+    // Between whole-file readings: what we issued is no longer dirty; what is under writeback is
+    // the kernel's share from the last reading plus a fresh reading of the ranges we issued (few
+    // and small: cheap) -- or, where ranges cannot be read, everything issued since.
     pc.dirty_bytes -= std::min(pc.dirty_bytes, j->issued_since_pc);
+    if (pc.per_file && j->ranges_readable && !fresh) {
+      const std::optional<std::uint64_t> ours = j->issued_writeback();
+      if (ours) {
+        pc.writeback_bytes = j->writeback_elsewhere + *ours;
+      } else {
+        j->ranges_readable = false;
+        j->issued.clear();
+        pc.writeback_bytes += j->issued_since_pc;
+      }
+    } else if (!fresh) {
+      pc.writeback_bytes += j->issued_since_pc;
+    }
     if (pc.per_file && pc.dirty_bytes == 0) continue;  // nothing to push
     WritebackInput wi;
     wi.file_size = j->file->size();
@@ -444,7 +484,10 @@ void Governor::pace(TimePoint now) {
     wi.window_bytes = j->decision->window_bytes;
     TargetFile& f = *j->file;
     WritebackPlan plan = j->planner.plan(wi, [&f](const ByteRange& r) { return f.dirty_in(r); });
-    for (const auto& r : plan.ranges) f.start_writeback(r);
+    for (const auto& r : plan.ranges) {
+      f.start_writeback(r);
+      if (pc.per_file && j->ranges_readable) j->issued.add(r);
+    }
     j->issued_since_pc += plan.dirty_bytes_issued;
   }
 }

@@ -69,13 +69,11 @@ struct GovernorOptions {
   Duration pace = std::chrono::milliseconds(5);
   // A whole-file page-cache reading (cachestat over the target) costs CPU in proportion to the
   // target's cached pages: every 5 ms on a 2.5 GiB base with 1.5 GiB cached it took 67 % of a
-  // core in the lab, and that CPU showed up as guest latency that paused the job.  The tick's
-  // reading serves the pacer too; the pacer re-reads on its own when the last reading is older
-  // than this, and in between counts what it issued as still under writeback (an upper bound:
-  // it never issues more than the window allows).  At 100 ms the pacer could push only
-  // window/100 ms = 0.2 × drain (the governor tests' throughput checks fail); 25 ms keeps
-  // 0.8 × drain.  Next step: track the ranges it issued and read only those between readings.
-  Duration page_cache_refresh = std::chrono::milliseconds(25);
+  // core in the lab, and that CPU showed up as guest latency that paused the job.  The tick
+  // reads the whole file; the pacer re-reads it only when the last reading is older than this.
+  // In between it re-reads just the ranges it started writeback on (IssuedRanges), so it sees
+  // its writeback complete without waiting for the next whole-file reading.
+  Duration page_cache_refresh = std::chrono::milliseconds(100);
   Duration reconnect_min = std::chrono::milliseconds(500);
   Duration reconnect_max = std::chrono::seconds(5);
   std::uint64_t min_speed_bytes_per_s = kMinJobSpeedBytesPerS;

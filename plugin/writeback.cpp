@@ -17,6 +17,42 @@ std::optional<std::string> WritebackConfig::validate() const {
   return std::nullopt;
 }
 
+void IssuedRanges::add(const ByteRange& r) {
+  if (r.length == 0) return;
+  if (!ranges_.empty()) {
+    ByteRange& last = ranges_.back();
+    if (last.offset + last.length == r.offset) {
+      last.length += r.length;
+      return;
+    }
+  }
+  ranges_.push_back(r);
+  if (ranges_.size() > max_) {  // join the last two (and whatever lies between them)
+    const ByteRange b = ranges_.back();
+    ranges_.pop_back();
+    ByteRange& a = ranges_.back();
+    const std::uint64_t lo = std::min(a.offset, b.offset);
+    const std::uint64_t hi = std::max(a.offset + a.length, b.offset + b.length);
+    a = ByteRange{lo, hi - lo};
+  }
+}
+
+std::optional<std::uint64_t> IssuedRanges::under_writeback(
+    const std::function<std::optional<std::uint64_t>(const ByteRange&)>& writeback_of) {
+  std::uint64_t total = 0;
+  std::vector<ByteRange> keep;
+  keep.reserve(ranges_.size());
+  for (const ByteRange& r : ranges_) {
+    const std::optional<std::uint64_t> wb = writeback_of(r);
+    if (!wb) return std::nullopt;
+    if (*wb == 0) continue;
+    total += *wb;
+    keep.push_back(r);
+  }
+  ranges_ = std::move(keep);
+  return total;
+}
+
 WritebackPlan WritebackPlanner::plan(const WritebackInput& in, const DirtyProbe& dirty_in) {
   WritebackPlan out;
   if (in.file_size == 0) return out;
@@ -136,6 +172,10 @@ class SystemTargetFile final : public TargetFile {
     std::stringstream ss;
     ss << f.rdbuf();
     return parse_meminfo(ss.str());
+  }
+  std::optional<PageCacheState> page_cache_in(const ByteRange& r) override {
+    if (auto cs = cachestat(r)) return PageCacheState{cs->nr_dirty * page_, cs->nr_writeback * page_, true};
+    return std::nullopt;
   }
   std::uint64_t dirty_in(const ByteRange& r) override {
     if (auto cs = cachestat(r)) return cs->nr_dirty * page_;

@@ -28,6 +28,8 @@ struct ByteRange {
 inline constexpr std::uint64_t kWritebackPieceBytes = 64 * 1024;
 inline constexpr std::uint32_t kMaxWritebackProbesPerTick = 16384;  // 1 GiB of file per tick
 inline constexpr std::uint64_t kWritebackSkipPieces = 64;  // clean spans skipped per probe
+// Issued ranges the pacer re-reads between whole-file readings (one cachestat each).
+inline constexpr std::size_t kMaxTrackedWritebackRanges = 32;
 
 struct WritebackConfig {
   std::uint64_t piece_bytes = kWritebackPieceBytes;  // granularity of probes and writeback
@@ -65,6 +67,24 @@ class WritebackPlanner {
   std::uint64_t cursor_ = 0;
 };
 
+// Ranges a pacer started writeback on, merged while adjacent, at most `max_ranges` (past that
+// the last two are joined into one covering range: an over-estimate, never an under-estimate).
+class IssuedRanges {
+ public:
+  explicit IssuedRanges(std::size_t max_ranges = kMaxTrackedWritebackRanges) : max_(max_ranges) {}
+  void add(const ByteRange& r);
+  // Sum of `writeback_of` over the ranges; ranges with nothing under writeback any more are
+  // dropped.  nullopt (and the list kept) when a reading fails.
+  [[nodiscard]] std::optional<std::uint64_t> under_writeback(
+      const std::function<std::optional<std::uint64_t>(const ByteRange&)>& writeback_of);
+  [[nodiscard]] const std::vector<ByteRange>& ranges() const { return ranges_; }
+  void clear() { ranges_.clear(); }
+
+ private:
+  std::size_t max_;
+  std::vector<ByteRange> ranges_;
+};
+
 struct PageCacheState {
   std::uint64_t dirty_bytes = 0;
   std::uint64_t writeback_bytes = 0;
@@ -78,6 +98,9 @@ class TargetFile {
   [[nodiscard]] virtual std::uint64_t size() = 0;
   [[nodiscard]] virtual std::optional<std::uint64_t> device() = 0;  // st_dev
   [[nodiscard]] virtual std::optional<PageCacheState> page_cache() = 0;
+  // The page cache of one range (cachestat over it: cost in proportion to its cached pages).
+  // nullopt when only the system-wide fallback is available.
+  [[nodiscard]] virtual std::optional<PageCacheState> page_cache_in(const ByteRange& r) = 0;
   [[nodiscard]] virtual std::uint64_t dirty_in(const ByteRange& r) = 0;
   virtual void start_writeback(const ByteRange& r) = 0;
 };

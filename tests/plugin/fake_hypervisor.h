@@ -2,6 +2,7 @@
 #pragma once
 
 #include <algorithm>
+#include <deque>
 #include <map>
 #include <memory>
 #include <string>
@@ -99,8 +100,37 @@ struct FakeFileState {
   std::uint64_t size = 1ull << 30;
   std::uint64_t device = 7;
   std::uint64_t dirty = 0;
-  std::uint64_t writeback = 0;
+  std::uint64_t writeback = 0;  // total; `queue` holds where (what start_writeback issued)
   std::uint64_t writeback_started = 0;
+  std::uint64_t range_readings = 0;  // page_cache_in calls
+  std::uint64_t whole_readings = 0;  // page_cache calls
+  bool ranges_readable = true;       // false: page_cache_in fails (no per-range cachestat)
+  // Writeback queued at storage, oldest first: a range and its bytes still under writeback.
+  std::deque<std::pair<ByteRange, std::uint64_t>> queue;
+
+  // Storage completes `n` bytes of writeback, oldest first.  Writeback not in `queue` (set by a
+  // test directly, like the kernel's flusher would) completes after it.
+  void drain(std::uint64_t n) {
+    n = std::min(n, writeback);
+    writeback -= n;
+    std::uint64_t queued = 0;
+    for (const auto& q : queue) queued += q.second;
+    // Drained bytes come out of the queue first, then out of unqueued writeback.
+    while (n > 0 && !queue.empty()) {
+      const std::uint64_t d = std::min(n, queue.front().second);
+      queue.front().second -= d;
+      n -= d;
+      queued -= d;
+      if (queue.front().second == 0) queue.pop_front();
+    }
+    // Never more queued than under writeback in total.
+    while (queued > writeback && !queue.empty()) {
+      const std::uint64_t d = std::min(queued - writeback, queue.front().second);
+      queue.front().second -= d;
+      queued -= d;
+      if (queue.front().second == 0) queue.pop_front();
+    }
+  }
 };
 
 class FakeTargetFiles final : public TargetFiles {
@@ -120,7 +150,19 @@ class FakeTargetFiles final : public TargetFiles {
     std::uint64_t size() override { return s_->size; }
     std::optional<std::uint64_t> device() override { return s_->device; }
     std::optional<PageCacheState> page_cache() override {
+      ++s_->whole_readings;
       return PageCacheState{s_->dirty, s_->writeback, true};
+    }
+    std::optional<PageCacheState> page_cache_in(const ByteRange& r) override {
+      ++s_->range_readings;
+      if (!s_->ranges_readable) return std::nullopt;
+      std::uint64_t wb = 0;
+      for (const auto& [q, bytes] : s_->queue) {
+        const std::uint64_t lo = std::max(q.offset, r.offset);
+        const std::uint64_t hi = std::min(q.offset + q.length, r.offset + r.length);
+        if (hi > lo) wb += bytes * (hi - lo) / q.length;
+      }
+      return PageCacheState{dirty_in(r), wb, true};
     }
     // Dirty bytes are spread evenly over the file.
     std::uint64_t dirty_in(const ByteRange& r) override {
@@ -133,6 +175,7 @@ class FakeTargetFiles final : public TargetFiles {
       s_->dirty -= d;
       s_->writeback += d;
       s_->writeback_started += d;
+      if (d > 0) s_->queue.emplace_back(r, d);
     }
 
    private:

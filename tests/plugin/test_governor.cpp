@@ -278,3 +278,34 @@ TEST_CASE("plugin.governor.writeback_backlog_bounded") {
   CHECK(max_writeback < 4u * 1024 * 1024);
   CHECK(w.hv.jobs.at({"vm1", "vda"}).cur > 20u * 1024 * 1024);
 }
+
+TEST_CASE("plugin.governor.pacer_reads_issued_ranges") {
+  // 50 MB/s storage, no guest latency: the job should run near the storage's rate.  The pacer
+  // reads the whole file only every page_cache_refresh (100 ms, with the tick) and in between
+  // only the ranges it issued.  Counting issued bytes as under writeback until the next
+  // whole-file reading instead (ranges unreadable) idles the storage most of the time.
+  auto run = [](bool ranges_readable, std::uint64_t* whole, std::uint64_t* ranges) {
+    World w;
+    w.storage_bytes_per_s = 50.0 * 1024 * 1024;
+    w.base->ranges_readable = ranges_readable;
+    w.start_job();
+    Governor g(w.hv, w.files, DaemonConfig{});
+    TimePoint next = w.now;
+    w.run(g, 5s, &next);
+    const std::uint64_t w0 = w.base->whole_readings;
+    const double rate = w.progress(g, 10s, next);
+    *whole = w.base->whole_readings - w0;
+    *ranges = w.base->range_readings;
+    return rate / w.storage_bytes_per_s;
+  };
+  std::uint64_t whole = 0, ranges = 0;
+  const double tracked = run(true, &whole, &ranges);
+  MESSAGE("issued ranges read: " << tracked << " of storage rate, " << whole
+                                 << " whole-file readings in 10 s, " << ranges << " range readings");
+  CHECK(tracked > 0.7);
+  CHECK(whole <= 10 * 11);  // ~ one per tick
+  CHECK(ranges > 0);
+  const double untracked = run(false, &whole, &ranges);
+  MESSAGE("ranges unreadable: " << untracked << " of storage rate");
+  CHECK(untracked < tracked);
+}

@@ -80,9 +80,7 @@ struct World {
       it->second.cur += n;
       base->dirty += n;
     }
-    const auto drained = std::min<std::uint64_t>(
-        base->writeback, static_cast<std::uint64_t>(storage_bytes_per_s * secs));
-    base->writeback -= drained;
+    base->drain(static_cast<std::uint64_t>(storage_bytes_per_s * secs));
   }
   [[nodiscard]] std::uint64_t cur() const { return hv.jobs.at({dom, "vda"}).cur; }
   // Job progress (bytes/s) over the next `dt`.
