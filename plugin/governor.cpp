@@ -489,6 +489,11 @@ void Governor::pace(TimePoint now) {
       if (pc.per_file && j->ranges_readable) j->issued.add(r);
     }
     j->issued_since_pc += plan.dirty_bytes_issued;
+    // A whole lap found less than the estimate (the kernel's flusher wrote some back): until
+    // the next whole-file reading nothing is left to push.  Without this every pace interval
+    // swept the whole file again (cachestat over every cached page: ~30 % of a core on a
+    // 2.5 GiB base in the lab).
+    if (plan.lapped && j->pace_pc) j->issued_since_pc = std::max(j->issued_since_pc, j->pace_pc->dirty_bytes);
   }
 }
 

@@ -74,7 +74,10 @@ WritebackPlan WritebackPlanner::plan(const WritebackInput& in, const DirtyProbe&
         scanned += span.length;
         cursor_ += span.length;
         if (cursor_ >= in.file_size) cursor_ = 0;
-        if (cursor_ == start) break;
+        if (cursor_ == start) {
+          out.lapped = true;
+          break;
+        }
         continue;
       }
       dirty_span_end = span.offset + span.length;
@@ -96,8 +99,12 @@ WritebackPlan WritebackPlanner::plan(const WritebackInput& in, const DirtyProbe&
     scanned += r.length;
     cursor_ += r.length;
     if (cursor_ >= in.file_size) cursor_ = 0;
-    if (cursor_ == start) break;
+    if (cursor_ == start) {
+      out.lapped = true;
+      break;
+    }
   }
+  if (scanned >= in.file_size) out.lapped = true;
   return out;
 }
 

@@ -46,6 +46,9 @@ struct WritebackInput {
 struct WritebackPlan {
   std::vector<ByteRange> ranges;      // start writeback of these (merged, ascending per lap)
   std::uint64_t dirty_bytes_issued = 0;
+  // The whole file was probed: nothing else is dirty (as of this plan).  A caller whose dirty
+  // estimate is higher (the kernel's flusher took some) can stop sweeping until it re-reads.
+  bool lapped = false;
 };
 
 class WritebackPlanner {

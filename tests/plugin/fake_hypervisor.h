@@ -104,7 +104,13 @@ struct FakeFileState {
   std::uint64_t writeback_started = 0;
   std::uint64_t range_readings = 0;  // page_cache_in calls
   std::uint64_t whole_readings = 0;  // page_cache calls
+  std::uint64_t dirty_probes = 0;    // dirty_in calls
   bool ranges_readable = true;       // false: page_cache_in fails (no per-range cachestat)
+  // Where the dirty bytes are: spread evenly over the file (default), or all in [0, dirty).
+  bool dirty_at_front = false;
+  // The kernel's flusher takes every dirty byte right after each whole-file reading (the reading
+  // is stale at once).
+  bool flusher_after_reading = false;
   // Writeback queued at storage, oldest first: a range and its bytes still under writeback.
   std::deque<std::pair<ByteRange, std::uint64_t>> queue;
 
@@ -151,7 +157,9 @@ class FakeTargetFiles final : public TargetFiles {
     std::optional<std::uint64_t> device() override { return s_->device; }
     std::optional<PageCacheState> page_cache() override {
       ++s_->whole_readings;
-      return PageCacheState{s_->dirty, s_->writeback, true};
+      const PageCacheState st{s_->dirty, s_->writeback, true};
+      if (s_->flusher_after_reading) s_->dirty = 0;
+      return st;
     }
     std::optional<PageCacheState> page_cache_in(const ByteRange& r) override {
       ++s_->range_readings;
@@ -162,16 +170,22 @@ class FakeTargetFiles final : public TargetFiles {
         const std::uint64_t hi = std::min(q.offset + q.length, r.offset + r.length);
         if (hi > lo) wb += bytes * (hi - lo) / q.length;
       }
-      return PageCacheState{dirty_in(r), wb, true};
+      return PageCacheState{dirty_share(r), wb, true};
     }
     // Dirty bytes are spread evenly over the file.
     std::uint64_t dirty_in(const ByteRange& r) override {
+      ++s_->dirty_probes;
+      return dirty_share(r);
+    }
+    std::uint64_t dirty_share(const ByteRange& r) const {
       if (s_->size == 0) return 0;
+      if (s_->dirty_at_front)
+        return r.offset >= s_->dirty ? 0 : std::min(r.length, s_->dirty - r.offset);
       const double share = static_cast<double>(r.length) / static_cast<double>(s_->size);
       return std::min(s_->dirty, static_cast<std::uint64_t>(static_cast<double>(s_->dirty) * share + 0.5));
     }
     void start_writeback(const ByteRange& r) override {
-      const std::uint64_t d = dirty_in(r);
+      const std::uint64_t d = dirty_share(r);
       s_->dirty -= d;
       s_->writeback += d;
       s_->writeback_started += d;

@@ -309,3 +309,22 @@ TEST_CASE("plugin.governor.pacer_reads_issued_ranges") {
   MESSAGE("ranges unreadable: " << untracked << " of storage rate");
   CHECK(untracked < tracked);
 }
+
+TEST_CASE("plugin.governor.pacer_stops_sweeping_a_clean_file") {
+  // The kernel's flusher writes the job's dirty pages back before the pacer gets to them: the
+  // whole-file reading says "dirty", a sweep finds nothing.  One lap per whole-file reading, not
+  // one per pace interval (each lap is a cachestat over every cached page of the target).
+  World w;
+  w.base->dirty_at_front = true;  // like a job writing its target in order
+  w.start_job();
+  Governor g(w.hv, w.files, DaemonConfig{});
+  TimePoint next = w.now;
+  w.run(g, 3s, &next);
+  const std::uint64_t p0 = w.base->dirty_probes;
+  w.base->flusher_after_reading = true;
+  w.run(g, 5s, &next);
+  const double per_s = static_cast<double>(w.base->dirty_probes - p0) / 5.0;
+  const double lap = static_cast<double>(w.base->size / (kWritebackPieceBytes * kWritebackSkipPieces));
+  MESSAGE("probes per second: " << per_s << " (one lap: " << lap << " probes)");
+  CHECK(per_s <= 11.0 * lap);  // about one lap per tick
+}

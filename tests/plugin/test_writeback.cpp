@@ -146,3 +146,15 @@ TEST_CASE("plugin.writeback.system_file_range") {
   close(fd);
   unlink(path);
 }
+
+TEST_CASE("plugin.writeback.planner_reports_a_lap") {
+  WritebackPlanner p;
+  const WritebackInput in{64ull << 20, 0, 1 << 20};
+  const WritebackPlan clean = p.plan(in, [](const ByteRange&) { return std::uint64_t{0}; });
+  CHECK(clean.lapped);
+  CHECK(clean.ranges.empty());
+  // Dirty everywhere: the window fills long before a lap.
+  const WritebackPlan dirty = p.plan(in, [](const ByteRange& r) { return r.length; });
+  CHECK_FALSE(dirty.lapped);
+  CHECK(dirty.dirty_bytes_issued <= (1u << 20));
+}
