@@ -92,12 +92,13 @@ struct Governor::Job {
     writeback_elsewhere = pace_pc->writeback_bytes - std::min(pace_pc->writeback_bytes, ours.value_or(0));
   }
   // What is under writeback in the ranges the pacer issued (cachestat of each).
+  // Ranges whose writeback completed and that stayed clean leave the page cache.
   std::optional<std::uint64_t> issued_writeback() {
-    return issued.under_writeback([this](const ByteRange& r) -> std::optional<std::uint64_t> {
-      const std::optional<PageCacheState> st = file->page_cache_in(r);
-      if (!st) return std::nullopt;
-      return st->writeback_bytes;
-    });
+    std::vector<ByteRange> clean;
+    const std::optional<std::uint64_t> wb =
+        issued.under_writeback([this](const ByteRange& r) { return file->page_cache_in(r); }, &clean);
+    for (const ByteRange& r : clean) file->drop_cached(r);
+    return wb;
   }
   std::optional<throttle::Decision> decision;
   std::deque<std::pair<TimePoint, Duration>> latencies;

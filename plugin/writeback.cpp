@@ -5,6 +5,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <fstream>
 #include <sstream>
@@ -38,18 +39,24 @@ void IssuedRanges::add(const ByteRange& r) {
 }
 
 std::optional<std::uint64_t> IssuedRanges::under_writeback(
-    const std::function<std::optional<std::uint64_t>(const ByteRange&)>& writeback_of) {
+    const std::function<std::optional<PageCacheState>(const ByteRange&)>& read,
+    std::vector<ByteRange>* clean) {
   std::uint64_t total = 0;
   std::vector<ByteRange> keep;
+  std::vector<ByteRange> done;
   keep.reserve(ranges_.size());
   for (const ByteRange& r : ranges_) {
-    const std::optional<std::uint64_t> wb = writeback_of(r);
-    if (!wb) return std::nullopt;
-    if (*wb == 0) continue;
-    total += *wb;
+    const std::optional<PageCacheState> st = read(r);
+    if (!st) return std::nullopt;
+    if (st->writeback_bytes == 0) {
+      if (st->dirty_bytes == 0) done.push_back(r);
+      continue;
+    }
+    total += st->writeback_bytes;
     keep.push_back(r);
   }
   ranges_ = std::move(keep);
+  if (clean) clean->insert(clean->end(), done.begin(), done.end());
   return total;
 }
 
@@ -187,6 +194,11 @@ class SystemTargetFile final : public TargetFile {
   std::uint64_t dirty_in(const ByteRange& r) override {
     if (auto cs = cachestat(r)) return cs->nr_dirty * page_;
     return r.length;  // unknown: assume dirty (sync_file_range on clean pages is cheap)
+  }
+  void drop_cached(const ByteRange& r) override {
+    // Best effort, like start_writeback.
+    (void)::posix_fadvise(fd_.get(), static_cast<off_t>(r.offset), static_cast<off_t>(r.length),
+                          POSIX_FADV_DONTNEED);
   }
   void start_writeback(const ByteRange& r) override {
     // Best effort: a failure leaves the writeback to the kernel's flusher.

@@ -70,16 +70,24 @@ class WritebackPlanner {
   std::uint64_t cursor_ = 0;
 };
 
+struct PageCacheState {
+  std::uint64_t dirty_bytes = 0;
+  std::uint64_t writeback_bytes = 0;
+  bool per_file = true;  // false: system-wide /proc/meminfo fallback
+};
+
 // Ranges a pacer started writeback on, merged while adjacent, at most `max_ranges` (past that
 // the last two are joined into one covering range: an over-estimate, never an under-estimate).
 class IssuedRanges {
  public:
   explicit IssuedRanges(std::size_t max_ranges = kMaxTrackedWritebackRanges) : max_(max_ranges) {}
   void add(const ByteRange& r);
-  // Sum of `writeback_of` over the ranges; ranges with nothing under writeback any more are
-  // dropped.  nullopt (and the list kept) when a reading fails.
+  // Sum of the writeback bytes `read` reports over the ranges; ranges with nothing under
+  // writeback any more are dropped from the list, and those also without dirty bytes (written,
+  // clean) are appended to `clean` when given.  nullopt (and the list kept) when a reading fails.
   [[nodiscard]] std::optional<std::uint64_t> under_writeback(
-      const std::function<std::optional<std::uint64_t>(const ByteRange&)>& writeback_of);
+      const std::function<std::optional<PageCacheState>(const ByteRange&)>& read,
+      std::vector<ByteRange>* clean = nullptr);
   [[nodiscard]] const std::vector<ByteRange>& ranges() const { return ranges_; }
   void clear() { ranges_.clear(); }
 
@@ -88,11 +96,6 @@ class IssuedRanges {
   std::vector<ByteRange> ranges_;
 };
 
-struct PageCacheState {
-  std::uint64_t dirty_bytes = 0;
-  std::uint64_t writeback_bytes = 0;
-  bool per_file = true;  // false: system-wide /proc/meminfo fallback
-};
 
 // The job's target file as the governor sees it.
 class TargetFile {
@@ -106,6 +109,11 @@ class TargetFile {
   [[nodiscard]] virtual std::optional<PageCacheState> page_cache_in(const ByteRange& r) = 0;
   [[nodiscard]] virtual std::uint64_t dirty_in(const ByteRange& r) = 0;
   virtual void start_writeback(const ByteRange& r) = 0;
+  // Evicts the range's clean pages from the page cache (posix_fadvise DONTNEED): what the job
+  // wrote and storage has is not kept cached (it would crowd out the guests' cache, and every
+  // page cached makes each page-cache reading of the file slower).  Only called on ranges seen
+  // clean (nothing dirty or under writeback), since DONTNEED starts writeback of dirty pages.
+  virtual void drop_cached(const ByteRange& r) = 0;
 };
 
 class TargetFiles {

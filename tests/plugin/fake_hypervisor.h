@@ -105,6 +105,7 @@ struct FakeFileState {
   std::uint64_t range_readings = 0;  // page_cache_in calls
   std::uint64_t whole_readings = 0;  // page_cache calls
   std::uint64_t dirty_probes = 0;    // dirty_in calls
+  std::vector<ByteRange> dropped;    // drop_cached calls
   bool ranges_readable = true;       // false: page_cache_in fails (no per-range cachestat)
   // Where the dirty bytes are: spread evenly over the file (default), or all in [0, dirty).
   bool dirty_at_front = false;
@@ -184,6 +185,7 @@ class FakeTargetFiles final : public TargetFiles {
       const double share = static_cast<double>(r.length) / static_cast<double>(s_->size);
       return std::min(s_->dirty, static_cast<std::uint64_t>(static_cast<double>(s_->dirty) * share + 0.5));
     }
+    void drop_cached(const ByteRange& r) override { s_->dropped.push_back(r); }
     void start_writeback(const ByteRange& r) override {
       const std::uint64_t d = dirty_share(r);
       s_->dirty -= d;

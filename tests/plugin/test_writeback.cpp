@@ -1,4 +1,5 @@
 #include <doctest/doctest.h>
+#include <sys/mman.h>
 
 #include <map>
 #include <random>
@@ -115,15 +116,36 @@ TEST_CASE("plugin.writeback.issued_ranges") {
   REQUIRE(r.ranges().size() == 3);
   CHECK(r.ranges()[2] == ByteRange{2 << 20, (1 << 20) + 4096});
   // Ranges with nothing left under writeback are dropped; the others are summed.
-  auto wb = r.under_writeback([](const ByteRange& b) -> std::optional<std::uint64_t> {
-    return b.offset == 0 ? 0 : b.length / 2;
-  });
+  // Ranges with nothing left under writeback are dropped (and reported clean when nothing in
+  // them is dirty either); the others are summed.
+  std::vector<ByteRange> clean;
+  auto wb = r.under_writeback(
+      [](const ByteRange& b) -> std::optional<PageCacheState> {
+        if (b.offset == 0) return PageCacheState{0, 0, true};
+        return PageCacheState{0, b.length / 2, true};
+      },
+      &clean);
   REQUIRE(wb);
   CHECK(*wb == 2048 + ((1 << 20) + 4096) / 2);
   CHECK(r.ranges().size() == 2);
+  REQUIRE(clean.size() == 1);
+  CHECK(clean[0] == ByteRange{0, 131072});
+  // Written back but dirty again: dropped from the list, not reported clean.
+  r.add({8 << 20, 4096});
+  clean.clear();
+  wb = r.under_writeback(
+      [](const ByteRange& b) -> std::optional<PageCacheState> {
+        return PageCacheState{b.offset == (8u << 20) ? 4096u : 0u, 0, true};
+      },
+      &clean);
+  REQUIRE(wb);
+  CHECK(*wb == 0);
+  CHECK(r.ranges().empty());
+  CHECK(clean.size() == 2);
   // A failed reading keeps the list.
-  CHECK_FALSE(r.under_writeback([](const ByteRange&) { return std::optional<std::uint64_t>{}; }));
-  CHECK(r.ranges().size() == 2);
+  r.add({0, 4096});
+  CHECK_FALSE(r.under_writeback([](const ByteRange&) { return std::optional<PageCacheState>{}; }));
+  CHECK(r.ranges().size() == 1);
 }
 
 TEST_CASE("plugin.writeback.system_file_range") {
@@ -137,11 +159,22 @@ TEST_CASE("plugin.writeback.system_file_range") {
   auto f = files.open(path);
   REQUIRE(f);
   auto in = f->page_cache_in({4 << 20, 1 << 20});
+  // Dropping a clean range evicts it; dirty pages stay (checked below via cachestat).
   auto out = f->page_cache_in({0, 4 << 20});
   if (in) {  // kernels without cachestat(2) have no per-range reading
     CHECK(in->dirty_bytes + in->writeback_bytes > 0);
     REQUIRE(out);
     CHECK(out->dirty_bytes + out->writeback_bytes == 0);
+    REQUIRE(fdatasync(fd) == 0);
+    f->drop_cached({4 << 20, 1 << 20});
+    unsigned char vec[256] = {};
+    void* m = mmap(nullptr, 1 << 20, PROT_READ, MAP_SHARED, fd, 4 << 20);
+    REQUIRE(m != MAP_FAILED);
+    REQUIRE(mincore(m, 1 << 20, vec) == 0);
+    int resident = 0;
+    for (unsigned char v : vec) resident += v & 1;
+    munmap(m, 1 << 20);
+    CHECK(resident == 0);  // written, clean, dropped: no longer cached
   }
   close(fd);
   unlink(path);
