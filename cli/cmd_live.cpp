@@ -309,6 +309,7 @@ int run_live(LiveBackend& be, const plugin::LiveRequest& req,
   using namespace qcommit::plugin;
   Hypervisor& hv = be.hv;
   GovernorOptions opt;
+  opt.settle_every = settle_interval_for(dirty_expire());
   opt.only_disk = std::make_pair(req.domain, req.disk);
   if (auto e = opt.validate()) {
     std::fprintf(stderr, "qcommit live: %s\n", e->c_str());

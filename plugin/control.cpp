@@ -83,7 +83,8 @@ std::string status_json(const GovernorStatus& st, TimePoint now) {
          ",\"latency_p99_ms\":" + (j.latency_p99 ? num(ms(*j.latency_p99)) : "null") +
          ",\"bytes_left\":" + u64(j.bytes_left) +
          ",\"eta_s\":" + (j.eta_s ? num(*j.eta_s) : "null") + ",\"phase\":" + json::quote(j.phase) +
-         ",\"ready\":" + (j.ready ? "true" : "false") +
+         ",\"ready\":" + (j.ready ? "true" : "false") + ",\"settling\":" + (j.settling ? "true" : "false") +
+         ",\"settles\":" + u64(j.settles) +
          ",\"policy_error\":" + json::quote(j.policy_error) + "}";
   }
   o += "],\"released\":[";

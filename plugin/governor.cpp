@@ -38,7 +38,15 @@ std::optional<std::string> GovernorOptions::validate() const {
   if (reconnect_min <= Duration::zero() || reconnect_max < reconnect_min)
     return "governor reconnect intervals: need 0 < min <= max";
   if (min_speed_bytes_per_s == 0) return "minimum job speed must be > 0 (0 is unlimited in QEMU)";
+  if (settle_every < Duration::zero() || settle_max_hold <= Duration::zero())
+    return "governor settle interval must be >= 0 (0: off) and its hold > 0";
   return writeback.validate();
+}
+
+Duration settle_interval_for(std::optional<std::chrono::milliseconds> expire) {
+  constexpr Duration kMax = std::chrono::seconds(10), kMin = std::chrono::seconds(1);
+  if (!expire || *expire <= std::chrono::milliseconds::zero()) return kMax;
+  return std::clamp<Duration>(*expire / 3, kMin, kMax);
 }
 
 namespace {
@@ -75,6 +83,12 @@ struct Governor::Job {
   IssuedRanges issued;
   std::uint64_t writeback_elsewhere = 0;
   bool ranges_readable = true;  // false: cachestat of a range failed, count issued bytes instead
+  // Settling (see GovernorOptions::settle_every): dirty without a settle since, holding since,
+  // fdatasync started.
+  std::optional<TimePoint> dirty_since;
+  std::optional<TimePoint> hold_since;
+  bool settle_started = false;
+  std::uint32_t settles = 0;
 
   // Whole-file reading (cachestat over the target: CPU in proportion to its cached pages).
   void read_page_cache(TimePoint now) {
@@ -403,7 +417,10 @@ void Governor::tick(TimePoint now) {
     in.foreground_oldest_outstanding = s.oldest_outstanding;
     in.backlog_bytes = backlog;
     in.drained_bytes = drained;
-    const throttle::Decision d = j.ctl.tick(in);
+    // While the job is held for a settle, its progress and backlog say nothing about the storage
+    // (the hold made them): the controller is not fed and keeps its last decision.
+    const bool holding = settle(j, pc, now);
+    const throttle::Decision d = holding && j.decision ? *j.decision : j.ctl.tick(in);
     j.decision = d;
 
     // Hold the job at the minimum while more is queued at storage than the window allows.  Dirty
@@ -416,7 +433,7 @@ void Governor::tick(TimePoint now) {
                                         : 0)
            : 0;
     std::uint64_t speed;
-    if (d.paused || queued > d.window_bytes) {
+    if (d.paused || queued > d.window_bytes || holding) {
       speed = opt_.min_speed_bytes_per_s;
     } else {
       speed = static_cast<std::uint64_t>(std::llround(std::clamp(
@@ -450,6 +467,32 @@ void Governor::tick(TimePoint now) {
     j.has_info = true;
     j.backlog = backlog;
   }
+}
+
+bool Governor::settle(Job& j, const std::optional<PageCacheState>& pc, TimePoint now) {
+  if (opt_.settle_every == Duration::zero() || !j.file || !pc || !pc->per_file) return false;
+  if (!j.hold_since) {
+    if (pc->dirty_bytes > 0 && !j.dirty_since) j.dirty_since = now;
+    if (!j.dirty_since || now - *j.dirty_since < opt_.settle_every) return false;
+    j.hold_since = now;
+    j.settle_started = false;
+  }
+  if (!j.settle_started) {
+    if (pc->dirty_bytes == 0 && j.file->start_settle()) {
+      j.settle_started = true;
+    } else if (now - *j.hold_since >= opt_.settle_max_hold) {
+      j.hold_since.reset();  // the job kept dirtying (or storage is slow): retry later
+      j.dirty_since = now;
+      return false;
+    }
+    return true;
+  }
+  if (j.file->settling()) return true;
+  j.hold_since.reset();
+  j.settle_started = false;
+  j.dirty_since.reset();
+  ++j.settles;
+  return false;
 }
 
 void Governor::pace(TimePoint now) {
@@ -533,6 +576,8 @@ GovernorStatus Governor::status(TimePoint now) const {
     js.window_bytes = j->decision ? j->decision->window_bytes : 0;
     js.backlog_bytes = j->backlog;
     js.phase = j->decision ? throttle::to_string(j->decision->phase) : "adopted";
+    js.settling = j->hold_since.has_value();
+    js.settles = j->settles;
     js.ready = j->ready;
     js.policy_error = j->policy_error;
     std::vector<Duration> lat;

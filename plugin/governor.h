@@ -74,6 +74,17 @@ struct GovernorOptions {
   // In between it re-reads just the ranges it started writeback on (IssuedRanges), so it sees
   // its writeback complete without waiting for the next whole-file reading.
   Duration page_cache_refresh = std::chrono::milliseconds(100);
+  // The kernel's flusher writes back, in one go, every dirty page of an inode that has stayed
+  // dirty longer than vm.dirty_expire_centisecs (30 s), then again every
+  // dirty_writeback_centisecs (5 s) while it stays dirty.  A paced job keeps its target dirty
+  // without a break, so from 30 s on the flusher queued up to one dirty allowance (16 MiB:
+  // 230 ms at 50 MB/s) ahead of the guests every 5 s (lab, 1.5 GiB active commit).  Every
+  // `settle_every` the governor holds the job at the floor until the target has no dirty pages
+  // and fdatasyncs it (the inode is clean, its expiry clock restarts); a hold that does not
+  // reach that within `settle_max_hold` is abandoned and retried an interval later.
+  // Zero disables.  The daemon sets it from the host's dirty_expire (a third of it, <= 10 s).
+  Duration settle_every = std::chrono::seconds(10);
+  Duration settle_max_hold = std::chrono::seconds(2);
   Duration reconnect_min = std::chrono::milliseconds(500);
   Duration reconnect_max = std::chrono::seconds(5);
   std::uint64_t min_speed_bytes_per_s = kMinJobSpeedBytesPerS;
@@ -83,6 +94,10 @@ struct GovernorOptions {
   std::optional<std::pair<std::string, std::string>> only_disk;
   [[nodiscard]] std::optional<std::string> validate() const;
 };
+
+// settle_every for a host whose vm.dirty_expire_centisecs is `expire`: a third of it, within
+// [1 s, 10 s]; 10 s when unknown or 0 (expiry off).
+[[nodiscard]] Duration settle_interval_for(std::optional<std::chrono::milliseconds> expire);
 
 struct JobStatus {
   std::string domain;
@@ -100,6 +115,8 @@ struct JobStatus {
   std::optional<double> eta_s;
   std::string phase;
   bool ready = false;
+  bool settling = false;      // held at the floor until the target is clean (not logged)
+  std::uint32_t settles = 0;  // times the target was made clean (GovernorOptions::settle_every)
   std::string policy_error;  // bad domain metadata (the pool/default policy applies)
 };
 
@@ -151,6 +168,8 @@ class Governor {
   void release(const DiskKey& k, const std::string& reason, TimePoint now);
   void tick(TimePoint now);
   void pace(TimePoint now);
+  // Settling state machine for one job; true while the job is held for it.
+  bool settle(Job& j, const std::optional<PageCacheState>& pc, TimePoint now);
   [[nodiscard]] std::string storage_key(const std::string& path, std::optional<std::uint64_t> dev,
                                         std::optional<PoolInfo>* pool_out);
   [[nodiscard]] std::optional<PoolInfo> resolve_pool(const std::string& path);

@@ -102,6 +102,7 @@ int main(int argc, char** argv) {
       return 1;
     }
     GovernorOptions opt;
+    opt.settle_every = settle_interval_for(dirty_expire());
     if (auto e = opt.validate()) {
       log.record(*e);
       return 1;

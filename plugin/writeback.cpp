@@ -6,9 +6,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <fstream>
 #include <sstream>
+#include <thread>
 
 namespace qcommit::plugin {
 
@@ -195,6 +197,19 @@ class SystemTargetFile final : public TargetFile {
     if (auto cs = cachestat(r)) return cs->nr_dirty * page_;
     return r.length;  // unknown: assume dirty (sync_file_range on clean pages is cheap)
   }
+  bool start_settle() override {
+    if (settling()) return false;
+    const int fd = ::fcntl(fd_.get(), F_DUPFD_CLOEXEC, 0);  // the thread may outlive this object
+    if (fd < 0) return false;
+    busy_->store(true);
+    std::thread([fd, busy = busy_] {
+      (void)::fdatasync(fd);  // best effort: a failure leaves the kernel's clock running
+      ::close(fd);
+      busy->store(false);
+    }).detach();
+    return true;
+  }
+  bool settling() override { return busy_->load(); }
   void drop_cached(const ByteRange& r) override {
     // Best effort, like start_writeback.
     (void)::posix_fadvise(fd_.get(), static_cast<off_t>(r.offset), static_cast<off_t>(r.length),
@@ -219,11 +234,19 @@ class SystemTargetFile final : public TargetFile {
   }
 
   Fd fd_;
+  std::shared_ptr<std::atomic<bool>> busy_ = std::make_shared<std::atomic<bool>>(false);
   std::uint64_t page_ = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
   bool no_cachestat_ = false;
 };
 
 }  // namespace
+
+std::optional<std::chrono::milliseconds> dirty_expire() {
+  std::ifstream f("/proc/sys/vm/dirty_expire_centisecs");
+  long long cs = -1;
+  if (!(f >> cs) || cs < 0) return std::nullopt;
+  return std::chrono::milliseconds(cs * 10);
+}
 
 std::unique_ptr<TargetFile> SystemTargetFiles::open(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);

@@ -8,6 +8,7 @@
 // /proc/meminfo fallback, sync_file_range(SYNC_FILE_RANGE_WRITE)).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -114,7 +115,15 @@ class TargetFile {
   // page cached makes each page-cache reading of the file slower).  Only called on ranges seen
   // clean (nothing dirty or under writeback), since DONTNEED starts writeback of dirty pages.
   virtual void drop_cached(const ByteRange& r) = 0;
+  // Makes the file clean in the kernel's eyes: fdatasync in the background (the inode leaves
+  // the dirty list, and the next page dirtied starts a fresh vm.dirty_expire clock).  False when
+  // the previous one is still running.
+  [[nodiscard]] virtual bool start_settle() = 0;
+  [[nodiscard]] virtual bool settling() = 0;
 };
+
+// vm.dirty_expire_centisecs as a duration (nullopt when unreadable).
+[[nodiscard]] std::optional<std::chrono::milliseconds> dirty_expire();
 
 class TargetFiles {
  public:

@@ -106,6 +106,8 @@ struct FakeFileState {
   std::uint64_t whole_readings = 0;  // page_cache calls
   std::uint64_t dirty_probes = 0;    // dirty_in calls
   std::vector<ByteRange> dropped;    // drop_cached calls
+  std::vector<std::uint64_t> settled_with_dirty;  // dirty bytes at each start_settle
+  bool settle_busy = false;          // a test can hold a settle "in progress"
   bool ranges_readable = true;       // false: page_cache_in fails (no per-range cachestat)
   // Where the dirty bytes are: spread evenly over the file (default), or all in [0, dirty).
   bool dirty_at_front = false;
@@ -186,6 +188,12 @@ class FakeTargetFiles final : public TargetFiles {
       return std::min(s_->dirty, static_cast<std::uint64_t>(static_cast<double>(s_->dirty) * share + 0.5));
     }
     void drop_cached(const ByteRange& r) override { s_->dropped.push_back(r); }
+    bool start_settle() override {
+      if (s_->settle_busy) return false;
+      s_->settled_with_dirty.push_back(s_->dirty);
+      return true;
+    }
+    bool settling() override { return s_->settle_busy; }
     void start_writeback(const ByteRange& r) override {
       const std::uint64_t d = dirty_share(r);
       s_->dirty -= d;

@@ -28,6 +28,8 @@ struct World {
   bool other_active = true;
   Duration guest_latency = std::chrono::milliseconds(2);
   double storage_bytes_per_s = 200.0 * 1024 * 1024;  // writeback drain
+  static constexpr std::uint64_t kJobChunkBytes = 64 * 1024;
+  double job_credit = 0;  // bytes the job may copy, not yet a whole chunk
 
   explicit World(std::string dom_name = "vm1", const std::string& base_path = kBase)
       : dom(std::move(dom_name)) {
@@ -74,9 +76,11 @@ struct World {
     }
     auto it = hv.jobs.find({dom, "vda"});
     if (it != hv.jobs.end() && it->second.bandwidth_bytes_per_s > 0) {
-      const auto n = std::min<std::uint64_t>(
-          it->second.end - it->second.cur,
-          static_cast<std::uint64_t>(static_cast<double>(it->second.bandwidth_bytes_per_s) * secs));
+      // Like QEMU, the job copies whole chunks (kJobChunkBytes) and sleeps in between.
+      job_credit += static_cast<double>(it->second.bandwidth_bytes_per_s) * secs;
+      const auto chunks = static_cast<std::uint64_t>(job_credit / static_cast<double>(kJobChunkBytes));
+      job_credit -= static_cast<double>(chunks * kJobChunkBytes);
+      const auto n = std::min<std::uint64_t>(it->second.end - it->second.cur, chunks * kJobChunkBytes);
       it->second.cur += n;
       base->dirty += n;
     }
