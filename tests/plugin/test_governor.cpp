@@ -419,3 +419,32 @@ TEST_CASE("plugin.governor.settle_gives_up_and_retries") {
   CHECK(settling < samples / 2);
   CHECK(w.cur() > 100ull << 20);
 }
+
+TEST_CASE("plugin.governor.mirror_end_waits_for_clean_base") {
+  // 8 MiB left of an active commit and 12 MiB of BASE dirty: QEMU will flush BASE right after
+  // its last burst, so the job stays at the floor until the pacer has written the dirty pages
+  // out; then it converges at full speed.
+  World w;
+  w.base->dirty_at_front = true;
+  w.storage_bytes_per_s = 50.0 * 1024 * 1024;
+  w.start_job(JobType::ActiveCommit, 64ull << 20);
+  Governor g(w.hv, w.files, DaemonConfig{});
+  TimePoint next = w.now;
+  w.run(g, 3s, &next);  // adopted, past slow start
+  auto& job = w.hv.jobs[{"vm1", "vda"}];
+  job.cur = job.end - (8ull << 20);
+  w.base->dirty = 12ull << 20;
+  bool held_while_dirty = true, released = false, drained = false;
+  const TimePoint t0 = w.now;
+  w.run(g, 3s, &next, [&] {
+    const std::uint64_t speed = w.hv.speed("vm1", "vda");
+    const std::uint64_t dirty = w.base->dirty + w.base->writeback;
+    if (dirty == 0) drained = true;
+    // Until the dirty pages from before are out (one tick to notice them), the floor.
+    if (!drained && w.now - t0 > GovernorOptions{}.tick + 50ms && speed > kMinJobSpeedBytesPerS)
+      held_while_dirty = false;
+    if (drained && speed > kMinJobSpeedBytesPerS) released = true;
+  });
+  CHECK(held_while_dirty);
+  CHECK(released);
+}
