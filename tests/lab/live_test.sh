@@ -207,9 +207,15 @@ run_b() {
   lab_assert_clean || fail "run $LAB_ID left resources behind"
 }
 
+# Each run is a subshell (its own traps); its failure must fail the test (a `(a) && (b)` list
+# does not trip `set -e`: a failed run A once printed FAIL and then PASS).
 case ${1:-all} in
-  a) (run_a) ;;
-  b) (run_b) ;;
-  all) (run_a) && (run_b) ;;
+  a) (run_a) || exit 1 ;;
+  b) (run_b) || exit 1 ;;
+  all)
+    (run_a) || exit 1
+    (run_b) || exit 1
+    ;;
+  *) echo "usage: live_test.sh [a|b|all]" >&2; exit 2 ;;
 esac
 echo "PASS lab.qcommitd_governs ($SECONDS s)"
