@@ -44,7 +44,7 @@ prepare_guest() {
 wait_job_listed() { # DOM DISK TIMEOUT_S → echoes seconds waited, fails when not listed
   local t0 deadline
   t0=$(lab_now)
-  deadline=$(awk -v a="$t0" -v b="$3" 'BEGIN {print a + b}')
+  deadline=$(awk -v a="$t0" -v b="$3" 'BEGIN {printf "%.6f", a + b}')
   while awk -v n="$(lab_now)" -v d="$deadline" 'BEGIN {exit !(n < d)}'; do
     if [ -n "$(live_job_field "$1" "$2" domain)" ]; then
       elapsed_since "$t0"
