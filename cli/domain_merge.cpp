@@ -237,18 +237,31 @@ qcow2::ChainOptions chain_options(const std::vector<std::string>& allowed_dirs) 
   return o;
 }
 
-void refresh_pools_holding(virConnectPtr conn, const std::string& file, DomainMergeResult& res) {
-  for (auto& p : pools_holding(conn, file)) {
-    const std::string name = virStoragePoolGetName(p.get());
-    if (std::find(res.pools_refreshed.begin(), res.pools_refreshed.end(), name) != res.pools_refreshed.end()) continue;
-    if (virStoragePoolRefresh(p.get(), 0) == 0) res.pools_refreshed.push_back(name);
-  }
+// Refreshes `pool` once per merge so vol-list/vol-info show the files as they are now. A failure
+// leaves the data merged and only libvirt's cached view stale: say so, naming the way out.
+void refresh_pool(virStoragePoolPtr pool, DomainMergeResult& res, const std::function<void(const std::string&)>& note) {
+  const std::string name = virStoragePoolGetName(pool);
+  if (std::find(res.pools_refreshed.begin(), res.pools_refreshed.end(), name) != res.pools_refreshed.end()) return;
+  if (virStoragePoolRefresh(pool, 0) == 0)
+    res.pools_refreshed.push_back(name);
+  else
+    note("could not refresh storage pool " + name + " (vol-list/vol-info may show the files as before the merge; " +
+         "run 'virsh pool-refresh " + name + "'): " + last_libvirt_error());
+}
+
+void refresh_pools_holding(virConnectPtr conn, const std::string& file, DomainMergeResult& res,
+                           const std::function<void(const std::string&)>& note) {
+  for (auto& p : pools_holding(conn, file)) refresh_pool(p.get(), res, note);
 }
 
 }  // namespace
 
 DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(const std::string&)>& note) {
   DomainMergeResult res;
+  // libvirt's default handler prints every error to stderr, also those that are expected (no
+  // merge journal in the definition); errors that matter reach the user through
+  // last_libvirt_error() in the messages below.
+  virSetErrorFunc(nullptr, [](void*, virErrorPtr) {});
   Conn conn(virConnectOpen(req.uri.c_str()));
   if (!conn) throw Error(req.uri, "cannot connect to libvirt: " + last_libvirt_error());
 
@@ -264,9 +277,14 @@ DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(
     res.base = res.merge.base;
     Pool p(virStoragePoolLookupByName(conn.get(), req.pool.c_str()));
     if (!p) p.reset(virStoragePoolLookupByUUIDString(conn.get(), req.pool.c_str()));
-    if (p && !req.dry_run && virStoragePoolRefresh(p.get(), 0) == 0) res.pools_refreshed.push_back(req.pool);
+    if (!req.dry_run) {
+      if (p)
+        refresh_pool(p.get(), res, note);
+      else
+        note("could not refresh storage pool " + req.pool + ": it is gone: " + last_libvirt_error());
+    }
     // BASE may live in another pool (an overlay in a dir pool on a logical volume).
-    if (!req.dry_run) refresh_pools_holding(conn.get(), res.base, res);
+    if (!req.dry_run) refresh_pools_holding(conn.get(), res.base, res, note);
     return res;
   }
 
@@ -450,7 +468,7 @@ DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(
       if (fs::remove(p, ec)) res.merge.deleted.push_back(p);
     }
   }
-  refresh_pools_holding(conn.get(), res.base, res);
+  refresh_pools_holding(conn.get(), res.base, res, note);
   Journal::remove(dom.get());
   return res;
 }

@@ -8,7 +8,10 @@
 //
 // Usage: qcommit-slowfs --backing DIR --mount DIR [--bandwidth 50M] [--latency-ms 0]
 //                       [--control FILE] [--log FILE] [--stats FILE] [--pidfile FILE]
-//                       [--max-background N] [--real-fsync]
+//                       [--max-background N] [--real-fsync] [--fsname NAME]
+// --fsname sets the mount's source as /proc/mounts shows it (default "qcommit-slowfs"); e.g.
+// `lab:/export` makes the mount look like an NFS export to libvirt's netfs pool, which takes a
+// target already mounted from "HOST:DIR" as started instead of running mount(8) itself.
 // The control file holds `bandwidth=<rate>` and/or `latency_ms=<n>` lines; it is polled every
 // 50 ms, so the rate can change while running. Rates take K/M/G suffixes (powers of 1000).
 // The log is a CSV with one row per queued request (see kLogHeader).
@@ -86,6 +89,7 @@ double epoch_now() {
 
 struct Config {
   std::string backing, mount, control, log, stats, pidfile;
+  std::string fsname = "qcommit-slowfs";
   double bandwidth_bps = 50e6;
   double latency_ms = 0;
   unsigned max_background = 0;  // 0 = kernel default
@@ -96,6 +100,8 @@ struct Config {
     if (mount.empty()) return "--mount is required";
     if (!(bandwidth_bps > 0)) return "--bandwidth must be > 0";
     if (latency_ms < 0) return "--latency-ms must be >= 0";
+    if (fsname.empty() || fsname.find_first_of(" \t\n") != std::string::npos)
+      return "--fsname must be non-empty, without blanks";
     return std::nullopt;
   }
 };
@@ -660,6 +666,7 @@ Config parse_args(int argc, char** argv) {
     else if (a == "--pidfile") c.pidfile = val();
     else if (a == "--max-background") c.max_background = static_cast<unsigned>(std::stoul(val()));
     else if (a == "--real-fsync") c.real_fsync = true;
+    else if (a == "--fsname") c.fsname = val();
     else die("unknown argument '" + a + "'");
   }
   if (auto err = c.validate()) die(*err);
@@ -725,7 +732,7 @@ int main(int argc, char** argv) {
   if (stat(cfg.mount.c_str(), &rootst) < 0) die(cfg.mount + ": " + std::strerror(errno));
   std::string opts = "fd=" + std::to_string(fuse_fd) + ",rootmode=40000,user_id=0,group_id=0," +
                      "allow_other,default_permissions";
-  if (mount("qcommit-slowfs", cfg.mount.c_str(), "fuse.qcommit-slowfs", MS_NOSUID | MS_NODEV,
+  if (mount(cfg.fsname.c_str(), cfg.mount.c_str(), "fuse.qcommit-slowfs", MS_NOSUID | MS_NODEV,
             opts.c_str()) < 0)
     die(cfg.mount + ": mount: " + std::strerror(errno));
   g_mountpoint = cfg.mount;
