@@ -8,4 +8,6 @@ set -euo pipefail
 [ $# -gt 0 ] || { echo "usage: with-lab-lock.sh COMMAND [ARGS...]" >&2; exit 2; }
 if [ -n "${QCOMMIT_LAB_LOCKED:-}" ]; then exec "$@"; fi
 export QCOMMIT_LAB_LOCKED=1
-exec flock "${QCOMMIT_LAB_LOCK:-/tmp/qcommit-lab.lock}" "$@"
+# -o: the lock stays with flock itself, not with what the command starts and leaves running
+# (lab.qcommitd_governs restarts libvirtd: with the fd inherited, libvirtd held the lock).
+exec flock -o "${QCOMMIT_LAB_LOCK:-/tmp/qcommit-lab.lock}" "$@"
