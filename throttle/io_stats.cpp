@@ -16,14 +16,12 @@ void IoCounterSampler::sample(TimePoint now, const IoCounters& c, Duration inter
   if (has_prev_ && c.wr_reqs >= prev_.wr_reqs && c.flush_reqs >= prev_.flush_reqs) {
     const std::int64_t dw = c.wr_reqs - prev_.wr_reqs;
     const std::int64_t df = c.flush_reqs - prev_.flush_reqs;
-    const Duration wr_mean(
-        dw > 0 ? std::max<std::int64_t>(0, (c.wr_total_times_ns - prev_.wr_total_times_ns) / dw) : 0);
-    const Duration fl_mean(
-        df > 0 ? std::max<std::int64_t>(0, (c.flush_total_times_ns - prev_.flush_total_times_ns) / df) : 0);
-    // A guest that flushes waits for a write and then a flush, each behind whatever is queued:
-    // its durable write is one sample, the sum (lab: the guest's write+fsync took about twice
-    // the per-request latency the storage queue explained).
-    if (dw > 0 || df > 0) out.latencies.push_back(wr_mean + fl_mean);
+    if (dw > 0)
+      out.latencies.push_back(
+          Duration(std::max<std::int64_t>(0, (c.wr_total_times_ns - prev_.wr_total_times_ns) / dw)));
+    if (df > 0)
+      out.latencies.push_back(Duration(
+          std::max<std::int64_t>(0, (c.flush_total_times_ns - prev_.flush_total_times_ns) / df)));
     if (dw + df > 0) {
       if (last_completion_) {
         const Duration gap = now - *last_completion_;

@@ -6,10 +6,8 @@
 // Pure: `now` is a parameter, no clock reads, no I/O.
 //
 // Per disk and sample (one IoCounterSampler per disk):
-//  * Δwr_total_times / Δwr_reqs and Δflush_total_times / Δflush_reqs are the mean per-request
-//    latencies of what completed since the previous sample; their sum is the latency sample (a
-//    guest that flushes waits for a write and then a flush: its durable write pays any queue
-//    twice), or either alone when the guest only wrote or only flushed;
+//  * Δwr_total_times / Δwr_reqs and Δflush_total_times / Δflush_reqs are latency samples (the
+//    mean per-request latency of what completed since the previous sample);
 //  * the counters move only when requests complete, so a disk that was completing requests and
 //    has gone silent for longer than kStallFactor × its usual interval between completions is
 //    reported as outstanding, with the silence beyond one usual interval as its age — a stuck
