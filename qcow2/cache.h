@@ -37,8 +37,14 @@ class TableCache {
 
   // Dirty tables are pinned (never evicted) until mark_clean(): the cache is the only copy of
   // their new contents until the caller writes them at the right point of its persistence order.
-  void mark_dirty(uint64_t offset) {
-    if (auto it = index_.find(offset); it != index_.end()) it->second->dirty = true;
+  // `table` is the caller's copy: put back if it was evicted meanwhile (it is then the only copy).
+  void mark_dirty(uint64_t offset, const Table& table) {
+    auto it = index_.find(offset);
+    if (it == index_.end() || it->second->table != table) {
+      put(offset, table);
+      it = index_.find(offset);
+    }
+    it->second->dirty = true;
   }
   void mark_clean(uint64_t offset) {
     if (auto it = index_.find(offset); it != index_.end()) it->second->dirty = false;
@@ -79,10 +85,12 @@ class TableCache {
   }
   void shrink() {
     // Evict clean tables from the cold end; keep at least two so a caller holding one can
-    // still load another.
+    // still load another, and never the newest (just inserted: its caller is about to use it,
+    // e.g. mark it dirty, even when every other table is pinned dirty).
     auto it = lru_.end();
-    while (used_ > capacity_ && lru_.size() > 2 && it != lru_.begin()) {
+    while (used_ > capacity_ && lru_.size() > 2) {
       --it;
+      if (it == lru_.begin()) break;
       if (it->dirty) continue;
       used_ -= it->table->size();
       index_.erase(it->offset);

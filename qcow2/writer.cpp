@@ -62,13 +62,13 @@ std::shared_ptr<std::vector<uint8_t>> Writer::refblock(uint64_t offset) {
   return image_.cache_.get(offset, cs_, [&](std::vector<uint8_t>& b) { image_.file().read(offset, b); });
 }
 
-void Writer::dirty_refblock(uint64_t off) {
-  image_.cache_.mark_dirty(off);
+void Writer::dirty_refblock(uint64_t off, const std::shared_ptr<std::vector<uint8_t>>& table) {
+  image_.cache_.mark_dirty(off, table);
   dirty_refblocks_.insert(off);
 }
 
-void Writer::dirty_l2(uint64_t off) {
-  image_.cache_.mark_dirty(off);
+void Writer::dirty_l2(uint64_t off, const std::shared_ptr<std::vector<uint8_t>>& table) {
+  image_.cache_.mark_dirty(off, table);
   dirty_l2s_.insert(off);
 }
 
@@ -83,7 +83,7 @@ void Writer::set_refcount(uint64_t cluster, uint64_t value) {
   const uint64_t block = image_.reftable_[bi] & kRefTableOffsetMask;
   auto t = refblock(block);
   set_refcount_entry(t->data(), geo_.refcount_order, cluster % per_block, value);
-  dirty_refblock(block);
+  dirty_refblock(block, t);
 }
 
 void Writer::ensure_refblock(uint64_t bi) {
@@ -92,8 +92,9 @@ void Writer::ensure_refblock(uint64_t bi) {
   const uint64_t c = find_free(1);
   reserved_.insert(c);
   const uint64_t off = c * cs_;
-  image_.cache_.put(off, std::make_shared<std::vector<uint8_t>>(cs_, 0));
-  dirty_refblock(off);
+  auto fresh = std::make_shared<std::vector<uint8_t>>(cs_, 0);
+  image_.cache_.put(off, fresh);
+  dirty_refblock(off, fresh);
   image_.reftable_[bi] = off;
   if (!reftable_relocated_) dirty_reftable_.insert(bi);
   file_end_cluster_ = std::max(file_end_cluster_, c + 1);
@@ -180,7 +181,7 @@ std::shared_ptr<std::vector<uint8_t>> Writer::writable_l2(uint64_t guest, uint64
     l2_offset = allocate(1);
     auto t = std::make_shared<std::vector<uint8_t>>(cs_, 0);
     image_.cache_.put(l2_offset, t);
-    dirty_l2(l2_offset);
+    dirty_l2(l2_offset, t);
     image_.l1_[l1i] = l2_offset | kOflagCopied;
     dirty_l1_.insert(l1i);
     return t;
@@ -201,7 +202,7 @@ std::shared_ptr<std::vector<uint8_t>> Writer::writable_l2(uint64_t guest, uint64
   auto copy = std::make_shared<std::vector<uint8_t>>(*cur);
   l2_offset = allocate(1);
   image_.cache_.put(l2_offset, copy);
-  dirty_l2(l2_offset);
+  dirty_l2(l2_offset, copy);
   image_.l1_[l1i] = l2_offset | kOflagCopied;
   dirty_l1_.insert(l1i);
   deferred_frees_.push_back({old / cs_, 1});
@@ -214,7 +215,7 @@ void Writer::set_l2(uint64_t guest, uint64_t entry, uint64_t bitmap) {
   const uint64_t idx = geo_.l2_index(guest);
   store_big_u64(t->data() + idx * geo_.l2_entry_bytes(), entry);
   if (geo_.extended_l2) store_big_u64(t->data() + idx * 16 + 8, bitmap);
-  dirty_l2(l2off);
+  dirty_l2(l2off, t);
 }
 
 std::optional<uint64_t> Writer::private_host(const ClusterState& st) {

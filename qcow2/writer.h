@@ -113,8 +113,9 @@ class Writer {
   void ensure_refblock(uint64_t block_index);
   void grow_reftable(uint64_t min_entries);
   std::shared_ptr<std::vector<uint8_t>> refblock(uint64_t offset);
-  void dirty_refblock(uint64_t table_offset);
-  void dirty_l2(uint64_t table_offset);
+  // Pin a modified table in the cache (put back if it was evicted while the caller held it).
+  void dirty_refblock(uint64_t table_offset, const std::shared_ptr<std::vector<uint8_t>>& table);
+  void dirty_l2(uint64_t table_offset, const std::shared_ptr<std::vector<uint8_t>>& table);
   void point(WritePoint p);
   void write_header(const Header& h);
   void write_tables(std::set<uint64_t>& offsets);
