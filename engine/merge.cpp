@@ -16,6 +16,7 @@
 #include <deque>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -486,18 +487,26 @@ MergeResult merge(const MergeOptions& opt) {
   // metadata cluster, a cluster shared beyond its refcount, the L1 table used as an L2 table)
   // the bytes they show are not guest data and would be copied into BASE. Leaks are harmless.
   // A dirty (lazy refcounts) layer's refcounts are stale, so it is not judged by them here.
+  // The check reads every table of each layer: it runs in its own thread on its own read-only
+  // opening of the layers while this one plans (which only reads them too); nothing is written
+  // before its verdict. rand1t (1 TiB TOP, 2048 L2 tables): check ~135 ms, planning ~110 ms.
+  std::vector<std::string> to_check;
   for (size_t i = 0; i < base_depth; ++i) {
     qcow2::Layer& layer = chain.layer(i);
-    if (!layer.qcow2 || layer.qcow2->dirty()) continue;
-    const auto r = qcow2::check(*layer.qcow2, qcow2::Repair::kNone);
-    if (r.corruptions == 0) continue;
-    std::string first;
-    for (const auto& m : r.messages)
-      if (m.rfind("ERROR", 0) == 0) { first = m; break; }
-    throw qcow2::CorruptionError(layer.path, "check found " + std::to_string(r.corruptions) +
-                                                 " corruptions" + (first.empty() ? "" : " (" + first + ")") +
-                                                 "; refusing to merge it");
+    if (layer.qcow2 && !layer.qcow2->dirty()) to_check.push_back(layer.path);
   }
+  auto checked = std::async(std::launch::async, [&to_check] {
+    for (const std::string& path : to_check) {
+      auto img = qcow2::Image::open(qcow2::FileDevice::open(path));
+      const auto r = qcow2::check(*img, qcow2::Repair::kNone);
+      if (r.corruptions == 0) continue;
+      std::string first;
+      for (const auto& m : r.messages)
+        if (m.rfind("ERROR", 0) == 0) { first = m; break; }
+      throw qcow2::CorruptionError(path, "check found " + std::to_string(r.corruptions) + " corruptions" +
+                                             (first.empty() ? "" : " (" + first + ")") + "; refusing to merge it");
+    }
+  });
 
   // 3. Checkpoint of an interrupted run.
   std::string identity;
@@ -506,6 +515,22 @@ MergeResult merge(const MergeOptions& opt) {
   const std::string cp_path = checkpoint_path(base.path);
   uint64_t resume_from = 0;
   const auto old_cp = load_checkpoint(cp_path);
+  if (old_cp && old_cp->identity == identity) resume_from = old_cp->done;
+
+  // 4. Plan: the extents the layers above BASE provide (with the original sizes). Read-only,
+  // while the layers are checked.
+  progress({0, 0, seconds_since(t_start), 0, "plan"});
+  const uint64_t top_size = chain.virtual_size();
+  uint64_t total = 0;
+  std::vector<MapEntry> extents;
+  try {
+    extents = extents_above(chain, base_depth, resume_from, total);
+  } catch (...) {
+    checked.get();  // a corrupt layer is reported as the check found it
+    throw;
+  }
+  checked.get();  // throws if a layer is corrupt: nothing written yet
+
   std::unique_ptr<qcow2::Writer> writer;
   if (base.qcow2) {
     qcow2::Image& img = *base.qcow2;
@@ -519,15 +544,8 @@ MergeResult merge(const MergeOptions& opt) {
     }
     writer = std::make_unique<qcow2::Writer>(img);
   }
-  if (old_cp && old_cp->identity == identity) resume_from = old_cp->done;
   res.resumed_from = resume_from;
   save_checkpoint(cp_path, {identity, resume_from}, CheckpointSync::kDurable);
-
-  // 4. Plan: the extents the layers above BASE provide (with the original sizes).
-  progress({0, 0, seconds_since(t_start), 0, "plan"});
-  const uint64_t top_size = chain.virtual_size();
-  uint64_t total = 0;
-  const std::vector<MapEntry> extents = extents_above(chain, base_depth, resume_from, total);
 
   // 5. Grow BASE to TOP's size.
   const uint64_t base_size = base.virtual_size();
