@@ -1,6 +1,5 @@
 // QMP client, framer and adapter against a scripted QMP server (tests/qmp/fake_qmp.h); the JSON
 // shapes are QEMU 7.2's (captured from qemu-system-x86_64 7.2, trimmed).
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <chrono>

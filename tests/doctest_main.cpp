@@ -1,0 +1,3 @@
+// doctest's runner, compiled once for every doctest executable (qcommit_doctest_main).
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
