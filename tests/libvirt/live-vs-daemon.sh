@@ -8,6 +8,8 @@ work=$(mktemp -d "${TMPDIR:-/var/tmp}/qcommit-livevsd.XXXXXX")
 dpid=
 cleanup() { [[ -n $dpid ]] && kill "$dpid" 2>/dev/null; wait 2>/dev/null || true; rm -rf "$work"; }
 trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM  # Ctrl-C or kill: cleaned up by the EXIT trap too
 printf '[default]\nbudget=20ms\n' >"$work/qcommitd.conf"
 "$QCOMMITD" --config "$work/qcommitd.conf" --uri test:///default --socket "$work/d.sock" >"$work/d.log" 2>&1 &
 dpid=$!

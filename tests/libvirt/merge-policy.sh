@@ -27,6 +27,8 @@ cleanup() {
   rm -rf "$dir" "$other"
 }
 trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM  # Ctrl-C or kill: cleaned up by the EXIT trap too
 mkdir -p "$dir"
 cd "$other"
 fails=()

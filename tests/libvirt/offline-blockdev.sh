@@ -51,6 +51,8 @@ cleanup() {
   rm -rf "$dir" "$img"
 }
 trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM  # Ctrl-C or kill: cleaned up by the EXIT trap too
 fails=()
 fail() { echo "FAIL: $*" >&2; fails+=("$*"); }
 size=128M

@@ -37,6 +37,8 @@ cleanup() {
   rm -rf "$root"
 }
 trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM  # Ctrl-C or kill: cleaned up by the EXIT trap too
 mkdir -p "$root"
 fails=()
 fail() { echo "FAIL [$scen]: $*" >&2; fails+=("$scen: $*"); }
