@@ -431,8 +431,9 @@ void Governor::tick(TimePoint now) {
     // left dirty is written at once (lab: 160 ms ahead of the guest).  There the allowance is 0:
     // the job is held at the floor until the pacer has written out its dirty pages, and QEMU
     // sleeps off its last burst at the floor speed meanwhile; raising the speed wakes it.
-    const bool near_end = info->end >= info->cur && info->end - info->cur <= kDirtyAllowanceBytes &&
-                          !j.ready && (j.type == JobType::ActiveCommit || j.type == JobType::Copy);
+    const bool mirror_unready = (j.type == JobType::ActiveCommit || j.type == JobType::Copy) && !j.ready;
+    const bool near_end =
+        mirror_unready && info->end >= info->cur && info->end - info->cur <= kDirtyAllowanceBytes;
     const std::uint64_t allowance = near_end ? 0 : kDirtyAllowanceBytes;
     const std::uint64_t queued =
         pc ? pc->writeback_bytes + (pc->dirty_bytes > allowance ? pc->dirty_bytes - allowance : 0)
@@ -449,8 +450,7 @@ void Governor::tick(TimePoint now) {
     // guest keeps dirtying clusters, and at a low speed the mirror sleeps off every small copy
     // and may never get there (seen in the lab: 1 byte left for minutes at the 1 MiB/s floor).
     // What is left is at most kMirrorConvergeBytes, so finishing it unpaced queues at most that.
-    if ((j.type == JobType::ActiveCommit || j.type == JobType::Copy) && !j.ready &&
-        info->end > info->cur && info->end - info->cur <= kMirrorConvergeBytes && !d.paused &&
+    if (mirror_unready && info->end > info->cur && info->end - info->cur <= kMirrorConvergeBytes && !d.paused &&
         queued <= d.window_bytes && !holding)
       speed = static_cast<std::uint64_t>(j.policy.ceiling_bytes_per_s);
     const double off = std::fabs(static_cast<double>(speed) - static_cast<double>(j.speed_set));
@@ -515,17 +515,16 @@ void Governor::pace(TimePoint now) {
     // the kernel's share from the last reading plus a fresh reading of the ranges we issued (few
     // and small: cheap) -- or, where ranges cannot be read, everything issued since.
     pc.dirty_bytes -= std::min(pc.dirty_bytes, j->issued_since_pc);
-    if (pc.per_file && j->ranges_readable && !fresh) {
-      const std::optional<std::uint64_t> ours = j->issued_writeback();
-      if (ours) {
-        pc.writeback_bytes = j->writeback_elsewhere + *ours;
-      } else {
-        j->ranges_readable = false;
-        j->issued.clear();
-        pc.writeback_bytes += j->issued_since_pc;
+    if (!fresh) {  // a fresh reading has just read the ranges and issued nothing since
+      std::optional<std::uint64_t> ours;
+      if (pc.per_file && j->ranges_readable) {
+        ours = j->issued_writeback();
+        if (!ours) {
+          j->ranges_readable = false;
+          j->issued.clear();
+        }
       }
-    } else if (!fresh) {
-      pc.writeback_bytes += j->issued_since_pc;
+      pc.writeback_bytes = ours ? j->writeback_elsewhere + *ours : pc.writeback_bytes + j->issued_since_pc;
     }
     if (pc.per_file && pc.dirty_bytes == 0) continue;  // nothing to push
     WritebackInput wi;

@@ -194,7 +194,7 @@ class SystemTargetFile final : public TargetFile {
     return std::nullopt;
   }
   std::uint64_t dirty_in(const ByteRange& r) override {
-    if (auto cs = cachestat(r)) return cs->nr_dirty * page_;
+    if (auto st = page_cache_in(r)) return st->dirty_bytes;
     return r.length;  // unknown: assume dirty (sync_file_range on clean pages is cheap)
   }
   bool start_settle() override {
