@@ -104,14 +104,14 @@ std::string BudgetGovernorConfig::validate() const {
   if (cotenants && (cotenant_interval <= Duration::zero() || cotenant_interval > std::chrono::seconds(1)))
     return "the co-tenant sampling interval must be in (0, 1s]";
   throttle::ControllerConfig c = controller;
-  c.latency_budget = budget;
+  c.latency_budget = throttle::request_budget(budget);
   if (auto e = c.validate()) return *e;
   return "";
 }
 
 BudgetGovernor::BudgetGovernor(BudgetGovernorConfig cfg)
     : cfg_([&] {
-        cfg.controller.latency_budget = cfg.budget;
+        cfg.controller.latency_budget = throttle::request_budget(cfg.budget);
         return cfg;
       }()),
       ctl_(cfg_.controller),

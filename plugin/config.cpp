@@ -92,7 +92,7 @@ std::optional<std::string> Policy::validate() const {
 
 throttle::ControllerConfig Policy::controller_config() const {
   throttle::ControllerConfig c;
-  c.latency_budget = budget;
+  c.latency_budget = throttle::request_budget(budget);
   c.floor_rate_bytes_per_s = floor_bytes_per_s;
   c.ceiling_rate_bytes_per_s = ceiling_bytes_per_s;
   c.initial_rate_bytes_per_s = std::clamp(c.initial_rate_bytes_per_s, floor_bytes_per_s,

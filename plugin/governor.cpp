@@ -420,6 +420,14 @@ void Governor::tick(TimePoint now) {
     // While the job is held for a settle, its progress and backlog say nothing about the storage
     // (the hold made them): the controller is not fed and keeps its last decision.
     const bool holding = settle(j, pc, now);
+    // After the hold, the controller's next interval starts now: taken from before the hold
+    // with one tick's progress, it read as a collapsed drain rate (window at the minimum for
+    // ~1.5 s after every settle in the lab).  What drained during the hold is not credited
+    // to the ticks after it either.
+    if (holding) {
+      j.ctl.skip_until(now);
+      j.drain_credit = 0;
+    }
     const throttle::Decision d = holding && j.decision ? *j.decision : j.ctl.tick(in);
     j.decision = d;
 

@@ -107,6 +107,14 @@ void Controller::update_drain(const TickInput& in, Duration dt, bool window_limi
   // No sample in the horizon: keep the last estimate (nothing new was learned).
 }
 
+void Controller::skip_until(TimePoint now) {
+  if (!started_ || now <= last_now_) return;
+  last_now_ = now;
+  acc_bytes_ = 0;
+  acc_time_ = Duration::zero();
+  acc_window_limited_ = true;
+}
+
 std::uint64_t Controller::compute_window() const {
   const double t = seconds(cfg_.latency_budget);
   const double cap = t * drain_est_;           // hard cap: budget × drain

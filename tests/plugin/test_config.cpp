@@ -22,6 +22,12 @@ TEST_CASE("plugin.config.parse") {
   CHECK(policy_for_pool(c, &other, nullptr) == c.defaults);
   CHECK(policy_for_pool(c, nullptr, nullptr) == c.defaults);
   CHECK(parse_config("", "empty.conf").defaults == Policy{});
+  // The controller steers each storage request to half the budget (a guest's durable write is
+  // a write and a flush); the floor and ceiling pass through.
+  const auto cc = c.defaults.controller_config();
+  CHECK(cc.latency_budget == 10ms);
+  CHECK(cc.floor_rate_bytes_per_s == 1024.0 * 1024);
+  CHECK(policy_for_pool(c, &nfs, nullptr).controller_config().latency_budget == 2500us);
 }
 
 TEST_CASE("plugin.config.errors") {

@@ -1,7 +1,9 @@
 // A small virtual world for governor tests: domain `dom` (disk vda on the pool "fast", target
 // `base_path`) and vm2 (disk vdb on other storage) whose guests complete one write per 10 ms, a
 // block job that copies at its set speed into the target's page cache, storage that drains the
-// target's writeback pages.  Time advances in 10 ms steps; the governor is stepped when it asks.
+// target's writeback pages.  Time advances in 1 ms steps (the pacer reacts within a few ms; a
+// coarser world would hide or invent idle storage between its steps); the governor is stepped
+// when it asks.
 #pragma once
 
 #include <algorithm>
@@ -29,7 +31,10 @@ struct World {
   Duration guest_latency = std::chrono::milliseconds(2);
   double storage_bytes_per_s = 200.0 * 1024 * 1024;  // writeback drain
   static constexpr std::uint64_t kJobChunkBytes = 64 * 1024;
+  static constexpr Duration kStep = std::chrono::milliseconds(1);
+  static constexpr Duration kGuestWriteEvery = std::chrono::milliseconds(10);
   double job_credit = 0;  // bytes the job may copy, not yet a whole chunk
+  Duration guest_clock{};  // time since the guests' last completed write
 
   explicit World(std::string dom_name = "vm1", const std::string& base_path = kBase)
       : dom(std::move(dom_name)) {
@@ -46,7 +51,7 @@ struct World {
   void start_job(JobType t = JobType::ActiveCommit, std::uint64_t end = 8ull << 30) {
     hv.jobs[{dom, "vda"}] = JobInfo{t, 0, end, 0};
   }
-  // Advances the world by `dt` in 10 ms steps, stepping the governor when it asks; `after_step`
+  // Advances the world by `dt` in kStep steps, stepping the governor when it asks; `after_step`
   // (if any) runs after every governor step.
   void run(Governor& g, Duration dt, TimePoint* next = nullptr,
            const std::function<void()>& after_step = {}) {
@@ -58,18 +63,21 @@ struct World {
         nx = g.step(now);
         if (after_step) after_step();
       }
-      now += std::chrono::milliseconds(10);
-      simulate(std::chrono::milliseconds(10));
+      now += kStep;
+      simulate(kStep);
     }
   }
   void simulate(Duration dt) {
     const double secs = std::chrono::duration<double>(dt).count();
-    if (guest_active) {
+    guest_clock += dt;
+    const bool guest_write = guest_clock >= kGuestWriteEvery;
+    if (guest_write) guest_clock -= kGuestWriteEvery;
+    if (guest_active && guest_write) {
       auto& s = hv.stats[{dom, "vda"}];
       s.wr_reqs += 1;
       s.wr_total_times_ns += guest_latency.count();
     }
-    if (other_active) {
+    if (other_active && guest_write) {
       auto& s = hv.stats[{"vm2", "vdb"}];
       s.wr_reqs += 1;
       s.wr_total_times_ns += 1000000;
