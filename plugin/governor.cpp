@@ -59,7 +59,17 @@ bool governed(JobType t) {
 }  // namespace
 
 struct Governor::Job {
-  Job(DiskKey k, const Policy& p) : key(std::move(k)), policy(p), ctl(p.controller_config()) {}
+  Job(DiskKey k, const Policy& p, JobType t, const std::string& cache)
+      : key(std::move(k)), policy(p), ctl(controller_config(p, t, cache)) {}
+  // QEMU's commit and stream jobs write 512 KiB at a time (COMMIT_BUFFER_SIZE, STREAM_CHUNK);
+  // with cache=none/directsync those writes reach the storage as they are.
+  static throttle::ControllerConfig controller_config(const Policy& p, JobType t,
+                                                      const std::string& cache) {
+    throttle::ControllerConfig c = p.controller_config();
+    const bool direct = cache == "none" || cache == "directsync";
+    if (direct && (t == JobType::Commit || t == JobType::Pull)) c.copy_request_bytes = kQemuChunkBytes;
+    return c;
+  }
   DiskKey key;
   JobType type = JobType::Unknown;
   std::string target;
@@ -318,7 +328,7 @@ void Governor::adopt(const DomainInfo& dom, const DiskInfo& disk, const JobInfo&
   const PolicyResolution resolved = resolve_policy(cfg_, query);
   const Policy policy = resolved.policy;
   const std::string policy_error = resolved.metadata_error.value_or("");
-  auto j = std::make_unique<Job>(k, policy);
+  auto j = std::make_unique<Job>(k, policy, info.type, disk.cache);
   j->type = info.type;
   j->target = target;
   j->storage = storage;

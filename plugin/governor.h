@@ -59,6 +59,8 @@ inline constexpr Duration kMaxDrainCredit = std::chrono::seconds(2);
 // A mirror with at most this much left (and not paused) runs at the ceiling so that it converges
 // to ready (see Governor::tick).
 inline constexpr std::uint64_t kMirrorConvergeBytes = 1024 * 1024;
+// QEMU's commit (non-active) and stream jobs copy this much per request.
+inline constexpr std::uint64_t kQemuChunkBytes = 512 * 1024;
 
 struct GovernorOptions {
   Duration tick = std::chrono::milliseconds(100);

@@ -27,6 +27,7 @@ struct DiskInfo {
   std::vector<std::string> backing_chain; // backing files, top to bottom (may be empty)
   std::optional<std::string> mirror;      // <mirror> source path while a copy/active commit runs
   std::optional<std::uint64_t> device;    // st_dev of the source's filesystem, when stat works
+  std::string cache;                      // <driver cache=...> ("" when not given: writeback)
 };
 
 struct DomainInfo {

@@ -97,7 +97,9 @@ void disk_start(GMarkupParseContext*, const gchar* el, const gchar** names, cons
   if (!st->in_disk) return;
   const char* file = attr(names, values, "file");
   if (!file) file = attr(names, values, "dev");
-  if (e == "target" && parent == "disk") {
+  if (e == "driver" && parent == "disk") {
+    if (const char* c = attr(names, values, "cache")) st->cur.cache = c;
+  } else if (e == "target" && parent == "disk") {
     if (const char* d = attr(names, values, "dev")) st->cur.target = d;
   } else if (e == "source" && file) {
     if (parent == "disk") st->cur.source = file;

@@ -98,6 +98,13 @@ std::vector<QmpDisk> parse_query_block(const json::Value& ret) {
       d.formats.push_back(str_member(*ins, "drv"));
     }
     if (d.info.source.empty()) continue;
+    // libvirt's cache modes from the node's flags: none = direct + writeback, directsync = direct.
+    if (const json::Value* c = ins->find("cache"); c && c->is_object()) {
+      const json::Value* direct = c->find("direct");
+      const json::Value* wb = c->find("writeback");
+      if (direct && direct->is_bool() && direct->boolean())
+        d.info.cache = wb && wb->is_bool() && !wb->boolean() ? "directsync" : "none";
+    }
     if (!d.device.empty()) d.info.target = d.device;
     else if (!qdev_id(d.qdev).empty()) d.info.target = qdev_id(d.qdev);
     else if (!d.qdev.empty()) d.info.target = d.qdev;

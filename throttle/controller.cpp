@@ -139,8 +139,11 @@ Decision Controller::tick(const TickInput& in) {
   if (dt < Duration::zero()) dt = Duration::zero();
   if (dt > kMaxTickGap) dt = kMaxTickGap;
   const double dt_s = seconds(dt);
-  const double budget_s = seconds(cfg_.latency_budget);
-  const Duration target = from_seconds(budget_s * kTargetFraction);
+  // One indivisible copy request ahead of a foreground one is a delay no rate avoids.
+  const double unit_s =
+      drain_sampled_ ? static_cast<double>(cfg_.copy_request_bytes) / drain_max_seen_ : 0.0;
+  const double budget_s = std::max(seconds(cfg_.latency_budget), unit_s);
+  const Duration target = from_seconds(std::max(seconds(cfg_.latency_budget) * kTargetFraction, unit_s));
   const std::int64_t slot = now.time_since_epoch() / cfg_.slowdown_interval;
   if (!started_) last_slowdown_slot_ = slot;
   ++stats_.ticks;

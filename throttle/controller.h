@@ -102,9 +102,10 @@ inline constexpr Duration kMinNextTick = std::chrono::milliseconds(1);
 // The budget users give is the latency a guest's durable write may gain.  That write is a chain
 // of storage requests -- the data write, then the flush (FUA or a cache flush) -- and each one
 // waits behind what the copy has queued, so the guest sees the queueing delay about twice.
-// Measured in the lab (tests/lab/results/bench-stall-cotenant-budget.txt): with the controller
+// Measured in the lab (tests/lab/results/bench-stall-cpu-control.txt): with the controller
 // steering the per-request delay to the whole budget, the guest's added p99 was 2.2-2.5x the
-// storage FIFO delay the merge caused.  Callers holding a user's budget hand the controller
+// storage FIFO delay the merge caused (p99 28.4 ms at 20 ms; at half of it: 19.0-20.1 ms,
+// bench-stall-session4.txt).  Callers holding a user's budget hand the controller
 // request_budget(budget).
 inline constexpr double kStorageRequestsPerGuestSyncWrite = 2.0;
 
@@ -125,6 +126,12 @@ struct ControllerConfig {
   Duration tick_interval = std::chrono::milliseconds(50);
   Duration slowdown_interval = std::chrono::seconds(10);
   Duration slowdown_duration = std::chrono::milliseconds(200);
+  // The copy's smallest write, which it cannot split (0: none).  QEMU's commit and stream jobs
+  // write 512 KiB at a time; written past the page cache, one of them ahead of a foreground
+  // request delays it by bytes / drain rate at any speed.  A lower rate makes that rarer but not
+  // shorter, so the delay target and the emergency threshold are never set below it (once a
+  // drain rate has been measured).
+  std::uint64_t copy_request_bytes = 0;
 
   // nullopt when valid, else one line naming the problem.
   [[nodiscard]] std::optional<std::string> validate() const;

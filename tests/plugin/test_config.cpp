@@ -69,7 +69,7 @@ TEST_CASE("plugin.config.domain_override") {
 
 TEST_CASE("plugin.libvirt.parse_domain_disks") {
   const auto disks = parse_domain_disks(R"(<domain type='qemu'><name>d</name><devices>
-    <disk type='file' device='disk'><driver name='qemu' type='qcow2'/>
+    <disk type='file' device='disk'><driver name='qemu' type='qcow2' cache='none' io='native'/>
       <source file='/p/top.qcow2' index='2'/>
       <backingStore type='file' index='1'><format type='qcow2'/><source file='/p/mid.qcow2'/>
         <backingStore type='file' index='3'><format type='qcow2'/><source file='/p/base.qcow2'/>
@@ -84,4 +84,10 @@ TEST_CASE("plugin.libvirt.parse_domain_disks") {
   CHECK(disks[0].source == "/p/top.qcow2");
   CHECK(disks[0].backing_chain == std::vector<std::string>{"/p/mid.qcow2", "/p/base.qcow2"});
   CHECK(disks[0].mirror == std::optional<std::string>("/p/base.qcow2"));
+  CHECK(disks[0].cache == "none");
+  const auto plain = parse_domain_disks(
+      "<domain><devices><disk type='file' device='disk'><driver name='qemu' type='raw'/>"
+      "<source file='/p/a.raw'/><target dev='vdb'/></disk></devices></domain>");
+  REQUIRE(plain.size() == 1);
+  CHECK(plain[0].cache.empty());
 }

@@ -274,11 +274,13 @@ const char* kQueryBlock = R"([
  {"device": "vda", "qdev": "/machine/peripheral/disk0/virtio-backend", "locked": false,
   "inserted": {"node-name": "#block182", "drv": "qcow2", "file": "/s/top.qcow2",
    "backing_file": "/s/mid.qcow2", "backing_file_depth": 2,
+   "cache": {"writeback": true, "direct": true, "no-flush": false},
    "image": {"filename": "/s/top.qcow2", "format": "qcow2", "backing-filename": "mid.qcow2",
     "backing-image": {"filename": "/s/mid.qcow2", "format": "qcow2",
      "backing-image": {"filename": "/s/base.qcow2", "format": "qcow2", "virtual-size": 67108864}}}}},
  {"device": "", "qdev": "/machine/peripheral/vdb/virtio-backend",
   "inserted": {"node-name": "top-fmt", "drv": "qcow2", "file": "/s/b-top.qcow2",
+   "cache": {"writeback": true, "direct": false, "no-flush": false},
    "image": {"filename": "/s/b-top.qcow2", "format": "qcow2",
     "backing-image": {"filename": "/s/b-base.raw", "format": "raw"}}}},
  {"device": "cd0", "locked": false, "removable": true}
@@ -325,6 +327,8 @@ TEST_CASE("qmp.adapter.parse_query_block_stats_jobs") {
   CHECK(disks[1].info.target == "vdb");  // -blockdev: named by the device id
   CHECK(disks[1].qmp_device() == "top-fmt");
   CHECK(disks[1].info.backing_chain == std::vector<std::string>{"/s/b-base.raw"});
+  CHECK(disks[0].info.cache == "none");  // direct + writeback: libvirt's cache=none
+  CHECK(disks[1].info.cache.empty());    // through the page cache
 
   const auto nodes = parse_named_block_nodes(parsed(kNamedNodes));
   CHECK(node_of(nodes, "/s/mid.qcow2", "qcow2") == "#block311");
