@@ -548,7 +548,9 @@ void Governor::pace(TimePoint now) {
     WritebackInput wi;
     wi.file_size = j->file->size();
     wi.writeback_bytes = pc.per_file ? pc.writeback_bytes : 0;
-    wi.window_bytes = j->decision->window_bytes;
+    const bool mirror = j->type == JobType::ActiveCommit || j->type == JobType::Copy;
+    wi.window_bytes = static_cast<std::uint64_t>(static_cast<double>(j->decision->window_bytes) *
+                                                 (mirror ? kMirrorPacerWindowFraction : 1.0));
     TargetFile& f = *j->file;
     WritebackPlan plan = j->planner.plan(wi, [&f](const ByteRange& r) { return f.dirty_in(r); });
     for (const auto& r : plan.ranges) {

@@ -279,6 +279,35 @@ TEST_CASE("plugin.governor.writeback_backlog_bounded") {
   CHECK(w.hv.jobs.at({"vm1", "vda"}).cur > 20u * 1024 * 1024);
 }
 
+TEST_CASE("plugin.governor.mirror_pacer_keeps_part_of_the_window") {
+  // A mirror's writeback is kept to kMirrorPacerWindowFraction of the controller's window; a
+  // non-active commit's may fill the window.  Writeback is sampled right after each governor
+  // step (the pacer has just topped it up), against the window the status reports then.
+  auto run = [](JobType t) {
+    World w;
+    w.storage_bytes_per_s = 50.0 * 1024 * 1024;
+    w.start_job(t);
+    GovernorOptions opt;
+    opt.settle_every = Duration::zero();
+    Governor g(w.hv, w.files, DaemonConfig{}, opt);
+    TimePoint next = w.now;
+    double max_share = 0;
+    w.run(g, 3s, &next);
+    w.run(g, 5s, &next, [&] {
+      const auto st = g.status(w.now);
+      if (st.jobs.empty() || st.jobs[0].window_bytes == 0) return;
+      max_share = std::max(max_share, static_cast<double>(w.base->writeback) /
+                                          static_cast<double>(st.jobs[0].window_bytes));
+    });
+    return max_share;
+  };
+  const double mirror = run(JobType::ActiveCommit), commit = run(JobType::Commit);
+  MESSAGE("writeback / window at most: mirror " << mirror << ", commit " << commit);
+  CHECK(mirror <= kMirrorPacerWindowFraction + 0.15);  // + one 64 KiB piece of a ~0.5 MB window
+  CHECK(commit > kMirrorPacerWindowFraction + 0.1);
+  CHECK(commit <= 1.15);
+}
+
 TEST_CASE("plugin.governor.pacer_reads_issued_ranges") {
   // 50 MB/s storage, no guest latency: the job should run near the storage's rate.  The pacer
   // reads the whole file only every page_cache_refresh (100 ms, with the tick) and in between
