@@ -28,6 +28,7 @@ struct DiskInfo {
   std::optional<std::string> mirror;      // <mirror> source path while a copy/active commit runs
   std::optional<std::uint64_t> device;    // st_dev of the source's filesystem, when stat works
   std::string cache;                      // <driver cache=...> ("" when not given: writeback)
+  std::string format;                     // <driver type=...> of the active layer ("" unknown)
 };
 
 struct DomainInfo {

@@ -13,6 +13,7 @@
 
 #include "plugin/config.h"
 #include "plugin/libvirt_handles.h"
+#include "plugin/overlay_file.h"
 
 namespace qcommit::plugin {
 namespace {
@@ -99,6 +100,7 @@ void disk_start(GMarkupParseContext*, const gchar* el, const gchar** names, cons
   if (!file) file = attr(names, values, "dev");
   if (e == "driver" && parent == "disk") {
     if (const char* c = attr(names, values, "cache")) st->cur.cache = c;
+    if (const char* f = attr(names, values, "type")) st->cur.format = f;
   } else if (e == "target" && parent == "disk") {
     if (const char* d = attr(names, values, "dev")) st->cur.target = d;
   } else if (e == "source" && file) {
@@ -263,6 +265,23 @@ void LibvirtHypervisor::create_overlay(const std::string& domain, const std::str
   if (!d) throw_job_error(domain);
   std::optional<DomainInfo> info = describe(d.get());
   if (!info) throw_job_error(domain);
+  const std::string what = domain + " " + disk + ": external overlay " + overlay_path;
+  struct stat sb{};
+  if (::lstat(overlay_path.c_str(), &sb) == 0)
+    throw BlockJobError(what + ": the file exists; refusing to overwrite it");
+  // Our own overlay with lazy refcounts (see create_fresh_overlay) when qemu-img can make it;
+  // otherwise libvirt creates a plain one.
+  unsigned int reuse = 0;
+  virDomainBlockInfo bi{};
+  for (const auto& dk : info->disks) {
+    if (dk.target != disk || dk.format.empty()) continue;
+    if (virDomainGetBlockInfo(d.get(), disk.c_str(), &bi, 0) < 0 || bi.capacity == 0) {
+      check_alive();
+      break;
+    }
+    if (create_fresh_overlay(overlay_path, dk.source, dk.format, bi.capacity).empty())
+      reuse = VIR_DOMAIN_SNAPSHOT_CREATE_REUSE_EXT;
+  }
   auto esc = [](const std::string& v) {
     gchar* e = g_markup_escape_text(v.c_str(), static_cast<gssize>(v.size()));
     std::string out = e;
@@ -281,8 +300,11 @@ void LibvirtHypervisor::create_overlay(const std::string& domain, const std::str
   virDomainSnapshotPtr snap = virDomainSnapshotCreateXML(
       d.get(), xml.c_str(),
       VIR_DOMAIN_SNAPSHOT_CREATE_DISK_ONLY | VIR_DOMAIN_SNAPSHOT_CREATE_NO_METADATA |
-          VIR_DOMAIN_SNAPSHOT_CREATE_ATOMIC);
-  if (!snap) throw_job_error(domain + " " + disk + ": external overlay " + overlay_path);
+          VIR_DOMAIN_SNAPSHOT_CREATE_ATOMIC | reuse);
+  if (!snap) {
+    if (reuse) ::unlink(overlay_path.c_str());  // ours, and libvirt did not take it
+    throw_job_error(what);
+  }
   lv::Snapshot release(snap);
 }
 

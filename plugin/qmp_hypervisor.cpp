@@ -8,6 +8,8 @@
 #include <cstring>
 #include <thread>
 
+#include "plugin/overlay_file.h"
+
 namespace qcommit::plugin {
 namespace {
 
@@ -86,6 +88,7 @@ std::vector<QmpDisk> parse_query_block(const json::Value& ret) {
     if (img && img->is_object()) {
       d.info.source = str_member(*img, "filename");
       d.formats.push_back(str_member(*img, "format"));
+      d.virtual_size = u64_member(*img, "virtual-size");
       int depth = 0;
       for (const json::Value* b = img->find("backing-image"); b && b->is_object() &&
                                                              depth < json::kMaxDepth;
@@ -98,6 +101,7 @@ std::vector<QmpDisk> parse_query_block(const json::Value& ret) {
       d.formats.push_back(str_member(*ins, "drv"));
     }
     if (d.info.source.empty()) continue;
+    d.info.format = d.formats.front();
     // libvirt's cache modes from the node's flags: none = direct + writeback, directsync = direct.
     if (const json::Value* c = ins->find("cache"); c && c->is_object()) {
       const json::Value* direct = c->find("direct");
@@ -514,15 +518,21 @@ void QmpHypervisor::create_overlay(const std::string& domain, const std::string&
   // Node names: at most 31 characters, a letter first.
   const std::string node = "qcommit-" + std::to_string(::getpid()) + "-" +
                            std::to_string(++overlay_counter_);
+  // Our own overlay with lazy refcounts (see create_fresh_overlay) when qemu-img can make it
+  // (mode existing); else QEMU creates a plain one.
+  const bool ours = !d.info.format.empty() && d.virtual_size > 0 &&
+                    create_fresh_overlay(overlay_path, d.info.source, d.info.format,
+                                              d.virtual_size).empty();
   json::Object args{{"snapshot-file", json::Value{overlay_path}},
                     {"snapshot-node-name", json::Value{node}},
                     {"format", json::Value{std::string("qcow2")}},
-                    {"mode", json::Value{std::string("absolute-paths")}}};
+                    {"mode", json::Value{std::string(ours ? "existing" : "absolute-paths")}}};
   if (!d.device.empty()) args.emplace("device", json::Value{d.device});
   else args.emplace("node-name", json::Value{d.root_node});
   try {
     (void)call("blockdev-snapshot-sync", json::Value{std::move(args)});
   } catch (const QmpCommandError& e) {
+    if (ours) ::unlink(overlay_path.c_str());
     throw BlockJobError(what + ": " + e.description);
   }
 }

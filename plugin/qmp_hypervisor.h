@@ -44,6 +44,7 @@ struct QmpDisk {
   std::string qdev;                  // qdev id or QOM path of the attached device; may be empty
   std::string root_node;             // node name of the active layer
   std::vector<std::string> formats;  // format of each layer, active layer first
+  std::uint64_t virtual_size = 0;    // of the active layer (0: unknown)
   // The QMP `device` argument that names this disk's root: the BlockBackend name when it has
   // one, else the root node name.
   [[nodiscard]] const std::string& qmp_device() const { return device.empty() ? root_node : device; }

@@ -85,6 +85,7 @@ TEST_CASE("plugin.libvirt.parse_domain_disks") {
   CHECK(disks[0].backing_chain == std::vector<std::string>{"/p/mid.qcow2", "/p/base.qcow2"});
   CHECK(disks[0].mirror == std::optional<std::string>("/p/base.qcow2"));
   CHECK(disks[0].cache == "none");
+  CHECK(disks[0].format == "qcow2");
   const auto plain = parse_domain_disks(
       "<domain><devices><disk type='file' device='disk'><driver name='qemu' type='raw'/>"
       "<source file='/p/a.raw'/><target dev='vdb'/></disk></devices></domain>");

@@ -40,9 +40,9 @@ struct World {
       : dom(std::move(dom_name)) {
     files.files[base_path] = base;
     DomainInfo vm1{dom, "11111111-1111-1111-1111-111111111111", {}, std::nullopt};
-    vm1.disks.push_back(DiskInfo{"vda", kTop, {base_path}, std::nullopt, 7, ""});
+    vm1.disks.push_back(DiskInfo{"vda", kTop, {base_path}, std::nullopt, 7, "", ""});
     DomainInfo vm2{"vm2", "22222222-2222-2222-2222-222222222222", {}, std::nullopt};
-    vm2.disks.push_back(DiskInfo{"vdb", "/other/vm2.qcow2", {}, std::nullopt, 9, ""});
+    vm2.disks.push_back(DiskInfo{"vdb", "/other/vm2.qcow2", {}, std::nullopt, 9, "", ""});
     hv.domains = {vm1, vm2};
     hv.pool_list = {PoolInfo{"fast", "aaaaaaaa-0000-0000-0000-000000000001", "/pool"}};
     hv.stats[{dom, "vda"}] = {};
