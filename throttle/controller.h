@@ -103,7 +103,7 @@ inline constexpr Duration kMinNextTick = std::chrono::milliseconds(1);
 // of storage requests -- the data write, then the flush (FUA or a cache flush) -- and each one
 // waits behind what the copy has queued, so the guest sees the queueing delay about twice.
 // Measured in the lab (tests/lab/results/bench-stall-cpu-control.txt): with the controller
-// steering the per-request delay to the whole budget, the guest's added p99 was 2.2-2.5x the
+// steering the per-request delay to the whole budget, the guest's added p99 was ~2.5x the
 // storage FIFO delay the merge caused (p99 28.4 ms at 20 ms; at half of it: 19.0-20.1 ms,
 // bench-stall-session4.txt).  Callers holding a user's budget hand the controller
 // request_budget(budget).
