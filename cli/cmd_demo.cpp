@@ -9,10 +9,14 @@
 
 #include "cli/json.h"
 #include "cli/options.h"
-#include "cli/process.h"
+#include "plugin/process.h"
 #include "qcow2/chain.h"
 
 namespace qcommit::cli {
+
+using plugin::ProcessResult;
+using plugin::run_checked;
+using plugin::run_process;
 
 namespace {
 

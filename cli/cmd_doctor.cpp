@@ -13,12 +13,15 @@
 #include "cli/daemon.h"
 #include "cli/json.h"
 #include "cli/options.h"
-#include "cli/process.h"
+#include "plugin/process.h"
 #include "cli/units.h"
 #include "cli/xml.h"
 #include "plugin/libvirt_handles.h"
 
 namespace qcommit::cli {
+
+using plugin::ProcessResult;
+using plugin::run_process;
 
 namespace {
 

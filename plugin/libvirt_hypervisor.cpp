@@ -266,9 +266,7 @@ void LibvirtHypervisor::create_overlay(const std::string& domain, const std::str
   std::optional<DomainInfo> info = describe(d.get());
   if (!info) throw_job_error(domain);
   const std::string what = domain + " " + disk + ": external overlay " + overlay_path;
-  struct stat sb{};
-  if (::lstat(overlay_path.c_str(), &sb) == 0)
-    throw BlockJobError(what + ": the file exists; refusing to overwrite it");
+  refuse_existing_overlay(what, overlay_path);
   // Our own overlay with lazy refcounts (see create_fresh_overlay) when qemu-img can make it;
   // otherwise libvirt creates a plain one.
   unsigned int reuse = 0;

@@ -6,6 +6,10 @@
 
 namespace qcommit::plugin {
 
+// Throws BlockJobError (WHAT: the file exists...) when PATH exists: an overlay is never made over
+// a file.
+void refuse_existing_overlay(const std::string& what, const std::string& path);
+
 // Creates PATH as a qcow2 v3 overlay of BACKING (format BACKING_FORMAT, SIZE bytes) with lazy
 // refcounts, by running qemu-img.  Returns "" on success, else what went wrong (PATH is then
 // removed).

@@ -512,9 +512,7 @@ void QmpHypervisor::create_overlay(const std::string& domain, const std::string&
                                    const std::string& overlay_path) {
   const QmpDisk d = require_disk(domain, disk);
   const std::string what = domain + " " + disk + ": external overlay " + overlay_path;
-  struct stat sb{};
-  if (::lstat(overlay_path.c_str(), &sb) == 0)
-    throw BlockJobError(what + ": the file exists; refusing to overwrite it");
+  refuse_existing_overlay(what, overlay_path);
   // Node names: at most 31 characters, a letter first.
   const std::string node = "qcommit-" + std::to_string(::getpid()) + "-" +
                            std::to_string(++overlay_counter_);

@@ -1,4 +1,4 @@
-#include "cli/process.h"
+#include "plugin/process.h"
 
 #include <fcntl.h>
 #include <spawn.h>
@@ -11,7 +11,7 @@
 
 extern char** environ;
 
-namespace qcommit::cli {
+namespace qcommit::plugin {
 
 ProcessResult run_process(const std::vector<std::string>& argv) {
   int pipefd[2];
@@ -59,4 +59,4 @@ std::string run_checked(const std::vector<std::string>& argv) {
   return r.output;
 }
 
-}  // namespace qcommit::cli
+}  // namespace qcommit::plugin
