@@ -56,11 +56,14 @@ bool governed(JobType t) {
          t == JobType::Copy;
 }
 
+// QEMU's mirror job (active commit, copy): 16 x 1 MiB bursts, ready when it has caught up.
+bool mirror(JobType t) { return t == JobType::ActiveCommit || t == JobType::Copy; }
+
 }  // namespace
 
 struct Governor::Job {
   Job(DiskKey k, const Policy& p, JobType t, const std::string& cache)
-      : key(std::move(k)), policy(p), ctl(controller_config(p, t, cache)) {}
+      : key(std::move(k)), type(t), policy(p), ctl(controller_config(p, t, cache)) {}
   // QEMU's commit and stream jobs write 512 KiB at a time (COMMIT_BUFFER_SIZE, STREAM_CHUNK);
   // with cache=none/directsync those writes reach the storage as they are.
   static throttle::ControllerConfig controller_config(const Policy& p, JobType t,
@@ -329,7 +332,6 @@ void Governor::adopt(const DomainInfo& dom, const DiskInfo& disk, const JobInfo&
   const Policy policy = resolved.policy;
   const std::string policy_error = resolved.metadata_error.value_or("");
   auto j = std::make_unique<Job>(k, policy, info.type, disk.cache);
-  j->type = info.type;
   j->target = target;
   j->storage = storage;
   j->pool = pool ? pool->name : "";
@@ -449,7 +451,7 @@ void Governor::tick(TimePoint now) {
     // left dirty is written at once (lab: 160 ms ahead of the guest).  There the allowance is 0:
     // the job is held at the floor until the pacer has written out its dirty pages, and QEMU
     // sleeps off its last burst at the floor speed meanwhile; raising the speed wakes it.
-    const bool mirror_unready = (j.type == JobType::ActiveCommit || j.type == JobType::Copy) && !j.ready;
+    const bool mirror_unready = mirror(j.type) && !j.ready;
     const bool near_end =
         mirror_unready && info->end >= info->cur && info->end - info->cur <= kDirtyAllowanceBytes;
     const std::uint64_t allowance = near_end ? 0 : kDirtyAllowanceBytes;
@@ -548,9 +550,8 @@ void Governor::pace(TimePoint now) {
     WritebackInput wi;
     wi.file_size = j->file->size();
     wi.writeback_bytes = pc.per_file ? pc.writeback_bytes : 0;
-    const bool mirror = j->type == JobType::ActiveCommit || j->type == JobType::Copy;
     wi.window_bytes = static_cast<std::uint64_t>(static_cast<double>(j->decision->window_bytes) *
-                                                 (mirror ? kMirrorPacerWindowFraction : 1.0));
+                                                 (mirror(j->type) ? kMirrorPacerWindowFraction : 1.0));
     TargetFile& f = *j->file;
     WritebackPlan plan = j->planner.plan(wi, [&f](const ByteRange& r) { return f.dirty_in(r); });
     for (const auto& r : plan.ranges) {

@@ -142,8 +142,9 @@ Decision Controller::tick(const TickInput& in) {
   // One indivisible copy request ahead of a foreground one is a delay no rate avoids.
   const double unit_s =
       drain_sampled_ ? static_cast<double>(cfg_.copy_request_bytes) / drain_max_seen_ : 0.0;
-  const double budget_s = std::max(seconds(cfg_.latency_budget), unit_s);
-  const Duration target = from_seconds(std::max(seconds(cfg_.latency_budget) * kTargetFraction, unit_s));
+  const double configured_s = seconds(cfg_.latency_budget);
+  const double budget_s = std::max(configured_s, unit_s);
+  const Duration target = from_seconds(std::max(configured_s * kTargetFraction, unit_s));
   const std::int64_t slot = now.time_since_epoch() / cfg_.slowdown_interval;
   if (!started_) last_slowdown_slot_ = slot;
   ++stats_.ticks;
