@@ -12,11 +12,6 @@ namespace qcommit::qcow2 {
 using boost::endian::load_big_u64;
 
 namespace {
-bool is_zero64(const uint8_t* p) {
-  uint64_t w[8];
-  std::memcpy(w, p, sizeof w);
-  return (w[0] | w[1] | w[2] | w[3] | w[4] | w[5] | w[6] | w[7]) == 0;
-}
 // References this many clusters past the end of the file are still counted one by one.
 inline constexpr uint64_t kBeyondEofSlackClusters = 1024;
 // Snapshot L1 tables are read in pieces of at most this many bytes.
@@ -171,8 +166,9 @@ class Checker {
     for (uint64_t i = 0; i < n; ++i) {
       // Unused entries (all bytes zero, bitmap included) reference nothing: skip them a 64-byte
       // block at a time (a sparse 1 TiB layer has 16 M entries, nearly all zero).
-      if (i % (64 / eb) == 0) {
-        while (i + 64 / eb <= n && is_zero64(t.data() + i * eb)) i += 64 / eb;
+      if (i % (kL2ZeroScanBytes / eb) == 0) {
+        while (i + kL2ZeroScanBytes / eb <= n && l2_bytes_unused(t.data() + i * eb, kL2ZeroScanBytes))
+          i += kL2ZeroScanBytes / eb;
         if (i >= n) break;
       }
       const uint64_t e = load_big_u64(t.data() + i * eb);

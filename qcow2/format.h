@@ -8,6 +8,7 @@
 #include <boost/endian/conversion.hpp>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 namespace qcommit::qcow2 {
 
@@ -153,6 +154,20 @@ inline constexpr uint64_t kRefTableOffsetMask = 0xfffffffffffffe00ull;  // bits 
 inline constexpr uint64_t kRefTableReservedMask = 0x1ffull;
 inline constexpr uint32_t kSubclustersPerCluster = 32;
 inline constexpr uint32_t kCompressedSectorBytes = 512;
+
+// An unused L2 entry is all zero bytes (no flags, no offset, bitmap 0).  Readers skip runs of
+// them kL2ZeroScanBytes at a time: a sparse 1 TiB layer has 16 M of them.
+inline constexpr uint32_t kL2ZeroScanBytes = 64;
+// Whether the n bytes at p (n a multiple of 8: an entry, or kL2ZeroScanBytes) are all zero.
+[[nodiscard]] inline bool l2_bytes_unused(const uint8_t* p, std::size_t n) {
+  uint64_t any = 0;
+  for (std::size_t i = 0; i < n; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, p + i, sizeof w);
+    any |= w;
+  }
+  return any == 0;
+}
 
 // Geometry of one image, derived from the header.
 struct Geometry {

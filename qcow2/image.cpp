@@ -14,17 +14,6 @@ using boost::endian::load_big_u32;
 using boost::endian::load_big_u64;
 
 namespace {
-bool is_zero64(const uint8_t* p) {
-  uint64_t w[8];
-  std::memcpy(w, p, sizeof w);
-  return (w[0] | w[1] | w[2] | w[3] | w[4] | w[5] | w[6] | w[7]) == 0;
-}
-// An L2 entry whose bytes (bitmap included) are all zero.
-bool is_zero_entry(const uint8_t* p, uint64_t bytes) {
-  uint64_t w[2] = {0, 0};
-  std::memcpy(w, p, bytes);
-  return (w[0] | w[1]) == 0;
-}
 
 inline constexpr uint32_t kMaxSnapshots = 65536;
 inline constexpr uint64_t kMaxImageFileOffset = 1ull << 56;  // bits 9-55 of an L2 entry
@@ -372,9 +361,9 @@ Run Image::lookup(uint64_t guest_offset, uint64_t max_len) {
       const uint8_t* p = l2->data() + idx * eb;
       uint64_t k = 0;
       const uint64_t room = (span_end - pos + cs - 1) / cs;  // entries left in the span
-      const uint64_t block = 64 / eb;  // entries per 64 bytes
-      while (k + block <= room && is_zero64(p + k * eb)) k += block;
-      while (k < room && is_zero_entry(p + k * eb, eb)) ++k;
+      const uint64_t block = kL2ZeroScanBytes / eb;  // entries per scan block
+      while (k + block <= room && l2_bytes_unused(p + k * eb, kL2ZeroScanBytes)) k += block;
+      while (k < room && l2_bytes_unused(p + k * eb, eb)) ++k;
       if (k) {
         pos = std::min(span_end, pos + k * cs);
         continue;
