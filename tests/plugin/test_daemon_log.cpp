@@ -82,15 +82,14 @@ TEST_CASE("plugin.log.hostile_names") {
   }
   w.hv.daemon_up = true;
   w.start_job();
-  Governor g(w.hv, w.files, DaemonConfig{});
-  TimePoint next = w.now;
-  auto observe = [&] { log.observe(g.status(w.now), "qemu:///system", ""); };
-  w.run(g, 3s, &next, observe);
-  REQUIRE(g.job_count() == 1);
+  Governed gv(w);
+  auto observe = [&] { log.observe(gv.g.status(w.now), "qemu:///system", ""); };
+  gv.run(3s, observe);
+  REQUIRE(gv.g.job_count() == 1);
   w.hv.jobs.clear();
   w.hv.emit(JobEvent{JobEventKind::Completed, dom, "vda", JobType::ActiveCommit, ""});
-  w.run(g, 50ms, &next, observe);
-  CHECK(g.job_count() == 0);
+  gv.run(50ms, observe);
+  CHECK(gv.g.job_count() == 0);
 
   REQUIRE_FALSE(records.empty());
   for (const auto& r : records) {
@@ -123,7 +122,7 @@ TEST_CASE("plugin.log.hostile_names") {
 TEST_CASE("plugin.log.one_line_per_decision_change") {
   World w;
   w.start_job();
-  Governor g(w.hv, w.files, DaemonConfig{});
+  Governed gv(w);
   std::vector<std::string> records;
   DaemonLog log([&](std::string_view r) { records.emplace_back(r); });
   // The decisions as the status shows them after every step (periodic slowdowns are scheduled,
@@ -132,7 +131,7 @@ TEST_CASE("plugin.log.one_line_per_decision_change") {
   std::size_t slowdowns = 0;
   bool in_slowdown = false;
   auto observe = [&] {
-    const GovernorStatus st = g.status(w.now);
+    const GovernorStatus st = gv.g.status(w.now);
     log.observe(st, "qemu:///system", "");
     if (st.jobs.empty()) return;
     const std::string& p = st.jobs[0].phase;
@@ -145,15 +144,14 @@ TEST_CASE("plugin.log.one_line_per_decision_change") {
     in_slowdown = false;
     if (decisions.empty() || decisions.back() != p) decisions.push_back(p);
   };
-  TimePoint next = w.now;
   const TimePoint start = w.now;
-  w.run(g, 30s, &next, observe);  // steady signal: 2 ms guest writes
+  gv.run(30s, observe);  // steady signal: 2 ms guest writes
   const std::size_t steady_records = records.size();
   const std::vector<std::string> steady_decisions = decisions;
   w.guest_latency = 200ms;  // 10 x the budget
-  w.run(g, 3s, &next, observe);
+  gv.run(3s, observe);
   w.guest_latency = 2ms;
-  w.run(g, 12s, &next, observe);
+  gv.run(12s, observe);
   const auto ticks = (w.now - start) / GovernorOptions{}.tick;
 
   INFO("decisions: " << [&] {

@@ -14,37 +14,35 @@ using namespace std::chrono_literals;
 
 TEST_CASE("plugin.discovery.poll") {
   World w;
-  Governor g(w.hv, w.files, DaemonConfig{});
-  TimePoint next = w.now;
-  w.run(g, 1s, &next);
-  CHECK(g.job_count() == 0);
-  w.run(g, 130ms, &next);
+  Governed gv(w);
+  gv.run(1s);
+  CHECK(gv.g.job_count() == 0);
+  gv.run(130ms);
   w.start_job();  // no event: only polling can find it
   const TimePoint created = w.now;
   TimePoint found{};
   while (w.now < created + 2s) {
-    w.run(g, 10ms, &next);
-    if (g.job_count() == 1) {
+    gv.run(10ms);
+    if (gv.g.job_count() == 1) {
       found = w.now;
       break;
     }
   }
-  REQUIRE(g.job_count() == 1);
+  REQUIRE(gv.g.job_count() == 1);
   CHECK(found - created <= 500ms + 10ms);
   CHECK(w.hv.speed("vm1", "vda") > 0);
 }
 
 TEST_CASE("plugin.discovery.event") {
   World w;
-  Governor g(w.hv, w.files, DaemonConfig{});
-  TimePoint next = w.now;
-  w.run(g, 1s, &next);
+  Governed gv(w);
+  gv.run(1s);
   // Just after a poll: the next poll is ~0.5 s away; the event must make it faster.
   w.start_job(JobType::Commit);
   w.hv.emit(JobEvent{JobEventKind::StatusChange, "vm1", "", JobType::Unknown, "created"});
   const TimePoint created = w.now;
-  while (g.job_count() == 0 && w.now < created + 1s) w.run(g, 10ms, &next);
-  CHECK(g.job_count() == 1);
+  while (gv.g.job_count() == 0 && w.now < created + 1s) gv.run(10ms);
+  CHECK(gv.g.job_count() == 1);
   CHECK(w.now - created <= 120ms);
 }
 
@@ -65,46 +63,44 @@ TEST_CASE("plugin.discovery.adopts_running_jobs_at_start") {
 TEST_CASE("plugin.governor.stall_min_speed_then_recovery") {
   World w;
   w.start_job();
-  Governor g(w.hv, w.files, DaemonConfig{});
-  TimePoint next = w.now;
-  w.run(g, 4s, &next);
-  const double before = w.progress(g, 1s, next);
+  Governed gv(w);
+  gv.run(4s);
+  const double before = gv.progress(1s);
   CHECK(before > 20.0 * kMinJobSpeedBytesPerS);
 
   // Guest I/O stops completing (stuck behind a queue): no stats movement.
   w.guest_active = false;
   const TimePoint stall = w.now;
   // The stall response (not a transient backlog > window): the controller pauses.
-  while (g.status(w.now).jobs.at(0).phase != "paused" && w.now < stall + 1s)
-    w.run(g, 10ms, &next);
-  CHECK(g.status(w.now).jobs.at(0).phase == "paused");
+  while (gv.g.status(w.now).jobs.at(0).phase != "paused" && w.now < stall + 1s)
+    gv.run(10ms);
+  CHECK(gv.g.status(w.now).jobs.at(0).phase == "paused");
   CHECK(w.hv.speed("vm1", "vda") == kMinJobSpeedBytesPerS);
   CHECK(w.now - stall <= 600ms);
   const size_t calls = w.hv.speed_calls.size();
-  const double stalled = w.progress(g, 1s, next);
+  const double stalled = gv.progress(1s);
   CHECK(stalled <= 1.5 * kMinJobSpeedBytesPerS);  // held at the minimum, not 0 (unlimited)
   for (size_t i = calls; i < w.hv.speed_calls.size(); ++i)
     CHECK(w.hv.speed_calls[i].speed == kMinJobSpeedBytesPerS);
 
   // Completions with normal latency again: speed rises.
   w.guest_active = true;
-  w.run(g, 1s, &next);
-  const double after = w.progress(g, 2s, next);
+  gv.run(1s);
+  const double after = gv.progress(2s);
   CHECK(after > 20.0 * kMinJobSpeedBytesPerS);
   CHECK_FALSE(w.speed_ever_zero());
-  CHECK(g.status(w.now).jobs.at(0).latency_p99.has_value());
+  CHECK(gv.g.status(w.now).jobs.at(0).latency_p99.has_value());
 }
 
 TEST_CASE("plugin.governor.other_storage_does_not_throttle") {
   World w;
   w.start_job();
-  Governor g(w.hv, w.files, DaemonConfig{});
-  TimePoint next = w.now;
-  w.run(g, 3s, &next);
-  const double before = w.progress(g, 2s, next);
+  Governed gv(w);
+  gv.run(3s);
+  const double before = gv.progress(2s);
   w.other_active = false;  // vm2's disk is on another filesystem (st_dev 9)
-  w.run(g, 500ms, &next);
-  const double during = w.progress(g, 1s, next);
+  gv.run(500ms);
+  const double during = gv.progress(1s);
   CHECK(during > 20.0 * kMinJobSpeedBytesPerS);
   CHECK(during > 0.3 * before);
 }
@@ -112,13 +108,12 @@ TEST_CASE("plugin.governor.other_storage_does_not_throttle") {
 TEST_CASE("plugin.governor.high_latency_slows_down") {
   World w;
   w.start_job();
-  Governor g(w.hv, w.files, DaemonConfig{});
-  TimePoint next = w.now;
-  w.run(g, 3s, &next);
-  const double fast = w.progress(g, 2s, next);
+  Governed gv(w);
+  gv.run(3s);
+  const double fast = gv.progress(2s);
   w.guest_latency = 200ms;  // 10 x budget of queueing delay
-  w.run(g, 300ms, &next);
-  const double slow = w.progress(g, 1s, next);
+  gv.run(300ms);
+  const double slow = gv.progress(1s);
   CHECK(slow < 0.2 * fast);
   CHECK_FALSE(w.speed_ever_zero());
 }
@@ -126,31 +121,30 @@ TEST_CASE("plugin.governor.high_latency_slows_down") {
 TEST_CASE("plugin.governor.reconnect_and_readopt") {
   World w;
   w.start_job();
-  Governor g(w.hv, w.files, DaemonConfig{});
-  TimePoint next = w.now;
-  w.run(g, 2s, &next);
-  REQUIRE(g.job_count() == 1);
+  Governed gv(w);
+  gv.run(2s);
+  REQUIRE(gv.g.job_count() == 1);
   const int connects = w.hv.connects;
   w.hv.libvirtd_stops();
-  w.run(g, 3s, &next);
-  CHECK_FALSE(g.status(w.now).connected);
+  gv.run(3s);
+  CHECK_FALSE(gv.g.status(w.now).connected);
   CHECK(w.hv.connects > connects + 1);  // kept retrying
-  CHECK(g.job_count() == 1);            // state kept: QEMU keeps running the job
+  CHECK(gv.g.job_count() == 1);            // state kept: QEMU keeps running the job
   const size_t calls = w.hv.speed_calls.size();
   w.hv.daemon_up = true;
-  w.run(g, 6s, &next);  // reconnect backoff is at most 5 s
-  CHECK(g.status(w.now).connected);
-  CHECK(g.job_count() == 1);
+  gv.run(6s);  // reconnect backoff is at most 5 s
+  CHECK(gv.g.status(w.now).connected);
+  CHECK(gv.g.job_count() == 1);
   CHECK(w.hv.speed_calls.size() > calls);
 
   // A job that ended while libvirtd was away is released at the re-adoption poll.
   w.hv.libvirtd_stops();
-  w.run(g, 1s, &next);
+  gv.run(1s);
   w.hv.jobs.clear();
   w.hv.daemon_up = true;
-  w.run(g, 6s, &next);
-  CHECK(g.job_count() == 0);
-  const auto st = g.status(w.now);
+  gv.run(6s);
+  CHECK(gv.g.job_count() == 0);
+  const auto st = gv.g.status(w.now);
   REQUIRE_FALSE(st.released.empty());
   CHECK(st.released.front().reason == "ended while disconnected");
 }
@@ -159,64 +153,59 @@ TEST_CASE("plugin.governor.restart_readopts") {
   World w;
   w.start_job();
   {
-    Governor g(w.hv, w.files, DaemonConfig{});
-    TimePoint next = w.now;
-    w.run(g, 2s, &next);
-    g.release_all();  // graceful stop: a finishing speed, never the minimum
+    Governed gv(w);
+    gv.run(2s);
+    gv.g.release_all();  // graceful stop: a finishing speed, never the minimum
     CHECK(w.hv.speed("vm1", "vda") >= 1024 * 1024);
   }
-  Governor g2(w.hv, w.files, DaemonConfig{});
-  TimePoint next = w.now;
-  w.run(g2, 200ms, &next);
-  CHECK(g2.job_count() == 1);
+  Governed restarted(w);
+  restarted.run(200ms);
+  CHECK(restarted.g.job_count() == 1);
 }
 
 TEST_CASE("plugin.governor.job_failed_released") {
   World w;
   w.start_job(JobType::Commit);
-  Governor g(w.hv, w.files, DaemonConfig{});
-  TimePoint next = w.now;
-  w.run(g, 1s, &next);
-  REQUIRE(g.job_count() == 1);
+  Governed gv(w);
+  gv.run(1s);
+  REQUIRE(gv.g.job_count() == 1);
   w.hv.jobs.clear();
   w.hv.emit(JobEvent{JobEventKind::Failed, "vm1", "vda", JobType::Commit, ""});
-  w.run(g, 20ms, &next);
-  CHECK(g.job_count() == 0);
-  const auto st = g.status(w.now);
+  gv.run(20ms);
+  CHECK(gv.g.job_count() == 0);
+  const auto st = gv.g.status(w.now);
   REQUIRE(st.released.size() == 1);
   CHECK(st.released[0].reason == "failed");
   const size_t calls = w.hv.speed_calls.size();
-  w.run(g, 1s, &next);
+  gv.run(1s);
   CHECK(w.hv.speed_calls.size() == calls);  // no more actuation on a released job
 }
 
 TEST_CASE("plugin.governor.pivot_failed_released_and_reported") {
   World w;
   w.start_job(JobType::ActiveCommit, 1 << 20);
-  Governor g(w.hv, w.files, DaemonConfig{});
-  TimePoint next = w.now;
-  w.run(g, 1s, &next);
-  REQUIRE(g.job_count() == 1);
+  Governed gv(w);
+  gv.run(1s);
+  REQUIRE(gv.g.job_count() == 1);
   w.hv.emit(JobEvent{JobEventKind::Ready, "vm1", "vda", JobType::ActiveCommit, ""});
-  w.run(g, 200ms, &next);
-  CHECK(g.status(w.now).jobs.at(0).ready);
+  gv.run(200ms);
+  CHECK(gv.g.status(w.now).jobs.at(0).ready);
   w.hv.jobs.clear();
   w.hv.emit(JobEvent{JobEventKind::Failed, "vm1", "vda", JobType::ActiveCommit, ""});
-  w.run(g, 20ms, &next);
-  CHECK(g.job_count() == 0);
-  const std::string json = status_json(g.status(w.now), w.now);
+  gv.run(20ms);
+  CHECK(gv.g.job_count() == 0);
+  const std::string json = status_json(gv.g.status(w.now), w.now);
   CHECK(json.find("pivot failed") != std::string::npos);
 }
 
 TEST_CASE("plugin.governor.job_vanished_without_event_released") {
   World w;
   w.start_job();
-  Governor g(w.hv, w.files, DaemonConfig{});
-  TimePoint next = w.now;
-  w.run(g, 1s, &next);
+  Governed gv(w);
+  gv.run(1s);
   w.hv.jobs.clear();
-  w.run(g, 600ms, &next);
-  CHECK(g.job_count() == 0);
+  gv.run(600ms);
+  CHECK(gv.g.job_count() == 0);
 }
 
 TEST_CASE("plugin.governor.policy_pool_and_domain_override") {
@@ -261,11 +250,10 @@ TEST_CASE("plugin.governor.writeback_backlog_bounded") {
   World w;
   w.storage_bytes_per_s = 50.0 * 1024 * 1024;
   w.start_job();
-  Governor g(w.hv, w.files, DaemonConfig{});
-  TimePoint next = w.now;
+  Governed gv(w);
   std::uint64_t max_dirty = 0, max_writeback = 0;
   for (int i = 0; i < 1000; ++i) {
-    w.run(g, 10ms, &next);
+    gv.run(10ms);
     if (i > 100) {
       max_dirty = std::max(max_dirty, w.base->dirty + w.base->writeback);
       max_writeback = std::max(max_writeback, w.base->writeback);
@@ -289,12 +277,11 @@ TEST_CASE("plugin.governor.mirror_pacer_keeps_part_of_the_window") {
     w.start_job(t);
     GovernorOptions opt;
     opt.settle_every = Duration::zero();
-    Governor g(w.hv, w.files, DaemonConfig{}, opt);
-    TimePoint next = w.now;
+    Governed gv(w, DaemonConfig{}, opt);
     double max_share = 0;
-    w.run(g, 3s, &next);
-    w.run(g, 5s, &next, [&] {
-      const auto st = g.status(w.now);
+    gv.run(3s);
+    gv.run(5s, [&] {
+      const auto st = gv.g.status(w.now);
       if (st.jobs.empty() || st.jobs[0].window_bytes == 0) return;
       max_share = std::max(max_share, static_cast<double>(w.base->writeback) /
                                           static_cast<double>(st.jobs[0].window_bytes));
@@ -320,11 +307,10 @@ TEST_CASE("plugin.governor.pacer_reads_issued_ranges") {
     w.start_job();
     GovernorOptions opt;
     opt.settle_every = Duration::zero();  // measured alone
-    Governor g(w.hv, w.files, DaemonConfig{}, opt);
-    TimePoint next = w.now;
-    w.run(g, 5s, &next);
+    Governed gv(w, DaemonConfig{}, opt);
+    gv.run(5s);
     const std::uint64_t w0 = w.base->whole_readings;
-    const double rate = w.progress(g, 10s, next);
+    const double rate = gv.progress(10s);
     *whole = w.base->whole_readings - w0;
     *ranges = w.base->range_readings;
     return rate / w.storage_bytes_per_s;
@@ -348,12 +334,11 @@ TEST_CASE("plugin.governor.pacer_stops_sweeping_a_clean_file") {
   World w;
   w.base->dirty_at_front = true;  // like a job writing its target in order
   w.start_job();
-  Governor g(w.hv, w.files, DaemonConfig{});
-  TimePoint next = w.now;
-  w.run(g, 3s, &next);
+  Governed gv(w);
+  gv.run(3s);
   const std::uint64_t p0 = w.base->dirty_probes;
   w.base->flusher_after_reading = true;
-  w.run(g, 5s, &next);
+  gv.run(5s);
   const double per_s = static_cast<double>(w.base->dirty_probes - p0) / 5.0;
   const double lap = static_cast<double>(w.base->size / (kWritebackPieceBytes * kWritebackSkipPieces));
   MESSAGE("probes per second: " << per_s << " (one lap: " << lap << " probes)");
@@ -367,9 +352,8 @@ TEST_CASE("plugin.governor.written_ranges_leave_the_page_cache") {
   w.base->dirty_at_front = true;
   w.storage_bytes_per_s = 50.0 * 1024 * 1024;
   w.start_job(JobType::ActiveCommit, 64ull << 20);
-  Governor g(w.hv, w.files, DaemonConfig{});
-  TimePoint next = w.now;
-  w.run(g, 10s, &next);
+  Governed gv(w);
+  gv.run(10s);
   CHECK(w.cur() == 64ull << 20);
   CHECK(w.base->dirty == 0);
   CHECK(w.base->writeback == 0);
@@ -392,14 +376,13 @@ TEST_CASE("plugin.governor.settles_the_target_before_the_kernel_expires_it") {
     w.start_job();
     GovernorOptions opt;
     opt.settle_every = every;
-    Governor g(w.hv, w.files, DaemonConfig{}, opt);
-    TimePoint next = w.now;
-    w.run(g, 5s, &next);
+    Governed gv(w, DaemonConfig{}, opt);
+    gv.run(5s);
     const std::uint64_t c0 = w.cur();
     bool was = false;
     TimePoint since = w.now;
-    w.run(g, 40s, &next, [&] {
-      const auto js = g.status(w.now).jobs.at(0);
+    gv.run(40s, [&] {
+      const auto js = gv.g.status(w.now).jobs.at(0);
       if (js.settling && !was) since = w.now;
       if (!js.settling && was)
         MESSAGE("held " << std::chrono::duration_cast<std::chrono::milliseconds>(w.now - since).count()
@@ -408,7 +391,7 @@ TEST_CASE("plugin.governor.settles_the_target_before_the_kernel_expires_it") {
     });
     const double rate = static_cast<double>(w.cur() - c0) / 40.0;
     *settled = w.base->settled_with_dirty;
-    *settles = g.status(w.now).jobs.at(0).settles;
+    *settles = gv.g.status(w.now).jobs.at(0).settles;
     return rate;
   };
   std::vector<std::uint64_t> settled;
@@ -436,14 +419,13 @@ TEST_CASE("plugin.governor.settle_gives_up_and_retries") {
   w.start_job();
   GovernorOptions opt;
   opt.settle_every = 2s;
-  Governor g(w.hv, w.files, DaemonConfig{}, opt);
-  TimePoint next = w.now;
+  Governed gv(w, DaemonConfig{}, opt);
   int settling = 0, samples = 0;
-  w.run(g, 20s, &next, [&] {
+  gv.run(20s, [&] {
     ++samples;
-    if (g.status(w.now).jobs.at(0).settling) ++settling;
+    if (gv.g.status(w.now).jobs.at(0).settling) ++settling;
   });
-  CHECK(g.status(w.now).jobs.at(0).settles == 0);
+  CHECK(gv.g.status(w.now).jobs.at(0).settles == 0);
   CHECK(settling > 0);
   CHECK(settling < samples / 2);
   CHECK(w.cur() > 100ull << 20);
@@ -457,15 +439,14 @@ TEST_CASE("plugin.governor.mirror_end_waits_for_clean_base") {
   w.base->dirty_at_front = true;
   w.storage_bytes_per_s = 50.0 * 1024 * 1024;
   w.start_job(JobType::ActiveCommit, 64ull << 20);
-  Governor g(w.hv, w.files, DaemonConfig{});
-  TimePoint next = w.now;
-  w.run(g, 3s, &next);  // adopted, past slow start
+  Governed gv(w);
+  gv.run(3s);  // adopted, past slow start
   auto& job = w.hv.jobs[{"vm1", "vda"}];
   job.cur = job.end - (8ull << 20);
   w.base->dirty = 12ull << 20;
   bool held_while_dirty = true, released = false, drained = false;
   const TimePoint t0 = w.now;
-  w.run(g, 3s, &next, [&] {
+  gv.run(3s, [&] {
     const std::uint64_t speed = w.hv.speed("vm1", "vda");
     const std::uint64_t dirty = w.base->dirty + w.base->writeback;
     if (dirty == 0) drained = true;

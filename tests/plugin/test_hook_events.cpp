@@ -48,25 +48,24 @@ TEST_CASE("plugin.control.domain_event") {
 
 TEST_CASE("plugin.governor.hook_event_scans_domain_now") {
   World w;
-  Governor g(w.hv, w.files, DaemonConfig{});
-  TimePoint next = w.now;
-  w.run(g, 1s, &next);
-  w.run(g, 20ms, &next);  // just after a poll: the next one is ~0.5 s away
+  Governed gv(w);
+  gv.run(1s);
+  gv.run(20ms);  // just after a poll: the next one is ~0.5 s away
   w.start_job();          // no libvirt event: the hook's "started"/"reconnect" is the news
-  g.domain_event("vm1", "reconnect");
-  (void)g.step(w.now);
-  CHECK(g.job_count() == 1);
+  gv.g.domain_event("vm1", "reconnect");
+  (void)gv.g.step(w.now);
+  CHECK(gv.g.job_count() == 1);
   CHECK(w.hv.speed("vm1", "vda") > 0);
 
-  w.run(g, 1s, &next);
-  w.run(g, 20ms, &next);
+  gv.run(1s);
+  gv.run(20ms);
   // The domain stops: QEMU and its job are gone; the hook says so before the next poll.
   w.hv.jobs.clear();
   std::erase_if(w.hv.domains, [](const DomainInfo& d) { return d.name == "vm1"; });
-  g.domain_event("vm1", "stopped");
-  (void)g.step(w.now);
-  CHECK(g.job_count() == 0);
-  const auto st = g.status(w.now);
+  gv.g.domain_event("vm1", "stopped");
+  (void)gv.g.step(w.now);
+  CHECK(gv.g.job_count() == 0);
+  const auto st = gv.g.status(w.now);
   REQUIRE(st.released.size() == 1);
   CHECK(st.released[0].domain == "vm1");
 }

@@ -107,4 +107,16 @@ struct World {
   }
 };
 
+// A Governor over a World, stepped in the world's virtual time (`next`: when it asked to be
+// stepped again).
+struct Governed {
+  World& w;
+  Governor g;
+  TimePoint next;
+  explicit Governed(World& world, DaemonConfig cfg = {}, GovernorOptions opt = {})
+      : w(world), g(world.hv, world.files, std::move(cfg), opt), next(world.now) {}
+  void run(Duration dt, const std::function<void()>& after_step = {}) { w.run(g, dt, &next, after_step); }
+  double progress(Duration dt) { return w.progress(g, dt, next); }
+};
+
 }  // namespace qcommit::plugin::test
