@@ -40,6 +40,7 @@ std::optional<std::string> GovernorOptions::validate() const {
   if (min_speed_bytes_per_s == 0) return "minimum job speed must be > 0 (0 is unlimited in QEMU)";
   if (settle_every < Duration::zero() || settle_max_hold <= Duration::zero())
     return "governor settle interval must be >= 0 (0: off) and its hold > 0";
+  if (auto e = chunk_gate_config.validate()) return "chunk gate: " + *e;
   return writeback.validate();
 }
 
@@ -66,11 +67,13 @@ struct Governor::Job {
       : key(std::move(k)), type(t), policy(p), ctl(controller_config(p, t, cache)) {}
   // QEMU's commit and stream jobs write 512 KiB at a time (COMMIT_BUFFER_SIZE, STREAM_CHUNK);
   // with cache=none/directsync those writes reach the storage as they are.
+  static bool direct_chunks(JobType t, const std::string& cache) {
+    return (cache == "none" || cache == "directsync") && (t == JobType::Commit || t == JobType::Pull);
+  }
   static throttle::ControllerConfig controller_config(const Policy& p, JobType t,
                                                       const std::string& cache) {
     throttle::ControllerConfig c = p.controller_config();
-    const bool direct = cache == "none" || cache == "directsync";
-    if (direct && (t == JobType::Commit || t == JobType::Pull)) c.copy_request_bytes = kQemuChunkBytes;
+    if (direct_chunks(t, cache)) c.copy_request_bytes = kQemuChunkBytes;
     return c;
   }
   DiskKey key;
@@ -86,7 +89,11 @@ struct Governor::Job {
   JobInfo info{};
   bool has_info = false;
   std::uint64_t backlog = 0;
-  std::uint64_t speed_set = 0;
+  std::uint64_t speed_set = 0;  // gated: the paced rate (the gate alternates two speeds)
+  // Chunk gate (direct_chunks jobs): the rate it spaces the chunks for and whether it may open.
+  std::optional<throttle::ChunkGate> gate;
+  double gate_rate = 0;
+  bool gate_allowed = true;
   // The pacer's view of the target's page cache: last whole-file reading, when, and bytes
   // issued since; the ranges it issued (re-read between whole-file readings) and what was under
   // writeback outside them at the last whole-file reading (the kernel's own writeback).
@@ -344,7 +351,16 @@ void Governor::adopt(const DomainInfo& dom, const DiskInfo& disk, const JobInfo&
   Job& ref = *j;
   jobs_.emplace(k, std::move(j));
   // Start slowly right away: an unlimited job (speed 0) fills the page cache within a tick.
-  set_speed(ref, static_cast<std::uint64_t>(ref.ctl.config().initial_rate_bytes_per_s));
+  const double initial = ref.ctl.config().initial_rate_bytes_per_s;
+  const std::optional<std::uint64_t> qemu = hv_.qemu_version();
+  if (opt_.chunk_gate && Job::direct_chunks(info.type, disk.cache) && qemu &&
+      *qemu < kChunkGateBeforeQemuVersion) {
+    ref.gate.emplace(opt_.chunk_gate_config);
+    ref.gate_rate = initial;
+    set_gate_speed(ref, false);
+  } else {
+    set_speed(ref, static_cast<std::uint64_t>(initial));
+  }
 }
 
 void Governor::release(const DiskKey& k, const std::string& reason, TimePoint now) {
@@ -358,6 +374,13 @@ void Governor::release(const DiskKey& k, const std::string& reason, TimePoint no
 void Governor::set_speed(Job& j, std::uint64_t speed) {
   speed = std::max(speed, opt_.min_speed_bytes_per_s);  // never 0 (unlimited)
   if (hv_.set_job_speed(j.key.domain, j.key.disk, speed)) j.speed_set = speed;
+}
+
+void Governor::set_gate_speed(Job& j, bool open) {
+  const auto closed = static_cast<std::uint64_t>(j.gate_rate * kChunkGateClosedRateFraction);
+  if (hv_.set_job_speed(j.key.domain, j.key.disk,
+                        open ? kChunkGateOpenSpeedBytesPerS : std::max(closed, opt_.min_speed_bytes_per_s)))
+    j.speed_set = std::max(static_cast<std::uint64_t>(j.gate_rate), opt_.min_speed_bytes_per_s);
 }
 
 void Governor::tick(TimePoint now) {
@@ -473,10 +496,14 @@ void Governor::tick(TimePoint now) {
     if (mirror_unready && info->end > info->cur && info->end - info->cur <= kMirrorConvergeBytes && !d.paused &&
         queued <= d.window_bytes && !holding)
       speed = static_cast<std::uint64_t>(j.policy.ceiling_bytes_per_s);
+    if (j.gate) {  // pace() opens and closes it
+      j.gate_allowed = !(d.paused || queued > d.window_bytes || holding);
+      j.gate_rate = static_cast<double>(speed);
+    }
     const double off = std::fabs(static_cast<double>(speed) - static_cast<double>(j.speed_set));
-    if (j.speed_set == 0 || off > kSpeedChangeFraction * static_cast<double>(j.speed_set) ||
+    if (!j.gate && (j.speed_set == 0 || off > kSpeedChangeFraction * static_cast<double>(j.speed_set) ||
         info->bandwidth_bytes_per_s != j.speed_set ||
-        (speed == opt_.min_speed_bytes_per_s && j.speed_set != speed)) {
+        (speed == opt_.min_speed_bytes_per_s && j.speed_set != speed))) {
       set_speed(j, speed);
     }
 
@@ -523,6 +550,14 @@ bool Governor::settle(Job& j, const std::optional<PageCacheState>& pc, TimePoint
 
 void Governor::pace(TimePoint now) {
   for (auto& [k, j] : jobs_) {
+    if (j->gate) {  // its writes bypass the page cache: nothing to push, chunks to space
+      switch (j->gate->step(now, j->gate_rate, j->gate_allowed)) {
+        case throttle::ChunkGate::Action::kOpen: set_gate_speed(*j, true); break;
+        case throttle::ChunkGate::Action::kClose: set_gate_speed(*j, false); break;
+        case throttle::ChunkGate::Action::kNone: break;
+      }
+      continue;
+    }
     if (!j->file || !j->decision) continue;
     bool fresh = false;
     if (!j->pace_pc_at || now - *j->pace_pc_at >= opt_.page_cache_refresh) {

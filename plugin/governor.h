@@ -35,6 +35,7 @@
 #include "plugin/config.h"
 #include "plugin/hypervisor.h"
 #include "plugin/writeback.h"
+#include "throttle/chunk_gate.h"
 #include "throttle/controller.h"
 #include "throttle/io_stats.h"
 
@@ -69,6 +70,18 @@ inline constexpr std::uint64_t kMirrorConvergeBytes = 1024 * 1024;
 inline constexpr double kMirrorPacerWindowFraction = 0.8;
 // QEMU's commit (non-active) and stream jobs copy this much per request.
 inline constexpr std::uint64_t kQemuChunkBytes = 512 * 1024;
+// Chunk gate (throttle/chunk_gate.h) for those jobs when their chunks reach the storage as they
+// are (cache=none/directsync): the speed that opens the gate (wakes the job for one chunk) and,
+// as a fraction of the paced rate, the speed that keeps it closed.  QEMU 7.2 sleeps after a chunk
+// until the job's average since the start of its rate-limit slice is down to the speed: below
+// the rate it achieves, it sleeps until the next opening.  If the daemon dies with the gate
+// closed the job sleeps about (1 / fraction - 1) x its time so far, then goes on at that speed;
+// open, it goes on unthrottled.
+// Only for QEMU before 8.1 (Hypervisor::qemu_version): from 8.1 the job also sleeps before every
+// 512 KiB step it skips as unallocated, so a closed gate would cost one period per skipped step.
+inline constexpr std::uint64_t kChunkGateOpenSpeedBytesPerS = 1ull << 40;
+inline constexpr double kChunkGateClosedRateFraction = 0.5;
+inline constexpr std::uint64_t kChunkGateBeforeQemuVersion = 8001000;
 
 struct GovernorOptions {
   Duration tick = std::chrono::milliseconds(100);
@@ -101,6 +114,9 @@ struct GovernorOptions {
   Duration reconnect_min = std::chrono::milliseconds(500);
   Duration reconnect_max = std::chrono::seconds(5);
   std::uint64_t min_speed_bytes_per_s = kMinJobSpeedBytesPerS;
+  // Space QEMU's 512 KiB commit/stream chunks with the chunk gate (cache=none/directsync).
+  bool chunk_gate = true;
+  throttle::ChunkGateConfig chunk_gate_config{kQemuChunkBytes, std::chrono::milliseconds(2)};
   WritebackConfig writeback;
   // When set, only the job on this domain's disk target is governed (`qcommit live` runs a
   // governor in-process for the job it started); the other disks still give foreground signals.
@@ -187,6 +203,7 @@ class Governor {
                                         std::optional<PoolInfo>* pool_out);
   [[nodiscard]] std::optional<PoolInfo> resolve_pool(const std::string& path);
   void set_speed(Job& j, std::uint64_t speed);
+  void set_gate_speed(Job& j, bool open);  // the chunk gate's open or closed speed
   void lost_connection(TimePoint now);
 
   Hypervisor& hv_;

@@ -82,6 +82,8 @@ class Hypervisor {
   // (Re)connect and (re)register event callbacks.  false when the hypervisor is unreachable.
   [[nodiscard]] virtual bool connect() = 0;
   [[nodiscard]] virtual bool connected() const = 0;
+  // The QEMU version of the connection, major * 1000000 + minor * 1000 + micro, when known.
+  [[nodiscard]] virtual std::optional<std::uint64_t> qemu_version() const = 0;
 
   // Running domains with their disks.
   [[nodiscard]] virtual std::vector<DomainInfo> running_domains() = 0;

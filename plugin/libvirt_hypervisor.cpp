@@ -178,6 +178,10 @@ bool LibvirtHypervisor::connect() {
     last_error_ = e && e->message ? e->message : "cannot connect";
     return false;
   }
+  unsigned long version = 0;  // the qemu driver's: QEMU's
+  qemu_version_ = virConnectGetVersion(conn_, &version) == 0 && version > 0
+                      ? std::optional<std::uint64_t>(version)
+                      : std::nullopt;
   virConnectRegisterCloseCallback(conn_, on_close, this, nullptr);
   virConnectSetKeepAlive(conn_, 5, 3);
   block_job_cb_ = virConnectDomainEventRegisterAny(

@@ -20,6 +20,7 @@ class LibvirtHypervisor final : public Hypervisor, public BlockJobControl {
 
   [[nodiscard]] bool connect() override;
   [[nodiscard]] bool connected() const override;
+  [[nodiscard]] std::optional<std::uint64_t> qemu_version() const override { return qemu_version_; }
   [[nodiscard]] std::vector<DomainInfo> running_domains() override;
   [[nodiscard]] std::vector<PoolInfo> pools() override;
   [[nodiscard]] std::optional<PoolInfo> pool_of_volume(const std::string& path) override;
@@ -63,6 +64,7 @@ class LibvirtHypervisor final : public Hypervisor, public BlockJobControl {
   int qemu_cb_ = -1;
   EventSink sink_;
   std::string last_error_;
+  std::optional<std::uint64_t> qemu_version_;  // virConnectGetVersion at connect
 };
 
 // Parses the <devices><disk> elements of a domain XML (exposed for tests).

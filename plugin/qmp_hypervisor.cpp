@@ -246,6 +246,15 @@ bool QmpHypervisor::connect() {
     }
     if (name_.empty()) name_ = name_from_socket(path_);
   }
+  qemu_version_.reset();
+  try {
+    const json::Value r = call("query-version");
+    if (const json::Value* q = r.find("qemu"))
+      qemu_version_ = u64_member(*q, "major") * 1000000 + u64_member(*q, "minor") * 1000 + u64_member(*q, "micro");
+  } catch (const QmpCommandError&) {
+  } catch (const HypervisorDisconnected&) {
+    return false;
+  }
   return true;
 }
 

@@ -96,6 +96,7 @@ class QmpHypervisor final : public Hypervisor, public BlockJobControl {
 
   [[nodiscard]] bool connect() override;
   [[nodiscard]] bool connected() const override;
+  [[nodiscard]] std::optional<std::uint64_t> qemu_version() const override { return qemu_version_; }
   [[nodiscard]] std::vector<DomainInfo> running_domains() override;
   [[nodiscard]] std::vector<PoolInfo> pools() override { return {}; }
   [[nodiscard]] std::optional<PoolInfo> pool_of_volume(const std::string&) override {
@@ -161,6 +162,7 @@ class QmpHypervisor final : public Hypervisor, public BlockJobControl {
   std::map<std::string, OurJob> jobs_;          // by disk target
   std::map<std::string, std::string> job_disk_;  // job id → disk target (ours and seen)
   std::string last_error_;
+  std::optional<std::uint64_t> qemu_version_;  // query-version at connect
   std::string last_job_error_;
   unsigned overlay_counter_ = 0;
 };

@@ -29,6 +29,7 @@ class FakeHypervisor final : public Hypervisor {
   std::map<std::pair<std::string, std::string>, BlockStats> stats;
   std::map<std::pair<std::string, std::string>, JobInfo> jobs;
   std::vector<SpeedCall> speed_calls;
+  std::optional<std::uint64_t> version = 7002000;  // QEMU 7.2, Debian 12's
   int connects = 0;
 
   void libvirtd_stops() {
@@ -50,6 +51,7 @@ class FakeHypervisor final : public Hypervisor {
     return connected_;
   }
   bool connected() const override { return connected_; }
+  std::optional<std::uint64_t> qemu_version() const override { return version; }
   std::vector<DomainInfo> running_domains() override {
     check();
     return domains;

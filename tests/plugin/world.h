@@ -30,6 +30,7 @@ struct World {
   bool other_active = true;
   Duration guest_latency = std::chrono::milliseconds(2);
   double storage_bytes_per_s = 200.0 * 1024 * 1024;  // writeback drain
+  double job_max_bytes_per_s = 0;  // > 0: the job copies no faster, whatever its speed
   static constexpr std::uint64_t kJobChunkBytes = 64 * 1024;
   static constexpr Duration kStep = std::chrono::milliseconds(1);
   static constexpr Duration kGuestWriteEvery = std::chrono::milliseconds(10);
@@ -85,7 +86,9 @@ struct World {
     auto it = hv.jobs.find({dom, "vda"});
     if (it != hv.jobs.end() && it->second.bandwidth_bytes_per_s > 0) {
       // Like QEMU, the job copies whole chunks (kJobChunkBytes) and sleeps in between.
-      job_credit += static_cast<double>(it->second.bandwidth_bytes_per_s) * secs;
+      double bw = static_cast<double>(it->second.bandwidth_bytes_per_s);
+      if (job_max_bytes_per_s > 0) bw = std::min(bw, job_max_bytes_per_s);
+      job_credit += bw * secs;
       const auto chunks = static_cast<std::uint64_t>(job_credit / static_cast<double>(kJobChunkBytes));
       job_credit -= static_cast<double>(chunks * kJobChunkBytes);
       const auto n = std::min<std::uint64_t>(it->second.end - it->second.cur, chunks * kJobChunkBytes);

@@ -388,6 +388,8 @@ TEST_CASE("qmp.adapter.commit_speed_events_pivot") {
     std::lock_guard<std::mutex> g(m);
     const std::string& c = command_name(cmd);
     if (c == "query-name") return reply(cmd, "{}");  // unnamed: the socket's name is used
+    if (c == "query-version")
+      return reply(cmd, R"({"qemu": {"major": 7, "minor": 2, "micro": 11}, "package": "Debian 1:7.2+dfsg-7"})");
     if (c == "query-block") {
       std::string qb = kQueryBlock;
       if (active_layer != "/s/top.qcow2") {
@@ -429,6 +431,7 @@ TEST_CASE("qmp.adapter.commit_speed_events_pivot") {
   hv.set_event_sink([&](const JobEvent& e) { events.push_back(e); });
   REQUIRE(hv.connect());
   CHECK(hv.name() == "qmp");  // qmp.sock, no -name
+  CHECK(hv.qemu_version() == 7002011u);
   CHECK(hv.resolve_disk("disk0") == "vda");
   CHECK(hv.resolve_disk("vdb") == "vdb");
   CHECK_FALSE(hv.resolve_disk("vdz"));
@@ -513,6 +516,7 @@ TEST_CASE("qmp.adapter.failed_job_and_lost_connection") {
   hv.set_event_sink([&](const JobEvent& e) { events.push_back(e); });
   REQUIRE(hv.connect());
   CHECK(hv.name() == "vm-7");
+  CHECK_FALSE(hv.qemu_version());  // query-version unknown to this QEMU: not assumed
   hv.start_commit("vm-7", "vda", "/s/base.qcow2", "/s/mid.qcow2", 1 << 20, false);
   hv.pump(200ms);
   REQUIRE(events.size() == 2);

@@ -3,6 +3,7 @@
 
 #include <vector>
 
+#include "throttle/chunk_gate.h"
 #include "throttle/controller.h"
 #include "throttle/pacer.h"
 
@@ -249,4 +250,45 @@ TEST_CASE("throttle.pacer.durations") {
     sent += 16 * 1024;
   }
   CHECK(static_cast<double>(sent) / 10.0 == doctest::Approx(2e6).epsilon(0.01));
+}
+
+TEST_CASE("throttle.chunk_gate.spacing") {
+  ChunkGateConfig cfg;
+  cfg.chunk_bytes = 512 * 1024;
+  cfg.open_hold = 2ms;
+  REQUIRE_FALSE(cfg.validate());
+  ChunkGate g(cfg);
+  const double rate = 512.0 * 1024 / 0.015;  // one chunk per 15 ms
+  CHECK(g.period(rate) == 15ms);
+  // Stepped every millisecond for 300 ms: opens every 15 ms, each closed 2 ms later.
+  std::vector<Duration> opens, closes;
+  for (Duration t = 0ms; t < 300ms; t += 1ms) {
+    switch (g.step(at(t), rate, true)) {
+      case ChunkGate::Action::kOpen: opens.push_back(t); break;
+      case ChunkGate::Action::kClose: closes.push_back(t); break;
+      case ChunkGate::Action::kNone: break;
+    }
+  }
+  REQUIRE(opens.size() == 20);
+  REQUIRE(closes.size() == 20);
+  for (std::size_t i = 0; i < opens.size(); ++i) {
+    CHECK(opens[i] == i * 15ms);
+    CHECK(closes[i] == opens[i] + 2ms);
+  }
+  // A late step does not make up for missed openings: one opening, then the period again.
+  ChunkGate late(cfg);
+  CHECK(late.step(at(0ms), rate, true) == ChunkGate::Action::kOpen);
+  CHECK(late.step(at(2ms), rate, true) == ChunkGate::Action::kClose);
+  CHECK(late.step(at(100ms), rate, true) == ChunkGate::Action::kOpen);
+  CHECK(late.step(at(102ms), rate, true) == ChunkGate::Action::kClose);
+  CHECK(late.step(at(110ms), rate, true) == ChunkGate::Action::kNone);
+  CHECK(late.step(at(115ms), rate, true) == ChunkGate::Action::kOpen);
+  // Not allowed: an open gate closes at once and stays closed.
+  CHECK(late.step(at(116ms), rate, false) == ChunkGate::Action::kClose);
+  CHECK(late.step(at(200ms), rate, false) == ChunkGate::Action::kNone);
+  CHECK_FALSE(late.is_open());
+  CHECK(late.step(at(201ms), rate, true) == ChunkGate::Action::kOpen);
+  ChunkGateConfig bad;
+  bad.chunk_bytes = 0;
+  CHECK(bad.validate());
 }
