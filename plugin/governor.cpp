@@ -68,7 +68,8 @@ struct Governor::Job {
   // QEMU's commit and stream jobs write 512 KiB at a time (COMMIT_BUFFER_SIZE, STREAM_CHUNK);
   // with cache=none/directsync those writes reach the storage as they are.
   static bool direct_chunks(JobType t, const std::string& cache) {
-    return (cache == "none" || cache == "directsync") && (t == JobType::Commit || t == JobType::Pull);
+    return (cache == "none" || cache == "directsync") &&
+           (t == JobType::Commit || t == JobType::Pull);
   }
   static throttle::ControllerConfig controller_config(const Policy& p, JobType t,
                                                       const std::string& cache) {
@@ -378,8 +379,9 @@ void Governor::set_speed(Job& j, std::uint64_t speed) {
 
 void Governor::set_gate_speed(Job& j, bool open) {
   const auto closed = static_cast<std::uint64_t>(j.gate_rate * kChunkGateClosedRateFraction);
-  if (hv_.set_job_speed(j.key.domain, j.key.disk,
-                        open ? kChunkGateOpenSpeedBytesPerS : std::max(closed, opt_.min_speed_bytes_per_s)))
+  if (hv_.set_job_speed(
+          j.key.domain, j.key.disk,
+          open ? kChunkGateOpenSpeedBytesPerS : std::max(closed, opt_.min_speed_bytes_per_s)))
     j.speed_set = std::max(static_cast<std::uint64_t>(j.gate_rate), opt_.min_speed_bytes_per_s);
 }
 
@@ -501,9 +503,10 @@ void Governor::tick(TimePoint now) {
       j.gate_rate = static_cast<double>(speed);
     }
     const double off = std::fabs(static_cast<double>(speed) - static_cast<double>(j.speed_set));
-    if (!j.gate && (j.speed_set == 0 || off > kSpeedChangeFraction * static_cast<double>(j.speed_set) ||
-        info->bandwidth_bytes_per_s != j.speed_set ||
-        (speed == opt_.min_speed_bytes_per_s && j.speed_set != speed))) {
+    if (!j.gate &&
+        (j.speed_set == 0 || off > kSpeedChangeFraction * static_cast<double>(j.speed_set) ||
+         info->bandwidth_bytes_per_s != j.speed_set ||
+         (speed == opt_.min_speed_bytes_per_s && j.speed_set != speed))) {
       set_speed(j, speed);
     }
 
@@ -552,9 +555,14 @@ void Governor::pace(TimePoint now) {
   for (auto& [k, j] : jobs_) {
     if (j->gate) {  // its writes bypass the page cache: nothing to push, chunks to space
       switch (j->gate->step(now, j->gate_rate, j->gate_allowed)) {
-        case throttle::ChunkGate::Action::kOpen: set_gate_speed(*j, true); break;
-        case throttle::ChunkGate::Action::kClose: set_gate_speed(*j, false); break;
-        case throttle::ChunkGate::Action::kNone: break;
+        case throttle::ChunkGate::Action::kOpen:
+          set_gate_speed(*j, true);
+          break;
+        case throttle::ChunkGate::Action::kClose:
+          set_gate_speed(*j, false);
+          break;
+        case throttle::ChunkGate::Action::kNone:
+          break;
       }
       continue;
     }

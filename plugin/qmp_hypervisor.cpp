@@ -250,7 +250,8 @@ bool QmpHypervisor::connect() {
   try {
     const json::Value r = call("query-version");
     if (const json::Value* q = r.find("qemu"))
-      qemu_version_ = u64_member(*q, "major") * 1000000 + u64_member(*q, "minor") * 1000 + u64_member(*q, "micro");
+      qemu_version_ = u64_member(*q, "major") * 1000000 + u64_member(*q, "minor") * 1000 +
+                      u64_member(*q, "micro");
   } catch (const QmpCommandError&) {
   } catch (const HypervisorDisconnected&) {
     return false;

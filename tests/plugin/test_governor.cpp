@@ -72,8 +72,7 @@ TEST_CASE("plugin.governor.stall_min_speed_then_recovery") {
   w.guest_active = false;
   const TimePoint stall = w.now;
   // The stall response (not a transient backlog > window): the controller pauses.
-  while (gv.g.status(w.now).jobs.at(0).phase != "paused" && w.now < stall + 1s)
-    gv.run(10ms);
+  while (gv.g.status(w.now).jobs.at(0).phase != "paused" && w.now < stall + 1s) gv.run(10ms);
   CHECK(gv.g.status(w.now).jobs.at(0).phase == "paused");
   CHECK(w.hv.speed("vm1", "vda") == kMinJobSpeedBytesPerS);
   CHECK(w.now - stall <= 600ms);
@@ -129,7 +128,7 @@ TEST_CASE("plugin.governor.reconnect_and_readopt") {
   gv.run(3s);
   CHECK_FALSE(gv.g.status(w.now).connected);
   CHECK(w.hv.connects > connects + 1);  // kept retrying
-  CHECK(gv.g.job_count() == 1);            // state kept: QEMU keeps running the job
+  CHECK(gv.g.job_count() == 1);         // state kept: QEMU keeps running the job
   const size_t calls = w.hv.speed_calls.size();
   w.hv.daemon_up = true;
   gv.run(6s);  // reconnect backoff is at most 5 s
@@ -500,14 +499,16 @@ TEST_CASE("plugin.governor.chunk_gate_only_where_it_works") {
     JobType type;
     std::optional<std::uint64_t> version;
   };
-  for (const Case& c : {Case{"", JobType::Commit, 7002000}, Case{"none", JobType::ActiveCommit, 7002000},
-                        Case{"none", JobType::Commit, 8001000}, Case{"none", JobType::Commit, std::nullopt}}) {
+  for (const Case& c :
+       {Case{"", JobType::Commit, 7002000}, Case{"none", JobType::ActiveCommit, 7002000},
+        Case{"none", JobType::Commit, 8001000}, Case{"none", JobType::Commit, std::nullopt}}) {
     World w;
     w.hv.domains[0].disks[0].cache = c.cache;
     w.hv.version = c.version;
     w.start_job(c.type);
     Governed gv(w);
     gv.run(2s);
-    for (const SpeedCall& call : w.hv.speed_calls) CHECK(call.speed != kChunkGateOpenSpeedBytesPerS);
+    for (const SpeedCall& call : w.hv.speed_calls)
+      CHECK(call.speed != kChunkGateOpenSpeedBytesPerS);
   }
 }

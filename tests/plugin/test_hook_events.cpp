@@ -50,7 +50,7 @@ TEST_CASE("plugin.governor.hook_event_scans_domain_now") {
   World w;
   Governed gv(w);
   gv.run(1s);
-  gv.run(20ms);  // just after a poll: the next one is ~0.5 s away
+  gv.run(20ms);           // just after a poll: the next one is ~0.5 s away
   w.start_job();          // no libvirt event: the hook's "started"/"reconnect" is the news
   gv.g.domain_event("vm1", "reconnect");
   (void)gv.g.step(w.now);

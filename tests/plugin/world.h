@@ -118,7 +118,9 @@ struct Governed {
   TimePoint next;
   explicit Governed(World& world, DaemonConfig cfg = {}, GovernorOptions opt = {})
       : w(world), g(world.hv, world.files, std::move(cfg), opt), next(world.now) {}
-  void run(Duration dt, const std::function<void()>& after_step = {}) { w.run(g, dt, &next, after_step); }
+  void run(Duration dt, const std::function<void()>& after_step = {}) {
+    w.run(g, dt, &next, after_step);
+  }
   double progress(Duration dt) { return w.progress(g, dt, next); }
 };
 

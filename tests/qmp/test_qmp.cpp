@@ -389,7 +389,9 @@ TEST_CASE("qmp.adapter.commit_speed_events_pivot") {
     const std::string& c = command_name(cmd);
     if (c == "query-name") return reply(cmd, "{}");  // unnamed: the socket's name is used
     if (c == "query-version")
-      return reply(cmd, R"({"qemu": {"major": 7, "minor": 2, "micro": 11}, "package": "Debian 1:7.2+dfsg-7"})");
+      return reply(
+          cmd,
+          R"({"qemu": {"major": 7, "minor": 2, "micro": 11}, "package": "Debian 1:7.2+dfsg-7"})");
     if (c == "query-block") {
       std::string qb = kQueryBlock;
       if (active_layer != "/s/top.qcow2") {

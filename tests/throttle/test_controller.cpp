@@ -264,9 +264,14 @@ TEST_CASE("throttle.chunk_gate.spacing") {
   std::vector<Duration> opens, closes;
   for (Duration t = 0ms; t < 300ms; t += 1ms) {
     switch (g.step(at(t), rate, true)) {
-      case ChunkGate::Action::kOpen: opens.push_back(t); break;
-      case ChunkGate::Action::kClose: closes.push_back(t); break;
-      case ChunkGate::Action::kNone: break;
+      case ChunkGate::Action::kOpen:
+        opens.push_back(t);
+        break;
+      case ChunkGate::Action::kClose:
+        closes.push_back(t);
+        break;
+      case ChunkGate::Action::kNone:
+        break;
     }
   }
   REQUIRE(opens.size() == 20);
