@@ -378,7 +378,10 @@ void Governor::set_speed(Job& j, std::uint64_t speed) {
 }
 
 void Governor::set_gate_speed(Job& j, bool open) {
-  const auto closed = static_cast<std::uint64_t>(j.gate_rate * kChunkGateClosedRateFraction);
+  // Not allowed (paused, held): the floor, as for an ungated job.
+  const auto closed = j.gate_allowed
+                          ? static_cast<std::uint64_t>(j.gate_rate * kChunkGateClosedRateFraction)
+                          : opt_.min_speed_bytes_per_s;
   if (hv_.set_job_speed(
           j.key.domain, j.key.disk,
           open ? kChunkGateOpenSpeedBytesPerS : std::max(closed, opt_.min_speed_bytes_per_s)))
@@ -499,8 +502,11 @@ void Governor::tick(TimePoint now) {
         queued <= d.window_bytes && !holding)
       speed = static_cast<std::uint64_t>(j.policy.ceiling_bytes_per_s);
     if (j.gate) {  // pace() opens and closes it
+      const bool was_allowed = j.gate_allowed;
       j.gate_allowed = !(d.paused || queued > d.window_bytes || holding);
       j.gate_rate = static_cast<double>(speed);
+      // Closed already: from now on at the floor (an open gate closes at the next pace).
+      if (was_allowed && !j.gate_allowed && !j.gate->is_open()) set_gate_speed(j, false);
     }
     const double off = std::fabs(static_cast<double>(speed) - static_cast<double>(j.speed_set));
     if (!j.gate &&

@@ -512,3 +512,28 @@ TEST_CASE("plugin.governor.chunk_gate_only_where_it_works") {
       CHECK(call.speed != kChunkGateOpenSpeedBytesPerS);
   }
 }
+
+TEST_CASE("plugin.governor.chunk_gate_stall_holds_at_the_floor") {
+  // Guest I/O stops completing while the chunks are spaced: the job is held at the floor speed,
+  // as an ungated one would be, and no opening happens until the guests recover.
+  World w;
+  w.hv.domains[0].disks[0].cache = "none";
+  w.job_max_bytes_per_s = 50.0 * 1024 * 1024;
+  w.start_job(JobType::Commit, 1ull << 40);
+  Governed gv(w);
+  gv.run(3s);
+  w.guest_active = false;
+  const TimePoint stall = w.now;
+  while (gv.g.status(w.now).jobs.at(0).phase != "paused" && w.now < stall + 1s) gv.run(10ms);
+  REQUIRE(gv.g.status(w.now).jobs.at(0).phase == "paused");
+  gv.run(20ms);  // an open gate closes at the next pace
+  CHECK(w.hv.speed("vm1", "vda") == kMinJobSpeedBytesPerS);
+  const std::size_t calls = w.hv.speed_calls.size();
+  gv.run(300ms);
+  for (std::size_t i = calls; i < w.hv.speed_calls.size(); ++i)
+    CHECK(w.hv.speed_calls[i].speed != kChunkGateOpenSpeedBytesPerS);
+  w.guest_active = true;
+  gv.run(3s);
+  CHECK(std::any_of(w.hv.speed_calls.begin() + static_cast<std::ptrdiff_t>(calls), w.hv.speed_calls.end(),
+                    [](const SpeedCall& c) { return c.speed == kChunkGateOpenSpeedBytesPerS; }));
+}
