@@ -534,6 +534,7 @@ TEST_CASE("plugin.governor.chunk_gate_stall_holds_at_the_floor") {
     CHECK(w.hv.speed_calls[i].speed != kChunkGateOpenSpeedBytesPerS);
   w.guest_active = true;
   gv.run(3s);
-  CHECK(std::any_of(w.hv.speed_calls.begin() + static_cast<std::ptrdiff_t>(calls), w.hv.speed_calls.end(),
+  CHECK(std::any_of(w.hv.speed_calls.begin() + static_cast<std::ptrdiff_t>(calls),
+                    w.hv.speed_calls.end(),
                     [](const SpeedCall& c) { return c.speed == kChunkGateOpenSpeedBytesPerS; }));
 }
