@@ -458,14 +458,22 @@ TEST_CASE("plugin.governor.mirror_end_waits_for_clean_base") {
   CHECK(released);
 }
 
+namespace {
+// A non-active commit on a cache=none disk (its chunks reach the storage as they are), on
+// storage that takes 50 MB/s.
+void start_direct_commit(World& w) {
+  w.hv.domains[0].disks[0].cache = "none";
+  w.job_max_bytes_per_s = 50.0 * 1024 * 1024;
+  w.start_job(JobType::Commit, 1ull << 40);
+}
+}  // namespace
+
 TEST_CASE("plugin.governor.chunk_gate_spaces_direct_commit_chunks") {
   // cache=none: QEMU 7.2's non-active commit writes its 512 KiB chunks straight to storage.  The
   // governor opens the job for one chunk per chunk/rate (open speed, then the closed speed at the
   // next pace) instead of leaving it a steady speed that QEMU spends in 100 ms bursts.
   World w;
-  w.hv.domains[0].disks[0].cache = "none";
-  w.job_max_bytes_per_s = 50.0 * 1024 * 1024;
-  w.start_job(JobType::Commit, 1ull << 40);
+  start_direct_commit(w);
   Governed gv(w);
   gv.run(3s);
   const std::size_t first = w.hv.speed_calls.size();
@@ -517,9 +525,7 @@ TEST_CASE("plugin.governor.chunk_gate_stall_holds_at_the_floor") {
   // Guest I/O stops completing while the chunks are spaced: the job is held at the floor speed,
   // as an ungated one would be, and no opening happens until the guests recover.
   World w;
-  w.hv.domains[0].disks[0].cache = "none";
-  w.job_max_bytes_per_s = 50.0 * 1024 * 1024;
-  w.start_job(JobType::Commit, 1ull << 40);
+  start_direct_commit(w);
   Governed gv(w);
   gv.run(3s);
   w.guest_active = false;
