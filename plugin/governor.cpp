@@ -486,8 +486,10 @@ void Governor::tick(TimePoint now) {
     const std::uint64_t queued =
         pc ? pc->writeback_bytes + (pc->dirty_bytes > allowance ? pc->dirty_bytes - allowance : 0)
            : 0;
+    // Held: the job may not copy at all (the floor speed; a gated job's gate stays closed).
+    const bool held = d.paused || queued > d.window_bytes || holding;
     std::uint64_t speed;
-    if (d.paused || queued > d.window_bytes || holding) {
+    if (held) {
       speed = opt_.min_speed_bytes_per_s;
     } else {
       speed = static_cast<std::uint64_t>(std::llround(std::clamp(
@@ -498,12 +500,12 @@ void Governor::tick(TimePoint now) {
     // guest keeps dirtying clusters, and at a low speed the mirror sleeps off every small copy
     // and may never get there (seen in the lab: 1 byte left for minutes at the 1 MiB/s floor).
     // What is left is at most kMirrorConvergeBytes, so finishing it unpaced queues at most that.
-    if (mirror_unready && info->end > info->cur && info->end - info->cur <= kMirrorConvergeBytes && !d.paused &&
-        queued <= d.window_bytes && !holding)
+    if (mirror_unready && info->end > info->cur && info->end - info->cur <= kMirrorConvergeBytes &&
+        !held)
       speed = static_cast<std::uint64_t>(j.policy.ceiling_bytes_per_s);
     if (j.gate) {  // pace() opens and closes it
       const bool was_allowed = j.gate_allowed;
-      j.gate_allowed = !(d.paused || queued > d.window_bytes || holding);
+      j.gate_allowed = !held;
       j.gate_rate = static_cast<double>(speed);
       // Closed already: from now on at the floor (an open gate closes at the next pace).
       if (was_allowed && !j.gate_allowed && !j.gate->is_open()) set_gate_speed(j, false);
