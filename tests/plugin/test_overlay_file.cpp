@@ -5,44 +5,33 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <array>
-#include <cstdio>
 #include <filesystem>
-#include <memory>
 #include <string>
+#include <vector>
 
 #include "plugin/overlay_file.h"
+#include "plugin/process.h"
 
 using qcommit::plugin::create_fresh_overlay;
-
-namespace {
-
-std::string run(const std::string& cmd) {
-  std::string out;
-  std::unique_ptr<FILE, int (*)(FILE*)> p(::popen(cmd.c_str(), "r"), ::pclose);
-  REQUIRE(p);
-  std::array<char, 4096> buf{};
-  std::size_t n;
-  while ((n = std::fread(buf.data(), 1, buf.size(), p.get())) > 0) out.append(buf.data(), n);
-  return out;
-}
-
-}  // namespace
+using qcommit::plugin::ProcessResult;
+using qcommit::plugin::run_process;
 
 TEST_CASE("plugin.overlay.fresh_overlay") {
   char tmpl[] = "/tmp/qcommit-overlay-XXXXXX";
   REQUIRE(::mkdtemp(tmpl));
   const std::string dir = tmpl;
   const std::string base = dir + "/vm.qcow2", overlay = dir + "/vm.fresh.qcow2";
-  REQUIRE(run("qemu-img create -q -f qcow2 " + base + " 64M && echo ok") == "ok\n");
+  REQUIRE(run_process({"qemu-img", "create", "-q", "-f", "qcow2", base, "64M"}).exit_code == 0);
 
   CHECK(create_fresh_overlay(overlay, base, "qcow2", 64ull << 20) == "");
-  const std::string info = run("qemu-img info --output=json " + overlay);
+  const ProcessResult info_run = run_process({"qemu-img", "info", "--output=json", overlay});
+  REQUIRE(info_run.exit_code == 0);
+  const std::string& info = info_run.output;
   CHECK(info.find("\"lazy-refcounts\": true") != std::string::npos);
   CHECK(info.find("\"backing-filename\": \"" + base + "\"") != std::string::npos);
   CHECK(info.find("\"backing-filename-format\": \"qcow2\"") != std::string::npos);
   CHECK(info.find("\"virtual-size\": 67108864") != std::string::npos);
-  CHECK(run("qemu-img check -q " + overlay + " && echo clean") == "clean\n");
+  CHECK(run_process({"qemu-img", "check", "-q", overlay}).exit_code == 0);  // clean
 
   // qemu-img's complaint comes back and nothing is left behind.
   const std::string bad = dir + "/bad.qcow2";
