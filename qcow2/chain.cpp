@@ -170,6 +170,10 @@ Chain::LayerStatus Chain::layer_status(size_t i, uint64_t offset, uint64_t len) 
     st.allocated = true;
   } else if (i + 1 == layers_.size() || offset >= layers_[i + 1]->virtual_size()) {
     st.zero = true;  // no backing, or past the backing file's end: reads as zeros
+  } else {
+    // Unallocated here, so the backing file provides it -- up to the backing file's end only:
+    // what lies beyond reads as zeros even where the backing file's own backing is larger.
+    st.length = std::min(st.length, layers_[i + 1]->virtual_size() - offset);
   }
   // preallocation=metadata: ask the file whether the data cluster is a hole (QEMU's RECURSE).
   if (st.data && !st.zero && st.offset && img.metadata_preallocated()) {

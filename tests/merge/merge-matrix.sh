@@ -2,7 +2,8 @@
 # merge.matrix: chains of depth 1-6 built with qemu-img/qemu-io (4K/64K/2M/512B clusters, compat
 # 0.10 and 1.1, extended L2, zlib and zstd compressed layers, zero writes with and without unmap,
 # unaligned writes and discards, TOP larger than BASE, raw BASE, BASE with its own backing file,
-# BASE with an internal snapshot and a persistent bitmap, refcount_bits 1 and 64).
+# BASE with an internal snapshot and a persistent bitmap, refcount_bits 1 and 64, a BASE smaller
+# than its own backing file and than TOP).
 # For every (TOP, BASE) pair of every chain, on a fresh copy of the chain:
 #   qcommit merge TOP --base BASE --budget off --rebase CHILD   (CHILD: a new overlay on TOP)
 # then: BASE's view == TOP's view saved before (qemu-img compare); CHILD's view unchanged and
@@ -139,6 +140,19 @@ chain_d6() {  # depth 6: 1-bit refcounts in BASE, mixed cluster sizes, growing s
   LAYERS=(base.qcow2 l1.qcow2 l2.qcow2 l3.qcow2 l4.qcow2 l5.qcow2 l6.qcow2)
 }
 
+chain_d7() {  # depth 3: a BASE smaller than both its own backing file and the layers above it
+  # What TOP shows past BASE's end reads as zeros, never as BASE's backing file's data.
+  new bb.qcow2 48M -f qcow2
+  qio bb.qcow2 "write -P 5 0 48M"
+  new base.qcow2 16M -f qcow2 -b bb.qcow2 -F qcow2
+  scribble base.qcow2 16 31
+  new l1.qcow2 32M -f qcow2 -b base.qcow2 -F qcow2
+  qio l1.qcow2 "write -P 32 1M 64k" "write -P 33 $((20 * 1048576)) 1M"
+  new top.qcow2 48M -f qcow2 -o cluster_size=4k -b l1.qcow2 -F qcow2
+  qio top.qcow2 "write -P 34 $((15 * 1048576)) 2M" "write -P 35 $((40 * 1048576)) 64k"
+  LAYERS=(bb.qcow2 base.qcow2 l1.qcow2 top.qcow2)
+}
+
 fmt_of() { qemu-img info -U --output=json "$1" | jq -r .format; }
 
 # One merge of a fresh copy of chain $1: TOP index $2, BASE index $3, extra merge args after.
@@ -168,7 +182,17 @@ run_pair() {
     popd >/dev/null
     return
   fi
-  if ! qemu-img compare -f raw -F "$bfmt" before-top.raw "$base" >/dev/null 2>cmp.err; then
+  local tsize bsize
+  tsize=$(stat -c %s before-top.raw)
+  bsize=$(qemu-img info -U --output=json "$base" | jq '."virtual-size"')
+  if ((bsize > tsize)); then
+    # A BASE larger than TOP keeps its size, and beyond TOP's end its own data (as with qemu-img
+    # commit): TOP's view is compared with BASE's first TOP-size bytes.
+    qemu-img convert -O raw "$base" after-base.raw && truncate -s "$tsize" after-base.raw
+    cmp -s before-top.raw after-base.raw ||
+      fail "$what: BASE's first $tsize bytes differ from TOP's view before the merge"
+    rm -f after-base.raw
+  elif ! qemu-img compare -f raw -F "$bfmt" before-top.raw "$base" >/dev/null 2>cmp.err; then
     fail "$what: BASE's view differs from TOP's view before the merge: $(head -c 300 cmp.err)"
   fi
   if [[ " ${extra[*]} " == *" --delete "* ]]; then
@@ -201,7 +225,7 @@ run_pair() {
 }
 
 start=$SECONDS
-for chain in ${MATRIX_CHAINS:-d1 d2 d3 d4 d5 d6}; do
+for chain in ${MATRIX_CHAINS:-d1 d2 d3 d4 d5 d6 d7}; do
   mkdir "proto-$chain"
   (cd "proto-$chain" && "chain_$chain" && echo "${LAYERS[*]}" >layers.txt)
   read -r -a layers <"proto-$chain/layers.txt"
