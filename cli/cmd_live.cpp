@@ -67,7 +67,10 @@ constexpr const char* kUsage =
 // `--qmp`: QEMU serves its QMP socket until it exits, so a connection that cannot be
 // re-established for this long means QEMU is gone.
 constexpr auto kQmpReconnectGiveUp = std::chrono::seconds(10);
+// The longest the loop waits for hypervisor events; it wakes earlier when the governor's next
+// step is due (its pacer and chunk gate work in 2 ms steps).
 constexpr auto kEventWait = std::chrono::milliseconds(20);
+int g_wake_timer = -1;  // libvirt event loop timer that bounds the wait
 
 // A --top/--base path as the chain spells it, also when given relative or through symlinks (the
 // chain holds the paths QEMU opened).
@@ -92,7 +95,8 @@ std::string as_in_chain(const std::string& path, const plugin::DiskInfo& disk) {
 struct LiveBackend {
   plugin::Hypervisor& hv;
   plugin::BlockJobControl& ctl;
-  std::function<bool()> wait_events;  // runs the event loop for ~kEventWait; false: broken
+  // Runs the event loop for at most the given time (1 ms .. kEventWait); false: broken.
+  std::function<bool(std::chrono::milliseconds)> wait_events;
   std::string job_hint;               // where to look at a job left running
   std::string pivot_hint;             // how to pivot a job left ready
   // --qmp: give up when the connection stays lost this long; libvirt: wait for libvirtd.
@@ -198,7 +202,8 @@ int cmd_live(const Args& args) {
   std::optional<DomainInfo> dom;
   if (qmp.empty()) {
     if (virEventRegisterDefaultImpl() < 0 ||
-        virEventAddTimeout(static_cast<int>(kEventWait.count()), wake_timer, nullptr, nullptr) < 0) {
+        (g_wake_timer = virEventAddTimeout(static_cast<int>(kEventWait.count()), wake_timer,
+                                           nullptr, nullptr)) < 0) {
       std::fprintf(stderr, "qcommit live: cannot set up the libvirt event loop\n");
       return kExitError;
     }
@@ -282,15 +287,20 @@ int cmd_live(const Args& args) {
   if (dry_run) return kExitOk;
 
   if (lv) {
-    LiveBackend be{*lv, *lv, [] { return virEventRunDefaultImpl() >= 0; },
+    LiveBackend be{*lv, *lv,
+                   [](std::chrono::milliseconds wait) {
+                     virEventUpdateTimeout(g_wake_timer, static_cast<int>(wait.count()));
+                     return virEventRunDefaultImpl() >= 0;
+                   },
                    "'virsh blockjob " + req.domain + " " + req.disk + " --info'",
                    "'virsh blockjob " + req.domain + " " + req.disk + " --pivot'",
                    std::nullopt, nullptr, nullptr};
     return run_live(be, req, steps, cfg, json);
   }
   QmpHypervisor& q = *qm;
-  LiveBackend be{q, q, [&q] {
-                   q.pump(kEventWait);
+  LiveBackend be{q, q,
+                 [&q](std::chrono::milliseconds wait) {
+                   q.pump(wait);
                    return true;
                  },
                  "query-block-jobs on " + qmp,
@@ -347,7 +357,7 @@ int run_live(LiveBackend& be, const plugin::LiveRequest& req,
       // The governor reconnects; the job order waits for it.
       (void)e;
     }
-    (void)gov.step(now);
+    const TimePoint gov_next = gov.step(now);
     if (merge.current() != shown_step && merge.current() < merge.steps().size()) {
       shown_step = merge.current();
       if (json)
@@ -384,7 +394,11 @@ int run_live(LiveBackend& be, const plugin::LiveRequest& req,
                      j.phase.c_str());
       }
     }
-    if (running && !be.wait_events()) break;
+    // Until the governor's next step (the chunk gate closes 2 ms after it opens), at most
+    // kEventWait, at least 1 ms.
+    const auto until_gov = std::chrono::ceil<std::chrono::milliseconds>(gov_next - mono_now());
+    const auto wait = std::clamp(until_gov, std::chrono::milliseconds(1), kEventWait);
+    if (running && !be.wait_events(wait)) break;
   }
   if (g_interrupted) {
     gov.release_all();

@@ -169,21 +169,34 @@ TimePoint Governor::step(TimePoint now) {
   }
   try {
     handle_events(now);
+    // Chunk gates first: one the previous step opened closes now, before this step's hypervisor
+    // round trips (poll and tick: tens of ms on a busy host) would hold it open for more than
+    // one chunk; and while a gate is open nothing else runs (it closes at the next pace).
+    const bool pace_due = !next_pace_ || now >= *next_pace_;
+    if (pace_due) pace_gates(now);
+    if (!next_pace_) next_pace_ = now;
+    if (!next_poll_) next_poll_ = now;
+    if (!next_tick_) next_tick_ = now;
+    if (std::any_of(jobs_.begin(), jobs_.end(),
+                    [](const auto& kj) { return kj.second->gate && kj.second->gate->is_open(); })) {
+      next_pace_ = now + opt_.pace;
+      return *next_pace_;
+    }
     if (!scan_domains_.empty()) {
       std::set<std::string> only;
       only.swap(scan_domains_);
       poll(now, &only);
     }
-    if (!next_poll_ || now >= *next_poll_) {
+    if (now >= *next_poll_) {
       poll(now, nullptr);
       next_poll_ = now + opt_.poll;
     }
-    if (!next_tick_ || now >= *next_tick_) {
+    if (now >= *next_tick_) {
       tick(now);
       next_tick_ = now + opt_.tick;
     }
-    if (!next_pace_ || now >= *next_pace_) {
-      pace(now);
+    if (pace_due) {
+      pace(now);  // writeback (after the tick, which has just read the page cache)
       next_pace_ = now + opt_.pace;
     }
   } catch (const HypervisorDisconnected&) {
@@ -559,21 +572,25 @@ bool Governor::settle(Job& j, const std::optional<PageCacheState>& pc, TimePoint
   return false;
 }
 
+void Governor::pace_gates(TimePoint now) {
+  for (auto& [k, j] : jobs_) {
+    if (!j->gate) continue;
+    switch (j->gate->step(now, j->gate_rate, j->gate_allowed)) {
+      case throttle::ChunkGate::Action::kOpen:
+        set_gate_speed(*j, true);
+        break;
+      case throttle::ChunkGate::Action::kClose:
+        set_gate_speed(*j, false);
+        break;
+      case throttle::ChunkGate::Action::kNone:
+        break;
+    }
+  }
+}
+
 void Governor::pace(TimePoint now) {
   for (auto& [k, j] : jobs_) {
-    if (j->gate) {  // its writes bypass the page cache: nothing to push, chunks to space
-      switch (j->gate->step(now, j->gate_rate, j->gate_allowed)) {
-        case throttle::ChunkGate::Action::kOpen:
-          set_gate_speed(*j, true);
-          break;
-        case throttle::ChunkGate::Action::kClose:
-          set_gate_speed(*j, false);
-          break;
-        case throttle::ChunkGate::Action::kNone:
-          break;
-      }
-      continue;
-    }
+    if (j->gate) continue;  // its writes bypass the page cache: nothing to push (pace_gates)
     if (!j->file || !j->decision) continue;
     bool fresh = false;
     if (!j->pace_pc_at || now - *j->pace_pc_at >= opt_.page_cache_refresh) {

@@ -197,7 +197,8 @@ class Governor {
   void adopt(const DomainInfo& dom, const DiskInfo& disk, const JobInfo& info, TimePoint now);
   void release(const DiskKey& k, const std::string& reason, TimePoint now);
   void tick(TimePoint now);
-  void pace(TimePoint now);
+  void pace_gates(TimePoint now);  // open and close the chunk gates
+  void pace(TimePoint now);        // writeback pacing of the other jobs
   // Settling state machine for one job; true while the job is held for it.
   bool settle(Job& j, const std::optional<PageCacheState>& pc, TimePoint now);
   [[nodiscard]] std::string storage_key(const std::string& path, std::optional<std::uint64_t> dev,
