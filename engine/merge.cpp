@@ -461,24 +461,51 @@ MergeResult merge(const MergeOptions& opt) {
   const size_t base_depth = find_base_depth(opt);
 
   // 2. Locks: nobody writes TOP and the intermediates, nobody uses BASE. Children are checked.
+  // The files come from a first, read-only opening; everything the merge uses is read again once
+  // the locks are held (a QEMU that wrote TOP and exited in between leaves the first reading stale).
   std::vector<ImageLock> locks;
+  std::vector<std::string> locked_paths;
+  {
+    qcow2::ChainOptions popts;
+    popts.allowed_backing_dirs = opt.allowed_backing_dirs;
+    Chain probe = Chain::open(opt.top, popts);
+    if (probe.depth() <= base_depth) throw Error(opt.top, "its backing chain changed; run the merge again");
+    for (size_t i = 0; i <= base_depth; ++i) {
+      locked_paths.push_back(probe.layer(i).path);
+      locks.push_back(i < base_depth ? ImageLock::reader(probe.layer(i).path)
+                                     : ImageLock::writer(probe.layer(i).path));
+    }
+  }
   qcow2::ChainOptions copts;
   copts.writable_depth = base_depth;
   copts.allowed_backing_dirs = opt.allowed_backing_dirs;
   Chain chain = Chain::open(opt.top, copts);
-  for (size_t i = 0; i < base_depth; ++i) {
-    res.merged_layers.push_back(chain.layer(i).path);
-    locks.push_back(ImageLock::reader(chain.layer(i).path));
-  }
+  for (size_t i = 0; i <= base_depth; ++i)
+    if (chain.depth() <= i || !same_file(chain.layer(i).path, locked_paths[i]))
+      throw Error(opt.top, "its backing chain changed while the merge took its locks; run it again");
+  for (size_t i = 0; i < base_depth; ++i) res.merged_layers.push_back(chain.layer(i).path);
   qcow2::Layer& base = chain.layer(base_depth);
   res.base = base.path;
-  locks.push_back(ImageLock::writer(base.path));
+
+  // 3. Checkpoint of an interrupted run.
+  std::string identity;
+  for (size_t i = 0; i < base_depth; ++i) identity += layer_identity(chain.layer(i).path) + " | ";
+  identity += fs::weakly_canonical(base.path).string();
+  const std::string cp_path = checkpoint_path(base.path);
+  uint64_t resume_from = 0;
+  const auto old_cp = load_checkpoint(cp_path);
+  if (old_cp && old_cp->identity == identity) resume_from = old_cp->done;
+
   for (const auto& child : opt.rebase) {
     qcow2::ChainOptions cho;
     cho.allowed_backing_dirs = opt.allowed_backing_dirs;
     cho.allowed_backing_dirs.push_back(fs::absolute(child).parent_path().string());
     Chain c = Chain::open(child, cho);
-    if (c.depth() < 2 || !same_file(c.layer(1).path, chain.layer(0).path))
+    // Already on BASE: rebased by this merge before it was interrupted (its checkpoint is there
+    // until every child is done); rebased again, it stays the same.
+    const bool rebased_before = old_cp && old_cp->identity == identity && c.depth() >= 2 &&
+                                same_file(c.layer(1).path, base.path);
+    if (!rebased_before && (c.depth() < 2 || !same_file(c.layer(1).path, chain.layer(0).path)))
       throw Error(child, "its backing file is not " + opt.top + "; refusing to rebase it");
     locks.push_back(ImageLock::writer(child));
   }
@@ -490,12 +517,15 @@ MergeResult merge(const MergeOptions& opt) {
   // The check reads every table of each layer: it runs in its own thread on its own read-only
   // opening of the layers while this one plans (which only reads them too); nothing is written
   // before its verdict. rand1t (1 TiB TOP, 2048 L2 tables): check ~135 ms, planning ~110 ms.
+  // BASE too, unless it is repaired below anyway (dirty, or an interrupted run's leaks): its
+  // allocator trusts its refcounts, and a cluster in use with refcount 0 would be handed out again.
   std::vector<std::string> to_check;
   for (size_t i = 0; i < base_depth; ++i) {
     qcow2::Layer& layer = chain.layer(i);
     if (layer.qcow2 && !layer.qcow2->dirty()) to_check.push_back(layer.path);
   }
-  auto checked = std::async(std::launch::async, [&to_check] {
+  if (base.qcow2 && !base.qcow2->dirty() && !old_cp) to_check.push_back(base.path);
+  auto checked = std::async(std::launch::async, [&to_check, &base] {
     for (const std::string& path : to_check) {
       auto img = qcow2::Image::open(qcow2::FileDevice::open(path));
       const auto r = qcow2::check(*img, qcow2::Repair::kNone);
@@ -504,18 +534,11 @@ MergeResult merge(const MergeOptions& opt) {
       for (const auto& m : r.messages)
         if (m.rfind("ERROR", 0) == 0) { first = m; break; }
       throw qcow2::CorruptionError(path, "check found " + std::to_string(r.corruptions) + " corruptions" +
-                                             (first.empty() ? "" : " (" + first + ")") + "; refusing to merge it");
+                                             (first.empty() ? "" : " (" + first + ")") +
+                                             (path == base.path ? "; refusing to merge into it"
+                                                                : "; refusing to merge it"));
     }
   });
-
-  // 3. Checkpoint of an interrupted run.
-  std::string identity;
-  for (size_t i = 0; i < base_depth; ++i) identity += layer_identity(chain.layer(i).path) + " | ";
-  identity += fs::weakly_canonical(base.path).string();
-  const std::string cp_path = checkpoint_path(base.path);
-  uint64_t resume_from = 0;
-  const auto old_cp = load_checkpoint(cp_path);
-  if (old_cp && old_cp->identity == identity) resume_from = old_cp->done;
 
   // 4. Plan: the extents the layers above BASE provide (with the original sizes). Read-only,
   // while the layers are checked.
@@ -741,7 +764,7 @@ MergeResult merge(const MergeOptions& opt) {
   const uint64_t l1_span = writer ? base.qcow2->geometry().l1_entry_span() : 0;
   const uint64_t max_l2s = writer ? std::max<uint64_t>(1, kMaxDirtyMetadataBytes / base.qcow2->cluster_size()) : 0;
 
-  auto run_window = [&](uint64_t upto) {
+  auto run_window_body = [&](uint64_t upto) {
     // Zeros and compressed data in guest order; plain data sorted by (source layer, host
     // offset): reads run sequentially through each source file, and BASE's new clusters are
     // allocated in that same order, so both sides coalesce into large requests.
@@ -798,6 +821,16 @@ MergeResult merge(const MergeOptions& opt) {
     last_l1 = ~0ull;
     commit_window(upto);
     report(false);
+  };
+  // BASE's metadata found inconsistent while it is written (a refcount that cannot be right):
+  // marked corrupt, as QEMU does, so that nothing uses it for writing before a repair.
+  auto run_window = [&](uint64_t upto) {
+    try {
+      run_window_body(upto);
+    } catch (const qcow2::CorruptionError& e) {
+      if (writer && e.file() == base.qcow2->name()) writer->mark_corrupt();
+      throw;
+    }
   };
 
   report(true);

@@ -121,6 +121,16 @@ merge_only_refused l2-loop top.qcow2 top.qcow2 3 top.qcow2 base.qcow2
 meta_case l2-beyond-eof; patch top.qcow2 l1-entry 0 eof
 all_refused l2-beyond-eof top.qcow2 top.qcow2 3 top.qcow2 base.qcow2
 
+# 8. BASE with a data cluster in use whose refcount is 0: its allocator would hand the cluster
+#    out again for TOP's data (two guest offsets on one host cluster), so the merge is refused.
+new_case base-refcount-zero
+qemu-img create -q -f qcow2 base.qcow2 4M
+qemu-io -f qcow2 -c 'write -P 0xaa 0 64k' base.qcow2 >/dev/null
+patch base.qcow2 refcount-of 0 0
+qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2 4M
+qemu-io -f qcow2 -c 'write -P 0x11 1M 64k' top.qcow2 >/dev/null
+merge_refused base-refcount-zero top.qcow2 base.qcow2 top.qcow2 base.qcow2
+
 echo "header"
 # 9. header_length beyond the end of a short file (the extension area's size wrapped: the error
 #    was std::length_error's text, naming no file). Found by fuzz_chain.

@@ -4,6 +4,8 @@ fields from the qcow2 specification) and rewrites single table entries.
 
   qcow2_patch.py IMG l2-entry N VALUE|refcount-table|copy:M   set L2 entry N of L1[0]'s table
   qcow2_patch.py IMG l1-entry N VALUE|l1-table|eof          set L1 entry N (COPIED flag added)
+  qcow2_patch.py IMG refcount-of N VALUE                     set the 16-bit refcount of the cluster
+                                                             that L2 entry N points at
   qcow2_patch.py IMG overlong-compressed N zlib|zstd         replace the compressed stream of L2
                                                              entry N by one that inflates to 2 clusters
   qcow2_patch.py IMG info                                    print the fields used here
@@ -25,8 +27,9 @@ def header(f):
     cluster_bits = struct.unpack('>I', h[20:24])[0]
     l1_size, l1_off, rt_off = struct.unpack('>IQQ', h[36:56])
     incompat = struct.unpack('>Q', h[72:80])[0] if version >= 3 else 0
+    refcount_order = struct.unpack('>I', h[96:100])[0] if version >= 3 else 4
     return dict(cs=1 << cluster_bits, cluster_bits=cluster_bits, l1_size=l1_size, l1=l1_off,
-                rt=rt_off, ext_l2=bool(incompat & 16))
+                rt=rt_off, ext_l2=bool(incompat & 16), refcount_order=refcount_order)
 
 
 def rd64(f, off):
@@ -68,6 +71,14 @@ def main():
             wr64(f, l2 + esz * n, v)
             if h['ext_l2'] and arg.startswith('copy:'):
                 wr64(f, l2 + esz * n + 8, rd64(f, l2 + esz * int(arg[5:]) + 8))
+        elif what == 'refcount-of':
+            assert h['refcount_order'] == 4, 'only 16-bit refcounts'
+            cluster = (rd64(f, l2 + esz * n) & OFFSET_MASK) // h['cs']
+            assert cluster, 'L2 entry is unallocated'
+            per_block = h['cs'] // 2
+            block = rd64(f, h['rt'] + 8 * (cluster // per_block)) & ~(h['cs'] - 1)
+            f.seek(block + 2 * (cluster % per_block))
+            f.write(struct.pack('>H', int(arg, 0)))
         elif what == 'overlong-compressed':
             e = rd64(f, l2 + esz * n)
             assert e & COMPRESSED, 'entry is not compressed'
