@@ -87,6 +87,7 @@ std::optional<std::string> Policy::validate() const {
   if (budget > std::chrono::seconds(60)) return "budget must be <= 60s";
   if (!(floor_bytes_per_s >= 4096.0)) return "floor must be >= 4K (bytes/s)";
   if (!(ceiling_bytes_per_s >= floor_bytes_per_s)) return "ceiling must be >= floor";
+  if (!(ceiling_bytes_per_s <= kMaxCeilingBytesPerS)) return "ceiling must be <= 1T (bytes/s)";
   return std::nullopt;
 }
 

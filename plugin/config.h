@@ -25,6 +25,9 @@ inline constexpr const char* kDefaultUri = "qemu:///system";
 inline constexpr const char* kDefaultSocketPath = "/run/qcommit/qcommitd.sock";
 inline constexpr const char* kMetadataNamespace = "https://qcommit.dev/xmlns/1";
 inline constexpr const char* kMetadataPrefix = "qcommit";
+// The largest ceiling a policy may set (bytes/s): far above any storage, and exact as a double
+// and as the int64 speed QEMU takes.
+inline constexpr double kMaxCeilingBytesPerS = 1024.0 * 1024 * 1024 * 1024;
 
 struct ConfigError : std::runtime_error {
   using std::runtime_error::runtime_error;

@@ -505,9 +505,9 @@ void Governor::tick(TimePoint now) {
     if (held) {
       speed = opt_.min_speed_bytes_per_s;
     } else {
-      speed = static_cast<std::uint64_t>(std::llround(std::clamp(
-          d.rate_bytes_per_s, static_cast<double>(opt_.min_speed_bytes_per_s),
-          j.policy.ceiling_bytes_per_s)));
+      const auto lo = static_cast<double>(opt_.min_speed_bytes_per_s);
+      speed = static_cast<std::uint64_t>(
+          std::llround(std::clamp(d.rate_bytes_per_s, lo, std::max(lo, j.policy.ceiling_bytes_per_s))));
     }
     // A mirror (active commit, copy) becomes ready only when nothing is left to copy; the
     // guest keeps dirtying clusters, and at a low speed the mirror sleeps off every small copy
@@ -520,8 +520,13 @@ void Governor::tick(TimePoint now) {
       const bool was_allowed = j.gate_allowed;
       j.gate_allowed = !held;
       j.gate_rate = static_cast<double>(speed);
-      // Closed already: from now on at the floor (an open gate closes at the next pace).
-      if (was_allowed && !j.gate_allowed && !j.gate->is_open()) set_gate_speed(j, false);
+      // Closed already: from now on at the floor (an open gate closes at the next pace).  And a
+      // closed gate whose job still runs at the open speed (the close did not reach QEMU: a
+      // refused call, a lost connection) is closed again.
+      if (!j.gate->is_open() &&
+          ((was_allowed && !j.gate_allowed) ||
+           info->bandwidth_bytes_per_s == kChunkGateOpenSpeedBytesPerS))
+        set_gate_speed(j, false);
     }
     const double off = std::fabs(static_cast<double>(speed) - static_cast<double>(j.speed_set));
     if (!j.gate &&

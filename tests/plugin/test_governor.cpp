@@ -498,6 +498,23 @@ TEST_CASE("plugin.governor.chunk_gate_spaces_direct_commit_chunks") {
   for (std::size_t i = 1; i < opens.size(); ++i) CHECK(opens[i] - opens[i - 1] >= 2ms);
 }
 
+TEST_CASE("plugin.governor.chunk_gate_lost_close_is_redone") {
+  // A close that did not reach QEMU (a refused call, libvirtd gone for a moment) leaves the job at
+  // the open speed, unthrottled.  While the job is held (the guests stall) the gate does not open
+  // and close again by itself: the next tick sees the job's speed and closes it again.
+  World w;
+  start_direct_commit(w);
+  Governed gv(w);
+  gv.run(3s);
+  w.guest_latency = 500ms;  // the guests stall: the job is held at the floor
+  gv.run(1s);
+  auto& job = w.hv.jobs[{w.dom, "vda"}];
+  REQUIRE(job.bandwidth_bytes_per_s < kChunkGateOpenSpeedBytesPerS);
+  job.bandwidth_bytes_per_s = kChunkGateOpenSpeedBytesPerS;  // a close that was lost
+  gv.run(300ms);
+  CHECK(job.bandwidth_bytes_per_s <= kMinJobSpeedBytesPerS);
+}
+
 TEST_CASE("plugin.governor.chunk_gate_only_where_it_works") {
   // Through the page cache (writeback) the pacer meters the writeback instead; a mirror's
   // 16 MiB bursts are not one chunk at a time; QEMU >= 8.1 sleeps before every 512 KiB step
