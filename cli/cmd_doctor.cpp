@@ -14,6 +14,7 @@
 #include "cli/json.h"
 #include "cli/options.h"
 #include "plugin/process.h"
+#include "plugin/writeback.h"
 #include "cli/units.h"
 #include "cli/xml.h"
 #include "plugin/libvirt_handles.h"
@@ -119,6 +120,13 @@ int cmd_doctor(const Args& args) {
                "at 100 MB/s of shared storage that is " + std::to_string(int(drain_s)) +
                    " s of writeback a guest's flush can wait behind; lowering vm.dirty_bytes bounds it "
                    "host-wide, qcommit/qcommitd bound it per merge"});
+
+  // Kernel: per-file page cache counts for qcommitd's writeback pacing.
+  if (!plugin::cachestat_available())
+    f.push_back({"warn", "kernel", "no cachestat(2) (added in Linux 6.5)",
+                 "qcommitd then reads the page cache of a merge's target host-wide from /proc/meminfo: "
+                 "other writers' dirty pages count as the merge's and can hold cache=writeback merges "
+                 "at the floor speed"});
 
   // NFS mounts.
   std::ifstream mounts("/proc/mounts");

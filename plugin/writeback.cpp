@@ -241,6 +241,15 @@ class SystemTargetFile final : public TargetFile {
 
 }  // namespace
 
+bool cachestat_available() {
+  Fd fd(::open("/", O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (fd.get() < 0) return false;
+  CachestatRange range{0, 0};
+  Cachestat cs{};
+  // A directory has no page cache of its own; only ENOSYS/EOPNOTSUPP say "no such call".
+  return ::syscall(kSysCachestat, fd.get(), &range, &cs, 0) == 0 || (errno != ENOSYS && errno != EOPNOTSUPP);
+}
+
 std::optional<std::chrono::milliseconds> dirty_expire() {
   std::ifstream f("/proc/sys/vm/dirty_expire_centisecs");
   long long cs = -1;

@@ -139,6 +139,11 @@ class SystemTargetFiles final : public TargetFiles {
   [[nodiscard]] std::unique_ptr<TargetFile> open(const std::string& path) override;
 };
 
+// Whether this kernel has cachestat(2) (>= 6.5).  Without it the page cache of a job's target is
+// read host-wide from /proc/meminfo: every writer's dirty pages count as the job's backlog, and
+// a host that keeps more than the allowance dirty holds writeback jobs at the floor.
+[[nodiscard]] bool cachestat_available();
+
 // Parses /proc/meminfo text: Dirty + Writeback in bytes.  nullopt when absent.
 [[nodiscard]] std::optional<PageCacheState> parse_meminfo(const std::string& text);
 

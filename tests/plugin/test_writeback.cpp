@@ -1,9 +1,11 @@
 #include <doctest/doctest.h>
 #include <sys/mman.h>
+#include <sys/utsname.h>
 
 #include <map>
 #include <random>
 #include <unistd.h>
+#include <cstdio>
 #include <cstdlib>
 
 #include "plugin/writeback.h"
@@ -69,6 +71,16 @@ TEST_CASE("plugin.writeback.liveness_small_window") {
   auto blocked = planner.plan({1 << 20, 4096, 64 * 1024}, [](const ByteRange& r) { return r.length; });
   CHECK(blocked.ranges.empty());
   CHECK(WritebackConfig{1000, 1}.validate());
+}
+
+TEST_CASE("plugin.writeback.cachestat_probe") {
+  // cachestat(2) came with Linux 6.5: the probe must agree with the running kernel's version.
+  struct utsname u{};
+  REQUIRE(::uname(&u) == 0);
+  int major = 0, minor = 0;
+  REQUIRE(std::sscanf(u.release, "%d.%d", &major, &minor) == 2);
+  MESSAGE("kernel " << u.release << ", cachestat " << std::string(cachestat_available() ? "yes" : "no"));
+  CHECK(cachestat_available() == (major > 6 || (major == 6 && minor >= 5)));
 }
 
 TEST_CASE("plugin.writeback.meminfo") {
