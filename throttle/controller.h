@@ -151,6 +151,12 @@ struct TickInput {
   std::optional<Duration> foreground_oldest_outstanding{};
   // Foreground requests issued and not completed (0 when unknown).
   std::uint32_t foreground_outstanding = 0;
+  // The caller read every foreground source on the storage and none did any I/O since the
+  // previous tick (none completed, none outstanding): nobody to protect.  Such a tick counts as
+  // fresh with no queueing delay seen, so that a copy on idle storage is not held at its last rate
+  // (or at the floor after a slowdown) until some guest happens to do I/O; what it may queue is
+  // still bounded by the window.
+  bool foreground_idle = false;
   // The copy's own completed I/O since the previous tick.
   std::span<const CopySample> copy_samples{};
   // Age of the copy's oldest outstanding I/O, when known.

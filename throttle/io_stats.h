@@ -49,6 +49,8 @@ class IoCounterSampler {
   // Adds what the disk did since the previous call to `out`.  `interval` is how often the caller
   // samples: the shortest "usual interval" between completions it can observe.
   void sample(TimePoint now, const IoCounters& c, Duration interval, ForegroundSignals& out);
+  // Whether a previous sample exists (the first one only sets the baseline: it says nothing).
+  [[nodiscard]] bool primed() const { return has_prev_; }
 
  private:
   IoCounters prev_{};

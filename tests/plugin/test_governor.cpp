@@ -91,6 +91,22 @@ TEST_CASE("plugin.governor.stall_min_speed_then_recovery") {
   CHECK(gv.g.status(w.now).jobs.at(0).latency_p99.has_value());
 }
 
+TEST_CASE("plugin.governor.idle_storage_runs_free") {
+  // No guest on the job's storage does any I/O (its stats are read, nothing moves): nobody to
+  // protect.  The job must not stay at its starting rate or, after the first slowdown, at the
+  // floor until some guest happens to write (a `virsh blockcommit` of an idle VM took hours).
+  World w;
+  w.guest_active = false;
+  w.other_active = false;
+  w.start_job();
+  Governed gv(w);
+  gv.run(12s);  // past the first slowdown
+  const double rate = gv.progress(10s);
+  MESSAGE("idle storage: " << rate / 1048576.0 << " MiB/s");
+  CHECK(rate > 20.0 * DaemonConfig{}.defaults.floor_bytes_per_s);
+  CHECK_FALSE(w.speed_ever_zero());
+}
+
 TEST_CASE("plugin.governor.other_storage_does_not_throttle") {
   World w;
   w.start_job();
@@ -561,3 +577,4 @@ TEST_CASE("plugin.governor.chunk_gate_stall_holds_at_the_floor") {
                     w.hv.speed_calls.end(),
                     [](const SpeedCall& c) { return c.speed == kChunkGateOpenSpeedBytesPerS; }));
 }
+
