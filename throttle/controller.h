@@ -29,7 +29,8 @@
 //    budget × kTargetFraction, at most once per kDecreaseHoldoff.
 //    Increase only on ticks that brought fresh latency samples *and* where the copy used its
 //    allowance (window-limited or drained ≥ kBusyFraction of the paced bytes).  Without fresh
-//    samples neither rate nor window ever increase.
+//    samples neither rate nor window ever increase; a tick the caller reports idle (no
+//    foreground I/O at all: TickInput::foreground_idle) counts as fresh.
 //  * Emergency stop: q > kEmergencyFactor × budget ⇒ paused (and R halved).  Resumes when fresh
 //    samples show q ≤ target, or after kPauseProbeAfter when nothing at all is outstanding.
 //  * Slowdowns (LEDBAT++): every slowdown_interval, aligned to multiples of the interval on the
