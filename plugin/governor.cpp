@@ -407,19 +407,22 @@ void Governor::tick(TimePoint now) {
   std::set<std::string> wanted;
   for (const auto& [k, j] : jobs_) wanted.insert(j->storage);
   std::map<std::string, throttle::ForegroundSignals> sig;
-  std::set<std::string> unread;  // storage with a guest disk whose activity is not known this tick
+  // Storage not idle: a guest disk on it was active within kIdleStorageAfter, or its activity is
+  // not known this tick.
+  std::set<std::string> not_idle;
   for (const auto& dom : domains_) {
     for (const auto& disk : dom.disks) {
       const std::string key = storage_key(disk.source, disk.device, nullptr);
       if (!wanted.count(key)) continue;
       std::optional<BlockStats> st = hv_.block_stats(dom.name, disk.target);
       if (!st) {
-        unread.insert(key);
+        not_idle.insert(key);
         continue;
       }
       throttle::IoCounterSampler& sampler = guests_[DiskKey{dom.name, disk.target}];
-      if (!sampler.primed()) unread.insert(key);
+      if (!sampler.primed()) not_idle.insert(key);
       sampler.sample(now, *st, opt_.tick, sig[key]);
+      if (!sampler.quiet_for(now, kIdleStorageAfter)) not_idle.insert(key);  // active lately
     }
   }
   std::vector<DiskKey> keys;
@@ -474,7 +477,7 @@ void Governor::tick(TimePoint now) {
     in.foreground_latencies = s.latencies;
     in.foreground_outstanding = s.outstanding;
     in.foreground_oldest_outstanding = s.oldest_outstanding;
-    in.foreground_idle = !unread.count(j.storage) && s.latencies.empty() && s.outstanding == 0;
+    in.foreground_idle = !not_idle.count(j.storage) && s.latencies.empty() && s.outstanding == 0;
     in.backlog_bytes = backlog;
     in.drained_bytes = drained;
     // While the job is held for a settle, its progress and backlog say nothing about the storage

@@ -68,6 +68,10 @@ inline constexpr std::uint64_t kMirrorConvergeBytes = 1024 * 1024;
 // A non-active commit (qcommit live's first phase) keeps the whole window: at 0.8 it took 63.2 s
 // instead of 49.3 s for p99 25.3 instead of 27.4 ms (why it is the more sensitive: not found).
 inline constexpr double kMirrorPacerWindowFraction = 0.8;
+// Storage counts as idle (nobody to protect, TickInput::foreground_idle) once no guest disk on it
+// has completed any I/O for this long: several ticks, so that a guest writing now and then (a
+// probe every 100 ms, a log every few hundred ms) never makes its quiet ticks look idle.
+inline constexpr Duration kIdleStorageAfter = std::chrono::seconds(1);
 // QEMU's commit (non-active) and stream jobs copy this much per request.
 inline constexpr std::uint64_t kQemuChunkBytes = 512 * 1024;
 // Chunk gate (throttle/chunk_gate.h) for those jobs when their chunks reach the storage as they

@@ -51,6 +51,10 @@ class IoCounterSampler {
   void sample(TimePoint now, const IoCounters& c, Duration interval, ForegroundSignals& out);
   // Whether a previous sample exists (the first one only sets the baseline: it says nothing).
   [[nodiscard]] bool primed() const { return has_prev_; }
+  // No completion seen for at least `d` (or none since sampling began).
+  [[nodiscard]] bool quiet_for(TimePoint now, Duration d) const {
+    return !last_completion_ || now - *last_completion_ >= d;
+  }
 
  private:
   IoCounters prev_{};
