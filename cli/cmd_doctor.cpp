@@ -13,11 +13,11 @@
 #include "cli/daemon.h"
 #include "cli/json.h"
 #include "cli/options.h"
-#include "plugin/process.h"
-#include "plugin/writeback.h"
 #include "cli/units.h"
 #include "cli/xml.h"
 #include "plugin/libvirt_handles.h"
+#include "plugin/process.h"
+#include "plugin/writeback.h"
 
 namespace qcommit::cli {
 
@@ -123,10 +123,11 @@ int cmd_doctor(const Args& args) {
 
   // Kernel: per-file page cache counts for qcommitd's writeback pacing.
   if (!plugin::cachestat_available())
-    f.push_back({"warn", "kernel", "no cachestat(2) (added in Linux 6.5)",
-                 "qcommitd then reads the page cache of a merge's target host-wide from /proc/meminfo: "
-                 "other writers' dirty pages count as the merge's and can hold cache=writeback merges "
-                 "at the floor speed"});
+    f.push_back(
+        {"warn", "kernel", "no cachestat(2) (added in Linux 6.5)",
+         "qcommitd then reads the page cache of a merge's target host-wide from /proc/meminfo: "
+         "other writers' dirty pages count as the merge's and can hold cache=writeback merges "
+         "at the floor speed"});
 
   // NFS mounts.
   std::ifstream mounts("/proc/mounts");

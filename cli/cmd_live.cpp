@@ -287,27 +287,32 @@ int cmd_live(const Args& args) {
   if (dry_run) return kExitOk;
 
   if (lv) {
-    LiveBackend be{*lv, *lv,
+    LiveBackend be{*lv,
+                   *lv,
                    [](std::chrono::milliseconds wait) {
                      virEventUpdateTimeout(g_wake_timer, static_cast<int>(wait.count()));
                      return virEventRunDefaultImpl() >= 0;
                    },
                    "'virsh blockjob " + req.domain + " " + req.disk + " --info'",
                    "'virsh blockjob " + req.domain + " " + req.disk + " --pivot'",
-                   std::nullopt, nullptr, nullptr};
+                   std::nullopt,
+                   nullptr,
+                   nullptr};
     return run_live(be, req, steps, cfg, json);
   }
   QmpHypervisor& q = *qm;
-  LiveBackend be{q, q,
-                 [&q](std::chrono::milliseconds wait) {
-                   q.pump(wait);
-                   return true;
-                 },
-                 "query-block-jobs on " + qmp,
-                 "QMP block-job-complete of job " + qcommit_job_id(req.disk) + " on " + qmp,
-                 std::chrono::duration_cast<Duration>(kQmpReconnectGiveUp),
-                 [&q] { return "lost the QMP connection and could not reconnect: " + q.last_error(); },
-                 [&q] { return q.last_job_error(); }};
+  LiveBackend be{
+      q,
+      q,
+      [&q](std::chrono::milliseconds wait) {
+        q.pump(wait);
+        return true;
+      },
+      "query-block-jobs on " + qmp,
+      "QMP block-job-complete of job " + qcommit_job_id(req.disk) + " on " + qmp,
+      std::chrono::duration_cast<Duration>(kQmpReconnectGiveUp),
+      [&q] { return "lost the QMP connection and could not reconnect: " + q.last_error(); },
+      [&q] { return q.last_job_error(); }};
   return run_live(be, req, steps, cfg, json);
 }
 

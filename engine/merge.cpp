@@ -462,14 +462,16 @@ MergeResult merge(const MergeOptions& opt) {
 
   // 2. Locks: nobody writes TOP and the intermediates, nobody uses BASE. Children are checked.
   // The files come from a first, read-only opening; everything the merge uses is read again once
-  // the locks are held (a QEMU that wrote TOP and exited in between leaves the first reading stale).
+  // the locks are held (a QEMU that wrote TOP and exited in between leaves the first reading
+  // stale).
   std::vector<ImageLock> locks;
   std::vector<std::string> locked_paths;
   {
     qcow2::ChainOptions popts;
     popts.allowed_backing_dirs = opt.allowed_backing_dirs;
     Chain probe = Chain::open(opt.top, popts);
-    if (probe.depth() <= base_depth) throw Error(opt.top, "its backing chain changed; run the merge again");
+    if (probe.depth() <= base_depth)
+      throw Error(opt.top, "its backing chain changed; run the merge again");
     for (size_t i = 0; i <= base_depth; ++i) {
       locked_paths.push_back(probe.layer(i).path);
       locks.push_back(i < base_depth ? ImageLock::reader(probe.layer(i).path)
@@ -482,7 +484,8 @@ MergeResult merge(const MergeOptions& opt) {
   Chain chain = Chain::open(opt.top, copts);
   for (size_t i = 0; i <= base_depth; ++i)
     if (chain.depth() <= i || !same_file(chain.layer(i).path, locked_paths[i]))
-      throw Error(opt.top, "its backing chain changed while the merge took its locks; run it again");
+      throw Error(opt.top,
+                  "its backing chain changed while the merge took its locks; run it again");
   for (size_t i = 0; i < base_depth; ++i) res.merged_layers.push_back(chain.layer(i).path);
   qcow2::Layer& base = chain.layer(base_depth);
   res.base = base.path;
@@ -532,11 +535,14 @@ MergeResult merge(const MergeOptions& opt) {
       if (r.corruptions == 0) continue;
       std::string first;
       for (const auto& m : r.messages)
-        if (m.rfind("ERROR", 0) == 0) { first = m; break; }
-      throw qcow2::CorruptionError(path, "check found " + std::to_string(r.corruptions) + " corruptions" +
-                                             (first.empty() ? "" : " (" + first + ")") +
-                                             (path == base.path ? "; refusing to merge into it"
-                                                                : "; refusing to merge it"));
+        if (m.rfind("ERROR", 0) == 0) {
+          first = m;
+          break;
+        }
+      throw qcow2::CorruptionError(
+          path, "check found " + std::to_string(r.corruptions) + " corruptions" +
+                    (first.empty() ? "" : " (" + first + ")") +
+                    (path == base.path ? "; refusing to merge into it" : "; refusing to merge it"));
     }
   });
 

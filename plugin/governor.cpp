@@ -516,8 +516,8 @@ void Governor::tick(TimePoint now) {
       speed = opt_.min_speed_bytes_per_s;
     } else {
       const auto lo = static_cast<double>(opt_.min_speed_bytes_per_s);
-      speed = static_cast<std::uint64_t>(
-          std::llround(std::clamp(d.rate_bytes_per_s, lo, std::max(lo, j.policy.ceiling_bytes_per_s))));
+      speed = static_cast<std::uint64_t>(std::llround(
+          std::clamp(d.rate_bytes_per_s, lo, std::max(lo, j.policy.ceiling_bytes_per_s))));
     }
     // A mirror (active commit, copy) becomes ready only when nothing is left to copy; the
     // guest keeps dirtying clusters, and at a low speed the mirror sleeps off every small copy
@@ -533,9 +533,8 @@ void Governor::tick(TimePoint now) {
       // Closed already: from now on at the floor (an open gate closes at the next pace).  And a
       // closed gate whose job still runs at the open speed (the close did not reach QEMU: a
       // refused call, a lost connection) is closed again.
-      if (!j.gate->is_open() &&
-          ((was_allowed && !j.gate_allowed) ||
-           info->bandwidth_bytes_per_s == kChunkGateOpenSpeedBytesPerS))
+      if (!j.gate->is_open() && ((was_allowed && !j.gate_allowed) ||
+                                 info->bandwidth_bytes_per_s == kChunkGateOpenSpeedBytesPerS))
         set_gate_speed(j, false);
     }
     const double off = std::fabs(static_cast<double>(speed) - static_cast<double>(j.speed_set));

@@ -153,9 +153,10 @@ int main(int argc, char** argv) {
     log.record("governing block jobs on " + log_field(cfg.uri) + ", control socket " +
                log_field(cfg.socket_path));
     if (!cachestat_available())
-      log.record("this kernel has no cachestat(2) (before 6.5): the page cache of a job's target is "
-                 "read host-wide from /proc/meminfo, so other writers' dirty pages count as the "
-                 "job's and can hold cache=writeback jobs at the floor");
+      log.record(
+          "this kernel has no cachestat(2) (before 6.5): the page cache of a job's target is "
+          "read host-wide from /proc/meminfo, so other writers' dirty pages count as the "
+          "job's and can hold cache=writeback jobs at the floor");
 
     FILE* trace = nullptr;
     if (!trace_path.empty()) {

@@ -247,7 +247,8 @@ bool cachestat_available() {
   CachestatRange range{0, 0};
   Cachestat cs{};
   // A directory has no page cache of its own; only ENOSYS/EOPNOTSUPP say "no such call".
-  return ::syscall(kSysCachestat, fd.get(), &range, &cs, 0) == 0 || (errno != ENOSYS && errno != EOPNOTSUPP);
+  return ::syscall(kSysCachestat, fd.get(), &range, &cs, 0) == 0 ||
+         (errno != ENOSYS && errno != EOPNOTSUPP);
 }
 
 std::optional<std::chrono::milliseconds> dirty_expire() {

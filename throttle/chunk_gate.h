@@ -10,9 +10,9 @@
 // chunk -- the same average rate leaves a gap after every chunk in which the guest's remaining
 // requests go through: one chunk's wait per durable write instead of one per request.
 // Measured (lab, `qcommit live` two-phase, cache=none; two runs before, six after): p50
-// 10.7-12.5 -> 7.5-8.7 ms, p99 33.4-39.2 -> 29.4-35.4 ms, 5-10 % more time.  Less than the reasoning promises:
-// QEMU reads the next chunk between two writes, so short gaps existed already, and an allocating
-// guest write (data, flush, L2, flush) spans more than one gap.
+// 10.7-12.5 -> 7.5-8.7 ms, p99 33.4-39.2 -> 29.4-35.4 ms, 5-10 % more time.  Less than the
+// reasoning promises: QEMU reads the next chunk between two writes, so short gaps existed already,
+// and an allocating guest write (data, flush, L2, flush) spans more than one gap.
 //
 // How.  The caller holds the copier "closed" at a low speed (below the rate it actually achieves,
 // so that its slice accounting keeps it asleep after each chunk) and "opens" it once per period

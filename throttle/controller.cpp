@@ -181,9 +181,9 @@ Decision Controller::tick(const TickInput& in) {
   }
   const std::optional<Duration> fgb = fg_base_.value();
   const std::optional<Duration> cb = copy_base_.value();
-  const bool fresh = !in.foreground_latencies.empty() || !in.copy_samples.empty() ||
-                     (in.foreground_idle && in.foreground_outstanding == 0 &&
-                      !in.foreground_oldest_outstanding);
+  const bool fresh =
+      !in.foreground_latencies.empty() || !in.copy_samples.empty() ||
+      (in.foreground_idle && in.foreground_outstanding == 0 && !in.foreground_oldest_outstanding);
 
   // ---- queueing delay q --------------------------------------------------------------------
   Duration q = Duration::zero();

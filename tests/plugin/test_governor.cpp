@@ -577,4 +577,3 @@ TEST_CASE("plugin.governor.chunk_gate_stall_holds_at_the_floor") {
                     w.hv.speed_calls.end(),
                     [](const SpeedCall& c) { return c.speed == kChunkGateOpenSpeedBytesPerS; }));
 }
-

@@ -1,12 +1,12 @@
 #include <doctest/doctest.h>
 #include <sys/mman.h>
 #include <sys/utsname.h>
-
-#include <map>
-#include <random>
 #include <unistd.h>
+
 #include <cstdio>
 #include <cstdlib>
+#include <map>
+#include <random>
 
 #include "plugin/writeback.h"
 
@@ -75,11 +75,12 @@ TEST_CASE("plugin.writeback.liveness_small_window") {
 
 TEST_CASE("plugin.writeback.cachestat_probe") {
   // cachestat(2) came with Linux 6.5: the probe must agree with the running kernel's version.
-  struct utsname u{};
+  struct utsname u {};
   REQUIRE(::uname(&u) == 0);
   int major = 0, minor = 0;
   REQUIRE(std::sscanf(u.release, "%d.%d", &major, &minor) == 2);
-  MESSAGE("kernel " << u.release << ", cachestat " << std::string(cachestat_available() ? "yes" : "no"));
+  MESSAGE("kernel " << u.release << ", cachestat "
+                    << std::string(cachestat_available() ? "yes" : "no"));
   CHECK(cachestat_available() == (major > 6 || (major == 6 && minor >= 5)));
 }
 
