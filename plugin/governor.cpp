@@ -179,7 +179,8 @@ TimePoint Governor::step(TimePoint now) {
     if (!next_tick_) next_tick_ = now;
     if (std::any_of(jobs_.begin(), jobs_.end(),
                     [](const auto& kj) { return kj.second->gate && kj.second->gate->is_open(); })) {
-      if (pace_due) next_pace_ = now + opt_.pace;  // a step between two paces keeps the close's time
+      if (pace_due)
+        next_pace_ = now + opt_.pace;  // a step between two paces keeps the close's time
       return *next_pace_;
     }
     if (!scan_domains_.empty()) {
