@@ -70,7 +70,6 @@ constexpr auto kQmpReconnectGiveUp = std::chrono::seconds(10);
 // The longest the loop waits for hypervisor events; it wakes earlier when the governor's next
 // step is due (its pacer and chunk gate work in 2 ms steps).
 constexpr auto kEventWait = std::chrono::milliseconds(20);
-int g_wake_timer = -1;  // libvirt event loop timer that bounds the wait
 
 // A --top/--base path as the chain spells it, also when given relative or through symlinks (the
 // chain holds the paths QEMU opened).
@@ -200,10 +199,11 @@ int cmd_live(const Args& args) {
   std::unique_ptr<LibvirtHypervisor> lv;
   std::unique_ptr<QmpHypervisor> qm;
   std::optional<DomainInfo> dom;
+  int wake_timer_id = -1;  // libvirt event loop timer that bounds each wait
   if (qmp.empty()) {
     if (virEventRegisterDefaultImpl() < 0 ||
-        (g_wake_timer = virEventAddTimeout(static_cast<int>(kEventWait.count()), wake_timer,
-                                           nullptr, nullptr)) < 0) {
+        (wake_timer_id = virEventAddTimeout(static_cast<int>(kEventWait.count()), wake_timer,
+                                            nullptr, nullptr)) < 0) {
       std::fprintf(stderr, "qcommit live: cannot set up the libvirt event loop\n");
       return kExitError;
     }
@@ -289,8 +289,8 @@ int cmd_live(const Args& args) {
   if (lv) {
     LiveBackend be{*lv,
                    *lv,
-                   [](std::chrono::milliseconds wait) {
-                     virEventUpdateTimeout(g_wake_timer, static_cast<int>(wait.count()));
+                   [wake_timer_id](std::chrono::milliseconds wait) {
+                     virEventUpdateTimeout(wake_timer_id, static_cast<int>(wait.count()));
                      return virEventRunDefaultImpl() >= 0;
                    },
                    "'virsh blockjob " + req.domain + " " + req.disk + " --info'",

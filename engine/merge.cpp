@@ -404,14 +404,12 @@ bool same_file(const std::string& a, const std::string& b) {
   return sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
 }
 
-size_t find_base_depth(const MergeOptions& opt) {
-  qcow2::ChainOptions popts;
-  popts.allowed_backing_dirs = opt.allowed_backing_dirs;
-  Chain probe = Chain::open(opt.top, popts);
-  if (probe.depth() < 2) throw Error(opt.top, "image has no backing file: nothing to merge into");
+// Where BASE is in TOP's chain (opened read-only with the options' backing directories).
+size_t base_depth_in(Chain& chain, const MergeOptions& opt) {
+  if (chain.depth() < 2) throw Error(opt.top, "image has no backing file: nothing to merge into");
   if (!opt.base) return 1;
-  for (size_t i = 1; i < probe.depth(); ++i)
-    if (same_file(probe.layer(i).path, *opt.base)) return i;
+  for (size_t i = 1; i < chain.depth(); ++i)
+    if (same_file(chain.layer(i).path, *opt.base)) return i;
   throw Error(*opt.base, "is not in the backing chain of " + opt.top);
 }
 
@@ -457,21 +455,19 @@ MergeResult merge(const MergeOptions& opt) {
     if (opt.on_progress) opt.on_progress(p);
   };
 
-  // 1. Find BASE in TOP's chain (read-only first).
-  const size_t base_depth = find_base_depth(opt);
-
+  // 1. Find BASE in TOP's chain, read-only.
   // 2. Locks: nobody writes TOP and the intermediates, nobody uses BASE. Children are checked.
-  // The files come from a first, read-only opening; everything the merge uses is read again once
-  // the locks are held (a QEMU that wrote TOP and exited in between leaves the first reading
+  // The files come from that first, read-only opening; everything the merge uses is read again
+  // once the locks are held (a QEMU that wrote TOP and exited in between leaves the first reading
   // stale).
+  size_t base_depth = 0;
   std::vector<ImageLock> locks;
   std::vector<std::string> locked_paths;
   {
     qcow2::ChainOptions popts;
     popts.allowed_backing_dirs = opt.allowed_backing_dirs;
     Chain probe = Chain::open(opt.top, popts);
-    if (probe.depth() <= base_depth)
-      throw Error(opt.top, "its backing chain changed; run the merge again");
+    base_depth = base_depth_in(probe, opt);
     for (size_t i = 0; i <= base_depth; ++i) {
       locked_paths.push_back(probe.layer(i).path);
       locks.push_back(i < base_depth ? ImageLock::reader(probe.layer(i).path)
@@ -495,9 +491,9 @@ MergeResult merge(const MergeOptions& opt) {
   for (size_t i = 0; i < base_depth; ++i) identity += layer_identity(chain.layer(i).path) + " | ";
   identity += fs::weakly_canonical(base.path).string();
   const std::string cp_path = checkpoint_path(base.path);
-  uint64_t resume_from = 0;
   const auto old_cp = load_checkpoint(cp_path);
-  if (old_cp && old_cp->identity == identity) resume_from = old_cp->done;
+  const bool resuming = old_cp && old_cp->identity == identity;
+  const uint64_t resume_from = resuming ? old_cp->done : 0;
 
   for (const auto& child : opt.rebase) {
     qcow2::ChainOptions cho;
@@ -506,8 +502,7 @@ MergeResult merge(const MergeOptions& opt) {
     Chain c = Chain::open(child, cho);
     // Already on BASE: rebased by this merge before it was interrupted (its checkpoint is there
     // until every child is done); rebased again, it stays the same.
-    const bool rebased_before = old_cp && old_cp->identity == identity && c.depth() >= 2 &&
-                                same_file(c.layer(1).path, base.path);
+    const bool rebased_before = resuming && c.depth() >= 2 && same_file(c.layer(1).path, base.path);
     if (!rebased_before && (c.depth() < 2 || !same_file(c.layer(1).path, chain.layer(0).path)))
       throw Error(child, "its backing file is not " + opt.top + "; refusing to rebase it");
     locks.push_back(ImageLock::writer(child));
@@ -902,10 +897,10 @@ MergeResult merge(const MergeOptions& opt) {
 MergePlan plan_merge(const MergeOptions& opt) {
   if (auto err = opt.validate(); !err.empty()) throw Error(opt.top, err);
   MergePlan p;
-  p.base_depth = find_base_depth(opt);
   qcow2::ChainOptions copts;
   copts.allowed_backing_dirs = opt.allowed_backing_dirs;
   Chain chain = Chain::open(opt.top, copts);
+  p.base_depth = base_depth_in(chain, opt);
   for (size_t i = 0; i < p.base_depth; ++i) p.layers.push_back(chain.layer(i).path);
   qcow2::Layer& base = chain.layer(p.base_depth);
   p.base = base.path;

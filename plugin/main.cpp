@@ -186,30 +186,29 @@ int main(int argc, char** argv) {
       // The loop runs every pace interval (2 ms); the status (percentiles over every job's
       // latency history), the log's decision changes and the control socket's snapshot need
       // not be fresher than kStatusInterval.
-      if (now < next_status) {
-        if (virEventRunDefaultImpl() < 0) break;
-        continue;
-      }
-      next_status = now + kStatusInterval;
-      GovernorStatus st = gov.status(now);
-      log.observe(st, cfg.uri, hv.last_error());
-      if (trace && now >= next_trace) {
-        next_trace = now + std::chrono::milliseconds(100);
-        const double t = std::chrono::duration<double>(now.time_since_epoch()).count();
-        for (const auto& j : st.jobs)
-          std::fprintf(trace, "%.3f,%s,%s,%llu,%llu,%llu,%.1f,%llu,%s\n", t,
-                       csv_field(j.domain).c_str(), csv_field(j.disk).c_str(),
-                       static_cast<unsigned long long>(j.speed_bytes_per_s),
-                       static_cast<unsigned long long>(j.window_bytes),
-                       static_cast<unsigned long long>(j.backlog_bytes),
-                       j.latency_p99 ? std::chrono::duration<double, std::milli>(*j.latency_p99).count() : -1.0,
-                       static_cast<unsigned long long>(j.bytes_left), j.phase.c_str());
-        std::fflush(trace);
-      }
-      {
-        std::string j = status_json(st, now);
-        std::lock_guard<std::mutex> lk(snap_mu);
-        snapshot = std::move(j);
+      if (now >= next_status) {
+        next_status = now + kStatusInterval;
+        GovernorStatus st = gov.status(now);
+        log.observe(st, cfg.uri, hv.last_error());
+        if (trace && now >= next_trace) {
+          next_trace = now + std::chrono::milliseconds(100);
+          const double t = std::chrono::duration<double>(now.time_since_epoch()).count();
+          for (const auto& j : st.jobs)
+            std::fprintf(
+                trace, "%.3f,%s,%s,%llu,%llu,%llu,%.1f,%llu,%s\n", t, csv_field(j.domain).c_str(),
+                csv_field(j.disk).c_str(), static_cast<unsigned long long>(j.speed_bytes_per_s),
+                static_cast<unsigned long long>(j.window_bytes),
+                static_cast<unsigned long long>(j.backlog_bytes),
+                j.latency_p99 ? std::chrono::duration<double, std::milli>(*j.latency_p99).count()
+                              : -1.0,
+                static_cast<unsigned long long>(j.bytes_left), j.phase.c_str());
+          std::fflush(trace);
+        }
+        {
+          std::string j = status_json(st, now);
+          std::lock_guard<std::mutex> lk(snap_mu);
+          snapshot = std::move(j);
+        }
       }
       if (virEventRunDefaultImpl() < 0) break;
     }

@@ -153,6 +153,16 @@ struct Cachestat {
   std::uint64_t nr_recently_evicted;
 };
 
+// cachestat(2) of [off, off + len) of fd; errno is left set on failure.
+bool call_cachestat(int fd, std::uint64_t off, std::uint64_t len, Cachestat& cs) {
+  CachestatRange range{off, len};
+  return ::syscall(kSysCachestat, fd, &range, &cs, 0) == 0;
+}
+// The failure says the kernel has no cachestat(2) (before 6.5), not that this call was refused.
+bool cachestat_missing(int err) {
+  return err == ENOSYS || err == EOPNOTSUPP;
+}
+
 class Fd {
  public:
   explicit Fd(int fd) : fd_(fd) {}
@@ -224,10 +234,9 @@ class SystemTargetFile final : public TargetFile {
  private:
   std::optional<Cachestat> cachestat(const ByteRange& r) {
     if (no_cachestat_) return std::nullopt;
-    CachestatRange range{r.offset, r.length};
     Cachestat cs{};
-    if (::syscall(kSysCachestat, fd_.get(), &range, &cs, 0) != 0) {
-      if (errno == ENOSYS || errno == EOPNOTSUPP) no_cachestat_ = true;
+    if (!call_cachestat(fd_.get(), r.offset, r.length, cs)) {
+      if (cachestat_missing(errno)) no_cachestat_ = true;
       return std::nullopt;
     }
     return cs;
@@ -244,11 +253,9 @@ class SystemTargetFile final : public TargetFile {
 bool cachestat_available() {
   Fd fd(::open("/", O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (fd.get() < 0) return false;
-  CachestatRange range{0, 0};
   Cachestat cs{};
-  // A directory has no page cache of its own; only ENOSYS/EOPNOTSUPP say "no such call".
-  return ::syscall(kSysCachestat, fd.get(), &range, &cs, 0) == 0 ||
-         (errno != ENOSYS && errno != EOPNOTSUPP);
+  // A directory has no page cache of its own: any answer but "no such call" will do.
+  return call_cachestat(fd.get(), 0, 0, cs) || !cachestat_missing(errno);
 }
 
 std::optional<std::chrono::milliseconds> dirty_expire() {
