@@ -342,6 +342,7 @@ int run_live(LiveBackend& be, const plugin::LiveRequest& req,
   std::size_t shown_step = static_cast<std::size_t>(-1);
   auto next_report = mono_now();
   bool running = true;
+  bool loop_broken = false;  // the event loop failed: the merge's state is unknown
   std::optional<TimePoint> lost_since;
   while (running && !g_interrupted) {
     const auto now = mono_now();
@@ -403,12 +404,23 @@ int run_live(LiveBackend& be, const plugin::LiveRequest& req,
     // kEventWait, at least 1 ms.
     const auto until_gov = std::chrono::ceil<std::chrono::milliseconds>(gov_next - mono_now());
     const auto wait = std::clamp(until_gov, std::chrono::milliseconds(1), kEventWait);
-    if (running && !be.wait_events(wait)) break;
+    if (running && !be.wait_events(wait)) {
+      loop_broken = true;
+      break;
+    }
   }
   if (g_interrupted) {
     gov.release_all();
     std::fprintf(stderr, "qcommit live: interrupted at step %zu; the running block job (if any) "
                          "continues at a finishing speed: see %s\n",
+                 merge.current() + 1, be.job_hint.c_str());
+    return kExitError;
+  }
+  if (loop_broken && !merge.error()) {
+    gov.release_all();
+    std::fprintf(stderr,
+                 "qcommit live: the event loop failed at step %zu; the running block job (if "
+                 "any) continues at a finishing speed: see %s\n",
                  merge.current() + 1, be.job_hint.c_str());
     return kExitError;
   }

@@ -651,7 +651,11 @@ void Governor::pace(TimePoint now) {
 }
 
 void Governor::release_all() {
-  for (auto& [k, j] : jobs_) {
+  // A connection lost just before the stop (libvirtd restarted) is tried once more: a job left
+  // at a closed gate's or a held job's speed would crawl to its end.
+  bool reconnected = false;
+  for (auto it = jobs_.begin(); it != jobs_.end();) {
+    const auto& [k, j] = *it;
     // Finishing speed: what the storage was seen to absorb, never below the floor.
     double rate = j->decision ? std::max(j->decision->rate_bytes_per_s,
                                          j->decision->drain_estimate_bytes_per_s)
@@ -662,8 +666,13 @@ void Governor::release_all() {
                               std::max<std::uint64_t>(opt_.min_speed_bytes_per_s,
                                                       static_cast<std::uint64_t>(rate)));
     } catch (const HypervisorDisconnected&) {
+      if (!reconnected) {
+        reconnected = true;
+        if (hv_.connect()) continue;  // the same job again
+      }
       break;
     }
+    ++it;
   }
   jobs_.clear();
 }

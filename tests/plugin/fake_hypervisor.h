@@ -36,6 +36,8 @@ class FakeHypervisor final : public Hypervisor {
     daemon_up = false;
     connected_ = false;
   }
+  // The connection breaks while libvirtd stays up (it restarted): connect() works again.
+  void connection_drops() { connected_ = false; }
   void emit(const JobEvent& e) {
     if (sink_ && connected_) sink_(e);
   }

@@ -178,6 +178,33 @@ TEST_CASE("plugin.governor.restart_readopts") {
   CHECK(restarted.g.job_count() == 1);
 }
 
+TEST_CASE("plugin.governor.release_all_reconnects_once") {
+  // libvirtd restarted just before the daemon stops: the finishing speeds still reach the jobs
+  // (a gated job would otherwise crawl on at its closed-gate speed).
+  World w;
+  w.start_job();
+  Governed gv(w);
+  gv.run(2s);
+  w.hv.jobs[{"vm1", "vda"}].bandwidth_bytes_per_s = 1;  // as if gated shut
+  w.hv.connection_drops();
+  const int connects = w.hv.connects;
+  gv.g.release_all();
+  CHECK(w.hv.connects == connects + 1);
+  CHECK(w.hv.speed("vm1", "vda") >= 1024 * 1024);
+  CHECK(gv.g.job_count() == 0);
+
+  // libvirtd really is down: one attempt, no loop.
+  World down;
+  down.start_job();
+  Governed gd(down);
+  gd.run(2s);
+  down.hv.libvirtd_stops();
+  const int before = down.hv.connects;
+  gd.g.release_all();
+  CHECK(down.hv.connects == before + 1);
+  CHECK(gd.g.job_count() == 0);
+}
+
 TEST_CASE("plugin.governor.job_failed_released") {
   World w;
   w.start_job(JobType::Commit);
