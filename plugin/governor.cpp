@@ -333,8 +333,12 @@ void Governor::adopt(const DomainInfo& dom, const DiskInfo& disk, const JobInfo&
   DiskKey k{dom.name, disk.target};
   std::string target;
   if (disk.mirror) target = *disk.mirror;
-  else if ((info.type == JobType::Commit || info.type == JobType::ActiveCommit) &&
-           !disk.backing_chain.empty())
+  else if (info.type == JobType::Commit && !disk.backing_chain.empty())
+    // libvirt names no base for a non-active commit (`--base` may be an intermediate image);
+    // the bottom image is the guess when the host cannot tell.
+    target =
+        files_.commit_base(disk.source, disk.backing_chain).value_or(disk.backing_chain.back());
+  else if (info.type == JobType::ActiveCommit && !disk.backing_chain.empty())
     target = disk.backing_chain.back();
   else if (info.type == JobType::Pull) target = disk.source;
 

@@ -12,6 +12,8 @@
 #include <sstream>
 #include <thread>
 
+#include "plugin/proc_fds.h"
+
 namespace qcommit::plugin {
 
 std::optional<std::string> WritebackConfig::validate() const {
@@ -269,6 +271,11 @@ std::unique_ptr<TargetFile> SystemTargetFiles::open(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return nullptr;
   return std::make_unique<SystemTargetFile>(fd);
+}
+
+std::optional<std::string> SystemTargetFiles::commit_base(const std::string& active,
+                                                          const std::vector<std::string>& chain) {
+  return commit_base_in_use(active, chain);
 }
 
 }  // namespace qcommit::plugin

@@ -130,13 +130,21 @@ class TargetFiles {
   virtual ~TargetFiles() = default;
   // nullptr when the file cannot be opened.
   [[nodiscard]] virtual std::unique_ptr<TargetFile> open(const std::string& path) = 0;
+  // The image a non-active commit writes into, of the disk whose active layer is `active` and
+  // whose backing files are `chain` (top to bottom); nullopt when the host cannot tell.
+  [[nodiscard]] virtual std::optional<std::string> commit_base(
+      const std::string& active, const std::vector<std::string>& chain) = 0;
 };
 
 // Real files: open(O_RDONLY|O_CLOEXEC), cachestat(2) (syscall 451, kernel >= 6.5) or the
 // /proc/meminfo Dirty+Writeback fallback, sync_file_range(SYNC_FILE_RANGE_WRITE).
+// commit_base: the lowest backing image that the QEMU holding `active` has open read-write
+// (proc_fds.h).
 class SystemTargetFiles final : public TargetFiles {
  public:
   [[nodiscard]] std::unique_ptr<TargetFile> open(const std::string& path) override;
+  [[nodiscard]] std::optional<std::string> commit_base(
+      const std::string& active, const std::vector<std::string>& chain) override;
 };
 
 // Whether this kernel has cachestat(2) (>= 6.5).  Without it the page cache of a job's target is

@@ -149,11 +149,16 @@ struct FakeFileState {
 class FakeTargetFiles final : public TargetFiles {
  public:
   std::map<std::string, std::shared_ptr<FakeFileState>> files;
+  std::optional<std::string> commit_base_answer;  // what the host tells of a commit's base
 
   std::unique_ptr<TargetFile> open(const std::string& path) override {
     auto it = files.find(path);
     if (it == files.end()) return nullptr;
     return std::make_unique<File>(it->second);
+  }
+  std::optional<std::string> commit_base(const std::string&,
+                                         const std::vector<std::string>&) override {
+    return commit_base_answer;
   }
 
  private:

@@ -178,6 +178,34 @@ TEST_CASE("plugin.governor.restart_readopts") {
   CHECK(restarted.g.job_count() == 1);
 }
 
+TEST_CASE("plugin.governor.commit_into_an_intermediate_image") {
+  // `virsh blockcommit vm1 vda --top mid2 --base mid`: libvirt names no base; the host tells
+  // which image QEMU holds read-write, and the pacer watches that one, not the bottom image.
+  const std::string mid = "/pool/vm1-mid.qcow2";
+  auto run = [&](std::optional<std::string> answer) {
+    World w;
+    auto mid_file = std::make_shared<FakeFileState>();
+    w.files.files[mid] = mid_file;
+    w.files.commit_base_answer = std::move(answer);
+    w.hv.domains[0].disks[0].backing_chain = {"/pool/vm1-mid2.qcow2", mid, kBase};
+    w.start_job(JobType::Commit);
+    Governed gv(w);
+    gv.run(2s);
+    const auto st = gv.g.status(w.now);
+    REQUIRE(st.jobs.size() == 1);
+    return std::make_tuple(st.jobs[0].target, mid_file->whole_readings, w.base->whole_readings);
+  };
+  const auto [target, mid_readings, base_readings] = run(mid);
+  CHECK(target == mid);
+  CHECK(mid_readings > 0);
+  CHECK(base_readings == 0);
+  // The host cannot tell: the bottom image, as before.
+  const auto [guess, mid_readings2, base_readings2] = run(std::nullopt);
+  CHECK(guess == kBase);
+  CHECK(mid_readings2 == 0);
+  CHECK(base_readings2 > 0);
+}
+
 TEST_CASE("plugin.governor.release_all_reconnects_once") {
   // libvirtd restarted just before the daemon stops: the finishing speeds still reach the jobs
   // (a gated job would otherwise crawl on at its closed-gate speed).

@@ -1,6 +1,7 @@
 #include <doctest/doctest.h>
 #include <sys/mman.h>
 #include <sys/utsname.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -8,6 +9,7 @@
 #include <map>
 #include <random>
 
+#include "plugin/proc_fds.h"
 #include "plugin/writeback.h"
 
 using namespace qcommit::plugin;
@@ -115,6 +117,49 @@ TEST_CASE("plugin.writeback.system_file") {
   if (after->per_file) CHECK(after->dirty_bytes == 0);
   close(fd);
   unlink(path);
+}
+
+TEST_CASE("plugin.writeback.commit_base_from_proc") {
+  // A process holding the files as QEMU does during `--top mid2 --base mid`: the active layer
+  // and mid read-write, mid2 and base read-only.  The chain names mid through a symlink.
+  char dir[] = "/tmp/qcommit-procfds-XXXXXX";
+  REQUIRE(mkdtemp(dir));
+  const std::string d = dir;
+  for (const char* n : {"active", "mid2", "mid", "base"}) {
+    FILE* f = std::fopen((d + "/" + n).c_str(), "w");
+    REQUIRE(f);
+    std::fclose(f);
+  }
+  REQUIRE(symlink((d + "/mid").c_str(), (d + "/mid-link").c_str()) == 0);
+  const pid_t child = fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    execl("/bin/sh", "sh", "-c", "exec 3<>\"$1\" 4<\"$2\" 5<>\"$3\" 6<\"$4\"; exec sleep 30", "sh",
+          (d + "/active").c_str(), (d + "/mid2").c_str(), (d + "/mid").c_str(),
+          (d + "/base").c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  std::optional<pid_t> writer;
+  for (int i = 0; i < 200 && !writer; ++i) {
+    writer = writer_of(d + "/active");
+    if (!writer) usleep(10000);
+  }
+  // The shell opens the files before it execs sleep: wait for all of them.
+  std::optional<std::string> base;
+  for (int i = 0; i < 200; ++i) {
+    base = commit_base_in_use(d + "/active", {d + "/mid2", d + "/mid-link", d + "/base"});
+    if (base) break;
+    usleep(10000);
+  }
+  CHECK(writer == child);
+  CHECK(base == d + "/mid-link");
+  CHECK_FALSE(commit_base_in_use(d + "/active", {d + "/mid2", d + "/base"}).has_value());
+  CHECK_FALSE(writer_of(d + "/base").has_value());  // held, but read-only
+  CHECK_FALSE(commit_base_in_use(d + "/nonexistent", {d + "/mid"}).has_value());
+  kill(child, SIGKILL);
+  waitpid(child, nullptr, 0);
+  for (const char* n : {"active", "mid2", "mid", "base", "mid-link"}) unlink((d + "/" + n).c_str());
+  rmdir(dir);
 }
 
 TEST_CASE("plugin.writeback.issued_ranges") {
