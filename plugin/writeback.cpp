@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <fstream>
 #include <sstream>
+#include <string_view>
 #include <thread>
 
 #include "plugin/proc_fds.h"
@@ -120,7 +121,10 @@ WritebackPlan WritebackPlanner::plan(const WritebackInput& in, const DirtyProbe&
   return out;
 }
 
-std::optional<PageCacheState> parse_meminfo(const std::string& text) {
+namespace {
+// "Key: N kB" lines: the dirty and the writeback count named by the keys, in bytes.
+std::optional<PageCacheState> parse_kb_counts(const std::string& text, std::string_view dirty_key,
+                                              std::string_view writeback_key) {
   std::istringstream is(text);
   std::string line;
   std::optional<std::uint64_t> dirty, wb;
@@ -129,27 +133,28 @@ std::optional<PageCacheState> parse_meminfo(const std::string& text) {
     std::string key;
     std::uint64_t kb = 0;
     if (!(ls >> key >> kb)) continue;
-    if (key == "Dirty:") dirty = kb * 1024;
-    else if (key == "Writeback:") wb = kb * 1024;
+    if (key == dirty_key) dirty = kb * 1024;
+    else if (key == writeback_key) wb = kb * 1024;
   }
   if (!dirty || !wb) return std::nullopt;
   return PageCacheState{*dirty, *wb, false};
 }
 
+std::string read_text(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+}  // namespace
+
+std::optional<PageCacheState> parse_meminfo(const std::string& text) {
+  return parse_kb_counts(text, "Dirty:", "Writeback:");
+}
+
 std::optional<PageCacheState> parse_bdi_stats(const std::string& text) {
-  std::istringstream is(text);
-  std::string line;
-  std::optional<std::uint64_t> dirty, wb;
-  while (std::getline(is, line)) {
-    std::istringstream ls(line);
-    std::string key;
-    std::uint64_t kb = 0;
-    if (!(ls >> key >> kb)) continue;
-    if (key == "BdiReclaimable:") dirty = kb * 1024;  // dirty pages of the device
-    else if (key == "BdiWriteback:") wb = kb * 1024;
-  }
-  if (!dirty || !wb) return std::nullopt;
-  return PageCacheState{*dirty, *wb, false};
+  // BdiReclaimable: the device's dirty pages.
+  return parse_kb_counts(text, "BdiReclaimable:", "BdiWriteback:");
 }
 
 namespace {
@@ -263,16 +268,9 @@ class SystemTargetFile final : public TargetFile {
     if (auto cs = cachestat({0, 0}))
       return PageCacheState{cs->nr_dirty * page_, cs->nr_writeback * page_, true};
     // Without cachestat: the device's counters (debugfs), else the host's.
-    if (bdi_stats_) {
-      std::ifstream f(*bdi_stats_);
-      std::stringstream ss;
-      ss << f.rdbuf();
-      if (auto st = parse_bdi_stats(ss.str())) return st;
-    }
-    std::ifstream f("/proc/meminfo");
-    std::stringstream ss;
-    ss << f.rdbuf();
-    return parse_meminfo(ss.str());
+    if (bdi_stats_)
+      if (auto st = parse_bdi_stats(read_text(*bdi_stats_))) return st;
+    return parse_meminfo(read_text("/proc/meminfo"));
   }
   std::optional<PageCacheState> page_cache_in(const ByteRange& r) override {
     if (auto cs = cachestat(r)) return PageCacheState{cs->nr_dirty * page_, cs->nr_writeback * page_, true};
