@@ -1,6 +1,7 @@
 #include "plugin/governor.h"
 
 #include <algorithm>
+#include <limits>
 #include <cmath>
 
 #include "plugin/cotenants.h"
@@ -110,6 +111,13 @@ struct Governor::Job {
   std::optional<TimePoint> hold_since;
   bool settle_started = false;
   std::uint32_t settles = 0;
+  // Without per-file page-cache counts (no cachestat): fdatasync of the target back to back;
+  // the job's progress (as of the last tick) when the running one started, and when the last
+  // completed one did.
+  bool direct_io = false;  // cache=none/directsync: its writes bypass the page cache
+  std::optional<std::uint64_t> tick_cur;
+  std::optional<std::uint64_t> sync_start_cur;
+  std::optional<std::uint64_t> synced_cur;
 
   // Whole-file reading (cachestat over the target: CPU in proportion to its cached pages).
   void read_page_cache(TimePoint now) {
@@ -358,6 +366,7 @@ void Governor::adopt(const DomainInfo& dom, const DiskInfo& disk, const JobInfo&
   const Policy policy = resolved.policy;
   const std::string policy_error = resolved.metadata_error.value_or("");
   auto j = std::make_unique<Job>(k, policy, info.type, disk.cache);
+  j->direct_io = disk.cache == "none" || disk.cache == "directsync";
   j->target = target;
   j->storage = storage;
   j->pool = pool ? pool->name : "";
@@ -448,12 +457,31 @@ void Governor::tick(TimePoint now) {
       j.read_page_cache(now);  // the pacer works from this reading until the next one
       pc = j.pace_pc;
     }
+    // Without per-file counts the reading holds other writers' pages too (the device's or the
+    // host's).  A job whose writes bypass the page cache has none of them.  Another job's own
+    // pages are at most what it copied since the start of the last completed fdatasync of its
+    // target (pace() runs them back to back: everything dirtied before that start is on
+    // storage), less one tick of production: progress is only known per tick, and what the job
+    // copied within the tick went out with the next fdatasync unless storage held it up.
+    std::optional<std::uint64_t> own_bound;
+    if (pc && !pc->per_file) {
+      j.tick_cur = info->cur;
+      if (j.direct_io) {
+        own_bound = 0;
+      } else if (j.synced_cur) {
+        const std::uint64_t since = info->cur > *j.synced_cur ? info->cur - *j.synced_cur : 0;
+        const auto tick_production = static_cast<std::uint64_t>(
+            static_cast<double>(j.speed_set) * std::chrono::duration<double>(opt_.tick).count());
+        own_bound = since > tick_production ? since - tick_production : 0;
+      }
+    }
     const auto pace_production = static_cast<std::uint64_t>(
         static_cast<double>(j.speed_set) * std::chrono::duration<double>(opt_.pace).count());
-    const std::uint64_t backlog =
+    const std::uint64_t backlog = std::min(
         pc ? pc->writeback_bytes +
                  (pc->dirty_bytes > pace_production ? pc->dirty_bytes - pace_production : 0)
-           : 0;
+           : 0,
+        own_bound.value_or(std::numeric_limits<std::uint64_t>::max()));
     // QEMU reports progress in bursts (the mirror: 16 MiB at once, then it sleeps the burst off
     // at the set speed; commit.c counts unallocated stretches without copying).  Per tick that
     // looks like "idle" most of the time, so the controller would never see the job use its
@@ -511,9 +539,10 @@ void Governor::tick(TimePoint now) {
     const bool near_end =
         mirror_unready && info->end >= info->cur && info->end - info->cur <= kDirtyAllowanceBytes;
     const std::uint64_t allowance = near_end ? 0 : kDirtyAllowanceBytes;
-    const std::uint64_t queued =
+    const std::uint64_t queued = std::min(
         pc ? pc->writeback_bytes + (pc->dirty_bytes > allowance ? pc->dirty_bytes - allowance : 0)
-           : 0;
+           : 0,
+        own_bound.value_or(std::numeric_limits<std::uint64_t>::max()));
     // Held: the job may not copy at all (the floor speed; a gated job's gate stays closed).
     const bool held = d.paused || queued > d.window_bytes || holding;
     std::uint64_t speed;
@@ -617,6 +646,18 @@ void Governor::pace(TimePoint now) {
       fresh = true;
     }
     if (!j->pace_pc) continue;
+    // Without per-file counts the pacer cannot find the job's dirty pages: fdatasync of the
+    // whole target, back to back, writes them out within a pace of their copy (and tells tick
+    // how much of the job's output is on storage).
+    if (!j->pace_pc->per_file) {
+      if (j->direct_io || !j->tick_cur) continue;
+      if (j->sync_start_cur && !j->file->settling()) {
+        j->synced_cur = j->sync_start_cur;
+        j->sync_start_cur.reset();
+      }
+      if (!j->sync_start_cur && j->file->start_settle()) j->sync_start_cur = j->tick_cur;
+      continue;
+    }
     PageCacheState pc = *j->pace_pc;
     // Between whole-file readings: what we issued is no longer dirty; what is under writeback is
     // the kernel's share from the last reading plus a fresh reading of the ranges we issued (few

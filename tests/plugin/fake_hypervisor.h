@@ -113,6 +113,12 @@ struct FakeFileState {
   std::vector<std::uint64_t> settled_with_dirty;  // dirty bytes at each start_settle
   bool settle_busy = false;          // a test can hold a settle "in progress"
   bool ranges_readable = true;       // false: page_cache_in fails (no per-range cachestat)
+  // A kernel without cachestat(2): whole-file readings are host-wide (per_file false, plus
+  // `other_dirty` bytes of other writers), ranges cannot be read, and a settle is a real
+  // fdatasync: it starts writeback of every dirty byte and lasts until none is left.
+  bool host_wide = false;
+  std::uint64_t other_dirty = 0;
+  bool sync_running = false;
   // Where the dirty bytes are: spread evenly over the file (default), or all in [0, dirty).
   bool dirty_at_front = false;
   // The kernel's flusher takes every dirty byte right after each whole-file reading (the reading
@@ -169,13 +175,15 @@ class FakeTargetFiles final : public TargetFiles {
     std::optional<std::uint64_t> device() override { return s_->device; }
     std::optional<PageCacheState> page_cache() override {
       ++s_->whole_readings;
-      const PageCacheState st{s_->dirty, s_->writeback, true};
+      const PageCacheState st =
+          s_->host_wide ? PageCacheState{s_->dirty + s_->other_dirty, s_->writeback, false}
+                        : PageCacheState{s_->dirty, s_->writeback, true};
       if (s_->flusher_after_reading) s_->dirty = 0;
       return st;
     }
     std::optional<PageCacheState> page_cache_in(const ByteRange& r) override {
       ++s_->range_readings;
-      if (!s_->ranges_readable) return std::nullopt;
+      if (!s_->ranges_readable || s_->host_wide) return std::nullopt;
       std::uint64_t wb = 0;
       for (const auto& [q, bytes] : s_->queue) {
         const std::uint64_t lo = std::max(q.offset, r.offset);
@@ -198,11 +206,20 @@ class FakeTargetFiles final : public TargetFiles {
     }
     void drop_cached(const ByteRange& r) override { s_->dropped.push_back(r); }
     bool start_settle() override {
-      if (s_->settle_busy) return false;
+      if (settling()) return false;
       s_->settled_with_dirty.push_back(s_->dirty);
+      if (s_->host_wide) {
+        s_->writeback += s_->dirty;
+        s_->writeback_started += s_->dirty;
+        s_->dirty = 0;
+        s_->sync_running = true;
+      }
       return true;
     }
-    bool settling() override { return s_->settle_busy; }
+    bool settling() override {
+      if (s_->sync_running && s_->writeback == 0) s_->sync_running = false;
+      return s_->settle_busy || s_->sync_running;
+    }
     void start_writeback(const ByteRange& r) override {
       const std::uint64_t d = dirty_share(r);
       s_->dirty -= d;
