@@ -30,14 +30,14 @@ void on_signal(int) { g_stop = true; }
 void usage(FILE* f) {
   std::fputs(
       "usage: qcommitd [--config PATH] [--uri URI] [--socket PATH] [--trace FILE]\n"
-      "                [--page-cache auto|bdi|meminfo] [--version]\n"
+      "                [--page-cache auto|meminfo] [--version]\n"
       "  --config PATH   policy file (default /etc/qcommit/qcommitd.conf; missing = defaults)\n"
       "  --uri URI       libvirt connection (default qemu:///system)\n"
       "  --socket PATH   control socket (default /run/qcommit/qcommitd.sock)\n"
       "  --trace FILE    append governed jobs' speed/window/backlog/p99 every 100 ms (CSV)\n"
-      "  --page-cache S  where a target's dirty pages are read: auto (cachestat(2), else the\n"
-      "                  device's counters in debugfs, else /proc/meminfo), or force bdi or\n"
-      "                  meminfo (what a kernel before 6.5 gets; diagnostics)\n"
+      "  --page-cache S  where a target's dirty pages are read: auto (cachestat(2) where the\n"
+      "                  kernel has it, else /proc/meminfo) or meminfo (forced: what a kernel\n"
+      "                  before 6.5 gets; diagnostics)\n"
       "Logs one line per connection change, job adopted, decision change and job released on\n"
       "stderr (see qcommitd(8)).\n"
       "examples:\n"
@@ -98,7 +98,7 @@ int main(int argc, char** argv) {
       const std::string v = value("--page-cache");
       const auto src = parse_page_cache_source(v);
       if (!src) {
-        log.record("--page-cache: " + log_field(v) + " is not auto, bdi or meminfo");
+        log.record("--page-cache: " + log_field(v) + " is not auto or meminfo");
         return 2;
       }
       page_cache = *src;
@@ -165,21 +165,13 @@ int main(int argc, char** argv) {
     server.start();
     log.record("governing block jobs on " + log_field(cfg.uri) + ", control socket " +
                log_field(cfg.socket_path));
-    if (page_cache != PageCacheSource::kAuto || !cachestat_available()) {
-      const std::string why = page_cache == PageCacheSource::kAuto
-                                  ? "this kernel has no cachestat(2) (before 6.5)"
-                                  : "--page-cache " + std::string(to_string(page_cache));
-      if (page_cache != PageCacheSource::kMeminfo && bdi_stats_available())
-        log.record(why +
-                   ": the page cache of a job's target is read per device from debugfs "
-                   "(/sys/kernel/debug/bdi), so other writers' dirty pages on the same storage "
-                   "count as the job's");
-      else
-        log.record(why +
-                   ": the page cache of a job's target is read host-wide from /proc/meminfo "
-                   "(debugfs not mounted or not used), so other writers' dirty pages count as "
-                   "the job's and can hold cache=writeback jobs at the floor");
-    }
+    if (page_cache != PageCacheSource::kAuto || !cachestat_available())
+      log.record(std::string(page_cache == PageCacheSource::kAuto
+                                 ? "this kernel has no cachestat(2) (before 6.5)"
+                                 : "--page-cache meminfo") +
+                 ": a job's own dirty pages cannot be counted; the host-wide /proc/meminfo "
+                 "count bounds them, and cache=writeback targets are written out with "
+                 "back-to-back fdatasync (a coarser queue at storage than with cachestat)");
 
     FILE* trace = nullptr;
     if (!trace_path.empty()) {

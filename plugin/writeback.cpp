@@ -2,7 +2,6 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
-#include <sys/sysmacros.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -152,43 +151,10 @@ std::optional<PageCacheState> parse_meminfo(const std::string& text) {
   return parse_kb_counts(text, "Dirty:", "Writeback:");
 }
 
-std::optional<PageCacheState> parse_bdi_stats(const std::string& text) {
-  // BdiReclaimable: the device's dirty pages.
-  return parse_kb_counts(text, "BdiReclaimable:", "BdiWriteback:");
-}
-
-namespace {
-bool readable(const std::string& path) { return ::access(path.c_str(), R_OK) == 0; }
-std::string dev_name(unsigned maj, unsigned min) {
-  return std::to_string(maj) + ":" + std::to_string(min);
-}
-}  // namespace
-
-std::optional<std::string> bdi_stats_path(dev_t dev, const std::string& debugfs,
-                                          const std::string& sysfs) {
-  const std::string name = dev_name(major(dev), minor(dev));
-  // NFS, FUSE and whole block devices: the bdi is named after the device (fuseblk: a suffix).
-  for (const std::string& n : {name, name + "-fuseblk"}) {
-    const std::string p = debugfs + "/bdi/" + n + "/stats";
-    if (readable(p)) return p;
-  }
-  // A partition: its disk's bdi (/sys/dev/block/MAJ:MIN is the partition's directory, inside
-  // the disk's).
-  if (readable(sysfs + "/dev/block/" + name + "/partition")) {
-    std::ifstream f(sysfs + "/dev/block/" + name + "/../dev");
-    std::string disk;
-    if (f >> disk) {
-      const std::string p = debugfs + "/bdi/" + disk + "/stats";
-      if (readable(p)) return p;
-    }
-  }
-  return std::nullopt;
-}
-
 const char* to_string(PageCacheSource s) {
   switch (s) {
-    case PageCacheSource::kAuto: return "auto";
-    case PageCacheSource::kBdi: return "bdi";
+    case PageCacheSource::kAuto:
+      return "auto";
     case PageCacheSource::kMeminfo: return "meminfo";
   }
   return "?";
@@ -196,7 +162,6 @@ const char* to_string(PageCacheSource s) {
 
 std::optional<PageCacheSource> parse_page_cache_source(const std::string& s) {
   if (s == "auto") return PageCacheSource::kAuto;
-  if (s == "bdi") return PageCacheSource::kBdi;
   if (s == "meminfo") return PageCacheSource::kMeminfo;
   return std::nullopt;
 }
@@ -247,12 +212,8 @@ class Fd {
 
 class SystemTargetFile final : public TargetFile {
  public:
-  SystemTargetFile(int fd, PageCacheSource source, const std::string& debugfs) : fd_(fd) {
-    if (source != PageCacheSource::kAuto) no_cachestat_ = true;  // forced: a fallback
-    if (source == PageCacheSource::kMeminfo) return;
-    struct stat st{};
-    if (::fstat(fd_.get(), &st) == 0) bdi_stats_ = bdi_stats_path(st.st_dev, debugfs);
-  }
+  SystemTargetFile(int fd, PageCacheSource source)
+      : fd_(fd), no_cachestat_(source == PageCacheSource::kMeminfo) {}
 
   std::uint64_t size() override {
     struct stat st{};
@@ -267,9 +228,6 @@ class SystemTargetFile final : public TargetFile {
   std::optional<PageCacheState> page_cache() override {
     if (auto cs = cachestat({0, 0}))
       return PageCacheState{cs->nr_dirty * page_, cs->nr_writeback * page_, true};
-    // Without cachestat: the device's counters (debugfs), else the host's.
-    if (bdi_stats_)
-      if (auto st = parse_bdi_stats(read_text(*bdi_stats_))) return st;
     return parse_meminfo(read_text("/proc/meminfo"));
   }
   std::optional<PageCacheState> page_cache_in(const ByteRange& r) override {
@@ -319,7 +277,6 @@ class SystemTargetFile final : public TargetFile {
   std::shared_ptr<std::atomic<bool>> busy_ = std::make_shared<std::atomic<bool>>(false);
   std::uint64_t page_ = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
   bool no_cachestat_ = false;
-  std::optional<std::string> bdi_stats_;  // debugfs stats of the file's device, when readable
 };
 
 }  // namespace
@@ -332,10 +289,6 @@ bool cachestat_available() {
   return call_cachestat(fd.get(), 0, 0, cs) || !cachestat_missing(errno);
 }
 
-bool bdi_stats_available(const std::string& debugfs) {
-  return ::access((debugfs + "/bdi").c_str(), R_OK | X_OK) == 0;
-}
-
 std::optional<std::chrono::milliseconds> dirty_expire() {
   std::ifstream f("/proc/sys/vm/dirty_expire_centisecs");
   long long cs = -1;
@@ -346,7 +299,7 @@ std::optional<std::chrono::milliseconds> dirty_expire() {
 std::unique_ptr<TargetFile> SystemTargetFiles::open(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return nullptr;
-  return std::make_unique<SystemTargetFile>(fd, source_, debugfs_);
+  return std::make_unique<SystemTargetFile>(fd, source_);
 }
 
 std::optional<std::string> SystemTargetFiles::commit_base(const std::string& active,

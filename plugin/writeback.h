@@ -76,7 +76,7 @@ class WritebackPlanner {
 struct PageCacheState {
   std::uint64_t dirty_bytes = 0;
   std::uint64_t writeback_bytes = 0;
-  bool per_file = true;  // false: a fallback that counts more than this file (device, host)
+  bool per_file = true;  // false: the host-wide /proc/meminfo fallback (an upper bound)
 };
 
 // Ranges a pacer started writeback on, merged while adjacent, at most `max_ranges` (past that
@@ -138,48 +138,32 @@ class TargetFiles {
       const std::string& active, const std::vector<std::string>& chain) = 0;
 };
 
-// Where a target's page cache is read when cachestat(2) is missing (auto: cachestat, else the
-// device's counters, else the host's) or when a fallback is forced (diagnostics, tests).
-enum class PageCacheSource { kAuto, kBdi, kMeminfo };
+// Where a target's page cache is read: auto (cachestat(2) where the kernel has it, else
+// /proc/meminfo), or meminfo forced (what a kernel before 6.5 gets; diagnostics, tests).
+enum class PageCacheSource { kAuto, kMeminfo };
 [[nodiscard]] const char* to_string(PageCacheSource s);
 [[nodiscard]] std::optional<PageCacheSource> parse_page_cache_source(const std::string& s);
 
-// Real files: open(O_RDONLY|O_CLOEXEC), cachestat(2) (syscall 451, kernel >= 6.5), else the
-// dirty and writeback pages of the file's device from debugfs (bdi_stats_path), else /proc/meminfo
-// Dirty+Writeback; sync_file_range(SYNC_FILE_RANGE_WRITE).
+// Real files: open(O_RDONLY|O_CLOEXEC), cachestat(2) (syscall 451, kernel >= 6.5) or the
+// /proc/meminfo Dirty+Writeback fallback (host-wide: only an upper bound of the file's),
+// sync_file_range(SYNC_FILE_RANGE_WRITE).
 // commit_base: the lowest backing image that the QEMU holding `active` has open read-write
 // (proc_fds.h).
 class SystemTargetFiles final : public TargetFiles {
  public:
-  explicit SystemTargetFiles(PageCacheSource source = PageCacheSource::kAuto,
-                             std::string debugfs = "/sys/kernel/debug")
-      : source_(source), debugfs_(std::move(debugfs)) {}
+  explicit SystemTargetFiles(PageCacheSource source = PageCacheSource::kAuto) : source_(source) {}
   [[nodiscard]] std::unique_ptr<TargetFile> open(const std::string& path) override;
   [[nodiscard]] std::optional<std::string> commit_base(
       const std::string& active, const std::vector<std::string>& chain) override;
 
  private:
   PageCacheSource source_;
-  std::string debugfs_;
 };
 
 // Whether this kernel has cachestat(2) (>= 6.5).  Without it the page cache of a job's target is
 // read host-wide from /proc/meminfo: every writer's dirty pages count as the job's backlog, and
 // a host that keeps more than the allowance dirty holds writeback jobs at the floor.
 [[nodiscard]] bool cachestat_available();
-// Whether debugfs's per-device page-cache counters are readable (/sys/kernel/debug/bdi).
-[[nodiscard]] bool bdi_stats_available(const std::string& debugfs = "/sys/kernel/debug");
-
-// The debugfs page-cache counters of the device behind st_dev `dev`
-// (DEBUGFS/bdi/MAJ:MIN/stats; a partition's disk), nullopt when not readable (debugfs not
-// mounted, a filesystem whose bdi is not named after its device).  On NFS every export mounted
-// from a server has its device: the count is that storage's, not the host's.
-[[nodiscard]] std::optional<std::string> bdi_stats_path(dev_t dev,
-                                                        const std::string& debugfs = "/sys/kernel/debug",
-                                                        const std::string& sysfs = "/sys");
-// Parses a bdi stats file: BdiReclaimable (dirty) + BdiWriteback in bytes, per_file false.
-[[nodiscard]] std::optional<PageCacheState> parse_bdi_stats(const std::string& text);
-
 // Parses /proc/meminfo text: Dirty + Writeback in bytes.  nullopt when absent.
 [[nodiscard]] std::optional<PageCacheState> parse_meminfo(const std::string& text);
 

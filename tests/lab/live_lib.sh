@@ -4,7 +4,7 @@
 #   live_qcd_start [--budget 20ms] [--floor 1M]
 #                            qcommitd with a test config in a temp dir (LIVE_TMP), control
 #                            socket $LIVE_SOCK, log $LAB_DIR/qcommitd.log; sets LIVE_QCD_PID;
-#                            extra daemon options from LIVE_QCOMMITD_ARGS (e.g. --page-cache bdi)
+#                            extra daemon options from LIVE_QCOMMITD_ARGS (e.g. --page-cache meminfo)
 #   live_qcd_stop [SIGNAL]   stops our qcommitd (by its pid; default TERM) and waits for it
 #   live_status              `qcommit status --output=json` of our daemon (empty when down)
 #   live_job_field DOM DISK FIELD
