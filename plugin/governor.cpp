@@ -111,13 +111,21 @@ struct Governor::Job {
   std::optional<TimePoint> hold_since;
   bool settle_started = false;
   std::uint32_t settles = 0;
-  // Without per-file page-cache counts (no cachestat): fdatasync of the target back to back;
-  // the job's progress (as of the last tick) when the running one started, and when the last
-  // completed one did.
+  // Without per-file page-cache counts (no cachestat): fdatasyncs of the target while the job
+  // copies; the job's progress at the last tick and whether it moved in it, the progress (as of
+  // the last tick) when the running sync started and when the last completed one did.
   bool direct_io = false;  // cache=none/directsync: its writes bypass the page cache
   std::optional<std::uint64_t> tick_cur;
+  bool tick_progressed = false;
   std::optional<std::uint64_t> sync_start_cur;
   std::optional<std::uint64_t> synced_cur;
+  std::optional<TimePoint> sync_started_at;
+  void reset_sync() {
+    tick_cur.reset();
+    tick_progressed = false;
+    sync_start_cur.reset();
+    synced_cur.reset();
+  }
 
   // Whole-file reading (cachestat over the target: CPU in proportion to its cached pages).
   void read_page_cache(TimePoint now) {
@@ -230,6 +238,7 @@ void Governor::lost_connection(TimePoint now) {
     j->drain_credit = 0;
     j->last_tick.reset();
     j->seen_in_poll = false;
+    j->reset_sync();  // it may be another job when we are back
   }
   next_reconnect_ = now;  // first retry immediately, then back off
 }
@@ -457,22 +466,22 @@ void Governor::tick(TimePoint now) {
       j.read_page_cache(now);  // the pacer works from this reading until the next one
       pc = j.pace_pc;
     }
-    // Without per-file counts the reading holds other writers' pages too (the device's or the
-    // host's).  A job whose writes bypass the page cache has none of them.  Another job's own
-    // pages are at most what it copied since the start of the last completed fdatasync of its
-    // target (pace() runs them back to back: everything dirtied before that start is on
-    // storage), less one tick of production: progress is only known per tick, and what the job
-    // copied within the tick went out with the next fdatasync unless storage held it up.
+    // Without per-file counts the reading is host-wide: other writers' pages too.  A job whose
+    // writes bypass the page cache has none of them.  Another job's own pages are at most what
+    // it copied since the start of the last completed fdatasync of its target (pace() runs them
+    // while the job copies: everything dirtied before that start is on storage).  Progress is
+    // only known per tick and a sync's start is stamped with the last tick's, so the count
+    // leaves out this tick's progress, whose fate is not known yet.
     std::optional<std::uint64_t> own_bound;
     if (pc && !pc->per_file) {
+      if (j.tick_cur && info->cur < *j.tick_cur) j.reset_sync();  // a new job: start over
+      const std::optional<std::uint64_t> before = j.tick_cur;
       j.tick_cur = info->cur;
+      j.tick_progressed = before && info->cur > *before;
       if (j.direct_io) {
         own_bound = 0;
-      } else if (j.synced_cur) {
-        const std::uint64_t since = info->cur > *j.synced_cur ? info->cur - *j.synced_cur : 0;
-        const auto tick_production = static_cast<std::uint64_t>(
-            static_cast<double>(j.speed_set) * std::chrono::duration<double>(opt_.tick).count());
-        own_bound = since > tick_production ? since - tick_production : 0;
+      } else if (j.synced_cur && before) {
+        own_bound = *before > *j.synced_cur ? *before - *j.synced_cur : 0;
       }
     }
     const auto pace_production = static_cast<std::uint64_t>(
@@ -646,16 +655,22 @@ void Governor::pace(TimePoint now) {
       fresh = true;
     }
     if (!j->pace_pc) continue;
-    // Without per-file counts the pacer cannot find the job's dirty pages: fdatasync of the
-    // whole target, back to back, writes them out within a pace of their copy (and tells tick
-    // how much of the job's output is on storage).
+    // Without per-file counts the pacer cannot find the job's dirty pages: fdatasyncs of the
+    // whole target write them out (and tell tick how much of the job's output is on storage),
+    // at most one per kFallbackSyncGap, while the job copies or until one has started after
+    // its last progress.  (A sync of a clean file may still flush the disk's cache.)
     if (!j->pace_pc->per_file) {
       if (j->direct_io || !j->tick_cur) continue;
       if (j->sync_start_cur && !j->file->settling()) {
         j->synced_cur = j->sync_start_cur;
         j->sync_start_cur.reset();
       }
-      if (!j->sync_start_cur && j->file->start_settle()) j->sync_start_cur = j->tick_cur;
+      const bool behind = !j->synced_cur || *j->synced_cur != *j->tick_cur;
+      const bool due = !j->sync_started_at || now - *j->sync_started_at >= kFallbackSyncGap;
+      if (!j->sync_start_cur && due && (j->tick_progressed || behind) && j->file->start_settle()) {
+        j->sync_start_cur = j->tick_cur;
+        j->sync_started_at = now;
+      }
       continue;
     }
     PageCacheState pc = *j->pace_pc;

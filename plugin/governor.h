@@ -53,6 +53,9 @@ inline constexpr double kSpeedChangeFraction = 0.02;  // re-set the speed when o
 // Dirty (not yet under writeback) target pages tolerated before the job is held at the minimum:
 // one burst of QEMU's mirror (16 requests x 1 MiB).  The pacer meters them out within the window.
 inline constexpr std::uint64_t kDirtyAllowanceBytes = 16ull * 1024 * 1024;
+// Without cachestat(2): the shortest gap between two fdatasyncs of a job's target (each is a
+// thread and, on local disks, may flush the disk's cache).
+inline constexpr Duration kFallbackSyncGap = std::chrono::milliseconds(20);
 // Job progress is released to the controller at up to this × the paced rate per tick, carrying
 // at most kMaxDrainCredit worth of progress at that rate (see Governor::tick).
 inline constexpr double kDrainCreditRateFactor = 2.0;

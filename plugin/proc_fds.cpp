@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -13,16 +14,23 @@
 namespace qcommit::plugin {
 namespace {
 
+// A file's identity: device and inode, or for a block device the device it is (QEMU runs in a
+// mount namespace of its own where /dev nodes are other inodes).
 struct FileId {
-  dev_t dev;
-  ino_t ino;
+  bool block = false;
+  dev_t dev = 0;
+  ino_t ino = 0;
   bool operator==(const FileId&) const = default;
 };
 
+// AT_STATX_DONT_SYNC: cached attributes will do (no round trip to an NFS or FUSE server, which
+// may hang).
 std::optional<FileId> file_id(const std::string& path) {
-  struct stat sb {};
-  if (::stat(path.c_str(), &sb) != 0) return std::nullopt;
-  return FileId{sb.st_dev, sb.st_ino};
+  struct statx sx {};
+  if (::statx(AT_FDCWD, path.c_str(), AT_STATX_DONT_SYNC, STATX_TYPE | STATX_INO, &sx) != 0)
+    return std::nullopt;
+  if (S_ISBLK(sx.stx_mode)) return FileId{true, makedev(sx.stx_rdev_major, sx.stx_rdev_minor), 0};
+  return FileId{false, makedev(sx.stx_dev_major, sx.stx_dev_minor), static_cast<ino_t>(sx.stx_ino)};
 }
 
 struct DirCloser {
@@ -60,15 +68,24 @@ bool open_for_writing(const std::string& proc_pid, const std::string& fd) {
   return false;
 }
 
-// The files `proc_pid` holds open for writing.
+// The files `proc_pid` holds open for writing (only those are stat'ed).
 std::vector<FileId> written_files(const std::string& proc_pid) {
   std::vector<FileId> out;
   for (const std::string& fd : numeric_entries(proc_pid + "/fd")) {
-    // stat follows the fd link to the open file itself, whatever its name now.
-    const auto id = file_id(proc_pid + "/fd/" + fd);
-    if (id && open_for_writing(proc_pid, fd)) out.push_back(*id);
+    if (!open_for_writing(proc_pid, fd)) continue;
+    // The fd link leads to the open file itself, whatever its name now.
+    if (const auto id = file_id(proc_pid + "/fd/" + fd)) out.push_back(*id);
   }
   return out;
+}
+
+// QEMU by its command name: qemu-system-*, or kvm (Proxmox).  Other holders of an image open
+// for writing (virtlockd, backup tools) are not the guest's.
+bool runs_qemu(const std::string& proc_pid) {
+  std::ifstream f(proc_pid + "/comm");
+  std::string comm;
+  std::getline(f, comm);
+  return comm.rfind("qemu", 0) == 0 || comm == "kvm";
 }
 
 }  // namespace
@@ -78,7 +95,7 @@ std::optional<pid_t> writer_of(const std::string& path, const std::string& proc)
   if (!want) return std::nullopt;
   const std::string self = std::to_string(::getpid());
   for (const std::string& pid : numeric_entries(proc)) {
-    if (pid == self) continue;
+    if (pid == self || !runs_qemu(proc + "/" + pid)) continue;
     for (const FileId& id : written_files(proc + "/" + pid))
       if (id == *want) return static_cast<pid_t>(std::stol(pid));
   }

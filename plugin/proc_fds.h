@@ -11,8 +11,9 @@
 
 namespace qcommit::plugin {
 
-// The first process (other than this one) that holds `path` open for writing; nullopt when none
-// or /proc is unreadable.  Files are compared by device and inode, not by name.
+// The first QEMU process (command name qemu* or kvm; not this one) that holds `path` open for
+// writing; nullopt when none or /proc is unreadable.  Files are compared by device and inode
+// (block devices: by the device they are), not by name.
 [[nodiscard]] std::optional<pid_t> writer_of(const std::string& path,
                                              const std::string& proc = "/proc");
 

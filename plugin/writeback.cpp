@@ -11,6 +11,7 @@
 #include <fstream>
 #include <sstream>
 #include <string_view>
+#include <system_error>
 #include <thread>
 
 #include "plugin/proc_fds.h"
@@ -243,11 +244,17 @@ class SystemTargetFile final : public TargetFile {
     const int fd = ::fcntl(fd_.get(), F_DUPFD_CLOEXEC, 0);  // the thread may outlive this object
     if (fd < 0) return false;
     busy_->store(true);
-    std::thread([fd, busy = busy_] {
-      (void)::fdatasync(fd);  // best effort: a failure leaves the kernel's clock running
+    try {
+      std::thread([fd, busy = busy_] {
+        (void)::fdatasync(fd);  // best effort: a failure leaves the kernel's clock running
+        ::close(fd);
+        busy->store(false);
+      }).detach();
+    } catch (const std::system_error&) {  // no thread: no sync this time
       ::close(fd);
-      busy->store(false);
-    }).detach();
+      busy_->store(false);
+      return false;
+    }
     return true;
   }
   bool settling() override { return busy_->load(); }

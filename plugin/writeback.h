@@ -161,8 +161,7 @@ class SystemTargetFiles final : public TargetFiles {
 };
 
 // Whether this kernel has cachestat(2) (>= 6.5).  Without it the page cache of a job's target is
-// read host-wide from /proc/meminfo: every writer's dirty pages count as the job's backlog, and
-// a host that keeps more than the allowance dirty holds writeback jobs at the floor.
+// read host-wide from /proc/meminfo, an upper bound of the job's (see Governor::tick).
 [[nodiscard]] bool cachestat_available();
 // Parses /proc/meminfo text: Dirty + Writeback in bytes.  nullopt when absent.
 [[nodiscard]] std::optional<PageCacheState> parse_meminfo(const std::string& text);

@@ -234,7 +234,14 @@ TEST_CASE("plugin.governor.no_cachestat_other_writers") {
     CHECK(rate > 0.5 * w.storage_bytes_per_s);
     CHECK(p50 <= 2ull << 20);
     CHECK(p99 <= 16ull << 20);
-    CHECK(w.base->settled_with_dirty.size() > 100);  // back to back
+    CHECK(w.base->settled_with_dirty.size() > 100);       // while the job copies
+    CHECK(w.base->settled_with_dirty.size() <= 25 * 50);  // at most one per kFallbackSyncGap
+    // The job stops copying: the syncs stop too (one more catches up with its last progress).
+    w.job_max_bytes_per_s = 1e-9;
+    gv.run(1s);
+    const std::size_t syncs = w.base->settled_with_dirty.size();
+    gv.run(3s);
+    CHECK(w.base->settled_with_dirty.size() <= syncs + 1);
   }
   // cache=none: the job's writes bypass the page cache; nothing of the reading is the job's,
   // and no fdatasync is needed.

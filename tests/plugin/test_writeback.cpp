@@ -147,7 +147,9 @@ TEST_CASE("plugin.writeback.system_file") {
 
 TEST_CASE("plugin.writeback.commit_base_from_proc") {
   // A process holding the files as QEMU does during `--top mid2 --base mid`: the active layer
-  // and mid read-write, mid2 and base read-only.  The chain names mid through a symlink.
+  // and mid read-write, mid2 and base read-only; its command name starts with "qemu".  Started
+  // first, another holder of the active layer (as virtlockd is) that is not QEMU.  The chain
+  // names mid through a symlink.
   char dir[] = "/tmp/qcommit-procfds-XXXXXX";
   REQUIRE(mkdtemp(dir));
   const std::string d = dir;
@@ -157,34 +159,40 @@ TEST_CASE("plugin.writeback.commit_base_from_proc") {
     std::fclose(f);
   }
   REQUIRE(symlink((d + "/mid").c_str(), (d + "/mid-link").c_str()) == 0);
-  const pid_t child = fork();
-  REQUIRE(child >= 0);
-  if (child == 0) {
-    execl("/bin/sh", "sh", "-c", "exec 3<>\"$1\" 4<\"$2\" 5<>\"$3\" 6<\"$4\"; exec sleep 30", "sh",
-          (d + "/active").c_str(), (d + "/mid2").c_str(), (d + "/mid").c_str(),
-          (d + "/base").c_str(), static_cast<char*>(nullptr));
-    _exit(127);
-  }
-  std::optional<pid_t> writer;
-  for (int i = 0; i < 200 && !writer; ++i) {
-    writer = writer_of(d + "/active");
-    if (!writer) usleep(10000);
-  }
-  // The shell opens the files before it execs sleep: wait for all of them.
+  REQUIRE(symlink("/bin/sleep", (d + "/qemu-fake").c_str()) == 0);
+  REQUIRE(symlink("/bin/sleep", (d + "/lockd-fake").c_str()) == 0);
+  auto spawn = [&](const char* script) {
+    const pid_t child = fork();
+    REQUIRE(child >= 0);
+    if (child == 0) {
+      execl("/bin/sh", "sh", "-c", script, "sh", d.c_str(), static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    return child;
+  };
+  const pid_t lockd = spawn("exec 3<>\"$1/active\"; exec \"$1/lockd-fake\" 30");
+  usleep(50000);
+  const pid_t qemu = spawn(
+      "exec 3<>\"$1/active\" 4<\"$1/mid2\" 5<>\"$1/mid\" 6<\"$1/base\"; exec \"$1/qemu-fake\" 30");
+  // Wait until the shell has exec'ed (the command name is set then).
   std::optional<std::string> base;
-  for (int i = 0; i < 200; ++i) {
+  for (int i = 0; i < 300 && !base; ++i) {
     base = commit_base_in_use(d + "/active", {d + "/mid2", d + "/mid-link", d + "/base"});
-    if (base) break;
-    usleep(10000);
+    if (!base) usleep(10000);
   }
-  CHECK(writer == child);
+  CHECK(writer_of(d + "/active") == qemu);
   CHECK(base == d + "/mid-link");
   CHECK_FALSE(commit_base_in_use(d + "/active", {d + "/mid2", d + "/base"}).has_value());
   CHECK_FALSE(writer_of(d + "/base").has_value());  // held, but read-only
   CHECK_FALSE(commit_base_in_use(d + "/nonexistent", {d + "/mid"}).has_value());
-  kill(child, SIGKILL);
-  waitpid(child, nullptr, 0);
-  for (const char* n : {"active", "mid2", "mid", "base", "mid-link"}) unlink((d + "/" + n).c_str());
+  for (pid_t p : {lockd, qemu}) {
+    kill(p, SIGKILL);
+    waitpid(p, nullptr, 0);
+  }
+  // QEMU gone, the other holder gone: nobody.
+  CHECK_FALSE(writer_of(d + "/active").has_value());
+  for (const char* n : {"active", "mid2", "mid", "base", "mid-link", "qemu-fake", "lockd-fake"})
+    unlink((d + "/" + n).c_str());
   rmdir(dir);
 }
 
