@@ -5,6 +5,7 @@
 // applies), run in-process.
 #include <libvirt/libvirt.h>
 #include <signal.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <atomic>
@@ -41,7 +42,8 @@ plugin::TimePoint mono_now() {
 
 constexpr const char* kUsage =
     "usage: qcommit live DOMAIN DISK [--top T] [--base B] [--budget 20ms] [--pivot]\n"
-    "                    [--strategy two-phase|direct] [--uri URI] [--dry-run] [--output=json]\n"
+    "                    [--strategy two-phase|direct] [--overlay-dir DIR] [--uri URI]\n"
+    "                    [--dry-run] [--output=json]\n"
     "       qcommit live --qmp SOCKET DISK [--top T] [--base B] [--budget 20ms] [--pivot] ...\n"
     "  Merges TOP (default: the disk's active layer) into BASE (default: the bottom of the chain)\n"
     "  on the running DOMAIN with libvirt block jobs, paced by the qcommitd governor so that the\n"
@@ -50,6 +52,10 @@ constexpr const char* kUsage =
     "             writes, the old overlay is committed as a non-active commit (one 512 KiB\n"
     "             request at a time), then the small fresh overlay is active-committed;\n"
     "  --strategy direct: one active commit (QEMU's mirror: 16 x 1 MiB requests in flight).\n"
+    "  --overlay-dir DIR  two-phase: create the fresh overlay in DIR (e.g. local SSD) instead of\n"
+    "             next to TOP: the guest's writes during the merge then never wait behind it on\n"
+    "             shared storage. Until the pivot the disk depends on DIR: a host failure leaves\n"
+    "             its latest writes there (an HA restart elsewhere cannot open the disk).\n"
     "  --pivot    switch the disk to BASE when the active commit is ready (else it is left ready)\n"
     "  --dry-run  print the steps, change nothing\n"
     "  --output=json  JSON lines on stdout: plan, step, progress (1/s) and result events\n"
@@ -60,7 +66,8 @@ constexpr const char* kUsage =
     "             socket: its other clients wait until qcommit live ends.\n"
     "  Refused while qcommitd answers on its socket (--daemon-socket PATH, default\n"
     "  /run/qcommit/qcommitd.sock): it would govern the same jobs.\n"
-    "examples:\n  qcommit live vm1 vda --pivot\n  qcommit live vm1 vda --dry-run --strategy direct\n"
+    "examples:\n  qcommit live vm1 vda --pivot\n  qcommit live vm1 vda --dry-run --strategy "
+    "direct\n"
     "  qcommit live vm1 vda --pivot --output=json | jq -c 'select(.event != \"progress\")'\n"
     "  qcommit live --qmp /var/run/qemu-server/100.qmp drive-scsi0 --pivot\n";
 
@@ -118,6 +125,7 @@ int cmd_live(const Args& args) {
   bool dry_run = false;
   std::string daemon_socket = kDaemonSocket;
   std::string qmp;
+  std::string overlay_dir;
   bool uri_given = false;
   Output out = Output::kHuman;
   std::vector<std::string> pos;
@@ -151,6 +159,8 @@ int cmd_live(const Args& args) {
       if (s == "direct") req.strategy = LiveStrategy::Direct;
       else if (s == "two-phase") req.strategy = LiveStrategy::TwoPhase;
       else throw UsageError("--strategy must be two-phase or direct, not '" + s + "'");
+    } else if (is("--overlay-dir")) {
+      overlay_dir = value("--overlay-dir");
     } else if (a == "--pivot") {
       req.pivot = true;
     } else if (a == "--dry-run") {
@@ -163,6 +173,22 @@ int cmd_live(const Args& args) {
       throw UsageError("unknown option '" + a + "'");
     } else {
       pos.push_back(a);
+    }
+  }
+  if (!overlay_dir.empty()) {
+    if (req.strategy != LiveStrategy::TwoPhase)
+      throw UsageError("--overlay-dir is for the two-phase strategy (its fresh overlay)");
+    struct stat sb {};
+    if (::stat(overlay_dir.c_str(), &sb) != 0 || !S_ISDIR(sb.st_mode)) {
+      std::fprintf(stderr, "qcommit live: --overlay-dir %s: not a directory\n",
+                   overlay_dir.c_str());
+      return kExitError;
+    }
+    // QEMU and libvirt are given the path: an absolute one.
+    char* real = ::realpath(overlay_dir.c_str(), nullptr);
+    if (real) {
+      overlay_dir = real;
+      std::free(real);
     }
   }
   if (!qmp.empty()) {
@@ -261,7 +287,8 @@ int cmd_live(const Args& args) {
   char stamp[32];
   const std::time_t t = std::time(nullptr);
   std::strftime(stamp, sizeof stamp, "%Y%m%d%H%M%S", std::gmtime(&t));
-  const std::string fresh = fresh_overlay_path(req.top.empty() ? disk->source : req.top, stamp);
+  const std::string fresh =
+      fresh_overlay_path(req.top.empty() ? disk->source : req.top, stamp, overlay_dir);
   std::vector<LiveStep> steps;
   try {
     steps = plan_live(req, *disk, fresh);

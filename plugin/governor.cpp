@@ -470,8 +470,10 @@ void Governor::tick(TimePoint now) {
     // writes bypass the page cache has none of them.  Another job's own pages are at most what
     // it copied since the start of the last completed fdatasync of its target (pace() runs them
     // while the job copies: everything dirtied before that start is on storage).  Progress is
-    // only known per tick and a sync's start is stamped with the last tick's, so the count
-    // leaves out this tick's progress, whose fate is not known yet.
+    // only known per tick and a sync's start is stamped with the last tick's, so of this tick's
+    // progress the count leaves out what the set speed allows in a tick (it went out with the
+    // syncs of this tick unless storage held it up); beyond that (QEMU's bursts: a mirror
+    // copies 16 MiB whatever its speed) it counts.
     std::optional<std::uint64_t> own_bound;
     if (pc && !pc->per_file) {
       if (j.tick_cur && info->cur < *j.tick_cur) j.reset_sync();  // a new job: start over
@@ -481,7 +483,11 @@ void Governor::tick(TimePoint now) {
       if (j.direct_io) {
         own_bound = 0;
       } else if (j.synced_cur && before) {
-        own_bound = *before > *j.synced_cur ? *before - *j.synced_cur : 0;
+        const std::uint64_t since = info->cur > *j.synced_cur ? info->cur - *j.synced_cur : 0;
+        const std::uint64_t progressed = info->cur > *before ? info->cur - *before : 0;
+        const auto allowed = static_cast<std::uint64_t>(
+            static_cast<double>(j.speed_set) * std::chrono::duration<double>(opt_.tick).count());
+        own_bound = since - std::min({since, progressed, allowed});
       }
     }
     const auto pace_production = static_cast<std::uint64_t>(

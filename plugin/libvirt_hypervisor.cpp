@@ -234,9 +234,11 @@ std::optional<DomainInfo> LibvirtHypervisor::describe(virDomainPtr d) {
 }
 
 void LibvirtHypervisor::throw_job_error(const std::string& what) {
-  check_alive();
+  // Before check_alive: its call into libvirt resets the last error.
   virErrorPtr e = virGetLastError();
-  throw BlockJobError(what + ": " + (e && e->message ? e->message : "failed"));
+  const std::string message = e && e->message ? e->message : "failed";
+  check_alive();
+  throw BlockJobError(what + ": " + message);
 }
 
 std::optional<DomainInfo> LibvirtHypervisor::domain(const std::string& name) {

@@ -19,9 +19,12 @@ std::string LiveStep::describe() const {
   return "?";
 }
 
-std::string fresh_overlay_path(const std::string& top, const std::string& stamp) {
+std::string fresh_overlay_path(const std::string& top, const std::string& stamp,
+                               const std::string& overlay_dir) {
   const auto slash = top.rfind('/');
-  const std::string dir = slash == std::string::npos ? "." : top.substr(0, slash);
+  const std::string dir = !overlay_dir.empty()         ? overlay_dir
+                          : slash == std::string::npos ? "."
+                                                       : top.substr(0, slash);
   std::string name = slash == std::string::npos ? top : top.substr(slash + 1);
   if (const auto dot = name.rfind('.'); dot != std::string::npos && dot > 0) name.resize(dot);
   return dir + "/" + name + ".qcommit-" + stamp + ".qcow2";

@@ -71,8 +71,9 @@ struct LiveStep {
 // The steps for a request on a disk (throws BlockJobError when TOP/BASE are not in the chain).
 [[nodiscard]] std::vector<LiveStep> plan_live(const LiveRequest& req, const DiskInfo& disk,
                                               const std::string& fresh_overlay_path);
-// "<dir of TOP>/<TOP stem>.qcommit-<stamp>.qcow2"
-[[nodiscard]] std::string fresh_overlay_path(const std::string& top, const std::string& stamp);
+// "<dir of TOP, or overlay_dir>/<TOP stem>.qcommit-<stamp>.qcow2"
+[[nodiscard]] std::string fresh_overlay_path(const std::string& top, const std::string& stamp,
+                                             const std::string& overlay_dir = "");
 
 class LiveMerge {
  public:

@@ -143,7 +143,17 @@ for cmd in "${cmds[@]}"; do
     live) bad_output live "vm one" vda --uri "$uri" --dry-run
           "$QCOMMIT" live "vm one" vda --uri "$uri" --dry-run --output=json >"$out"; json_lines "$cmd" "$out"
           [[ $(jq -r '.event + " " + .domain' "$out") == "plan vm one" ]] || fail "live: no plan event"
-          (($(jq -r '.steps | length' "$out") >= 1)) || fail "live: plan without steps" ;;
+          (($(jq -r '.steps | length' "$out") >= 1)) || fail "live: plan without steps"
+          # --overlay-dir: the fresh overlay goes there; a missing directory and the direct
+          # strategy are refused.
+          mkdir -p "$work/local"
+          "$QCOMMIT" live "vm one" vda --uri "$uri" --dry-run --overlay-dir "$work/local" --output=json >"$out"
+          jq -r '.steps[0]' "$out" | grep -q "create external overlay $work/local/top.qcommit-" ||
+            fail "live --overlay-dir: first step $(jq -c '.steps[0]' "$out")"
+          rc=0; "$QCOMMIT" live "vm one" vda --uri "$uri" --dry-run --overlay-dir "$work/nowhere" 2>err.txt || rc=$?
+          [[ $rc == 1 ]] && grep -q "$work/nowhere: not a directory" err.txt || fail "live --overlay-dir missing: rc $rc, $(cat err.txt)"
+          rc=0; "$QCOMMIT" live "vm one" vda --uri "$uri" --dry-run --overlay-dir "$work/local" --strategy direct 2>err.txt || rc=$?
+          [[ $rc == 2 ]] || fail "live --overlay-dir --strategy direct: rc $rc" ;;
     *) fail "new subcommand '$cmd': add its --output=json case to this test" ;;
   esac
   echo "$cmd: --help with examples, --output=json valid"

@@ -115,6 +115,8 @@ TEST_CASE("plugin.live.plan") {
     CHECK_THROWS_AS((void)plan_live(r, busy, "/n"), BlockJobError);
   }
   CHECK(fresh_overlay_path("/s/top.qcow2", "20260101") == "/s/top.qcommit-20260101.qcow2");
+  CHECK(fresh_overlay_path("/s/top.qcow2", "20260101", "/local") ==
+        "/local/top.qcommit-20260101.qcow2");
 }
 
 TEST_CASE("plugin.live.two_phase_runs_in_order") {
