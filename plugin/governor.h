@@ -16,6 +16,10 @@
 //    writeback, plus dirty beyond kDirtyAllowanceBytes) exceed the window;
 //  * every `pace` the WritebackPlanner starts writeback of the target's dirty pages within the
 //    last window.
+// Without cachestat(2) (Linux < 6.5) the page-cache reading is host-wide: the backlog is at most
+// what the job copied since the start of the last completed fdatasync of its target, which
+// `pace` runs while the job copies (at most one per kFallbackSyncGap) instead of the planner;
+// cache=none/directsync jobs have no backlog there.
 // Discovery: JOB_STATUS_CHANGE events trigger a scan of the domain at the next step; BLOCK_JOB_2
 // completed/failed/canceled release the state; every `poll` all disks of all running domains
 // are polled (adopts jobs running before start and after reconnects).
