@@ -65,12 +65,19 @@ bool mirror(JobType t) { return t == JobType::ActiveCommit || t == JobType::Copy
 
 struct Governor::Job {
   Job(DiskKey k, const Policy& p, JobType t, const std::string& cache)
-      : key(std::move(k)), type(t), policy(p), ctl(controller_config(p, t, cache)) {}
+      : key(std::move(k)),
+        type(t),
+        policy(p),
+        ctl(controller_config(p, t, cache)),
+        direct_io(direct_cache(cache)) {}
+  // cache=none/directsync: the job's writes bypass the page cache.
+  static bool direct_cache(const std::string& cache) {
+    return cache == "none" || cache == "directsync";
+  }
   // QEMU's commit and stream jobs write 512 KiB at a time (COMMIT_BUFFER_SIZE, STREAM_CHUNK);
   // with cache=none/directsync those writes reach the storage as they are.
   static bool direct_chunks(JobType t, const std::string& cache) {
-    return (cache == "none" || cache == "directsync") &&
-           (t == JobType::Commit || t == JobType::Pull);
+    return direct_cache(cache) && (t == JobType::Commit || t == JobType::Pull);
   }
   static throttle::ControllerConfig controller_config(const Policy& p, JobType t,
                                                       const std::string& cache) {
@@ -114,7 +121,7 @@ struct Governor::Job {
   // Without per-file page-cache counts (no cachestat): fdatasyncs of the target while the job
   // copies; the job's progress at the last tick and whether it moved in it, the progress (as of
   // the last tick) when the running sync started and when the last completed one did.
-  bool direct_io = false;  // cache=none/directsync: its writes bypass the page cache
+  bool direct_io;  // direct_cache(): its writes bypass the page cache
   std::optional<std::uint64_t> tick_cur;
   bool tick_progressed = false;
   std::optional<std::uint64_t> sync_start_cur;
@@ -375,7 +382,6 @@ void Governor::adopt(const DomainInfo& dom, const DiskInfo& disk, const JobInfo&
   const Policy policy = resolved.policy;
   const std::string policy_error = resolved.metadata_error.value_or("");
   auto j = std::make_unique<Job>(k, policy, info.type, disk.cache);
-  j->direct_io = disk.cache == "none" || disk.cache == "directsync";
   j->target = target;
   j->storage = storage;
   j->pool = pool ? pool->name : "";
@@ -474,7 +480,7 @@ void Governor::tick(TimePoint now) {
     // progress the count leaves out what the set speed allows in a tick (it went out with the
     // syncs of this tick unless storage held it up); beyond that (QEMU's bursts: a mirror
     // copies 16 MiB whatever its speed) it counts.
-    std::optional<std::uint64_t> own_bound;
+    std::uint64_t own_bound = std::numeric_limits<std::uint64_t>::max();  // no bound: per file
     if (pc && !pc->per_file) {
       if (j.tick_cur && info->cur < *j.tick_cur) j.reset_sync();  // a new job: start over
       const std::optional<std::uint64_t> before = j.tick_cur;
@@ -496,7 +502,7 @@ void Governor::tick(TimePoint now) {
         pc ? pc->writeback_bytes +
                  (pc->dirty_bytes > pace_production ? pc->dirty_bytes - pace_production : 0)
            : 0,
-        own_bound.value_or(std::numeric_limits<std::uint64_t>::max()));
+        own_bound);
     // QEMU reports progress in bursts (the mirror: 16 MiB at once, then it sleeps the burst off
     // at the set speed; commit.c counts unallocated stretches without copying).  Per tick that
     // looks like "idle" most of the time, so the controller would never see the job use its
@@ -557,7 +563,7 @@ void Governor::tick(TimePoint now) {
     const std::uint64_t queued = std::min(
         pc ? pc->writeback_bytes + (pc->dirty_bytes > allowance ? pc->dirty_bytes - allowance : 0)
            : 0,
-        own_bound.value_or(std::numeric_limits<std::uint64_t>::max()));
+        own_bound);
     // Held: the job may not copy at all (the floor speed; a gated job's gate stays closed).
     const bool held = d.paused || queued > d.window_bytes || holding;
     std::uint64_t speed;

@@ -10,7 +10,6 @@
 #include <cerrno>
 #include <fstream>
 #include <sstream>
-#include <string_view>
 #include <system_error>
 #include <thread>
 
@@ -121,10 +120,7 @@ WritebackPlan WritebackPlanner::plan(const WritebackInput& in, const DirtyProbe&
   return out;
 }
 
-namespace {
-// "Key: N kB" lines: the dirty and the writeback count named by the keys, in bytes.
-std::optional<PageCacheState> parse_kb_counts(const std::string& text, std::string_view dirty_key,
-                                              std::string_view writeback_key) {
+std::optional<PageCacheState> parse_meminfo(const std::string& text) {
   std::istringstream is(text);
   std::string line;
   std::optional<std::uint64_t> dirty, wb;
@@ -133,32 +129,11 @@ std::optional<PageCacheState> parse_kb_counts(const std::string& text, std::stri
     std::string key;
     std::uint64_t kb = 0;
     if (!(ls >> key >> kb)) continue;
-    if (key == dirty_key) dirty = kb * 1024;
-    else if (key == writeback_key) wb = kb * 1024;
+    if (key == "Dirty:") dirty = kb * 1024;
+    else if (key == "Writeback:") wb = kb * 1024;
   }
   if (!dirty || !wb) return std::nullopt;
   return PageCacheState{*dirty, *wb, false};
-}
-
-std::string read_text(const std::string& path) {
-  std::ifstream f(path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-}  // namespace
-
-std::optional<PageCacheState> parse_meminfo(const std::string& text) {
-  return parse_kb_counts(text, "Dirty:", "Writeback:");
-}
-
-const char* to_string(PageCacheSource s) {
-  switch (s) {
-    case PageCacheSource::kAuto:
-      return "auto";
-    case PageCacheSource::kMeminfo: return "meminfo";
-  }
-  return "?";
 }
 
 std::optional<PageCacheSource> parse_page_cache_source(const std::string& s) {
@@ -229,7 +204,10 @@ class SystemTargetFile final : public TargetFile {
   std::optional<PageCacheState> page_cache() override {
     if (auto cs = cachestat({0, 0}))
       return PageCacheState{cs->nr_dirty * page_, cs->nr_writeback * page_, true};
-    return parse_meminfo(read_text("/proc/meminfo"));
+    std::ifstream f("/proc/meminfo");
+    std::stringstream ss;
+    ss << f.rdbuf();
+    return parse_meminfo(ss.str());
   }
   std::optional<PageCacheState> page_cache_in(const ByteRange& r) override {
     if (auto cs = cachestat(r)) return PageCacheState{cs->nr_dirty * page_, cs->nr_writeback * page_, true};

@@ -8,8 +8,6 @@
 // /proc/meminfo fallback, sync_file_range(SYNC_FILE_RANGE_WRITE)).
 #pragma once
 
-#include <sys/types.h>
-
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -141,7 +139,6 @@ class TargetFiles {
 // Where a target's page cache is read: auto (cachestat(2) where the kernel has it, else
 // /proc/meminfo), or meminfo forced (what a kernel before 6.5 gets; diagnostics, tests).
 enum class PageCacheSource { kAuto, kMeminfo };
-[[nodiscard]] const char* to_string(PageCacheSource s);
 [[nodiscard]] std::optional<PageCacheSource> parse_page_cache_source(const std::string& s);
 
 // Real files: open(O_RDONLY|O_CLOEXEC), cachestat(2) (syscall 451, kernel >= 6.5) or the
