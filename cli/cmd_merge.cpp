@@ -196,6 +196,7 @@ int cmd_merge(const Args& args) {
   if (out == Output::kJson) {
     std::string js = "{\"event\": \"result\", \"top\": " + json_string(r.top) + ", \"base\": " + json_string(r.base);
     js += ", \"copied\": " + std::to_string(r.copied_bytes) + ", \"zeroed\": " + std::to_string(r.zeroed_bytes);
+    js += std::string(", \"resumed\": ") + json_bool(r.resumed);
     js += ", \"resumed-from\": " + std::to_string(r.resumed_from);
     js += ", \"leaks-repaired\": " + std::to_string(r.leaks_repaired);
     js += ", \"bitmaps-removed\": " + std::to_string(r.bitmaps_removed);
@@ -230,7 +231,8 @@ int cmd_merge(const Args& args) {
                 !r.direct_io ? "buffered, bounded dirty data"
                 : mo.write_mode == engine::WriteMode::kAuto ? "O_DIRECT for large requests, buffered for small"
                                                            : "O_DIRECT");
-    if (r.resumed_from) std::printf("resumed from offset %s of an interrupted run\n", format_size(r.resumed_from).c_str());
+    if (r.resumed)
+      std::printf("resumed an interrupted run (from offset %s)\n", format_size(r.resumed_from).c_str());
     if (r.leaks_repaired) std::printf("repaired %" PRIu64 " leaked clusters left by the interrupted run\n", r.leaks_repaired);
     if (r.bitmaps_removed) std::printf("removed %zu persistent bitmaps from the base (they would be stale)\n", r.bitmaps_removed);
     for (auto& c : r.rebased) std::printf("rebased %s onto %s\n", c.c_str(), r.base.c_str());

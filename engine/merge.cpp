@@ -43,6 +43,7 @@ inline constexpr uint64_t kMinSplicePipeBytes = 256ull << 10;  // smaller pipes:
 inline constexpr uint64_t kPageBytes = 4096;
 inline constexpr auto kProgressInterval = std::chrono::milliseconds(200);
 inline constexpr const char* kCheckpointMagic = "qcommit-merge-checkpoint v1";
+inline constexpr off_t kMaxCheckpointBytes = 64 << 10;
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
@@ -341,6 +342,14 @@ class CopyPool {
 // ---------------------------------------------------------------------------------------------
 // Checkpoint: identifies the merge (layers above BASE, BASE) and how far it got.
 
+// Where merges into block devices keep their checkpoints (a file BASE keeps its own beside it).
+inline constexpr const char* kDefaultStateDirectory = "/var/lib/qcommit";
+
+std::string state_directory() {
+  const char* env = std::getenv("QCOMMIT_STATE_DIR");
+  return env && *env ? env : kDefaultStateDirectory;
+}
+
 struct Checkpoint {
   std::string identity;
   uint64_t done = 0;
@@ -355,9 +364,20 @@ std::string layer_identity(const std::string& path) {
   return o.str();
 }
 
+// Opens the checkpoint without following a symlink planted in its place, and only if it is a
+// regular file (a FIFO would block, a device would be read).
 std::optional<Checkpoint> load_checkpoint(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return std::nullopt;
+  Fd fd(::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+  if (fd.fd < 0) {
+    if (errno == ENOENT) return std::nullopt;
+    return Checkpoint{"", 0};  // a symlink or unreadable: an interrupted run of unknown identity
+  }
+  struct stat st {};
+  if (::fstat(fd.fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size > kMaxCheckpointBytes)
+    return Checkpoint{"", 0};
+  std::string text(size_t(st.st_size), '\0');
+  if (::pread(fd.fd, text.data(), text.size(), 0) != ssize_t(text.size())) return Checkpoint{"", 0};
+  std::istringstream in(text);
   std::string magic, identity, done;
   std::getline(in, magic);
   std::getline(in, identity);
@@ -365,33 +385,50 @@ std::optional<Checkpoint> load_checkpoint(const std::string& path) {
   uint64_t n = 0;
   const auto [end, ec] = std::from_chars(done.data(), done.data() + done.size(), n);
   if (magic != kCheckpointMagic || done.empty() || ec != std::errc() || end != done.data() + done.size())
-    return Checkpoint{"", 0};  // unreadable (e.g. torn by a crash): restart
+    return Checkpoint{"", 0};  // unreadable: restart (leaks are repaired)
   return Checkpoint{identity, n};
 }
 
-// The first checkpoint of a run is forced to disk (with its directory entry): its existence tells
-// the next run that this one was interrupted, and that run then repairs the leaks an interruption
-// can leave. Progress updates are atomic (rename) but not forced: each is written after the
-// window it names was committed, so any version a crash leaves names committed data or is
-// unreadable (then the next run starts over); losing the newest only means copying again what a
-// window copied. Forcing them cost two journal commits per window (1-23 ms each measured).
-enum class CheckpointSync : uint8_t { kDurable, kAtomic };
-
-void save_checkpoint(const std::string& path, const Checkpoint& cp, CheckpointSync sync) {
-  const std::string tmp = path + ".tmp";
-  const bool durable = sync == CheckpointSync::kDurable;
-  {
-    Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
-    if (fd.fd < 0) throw IoError(tmp, std::string("cannot write checkpoint: ") + strerror(errno), errno);
-    std::string s = std::string(kCheckpointMagic) + "\n" + cp.identity + "\n" + std::to_string(cp.done) + "\n";
-    if (::write(fd.fd, s.data(), s.size()) != ssize_t(s.size()) || (durable && ::fsync(fd.fd) != 0))
-      throw IoError(tmp, std::string("cannot write checkpoint: ") + strerror(errno), errno);
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0)
-    throw IoError(path, std::string("cannot write checkpoint: ") + strerror(errno), errno);
-  if (!durable) return;
+void sync_directory_of(const std::string& path) {
   Fd dir(::open(fs::path(path).parent_path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (dir.fd >= 0) ::fsync(dir.fd);
+  if (dir.fd < 0 || ::fsync(dir.fd) != 0)
+    throw IoError(fs::path(path).parent_path().string(), std::string("cannot sync directory: ") + strerror(errno),
+                  errno);
+}
+
+// Each version is written to a fresh temporary file (O_EXCL|O_NOFOLLOW: a symlink planted at
+// its name makes the merge fail instead of overwriting what it points to), forced to disk, then
+// renamed over the old one and the directory forced too: after a power loss the checkpoint reads
+// back as the old or the new version, never empty. Each version is written after the window it
+// names was committed, so it never claims data that is not durable.
+void save_checkpoint(const std::string& path, const Checkpoint& cp) {
+  const std::string tmp = path + ".tmp";
+  if (fs::path(path).parent_path() == fs::path(state_directory()) && ::mkdir(state_directory().c_str(), 0700) != 0 &&
+      errno != EEXIST)
+    throw IoError(state_directory(), std::string("cannot create state directory: ") + strerror(errno), errno);
+  auto fail = [](const std::string& file) {
+    throw IoError(file, std::string("cannot write checkpoint: ") + strerror(errno), errno);
+  };
+  if (::unlink(tmp.c_str()) != 0 && errno != ENOENT) fail(tmp);
+  {
+    Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
+    if (fd.fd < 0) fail(tmp);
+    const std::string s =
+        std::string(kCheckpointMagic) + "\n" + cp.identity + "\n" + std::to_string(cp.done) + "\n";
+    if (::write(fd.fd, s.data(), s.size()) != ssize_t(s.size()) || ::fsync(fd.fd) != 0) fail(tmp);
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) fail(path);
+  sync_directory_of(path);
+}
+
+// The merge is finished: the checkpoint goes, durably (a stale one would make the next merge into
+// BASE repair leaks for nothing, never more).
+void remove_checkpoint(const std::string& path) {
+  if (::unlink(path.c_str()) != 0) {
+    if (errno == ENOENT) return;
+    throw IoError(path, std::string("cannot remove checkpoint: ") + strerror(errno), errno);
+  }
+  sync_directory_of(path);
 }
 
 // Same inode, or the same block device through two nodes (/dev/vg/lv, /dev/mapper/vg-lv).
@@ -435,6 +472,14 @@ std::vector<MapEntry> extents_above(Chain& chain, size_t base_depth, uint64_t fr
 
 std::string checkpoint_path(const std::string& base) {
   fs::path p(base);
+  struct stat st {};
+  if (::stat(base.c_str(), &st) == 0 && S_ISBLK(st.st_mode)) {
+    // /dev is a tmpfs that a reboot empties: a block device's checkpoint lives in the state
+    // directory, named by the path the merge was given ("/dev/vg/lv" -> "dev%2fvg%2flv").
+    std::string name;
+    for (char c : fs::absolute(p).string().substr(1)) name += c == '/' ? "%2f" : c == '%' ? "%25" : std::string(1, c);
+    return (fs::path(state_directory()) / (name + ".qcommit-merge")).string();
+  }
   return (p.parent_path() / ("." + p.filename().string() + ".qcommit-merge")).string();
 }
 
@@ -453,6 +498,9 @@ MergeResult merge(const MergeOptions& opt) {
   res.top = opt.top;
   auto progress = [&](const Progress& p) {
     if (opt.on_progress) opt.on_progress(p);
+  };
+  auto point = [&](std::string_view name) {
+    if (opt.on_write_point) opt.on_write_point(name);
   };
 
   // 1. Find BASE in TOP's chain, read-only.
@@ -568,8 +616,11 @@ MergeResult merge(const MergeOptions& opt) {
     }
     writer = std::make_unique<qcow2::Writer>(img);
   }
+  res.resumed = resuming;
   res.resumed_from = resume_from;
-  save_checkpoint(cp_path, {identity, resume_from}, CheckpointSync::kDurable);
+  if (writer) writer->on_write_point = [&](qcow2::WritePoint wp) { point(qcow2::to_string(wp)); };
+  point("checkpoint");
+  save_checkpoint(cp_path, {identity, resume_from});
 
   // 5. Grow BASE to TOP's size.
   const uint64_t base_size = base.virtual_size();
@@ -631,7 +682,8 @@ MergeResult merge(const MergeOptions& opt) {
     } else {
       dst_dev.flush();
     }
-    save_checkpoint(cp_path, {identity, upto}, CheckpointSync::kAtomic);
+    point("checkpoint");
+    save_checkpoint(cp_path, {identity, upto});
     if (opt.on_checkpoint) opt.on_checkpoint(upto);
     window_bytes = 0;
   };
@@ -658,7 +710,10 @@ MergeResult merge(const MergeOptions& opt) {
       pending.direct_dst = false;
       pending.buffered_dst = true;
     }
-    if (pending.length) pool.submit(std::move(pending));
+    if (pending.length) {
+      point("data");
+      pool.submit(std::move(pending));
+    }
     pending = CopyJob{};
   };
   auto request_bytes = [&]() -> uint64_t {
@@ -696,6 +751,7 @@ MergeResult merge(const MergeOptions& opt) {
       const uint64_t n = std::min(kChunkBytes, len - p);
       buf.resize(n);
       chain.read(off + p, buf, 0);
+      point("data");
       if (writer)
         writer->write(off + p, buf, base_view);
       else
@@ -709,7 +765,11 @@ MergeResult merge(const MergeOptions& opt) {
       MapEntry b = chain.status(z, end - z, base_depth);
       if (b.zero) {
         res.skipped_zero_bytes += b.length;
-      } else if (writer) {
+        z += b.length;
+        continue;
+      }
+      point("data");
+      if (writer) {
         writer->write_zeroes(z, b.length, base_view);
         res.zeroed_bytes += b.length;
       } else {
@@ -877,17 +937,24 @@ MergeResult merge(const MergeOptions& opt) {
       name = fs::absolute(base.path).lexically_normal().string();
     qcow2::Writer w(*img);
     w.set_backing(name, std::string(qcow2::to_string(base.format)));
+    point("rebase");
     w.commit();
     res.rebased.push_back(child);
   }
   res.switch_seconds = seconds_since(t_switch);
-  ::unlink(cp_path.c_str());
+  // 8. With every lock still held (a QEMU starting now cannot open TOP or BASE): the caller's
+  // own steps, then the deletions, then the checkpoint, last: until it is gone a re-run of the
+  // same command accepts children already rebased and finishes what is left.
+  if (opt.while_locked) opt.while_locked(res);
   if (opt.delete_merged) {
-    locks.clear();
     for (const auto& p : res.merged_layers) {
+      point("delete");
       if (::unlink(p.c_str()) == 0) res.deleted.push_back(p);
     }
   }
+  point("checkpoint");
+  remove_checkpoint(cp_path);
+  locks.clear();
   res.total_seconds = seconds_since(t_start);
   progress({done_bytes, total, res.total_seconds, 0, "done"});
   return res;

@@ -16,6 +16,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace qcommit::engine {
@@ -70,6 +71,8 @@ struct Progress {
   std::string phase;  // "plan", "copy", "switch", "done"
 };
 
+struct MergeResult;
+
 struct MergeOptions {
   std::string top;
   std::optional<std::string> base;  // default: TOP's backing file
@@ -85,6 +88,16 @@ struct MergeOptions {
   std::function<void(const Progress&)> on_progress;
   // Test hook: called after each committed window with the checkpointed guest offset.
   std::function<void(uint64_t)> on_checkpoint;
+  // Test seam: called right before each write the merge makes to disk, named ("grow",
+  // "zero-grown", "data", "window-commit", "checkpoint", "bitmaps", "rebase", "delete", and the
+  // qcow2 writer's persistence points "data-flush", "l2-tables", "header", ...). A crash test
+  // stops the process here.
+  std::function<void(std::string_view point)> on_write_point;
+  // Runs after the copy and the switch while every image lock is still held (a QEMU that starts
+  // now cannot open TOP or BASE): orchestration that must not race a starting guest (a domain's
+  // definition, deletions) belongs here. What it throws fails the merge; the data is merged by
+  // then, so running the same command again finishes the rest.
+  std::function<void(MergeResult&)> while_locked;
   // Returns an error message, or empty when the options are usable.
   [[nodiscard]] std::string validate() const;
 };
@@ -97,6 +110,7 @@ struct MergeResult {
   uint64_t copied_bytes = 0;
   uint64_t zeroed_bytes = 0;
   uint64_t skipped_zero_bytes = 0;  // zero ranges BASE already read as zeros
+  bool resumed = false;             // an interrupted run of this same merge was found and finished
   uint64_t resumed_from = 0;        // guest offset a previous run had checkpointed
   uint64_t leaks_repaired = 0;
   size_t bitmaps_removed = 0;
