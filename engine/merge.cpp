@@ -353,7 +353,12 @@ std::string state_directory() {
 struct Checkpoint {
   std::string identity;
   uint64_t done = 0;
+  // Set once the copy and the switch are done and --delete starts removing these layers (written
+  // by this user only: see load_checkpoint), so that a re-run finds what is left to delete even
+  // when TOP is already gone.
+  std::vector<std::string> deleting;
 };
+inline constexpr const char* kCheckpointDeleting = "deleting";
 
 std::string layer_identity(const std::string& path) {
   struct stat st {};
@@ -370,13 +375,14 @@ std::optional<Checkpoint> load_checkpoint(const std::string& path) {
   Fd fd(::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
   if (fd.fd < 0) {
     if (errno == ENOENT) return std::nullopt;
-    return Checkpoint{"", 0};  // a symlink or unreadable: an interrupted run of unknown identity
+    return Checkpoint{"", 0, {}};  // a symlink or unreadable: an interrupted run of unknown identity
   }
   struct stat st {};
   if (::fstat(fd.fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size > kMaxCheckpointBytes)
-    return Checkpoint{"", 0};
+    return Checkpoint{"", 0, {}};
+  const bool ours = st.st_uid == ::geteuid() && (st.st_mode & 077) == 0;
   std::string text(size_t(st.st_size), '\0');
-  if (::pread(fd.fd, text.data(), text.size(), 0) != ssize_t(text.size())) return Checkpoint{"", 0};
+  if (::pread(fd.fd, text.data(), text.size(), 0) != ssize_t(text.size())) return Checkpoint{"", 0, {}};
   std::istringstream in(text);
   std::string magic, identity, done;
   std::getline(in, magic);
@@ -385,8 +391,13 @@ std::optional<Checkpoint> load_checkpoint(const std::string& path) {
   uint64_t n = 0;
   const auto [end, ec] = std::from_chars(done.data(), done.data() + done.size(), n);
   if (magic != kCheckpointMagic || done.empty() || ec != std::errc() || end != done.data() + done.size())
-    return Checkpoint{"", 0};  // unreadable: restart (leaks are repaired)
-  return Checkpoint{identity, n};
+    return Checkpoint{"", 0, {}};  // unreadable: restart (leaks are repaired)
+  Checkpoint cp{identity, n, {}};
+  std::string line;
+  if (ours && std::getline(in, line) && line == kCheckpointDeleting)
+    while (std::getline(in, line))
+      if (!line.empty()) cp.deleting.push_back(line);
+  return cp;
 }
 
 void sync_directory_of(const std::string& path) {
@@ -413,8 +424,11 @@ void save_checkpoint(const std::string& path, const Checkpoint& cp) {
   {
     Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
     if (fd.fd < 0) fail(tmp);
-    const std::string s =
-        std::string(kCheckpointMagic) + "\n" + cp.identity + "\n" + std::to_string(cp.done) + "\n";
+    std::string s = std::string(kCheckpointMagic) + "\n" + cp.identity + "\n" + std::to_string(cp.done) + "\n";
+    if (!cp.deleting.empty()) {
+      s += std::string(kCheckpointDeleting) + "\n";
+      for (const auto& p : cp.deleting) s += p + "\n";
+    }
     if (::write(fd.fd, s.data(), s.size()) != ssize_t(s.size()) || ::fsync(fd.fd) != 0) fail(tmp);
   }
   if (::rename(tmp.c_str(), path.c_str()) != 0) fail(path);
@@ -439,6 +453,48 @@ bool same_file(const std::string& a, const std::string& b) {
   if (::stat(a.c_str(), &sa) != 0 || ::stat(b.c_str(), &sb) != 0) return false;
   if (S_ISBLK(sa.st_mode) && S_ISBLK(sb.st_mode)) return sa.st_rdev == sb.st_rdev;
   return sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+}
+
+// BASE once more with O_DIRECT, through the descriptor already open (/proc/self/fd names that
+// very file even if its path was swapped since), and checked to be the same file. -1 where the
+// filesystem refuses O_DIRECT (then the copy is buffered).
+Fd reopen_direct(const qcow2::FileDevice& base) {
+  const std::string self = "/proc/self/fd/" + std::to_string(base.fd());
+  Fd fd(::open(self.c_str(), O_RDWR | O_DIRECT | O_CLOEXEC));
+  struct stat a {}, b {};
+  if (fd.fd < 0 || ::fstat(fd.fd, &a) != 0 || ::fstat(base.fd(), &b) != 0) return Fd();
+  if (a.st_dev != b.st_dev || a.st_ino != b.st_ino) throw Error(base.name(), "changed while the merge opened it");
+  return fd;
+}
+
+// A child of TOP that the switch moves onto BASE, opened for writing before the copy starts.
+struct RebaseTarget {
+  std::string path;
+  std::unique_ptr<qcow2::Image> image;
+  std::unique_ptr<qcow2::Writer> writer;  // refuses a corrupt or dirty child at construction
+  std::string backing_name;               // BASE, relative if the child's old name was
+};
+
+RebaseTarget prepare_rebase(const std::string& child, const qcow2::Layer& base) {
+  RebaseTarget t;
+  t.path = child;
+  t.image = qcow2::Image::open(qcow2::FileDevice::open(child, {.writable = true}));
+  t.writer = std::make_unique<qcow2::Writer>(*t.image);
+  const std::string old = t.image->backing_name().value_or("");
+  // Names resolved by the kernel, never lexically ("link/.." is not "."): relative from the
+  // child's real directory, or BASE's real path; a block device keeps the name it was given
+  // (/dev/vg/lv is stable, the /dev/dm-N it points to is not).
+  struct stat st {};
+  const bool blockdev = ::stat(base.path.c_str(), &st) == 0 && S_ISBLK(st.st_mode);
+  const fs::path target = blockdev ? fs::absolute(base.path) : fs::canonical(base.path);
+  if (!old.empty() && fs::path(old).is_relative() && !blockdev)
+    t.backing_name = target.lexically_relative(fs::canonical(fs::absolute(child).parent_path())).string();
+  else
+    t.backing_name = target.string();
+  if (t.backing_name.size() > qcow2::kMaxBackingNameBytes)
+    throw Error(child, "cannot be rebased: the backing name '" + t.backing_name + "' is longer than " +
+                           std::to_string(qcow2::kMaxBackingNameBytes) + " bytes");
+  return t;
 }
 
 // Where BASE is in TOP's chain (opened read-only with the options' backing directories).
@@ -468,6 +524,73 @@ std::vector<MapEntry> extents_above(Chain& chain, size_t base_depth, uint64_t fr
   return extents;
 }
 
+// Grows BASE to `new_size` so that nothing TOP shows changes, at any instant. Past BASE's end
+// TOP reads zeros (QEMU reads nothing from a backing file past its end); once BASE is larger, its
+// unallocated grown clusters would read BASE's own backing file instead, and TOP (and a re-run's
+// plan, which takes them as provided by BASE) would see that file's bytes. So, as QEMU does when
+// it grows an image that has a backing file, the part of the grown range that BASE's backing file
+// covers is made to read as zeros in the same commit that grows BASE: the writer puts the zero
+// flags (zero data on v2) in L2 tables that are durable before the header names the new size.
+// Ranges the layers above BASE provide data for are left alone: TOP shows its own data there,
+// and the copy (or a re-run's) writes them. A raw BASE has no backing file: truncate reads zeros.
+// Returns the bytes made to read as zeros.
+uint64_t grow_base(Chain& chain, size_t base_depth, qcow2::Writer* writer, uint64_t new_size,
+                   const std::vector<MapEntry>& extents_above_base) {
+  qcow2::Layer& base = chain.layer(base_depth);
+  const uint64_t old_size = base.virtual_size();
+  if (!writer) {
+    base.raw->truncate(new_size);
+    return 0;
+  }
+  writer->grow(new_size);
+  const uint64_t below_size = chain.depth() > base_depth + 1 ? chain.layer(base_depth + 1).virtual_size() : 0;
+  const uint64_t shadow_end = std::min(new_size, below_size);  // where BASE's backing file shows
+  uint64_t zeroed = 0;
+  qcow2::ViewReader base_view = [&](uint64_t o, std::span<uint8_t> out) { chain.read(o, out, base_depth); };
+  auto zero = [&](uint64_t from, uint64_t to) {
+    if (from >= to) return;
+    writer->write_zeroes(from, to - from, base_view);
+    zeroed += to - from;
+  };
+  uint64_t pos = old_size;
+  for (const MapEntry& e : extents_above_base) {
+    if (pos >= shadow_end) break;
+    if (!e.data) continue;  // zero extents are zeroed here too: they must read as zeros anyway
+    const uint64_t s = e.start, t = e.start + e.length;
+    if (t <= pos) continue;
+    zero(pos, std::min(s, shadow_end));
+    pos = std::max(pos, t);
+  }
+  zero(pos, shadow_end);
+  writer->commit();
+  return zeroed;
+}
+
+// `merge TOP --base BASE --delete` again after a run that stopped while deleting the merged layers
+// (TOP first): TOP is gone, and BASE's checkpoint, written by this user, lists TOP among the layers
+// being deleted. The rest of them are deleted and the checkpoint removed. Nothing else is trusted
+// from a checkpoint to decide what to delete.
+std::optional<MergeResult> finish_interrupted_delete(const MergeOptions& opt) {
+  struct stat st {};
+  if (!opt.delete_merged || !opt.base || ::lstat(opt.top.c_str(), &st) == 0 || errno != ENOENT) return std::nullopt;
+  const std::string cp_path = checkpoint_path(*opt.base);
+  const auto cp = load_checkpoint(cp_path);
+  const std::string top = fs::absolute(opt.top).string();
+  if (!cp || std::find(cp->deleting.begin(), cp->deleting.end(), top) == cp->deleting.end()) return std::nullopt;
+  MergeResult res;
+  res.top = opt.top;
+  res.base = *opt.base;
+  res.resumed = true;
+  res.resumed_from = cp->done;
+  for (const auto& p : cp->deleting) {
+    if (opt.on_write_point) opt.on_write_point("delete");
+    if (::unlink(p.c_str()) == 0) res.deleted.push_back(p);
+  }
+  if (opt.on_write_point) opt.on_write_point("checkpoint");
+  remove_checkpoint(cp_path);
+  return res;
+}
+
 }  // namespace
 
 std::string checkpoint_path(const std::string& base) {
@@ -493,6 +616,7 @@ std::string MergeOptions::validate() const {
 
 MergeResult merge(const MergeOptions& opt) {
   if (auto err = opt.validate(); !err.empty()) throw Error(opt.top, err);
+  if (auto finished = finish_interrupted_delete(opt)) return *finished;
   const auto t_start = Clock::now();
   MergeResult res;
   res.top = opt.top;
@@ -543,6 +667,10 @@ MergeResult merge(const MergeOptions& opt) {
   const bool resuming = old_cp && old_cp->identity == identity;
   const uint64_t resume_from = resuming ? old_cp->done : 0;
 
+  // Each child is opened for writing, and its new backing name decided, before anything is written:
+  // a child that cannot be rebased (dirty, corrupt, read-only) stops the merge here, not after
+  // the copy. The switch then writes through these same openings.
+  std::vector<RebaseTarget> children;
   for (const auto& child : opt.rebase) {
     qcow2::ChainOptions cho;
     cho.allowed_backing_dirs = opt.allowed_backing_dirs;
@@ -554,6 +682,7 @@ MergeResult merge(const MergeOptions& opt) {
     if (!rebased_before && (c.depth() < 2 || !same_file(c.layer(1).path, chain.layer(0).path)))
       throw Error(child, "its backing file is not " + opt.top + "; refusing to rebase it");
     locks.push_back(ImageLock::writer(child));
+    children.push_back(prepare_rebase(child, base));
   }
 
   // The layers merged must be consistent: with overlapping metadata (an L2 entry pointing into a
@@ -620,17 +749,12 @@ MergeResult merge(const MergeOptions& opt) {
   res.resumed_from = resume_from;
   if (writer) writer->on_write_point = [&](qcow2::WritePoint wp) { point(qcow2::to_string(wp)); };
   point("checkpoint");
-  save_checkpoint(cp_path, {identity, resume_from});
+  save_checkpoint(cp_path, {identity, resume_from, {}});
 
-  // 5. Grow BASE to TOP's size.
-  const uint64_t base_size = base.virtual_size();
-  if (top_size > base_size) {
-    if (writer) {
-      writer->grow(top_size);
-      writer->commit();
-    } else {
-      base.raw->truncate(top_size);
-    }
+  // 5. Grow BASE to TOP's size, the grown range reading as zeros from the same commit on.
+  if (top_size > base.virtual_size()) {
+    point("grow");
+    res.zeroed_bytes += grow_base(chain, base_depth, writer.get(), top_size, extents);
     res.base_grown = true;
   }
   if (writer) {
@@ -643,8 +767,7 @@ MergeResult merge(const MergeOptions& opt) {
   auto* dst_file = dynamic_cast<qcow2::FileDevice*>(&dst_dev);
   if (!dst_file) throw Error(base.path, "internal: base is not a file");
   Fd direct_fd;
-  if (opt.write_mode != WriteMode::kBuffered)
-    direct_fd = Fd(::open(base.path.c_str(), O_RDWR | O_DIRECT | O_CLOEXEC));
+  if (opt.write_mode != WriteMode::kBuffered) direct_fd = reopen_direct(*dst_file);
   res.direct_io = direct_fd.fd >= 0;
   const bool buffered = direct_fd.fd < 0;
   const int bulk_fd = buffered ? dst_file->fd() : direct_fd.fd;
@@ -683,7 +806,7 @@ MergeResult merge(const MergeOptions& opt) {
       dst_dev.flush();
     }
     point("checkpoint");
-    save_checkpoint(cp_path, {identity, upto});
+    save_checkpoint(cp_path, {identity, upto, {}});
     if (opt.on_checkpoint) opt.on_checkpoint(upto);
     window_bytes = 0;
   };
@@ -926,20 +1049,11 @@ MergeResult merge(const MergeOptions& opt) {
   // 7. Switch: children now use BASE. Short and bounded: one header rewrite per child.
   progress({done_bytes, total, seconds_since(t_start), 0, "switch"});
   const auto t_switch = Clock::now();
-  for (const auto& child : opt.rebase) {
-    auto dev = qcow2::FileDevice::open(child, {.writable = true});
-    auto img = qcow2::Image::open(std::move(dev));
-    const std::string& old = img->backing_name().value_or("");
-    std::string name;
-    if (!old.empty() && fs::path(old).is_relative())
-      name = fs::relative(fs::absolute(base.path), fs::absolute(child).parent_path()).string();
-    else
-      name = fs::absolute(base.path).lexically_normal().string();
-    qcow2::Writer w(*img);
-    w.set_backing(name, std::string(qcow2::to_string(base.format)));
+  for (RebaseTarget& child : children) {
+    child.writer->set_backing(child.backing_name, std::string(qcow2::to_string(base.format)));
     point("rebase");
-    w.commit();
-    res.rebased.push_back(child);
+    child.writer->commit();
+    res.rebased.push_back(child.path);
   }
   res.switch_seconds = seconds_since(t_switch);
   // 8. With every lock still held (a QEMU starting now cannot open TOP or BASE): the caller's
@@ -947,6 +1061,10 @@ MergeResult merge(const MergeOptions& opt) {
   // same command accepts children already rebased and finishes what is left.
   if (opt.while_locked) opt.while_locked(res);
   if (opt.delete_merged) {
+    Checkpoint deleting{identity, top_size, {}};
+    for (const auto& p : res.merged_layers) deleting.deleting.push_back(fs::absolute(p).string());
+    point("checkpoint");
+    save_checkpoint(cp_path, deleting);
     for (const auto& p : res.merged_layers) {
       point("delete");
       if (::unlink(p.c_str()) == 0) res.deleted.push_back(p);

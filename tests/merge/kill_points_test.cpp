@@ -1,0 +1,291 @@
+// merge.kill_points: engine::merge stopped at every write it makes, then the same merge run again.
+//
+// Each scenario is a chain made with qemu-img/qemu-io. For k = 1, 2, ... a fresh copy of it is
+// merged in a child process whose MergeOptions::on_write_point hook _exit()s right before the
+// k-th write (data, grow, window commit, each qcow2 persistence point, checkpoint, rebase,
+// delete), until a run finishes without reaching point k. After every stop, judged with qemu-img:
+//   - TOP's guest view and every child's are what they were before the merge (while they exist);
+//   - `qemu-img check` finds no corruption in BASE (leaks allowed);
+// then the same merge runs again (in this process) and must report that it resumed whenever the
+// stopped run left a checkpoint, and end with BASE showing TOP's original view, `qemu-img check`
+// clean, children on BASE with their views unchanged, merged layers deleted with --delete.
+// A process stop keeps the page cache: power loss between flushes is covered by merge.crash_*.
+#include <doctest/doctest.h>
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "engine/merge.h"
+
+namespace qcommit::test {
+namespace {
+
+namespace fs = std::filesystem;
+constexpr int kStoppedExit = 77;
+
+// Runs a shell command; returns its exit status.
+int sh(const std::string& cmd) {
+  const int rc = std::system(cmd.c_str());
+  return WIFEXITED(rc) ? WEXITSTATUS(rc) : 128;
+}
+
+void must(const std::string& cmd) { REQUIRE_MESSAGE(sh(cmd) == 0, cmd); }
+
+struct Scenario {
+  std::string name;
+  std::string setup;                   // shell, run in the scenario's directory
+  std::string top = "top.qcow2";
+  std::optional<std::string> base;     // --base
+  std::string base_file;               // the file BASE is
+  std::vector<std::string> children;   // --rebase
+  std::vector<std::string> merged;     // TOP and intermediates (deleted with --delete)
+  bool delete_merged = false;
+};
+
+engine::MergeOptions options_for(const Scenario& s, const std::string& dir) {
+  engine::MergeOptions o;
+  o.top = dir + "/" + s.top;
+  if (s.base) o.base = dir + "/" + *s.base;
+  for (const auto& c : s.children) o.rebase.push_back(dir + "/" + c);
+  o.delete_merged = s.delete_merged;
+  o.window_bytes = engine::kChunkBytes;  // many windows, so many commits and checkpoints
+  o.io_threads = 2;
+  return o;
+}
+
+// Stops the merge right before write point `k` in a child process. Returns the name of the point
+// it stopped at, or "" if the merge finished first.
+std::string run_stopped_at(const Scenario& s, const std::string& dir, int k) {
+  int pipefd[2];
+  REQUIRE(::pipe(pipefd) == 0);
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    ::close(pipefd[0]);
+    engine::MergeOptions o = options_for(s, dir);
+    int seen = 0;
+    o.on_write_point = [&](std::string_view name) {
+      if (++seen < k) return;
+      (void)!::write(pipefd[1], name.data(), name.size());
+      ::_exit(kStoppedExit);
+    };
+    try {
+      (void)engine::merge(o);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "merge failed: %s\n", e.what());
+      ::_exit(2);
+    }
+    ::_exit(0);
+  }
+  ::close(pipefd[1]);
+  char buf[64] = {};
+  const ssize_t n = ::read(pipefd[0], buf, sizeof buf - 1);
+  ::close(pipefd[0]);
+  int status = 0;
+  REQUIRE(::waitpid(pid, &status, 0) == pid);
+  REQUIRE(WIFEXITED(status));
+  if (WEXITSTATUS(status) == 0) return "";
+  REQUIRE_MESSAGE(WEXITSTATUS(status) == kStoppedExit, "the stopped merge failed on its own");
+  return std::string(buf, size_t(std::max<ssize_t>(n, 0)));
+}
+
+// Saves the guest views (raw) of TOP and the children before any merge.
+void save_views(const Scenario& s, const std::string& dir) {
+  must("cd " + dir + " && qemu-img convert -U -O raw " + s.top + " view-top.raw");
+  for (const auto& c : s.children) must("cd " + dir + " && qemu-img convert -U -O raw " + c + " view-" + c + ".raw");
+}
+
+bool same_view(const std::string& dir, const std::string& image, const std::string& raw) {
+  return sh("cd " + dir + " && qemu-img compare -U -q " + raw + " " + image + " >/dev/null 2>&1") == 0;
+}
+
+void check_unchanged_views(const Scenario& s, const std::string& dir, const std::string& where) {
+  if (fs::exists(dir + "/" + s.top))
+    CHECK_MESSAGE(same_view(dir, s.top, "view-top.raw"), s.name << ": TOP's view changed after a stop at " << where);
+  for (const auto& c : s.children)
+    CHECK_MESSAGE(same_view(dir, c, "view-" + c + ".raw"),
+                  s.name << ": child " << c << "'s view changed after a stop at " << where);
+}
+
+// qemu-img check: 0 clean, 3 leaks only.
+int check_base(const std::string& dir, const Scenario& s) {
+  if (s.base_file.ends_with(".raw")) return 0;  // raw has no metadata to check
+  return sh("cd " + dir + " && qemu-img check -q " + s.base_file + " >/dev/null 2>&1");
+}
+
+void check_final(const Scenario& s, const std::string& dir, const std::string& where) {
+  CHECK_MESSAGE(same_view(dir, s.base_file, "view-top.raw"),
+                s.name << ": BASE does not show TOP's original view (stop at " << where << ")");
+  CHECK_MESSAGE(check_base(dir, s) == 0, s.name << ": BASE not clean after the re-run (stop at " << where << ")");
+  for (const auto& c : s.children) {
+    CHECK_MESSAGE(same_view(dir, c, "view-" + c + ".raw"), s.name << ": child " << c << " changed (stop at " << where << ")");
+    CHECK_MESSAGE(sh("cd " + dir + " && qemu-img info -U --output=json " + c + " | grep -q '\"backing-filename\": \".*" +
+                     s.base_file + "\"'") == 0,
+                  s.name << ": child " << c << " not on BASE (stop at " << where << ")");
+  }
+  if (s.delete_merged)
+    for (const auto& m : s.merged)
+      CHECK_MESSAGE(!fs::exists(dir + "/" + m), s.name << ": " << m << " not deleted (stop at " << where << ")");
+}
+
+struct Counts {
+  int stops = 0, resumed = 0, reruns = 0;
+  std::map<std::string, int> by_point;
+};
+
+Counts run_matrix(const Scenario& s) {
+  const std::string root = fs::temp_directory_path() / ("qcommit-kp-" + std::to_string(::getpid()) + "-" + s.name);
+  fs::remove_all(root);
+  const std::string orig = root + "/orig", dir = root + "/run";
+  fs::create_directories(orig);
+  must("cd " + orig + " && set -e; " + s.setup);
+  save_views(s, orig);
+  Counts n;
+  for (int k = 1;; ++k) {
+    REQUIRE(k < 2000);
+    fs::remove_all(dir);
+    must("cp -a --sparse=always " + orig + " " + dir);
+    const std::string where = run_stopped_at(s, dir, k);
+    if (where.empty()) {  // finished without reaching point k: the matrix is complete
+      check_final(s, dir, "none (uninterrupted)");
+      break;
+    }
+    ++n.stops;
+    ++n.by_point[where];
+    const std::string at = where + " #" + std::to_string(k);
+    check_unchanged_views(s, dir, at);
+    const int rc = check_base(dir, s);
+    CHECK_MESSAGE((rc == 0 || rc == 3), s.name << ": BASE corrupt after a stop at " << at);
+    // The same command again.
+    if (!fs::exists(dir + "/" + s.top) && !s.base) {
+      // Stopped after TOP was deleted (merged into its own backing file, no --base: the re-run
+      // has no way to name BASE): data, switch and TOP's deletion are done.
+      check_final(s, dir, at);
+      continue;
+    }
+    const bool had_checkpoint = fs::exists(engine::checkpoint_path(dir + "/" + s.base_file));
+    engine::MergeResult r;
+    try {
+      r = engine::merge(options_for(s, dir));
+    } catch (const std::exception& e) {
+      FAIL_CHECK(s.name << ": re-run after a stop at " << at << " failed: " << e.what());
+      continue;
+    }
+    ++n.reruns;
+    CHECK_MESSAGE(r.resumed == had_checkpoint, s.name << ": re-run after a stop at " << at << " resumed=" << r.resumed
+                                                      << " with checkpoint=" << had_checkpoint);
+    if (r.resumed) ++n.resumed;
+    CHECK_MESSAGE(!fs::exists(engine::checkpoint_path(dir + "/" + s.base_file)), s.name << ": checkpoint left");
+    check_final(s, dir, at);
+  }
+  MESSAGE(s.name << ": " << n.stops << " stops, " << n.reruns << " re-runs, " << n.resumed << " resumed");
+  std::string points;
+  for (auto& [p, c] : n.by_point) points += " " + p + "=" + std::to_string(c);
+  MESSAGE(s.name << ": points" << points);
+  fs::remove_all(root);
+  return n;
+}
+
+// Scattered 64 KiB writes with a pattern each, as qemu-io commands.
+std::string scattered_writes(const std::string& image, int count, uint64_t span_clusters, int seed) {
+  std::string cmd = "qemu-io -f qcow2";
+  for (int i = 0; i < count; ++i) {
+    const uint64_t c = (uint64_t(i) * 2654435761u + uint64_t(seed) * 97) % span_clusters;
+    cmd += " -c 'write -P " + std::to_string((i + seed) % 250 + 1) + " " + std::to_string(c * 65536) + " 64k'";
+  }
+  return cmd + " " + image + " >/dev/null";
+}
+
+void expect_points(const Counts& n, std::initializer_list<const char*> names) {
+  for (const char* p : names) CHECK_MESSAGE(n.by_point.count(p) > 0, "no stop at write point " << p);
+  CHECK(n.stops > 10);
+  CHECK(n.resumed > 0);
+}
+
+}  // namespace
+
+// BELOW (8M, all data) <- BASE (4M) <- TOP (8M) <- CHILD: BASE is grown while BASE's own backing
+// file covers the grown range, which must keep reading as zeros; TOP also has zero clusters.
+TEST_CASE("merge.kill_points.grown_base_over_backing") {
+  Scenario s{.name = "grown",
+             .setup = "qemu-img create -q -f qcow2 below.qcow2 8M; qemu-io -f qcow2 -c 'write -P 0xbb 0 8M' below.qcow2 "
+                      ">/dev/null; qemu-img create -q -f qcow2 -b below.qcow2 -F qcow2 base.qcow2 4M; "
+                      "qemu-io -f qcow2 -c 'write -P 0x11 0 1M' base.qcow2 >/dev/null; "
+                      "qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2 8M; " +
+                      scattered_writes("top.qcow2", 40, 128, 1) +
+                      "; qemu-io -f qcow2 -c 'write -z 512k 256k' -c 'write -P 0x22 6M 512k' top.qcow2 >/dev/null; "
+                      "qemu-img create -q -f qcow2 -b top.qcow2 -F qcow2 child.qcow2 8M; "
+                      "qemu-io -f qcow2 -c 'write -P 0x33 64k 64k' child.qcow2 >/dev/null",
+             .base = std::nullopt,
+             .base_file = "base.qcow2",
+             .children = {"child.qcow2"},
+             .merged = {"top.qcow2"},
+             .delete_merged = false};
+  const Counts n = run_matrix(s);
+  expect_points(n, {"grow", "data", "data-flush", "l2-tables", "header", "checkpoint", "rebase"});
+}
+
+// The same with --delete, qcow2 v2 BASE (no zero flags: the grown range gets zero data) and an
+// intermediate layer (TOP <- MID <- BASE, merged into BASE with --base).
+TEST_CASE("merge.kill_points.v2_base_intermediate_delete") {
+  Scenario s{.name = "v2-delete",
+             .setup = "qemu-img create -q -f qcow2 below.qcow2 6M; qemu-io -f qcow2 -c 'write -P 0xbb 0 6M' below.qcow2 "
+                      ">/dev/null; qemu-img create -q -f qcow2 -o compat=0.10 -b below.qcow2 -F qcow2 base.qcow2 3M; "
+                      "qemu-io -f qcow2 -c 'write -P 0x11 1M 1M' base.qcow2 >/dev/null; "
+                      "qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 mid.qcow2 5M; " +
+                      scattered_writes("mid.qcow2", 20, 80, 2) +
+                      "; qemu-img create -q -f qcow2 -b mid.qcow2 -F qcow2 top.qcow2 8M; " +
+                      scattered_writes("top.qcow2", 30, 128, 3) +
+                      "; qemu-img create -q -f qcow2 -b top.qcow2 -F qcow2 child.qcow2 8M",
+             .base = "base.qcow2",
+             .base_file = "base.qcow2",
+             .children = {"child.qcow2"},
+             .merged = {"top.qcow2", "mid.qcow2"},
+             .delete_merged = true};
+  const Counts n = run_matrix(s);
+  expect_points(n, {"grow", "data", "l2-tables", "checkpoint", "rebase", "delete"});
+}
+
+// BASE with persistent bitmaps (removed by the merge), same size as TOP.
+TEST_CASE("merge.kill_points.base_with_bitmaps") {
+  Scenario s{.name = "bitmaps",
+             .setup = "qemu-img create -q -f qcow2 base.qcow2 8M; qemu-io -f qcow2 -c 'write -P 0x11 0 2M' base.qcow2 "
+                      ">/dev/null; qemu-img bitmap --add base.qcow2 b0; qemu-img bitmap --add base.qcow2 b1; "
+                      "qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2 8M; " +
+                      scattered_writes("top.qcow2", 48, 128, 4),
+             .base = std::nullopt,
+             .base_file = "base.qcow2",
+             .children = {},
+             .merged = {"top.qcow2"},
+             .delete_merged = true};
+  const Counts n = run_matrix(s);
+  expect_points(n, {"data", "header", "refcount-decrements", "checkpoint", "delete"});
+}
+
+// A raw BASE (grown by truncate) under a qcow2 TOP with a child.
+TEST_CASE("merge.kill_points.raw_base") {
+  Scenario s{.name = "raw",
+             .setup = "qemu-img create -q -f raw base.raw 4M; qemu-io -f raw -c 'write -P 0x11 0 4M' base.raw >/dev/null; "
+                      "qemu-img create -q -f qcow2 -b base.raw -F raw top.qcow2 8M; " +
+                      scattered_writes("top.qcow2", 40, 128, 5) +
+                      "; qemu-io -f qcow2 -c 'write -z 0 128k' top.qcow2 >/dev/null; "
+                      "qemu-img create -q -f qcow2 -b top.qcow2 -F qcow2 child.qcow2 8M",
+             .base = std::nullopt,
+             .base_file = "base.raw",
+             .children = {"child.qcow2"},
+             .merged = {"top.qcow2"},
+             .delete_merged = false};
+  const Counts n = run_matrix(s);
+  expect_points(n, {"grow", "data", "checkpoint", "rebase"});
+}
+
+}  // namespace qcommit::test
