@@ -4,6 +4,7 @@
 #include <linux/falloc.h>
 #include <linux/fs.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
@@ -467,6 +468,43 @@ Fd reopen_direct(const qcow2::FileDevice& base) {
   return fd;
 }
 
+// Pages of `fd` in the page cache, counted with mincore(2) over read-only mappings of at most
+// kResidencySliceBytes (any kernel; cachestat(2) needs 6.5).
+inline constexpr uint64_t kResidencySliceBytes = 1ull << 30;
+uint64_t cached_pages(int fd) {
+  const off_t size = ::lseek(fd, 0, SEEK_END);
+  uint64_t pages = 0;
+  std::vector<unsigned char> vec(kResidencySliceBytes / kPageBytes);
+  for (uint64_t off = 0; off < uint64_t(std::max<off_t>(size, 0)); off += kResidencySliceBytes) {
+    const uint64_t len = std::min<uint64_t>(kResidencySliceBytes, uint64_t(size) - off);
+    void* m = ::mmap(nullptr, len, PROT_READ, MAP_SHARED, fd, off_t(off));
+    if (m == MAP_FAILED) return 0;  // not mappable: nothing to verify
+    if (::mincore(m, len, vec.data()) == 0)
+      for (uint64_t i = 0; i < (len + kPageBytes - 1) / kPageBytes; ++i) pages += vec[i] & 1;
+    ::munmap(m, len);
+  }
+  return pages;
+}
+
+// A run that finds BASE's checkpoint reads BASE from its storage, not from the page cache. After a
+// failed writeback (EIO; ENOSPC on a thin or network volume) the kernel keeps the pages it could
+// not write as clean, cached pages: the interrupted run's metadata would be read back as if it
+// were on disk, and a leak repair judged on it could free clusters that the on-disk tables still
+// use. So: write back what is still dirty, drop every cached page, and check that none is left.
+void drop_cached_pages(const std::string& path) {
+  Fd fd(::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC));
+  if (fd.fd < 0) return;  // opening the chain reports it
+  if (::fdatasync(fd.fd) != 0)
+    throw IoError(path, std::string("cannot write back cached pages before resuming: ") + strerror(errno), errno);
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    (void)::posix_fadvise(fd.fd, 0, 0, POSIX_FADV_DONTNEED);
+    if (cached_pages(fd.fd) == 0) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  throw Error(path, "cannot drop its cached pages to read it from storage before resuming an interrupted merge; "
+                    "close what keeps it open (or mapped) and run the merge again");
+}
+
 // A child of TOP that the switch moves onto BASE, opened for writing before the copy starts.
 struct RebaseTarget {
   std::string path;
@@ -646,6 +684,7 @@ MergeResult merge(const MergeOptions& opt) {
                                      : ImageLock::writer(probe.layer(i).path));
     }
   }
+  if (fs::exists(checkpoint_path(locked_paths[base_depth]))) drop_cached_pages(locked_paths[base_depth]);
   qcow2::ChainOptions copts;
   copts.writable_depth = base_depth;
   copts.allowed_backing_dirs = opt.allowed_backing_dirs;

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "engine/merge.h"
+#include "qcow2/error.h"
 
 namespace qcommit::test {
 namespace {
@@ -286,6 +287,90 @@ TEST_CASE("merge.kill_points.raw_base") {
              .delete_merged = false};
   const Counts n = run_matrix(s);
   expect_points(n, {"grow", "data", "checkpoint", "rebase"});
+}
+
+// A write-back that fails (EIO) in the middle of a window, on storage whose client page cache
+// then holds pages the storage never got (qcommit-slowfs with fail_writes=1: every WRITE and
+// FSYNC fails). The merge must stop with an I/O error naming BASE; once the storage works again
+// the same merge must finish from what is on the storage, not from the cached pages: checked
+// after a fresh mount (no page cache), with qemu-img. Needs root and FUSE (QCOMMIT_SLOWFS names
+// the qcommit-slowfs binary).
+TEST_CASE("merge.eio_rerun_reads_storage") {
+  const char* slowfs = std::getenv("QCOMMIT_SLOWFS");
+  if (!slowfs || ::geteuid() != 0 || !fs::exists("/dev/fuse")) {
+    MESSAGE("skipped: needs root, /dev/fuse and QCOMMIT_SLOWFS");
+    return;
+  }
+  const std::string root = fs::temp_directory_path() / ("qcommit-eio-" + std::to_string(::getpid()));
+  const std::string backing = root + "/backing", mnt = root + "/mnt", control = root + "/control";
+  fs::remove_all(root);
+  fs::create_directories(backing);
+  fs::create_directories(mnt);
+  auto set_fail = [&](bool on) {
+    must("echo fail_writes=" + std::string(on ? "1" : "0") + " > " + control);
+    ::usleep(300 * 1000);  // polled every 50 ms
+  };
+  auto mount = [&] {
+    must(std::string(slowfs) + " --backing " + backing + " --mount " + mnt + " --bandwidth 4G --control " + control +
+         " --pidfile " + root + "/pid >" + root + "/slowfs.log 2>&1 &");
+    for (int i = 0; i < 100 && sh("mountpoint -q " + mnt) != 0; ++i) ::usleep(50 * 1000);
+    REQUIRE(sh("mountpoint -q " + mnt) == 0);
+  };
+  auto unmount = [&] {
+    must("fusermount3 -u " + mnt + " || umount -l " + mnt);
+    // The old process unmounts its mount point again as it exits: wait for it (its pid file goes).
+    for (int i = 0; i < 200 && fs::exists(root + "/pid"); ++i) ::usleep(50 * 1000);
+  };
+  must("echo fail_writes=0 > " + control);
+  mount();
+  Scenario s{.name = "eio",
+             .setup = "",
+             .top = "top.qcow2",
+             .base = std::nullopt,
+             .base_file = "base.qcow2",
+             .children = {},
+             .merged = {"top.qcow2"},
+             .delete_merged = false};
+  must("cd " + mnt + " && qemu-img create -q -f qcow2 base.qcow2 16M && qemu-io -f qcow2 -c 'write -P 0x11 0 3M' "
+       "base.qcow2 >/dev/null && qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2 16M && " +
+       scattered_writes("top.qcow2", 160, 256, 7));
+  save_views(s, mnt);
+
+  // Stop writing at the third window's L2 tables: they reach the page cache, their write-back fails.
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    engine::MergeOptions o = options_for(s, mnt);
+    int l2_points = 0;
+    o.on_write_point = [&](std::string_view name) {
+      if (name == "l2-tables" && ++l2_points == 3) set_fail(true);
+    };
+    try {
+      (void)engine::merge(o);
+    } catch (const qcow2::IoError& e) {
+      std::fprintf(stderr, "merge stopped: %s\n", e.what());
+      ::_exit(std::string(e.what()).find("base.qcow2") != std::string::npos ? 3 : 4);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "merge failed otherwise: %s\n", e.what());
+      ::_exit(5);
+    }
+    ::_exit(0);
+  }
+  int status = 0;
+  REQUIRE(::waitpid(pid, &status, 0) == pid);
+  REQUIRE(WIFEXITED(status));
+  CHECK_MESSAGE(WEXITSTATUS(status) == 3, "expected an I/O error naming BASE, exit " << WEXITSTATUS(status));
+  set_fail(false);
+
+  engine::MergeResult r;
+  CHECK_NOTHROW(r = engine::merge(options_for(s, mnt)));
+  CHECK(r.resumed);
+  unmount();
+  mount();  // a fresh mount: nothing cached, what the storage holds
+  CHECK_MESSAGE(same_view(mnt, "base.qcow2", "view-top.raw"), "BASE does not show TOP's view after the re-run");
+  CHECK_MESSAGE(check_base(mnt, s) == 0, "BASE not clean after the re-run");
+  unmount();
+  fs::remove_all(root);
 }
 
 }  // namespace qcommit::test

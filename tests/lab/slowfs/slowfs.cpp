@@ -12,8 +12,10 @@
 // --fsname sets the mount's source as /proc/mounts shows it (default "qcommit-slowfs"); e.g.
 // `lab:/export` makes the mount look like an NFS export to libvirt's netfs pool, which takes a
 // target already mounted from "HOST:DIR" as started instead of running mount(8) itself.
-// The control file holds `bandwidth=<rate>` and/or `latency_ms=<n>` lines; it is polled every
-// 50 ms, so the rate can change while running. Rates take K/M/G suffixes (powers of 1000).
+// The control file holds `bandwidth=<rate>`, `latency_ms=<n>` and/or `fail_writes=0|1` lines; it
+// is polled every 50 ms, so they can change while running. While fail_writes=1 every WRITE and
+// FSYNC fails with EIO and writes nothing, as a failing disk or server does: the client's page
+// cache then holds pages the storage never got. Rates take K/M/G suffixes (powers of 1000).
 // The log is a CSV with one row per queued request (see kLogHeader).
 
 #define FUSE_USE_VERSION 312
@@ -478,8 +480,11 @@ void op_read(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info*
   fuse_reply_data(req, &buf, FUSE_BUF_SPLICE_MOVE);
 }
 
+std::atomic<bool> g_fail_writes{false};
+
 void op_write_buf(fuse_req_t req, fuse_ino_t ino, fuse_bufvec* in_buf, off_t off, fuse_file_info* fi) {
   size_t size = fuse_buf_size(in_buf);
+  if (g_fail_writes) return (void)fuse_reply_err(req, EIO);
   g_fs->link->pass('W', ino == FUSE_ROOT_ID ? 1 : inode_of(ino).ino, static_cast<uint64_t>(off), size);
   fuse_bufvec out = FUSE_BUFVEC_INIT(size);
   out.buf[0].flags = static_cast<fuse_buf_flags>(FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK);
@@ -503,6 +508,7 @@ void op_release(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
 void op_fsync(fuse_req_t req, fuse_ino_t ino, int datasync, fuse_file_info* fi) {
   // Data is stable once its WRITE was served (sync export); the flush only waits its turn.
   g_fs->link->pass('F', inode_of(ino).ino, 0, 0);
+  if (g_fail_writes) return (void)fuse_reply_err(req, EIO);
   int rc = 0;
   if (g_fs->cfg.real_fsync)
     rc = datasync ? fdatasync(static_cast<int>(fi->fh)) : fsync(static_cast<int>(fi->fh));
@@ -633,6 +639,8 @@ void apply_control_file(const Config& cfg, FifoLink& link) {
       else std::fprintf(stderr, "qcommit-slowfs: %s: bad bandwidth '%s'\n", cfg.control.c_str(), v.c_str());
     } else if (k == "latency_ms") {
       link.set_latency_ms(std::strtod(v.c_str(), nullptr));
+    } else if (k == "fail_writes") {
+      g_fail_writes = v == "1";
     }
   }
   std::fclose(f);
