@@ -402,10 +402,11 @@ std::optional<Checkpoint> load_checkpoint(const std::string& path) {
 }
 
 void sync_directory_of(const std::string& path) {
-  Fd dir(::open(fs::path(path).parent_path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  fs::path dir_path = fs::path(path).parent_path();
+  if (dir_path.empty()) dir_path = ".";
+  Fd dir(::open(dir_path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (dir.fd < 0 || ::fsync(dir.fd) != 0)
-    throw IoError(fs::path(path).parent_path().string(), std::string("cannot sync directory: ") + strerror(errno),
-                  errno);
+    throw IoError(dir_path.string(), std::string("cannot sync directory: ") + strerror(errno), errno);
 }
 
 // Each version is written to a fresh temporary file (O_EXCL|O_NOFOLLOW: a symlink planted at

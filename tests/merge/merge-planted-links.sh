@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# merge.planted_links: the files a merge creates cannot be turned against the user running it.
+#  (1) symlinks planted at the checkpoint's name and at its temporary file's name (anyone who can
+#      write in BASE's directory can plant them) point at files outside: the merge succeeds and
+#      neither target changes (a root merge must never overwrite what a link points to);
+#  (2) a FIFO planted at the checkpoint's name: the merge neither blocks nor fails;
+#  (3) a block-device BASE (a loop device under a raw BASE, needs root): its checkpoint is kept in
+#      the state directory (QCOMMIT_STATE_DIR), never under /dev (a tmpfs a reboot empties), seen
+#      with strace.
+#
+# usage: merge-planted-links.sh QCOMMIT
+set -euo pipefail
+QCOMMIT=$(realpath "$1")
+work=$(mktemp -d "${TMPDIR:-/var/tmp}/qcommit-links.XXXXXX")
+loop=
+cleanup() {
+  [[ -n $loop ]] && losetup -d "$loop" 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+cd "$work"
+failures=()
+fail() { echo "FAIL: $*" >&2; failures+=("$*"); }
+
+make_chain() {
+  rm -f base.qcow2 top.qcow2
+  qemu-img create -q -f qcow2 base.qcow2 64M
+  qemu-io -f qcow2 -c "write -P 1 0 8M" base.qcow2 >/dev/null
+  qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2 64M
+  qemu-io -f qcow2 -c "write -P 7 4M 16M" -c "write -P 9 40M 1M" top.qcow2 >/dev/null
+  qemu-img convert -O raw top.qcow2 view.raw
+}
+
+# (1) Links at both names.
+make_chain
+mkdir -p outside
+echo "precious" >outside/victim-tmp
+echo "precious too" >outside/victim-cp
+cp outside/victim-tmp victim-tmp.orig
+cp outside/victim-cp victim-cp.orig
+ln -s "$work/outside/victim-tmp" .base.qcow2.qcommit-merge.tmp
+ln -s "$work/outside/victim-cp" .base.qcow2.qcommit-merge
+if ! "$QCOMMIT" merge top.qcow2 --budget off >out.txt 2>err.txt; then
+  fail "(1) merge with planted links failed: $(cat err.txt)"
+fi
+cmp -s outside/victim-tmp victim-tmp.orig || fail "(1) the temporary file's link target was overwritten"
+cmp -s outside/victim-cp victim-cp.orig || fail "(1) the checkpoint's link target was overwritten"
+qemu-img compare -q view.raw base.qcow2 || fail "(1) BASE does not show TOP's view"
+[[ ! -e .base.qcow2.qcommit-merge && ! -L .base.qcow2.qcommit-merge ]] || fail "(1) checkpoint left behind"
+
+# (2) A FIFO at the checkpoint's name.
+make_chain
+mkfifo .base.qcow2.qcommit-merge
+if ! timeout 60 "$QCOMMIT" merge top.qcow2 --budget off >out.txt 2>err.txt; then
+  fail "(2) merge with a FIFO at the checkpoint's name failed or blocked: $(cat err.txt)"
+fi
+qemu-img compare -q view.raw base.qcow2 || fail "(2) BASE does not show TOP's view"
+
+# (3) A block-device BASE.
+if [[ $(id -u) -eq 0 ]] && command -v strace >/dev/null && command -v losetup >/dev/null; then
+  truncate -s 256M disk.img
+  if loop=$(losetup --find --show disk.img 2>/dev/null); then
+    qemu-io -f raw -c "write -P 3 0 32M" "$loop" >/dev/null
+    qemu-img create -q -f qcow2 -b "$loop" -F raw top.qcow2 256M
+    args=()
+    for ((i = 0; i < 1500; i++)); do args+=(-c "write -P $((i % 251 + 1)) $(((i * 2654435761 % 4096) * 65536)) 64k"); done
+    qemu-io -f qcow2 "${args[@]}" top.qcow2 >/dev/null
+    qemu-img convert -O raw top.qcow2 view.raw
+    export QCOMMIT_STATE_DIR=$work/state
+    strace -f -qq -e trace=openat,rename,unlink -o strace.log "$QCOMMIT" merge top.qcow2 --allow-backing-dir /dev --budget off --output=json >run.json 2>run.err ||
+      fail "(3) the merge failed: $(cat run.err)"
+    grep 'qcommit-merge' strace.log | grep -q '"/dev/' && fail "(3) the merge wrote a checkpoint under /dev"
+    grep 'qcommit-merge' strace.log | grep "$QCOMMIT_STATE_DIR" | grep -q O_CREAT ||
+      fail "(3) the merge did not keep its checkpoint in the state directory"
+    qemu-img compare -q view.raw "$loop" || fail "(3) the loop device does not show TOP's view"
+    unset QCOMMIT_STATE_DIR
+  else
+    echo "skip (3): no loop device"
+  fi
+else
+  echo "skip (3): needs root, strace and losetup"
+fi
+
+if ((${#failures[@]})); then
+  printf 'merge.planted_links: %d failure(s)\n' "${#failures[@]}"
+  exit 1
+fi
+echo "merge.planted_links: all checks passed"
