@@ -22,6 +22,8 @@
 #include <sstream>
 #include <thread>
 
+#include "engine/checkpoint.h"
+#include "engine/copy_pool.h"
 #include "engine/image_lock.h"
 #include "qcow2/chain.h"
 #include "qcow2/check.h"
@@ -39,412 +41,10 @@ using qcow2::MapEntry;
 
 namespace {
 
-inline constexpr uint64_t kDirectAlignment = 4096;
-inline constexpr uint64_t kMinSplicePipeBytes = 256ull << 10;  // smaller pipes: pread/pwrite
-inline constexpr uint64_t kPageBytes = 4096;
 inline constexpr auto kProgressInterval = std::chrono::milliseconds(200);
-inline constexpr const char* kCheckpointMagic = "qcommit-merge-checkpoint v1";
-inline constexpr off_t kMaxCheckpointBytes = 64 << 10;
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-// ---------------------------------------------------------------------------------------------
-// Copy jobs run by a small pool of threads, from a layer's host offsets to the base's.
-
-// RAII fd.
-struct Fd {
-  int fd = -1;
-  Fd() = default;
-  explicit Fd(int f) : fd(f) {}
-  Fd(Fd&& o) noexcept : fd(o.fd) { o.fd = -1; }
-  Fd& operator=(Fd&& o) noexcept {
-    std::swap(fd, o.fd);
-    return *this;
-  }
-  ~Fd() {
-    if (fd >= 0) ::close(fd);
-  }
-};
-
-// A pipe through which splice(2) hands the source's page-cache pages to an O_DIRECT write of the
-// base: the device reads them where they are (no copy through user space, nothing dirtied in the
-// page cache). Capacity is one copy request if the kernel allows it (unprivileged pipes stop at
-// /proc/sys/fs/pipe-max-size, 1 MiB by default); then a request is written in several pieces.
-struct SplicePipe {
-  Fd rd, wr;
-  uint64_t piece = 0;  // bytes per splice; 0: not usable, copy through user space
-
-  [[nodiscard]] static SplicePipe open(uint64_t max_piece) {
-    SplicePipe p;
-    int fds[2];
-    if (::pipe2(fds, O_CLOEXEC) != 0) return p;
-    p.rd = Fd(fds[0]);
-    p.wr = Fd(fds[1]);
-    for (uint64_t want = kChunkBytes; want >= kMinSplicePipeBytes; want /= 2) {
-      if (::fcntl(p.wr.fd, F_SETPIPE_SZ, int(want)) >= 0) break;
-    }
-    const int got = ::fcntl(p.wr.fd, F_GETPIPE_SZ);
-    if (got >= int(kMinSplicePipeBytes))
-      p.piece = std::max(kDirectAlignment, std::min(uint64_t(got), max_piece) / kDirectAlignment * kDirectAlignment);
-    return p;
-  }
-};
-
-// The largest write BASE's block device takes as one request when the data lies in separate
-// 4 KiB pages (page-cache pages are not contiguous): max_segments pages, at most max_sectors_kb.
-// A 1 MiB splice on virtio-blk (254 segments) went out as a 1016 KiB and an 8 KiB request; sized
-// to the limit, seq4g's copy took 0.30 s/GiB instead of 0.37 s (medians of 4, micro-benchmark).
-// kChunkBytes where sysfs does not tell (network and FUSE filesystems have no queue).
-uint64_t device_request_bytes(int fd) {
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) return kChunkBytes;
-  const dev_t dev = S_ISBLK(st.st_mode) ? st.st_rdev : st.st_dev;
-  const std::string sys = "/sys/dev/block/" + std::to_string(major(dev)) + ":" + std::to_string(minor(dev));
-  auto read_u64 = [](const std::string& path) -> std::optional<uint64_t> {
-    std::ifstream in(path);
-    uint64_t v = 0;
-    if (in >> v && v > 0) return v;
-    return std::nullopt;
-  };
-  for (const char* queue : {"/queue/", "/../queue/"}) {  // a partition's limits are its disk's
-    const auto segments = read_u64(sys + queue + "max_segments");
-    const auto sectors_kb = read_u64(sys + queue + "max_sectors_kb");
-    if (!segments || !sectors_kb) continue;
-    return std::min({*segments * kPageBytes, *sectors_kb * 1024, kChunkBytes});
-  }
-  return kChunkBytes;
-}
-
-// One source extent of a copy job.
-struct CopySource {
-  int fd = -1;
-  uint64_t offset = 0;
-  uint64_t length = 0;
-  const std::string* name = nullptr;
-};
-
-// A write of one contiguous destination range, gathered from source extents in destination
-// order: pieces adjacent in BASE make one request even where their sources are not adjacent
-// (new clusters are allocated in source order, but their sources interleave with those of
-// clusters written in place).
-struct CopyJob {
-  std::vector<CopySource> sources;  // lengths add up to `length`
-  int dst_fd = -1;
-  uint64_t dst_offset = 0;
-  uint64_t length = 0;
-  bool buffered_dst = false;  // start writeback right away (bounded dirty data)
-  bool direct_dst = false;    // dst_fd is O_DIRECT (offsets and length aligned)
-  const std::string* dst_name = nullptr;
-};
-
-class CopyPool {
- public:
-  CopyPool(unsigned threads, uint64_t inflight_limit, CopyGovernor* governor, uint64_t splice_piece_bytes)
-      : limit_(inflight_limit), splice_piece_(splice_piece_bytes), governor_(governor) {
-    for (unsigned i = 0; i < threads; ++i) workers_.emplace_back([this] { run(); });
-  }
-  ~CopyPool() {
-    {
-      std::lock_guard lk(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    for (auto& t : workers_) t.join();
-  }
-
-  void submit(CopyJob job) {
-    if (governor_) {
-      for (;;) {
-        Duration wait = governor_->admit(Clock::now(), job.length, inflight());
-        if (wait <= Duration::zero()) break;
-        std::this_thread::sleep_for(std::min<Duration>(wait, std::chrono::milliseconds(50)));
-        governor_->tick(Clock::now());
-      }
-    }
-    std::unique_lock lk(mu_);
-    done_cv_.wait(lk, [&] { return inflight_ == 0 || inflight_ + job.length <= limit_ || error_; });
-    rethrow_locked();
-    inflight_ += job.length;
-    queue_.push_back(std::move(job));
-    cv_.notify_one();
-  }
-
-  void drain() {
-    std::unique_lock lk(mu_);
-    done_cv_.wait(lk, [&] { return inflight_ == 0; });
-    rethrow_locked();
-  }
-
-  [[nodiscard]] uint64_t inflight() {
-    std::lock_guard lk(mu_);
-    return inflight_;
-  }
-
- private:
-  void rethrow_locked() {
-    if (error_) {
-      auto e = error_;
-      error_ = nullptr;
-      std::rethrow_exception(e);
-    }
-  }
-
-  void run() {
-    void* mem = nullptr;
-    if (posix_memalign(&mem, kDirectAlignment, kChunkBytes) != 0) return;
-    std::unique_ptr<uint8_t, decltype(&free)> buf(static_cast<uint8_t*>(mem), &free);
-    SplicePipe pipe;
-    bool pipe_tried = false;
-    for (;;) {
-      CopyJob job;
-      {
-        std::unique_lock lk(mu_);
-        cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
-        if (stop_ && queue_.empty()) return;
-        job = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      const auto t0 = Clock::now();
-      std::exception_ptr err;
-      try {
-        if (job.direct_dst && !pipe_tried) {
-          pipe = SplicePipe::open(splice_piece_);
-          pipe_tried = true;
-        }
-        copy(job, buf.get(), pipe);
-      } catch (...) {
-        err = std::current_exception();
-      }
-      const auto t1 = Clock::now();
-      if (governor_ && !err) governor_->completed(t1, job.length, t1 - t0);
-      {
-        std::lock_guard lk(mu_);
-        inflight_ -= job.length;
-        if (err && !error_) error_ = err;
-      }
-      done_cv_.notify_all();
-    }
-  }
-
-  // In-kernel copies. Each returns how many leading bytes of the job it wrote; it stops early
-  // (and the caller copies the rest through user space, which also names the file at fault on
-  // an I/O error) at the source's end, on a filesystem that refuses, or on any error.
-
-  // O_DIRECT destination: splice the sources' cached pages into the pipe, one device request's
-  // worth at a time, and the pipe into the write.
-  static uint64_t splice_copy(const CopyJob& j, SplicePipe& pipe) {
-    if (!pipe.piece) return 0;
-    for (const CopySource& s : j.sources)
-      if (s.offset % kDirectAlignment != 0 || s.length % kDirectAlignment != 0) return 0;
-    uint64_t done = 0;
-    size_t si = 0;    // current source
-    uint64_t sp = 0;  // position in it
-    while (done < j.length) {
-      const uint64_t want = std::min(pipe.piece, j.length - done);
-      uint64_t in = 0;
-      while (in < want) {
-        const CopySource& s = j.sources[si];
-        loff_t off = loff_t(s.offset + sp);
-        const ssize_t n = ::splice(s.fd, &off, pipe.wr.fd, nullptr, std::min(want - in, s.length - sp), 0);
-        if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) break;  // the source's end, or refused
-        in += uint64_t(n);
-        sp += uint64_t(n);
-        if (sp == s.length) {
-          ++si;
-          sp = 0;
-        }
-      }
-      uint64_t out = 0;
-      while (out < in) {
-        loff_t dst = loff_t(j.dst_offset + done + out);
-        const ssize_t n = ::splice(pipe.rd.fd, nullptr, j.dst_fd, &dst, in - out, 0);
-        if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) {
-          pipe = SplicePipe::open(pipe.piece);  // drop what the failed write left in the pipe
-          return done + out;
-        }
-        out += uint64_t(n);
-      }
-      done += out;
-      if (in < want) return done;
-    }
-    return done;
-  }
-
-  // Buffered destination: copy_file_range (a page-cache copy in the kernel, or a reflink or a
-  // server-side copy where the filesystem offers one).
-  static uint64_t range_copy(const CopyJob& j) {
-    uint64_t done = 0;
-    for (const CopySource& s : j.sources) {
-      for (uint64_t sp = 0; sp < s.length;) {
-        loff_t src = loff_t(s.offset + sp), dst = loff_t(j.dst_offset + done);
-        const ssize_t n = ::copy_file_range(s.fd, &src, j.dst_fd, &dst, s.length - sp, 0);
-        if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) return done;
-        sp += uint64_t(n);
-        done += uint64_t(n);
-      }
-    }
-    return done;
-  }
-
-  static void copy(const CopyJob& j, uint8_t* buf, SplicePipe& pipe) {
-    uint64_t done = j.direct_dst ? splice_copy(j, pipe) : range_copy(j);
-    if (j.direct_dst) done -= done % kDirectAlignment;  // the rest must start aligned
-    if (done < j.length) user_copy(j, done, buf);
-    if (j.buffered_dst)
-      ::sync_file_range(j.dst_fd, off_t(j.dst_offset), off_t(j.length), SYNC_FILE_RANGE_WRITE);
-  }
-
-  // Bytes [from, length) of the job through `buf` (at least one request long).
-  static void user_copy(const CopyJob& j, uint64_t from, uint8_t* buf) {
-    uint64_t pos = 0;  // job offset where the current source starts
-    for (const CopySource& s : j.sources) {
-      const uint64_t end = pos + s.length;
-      for (uint64_t p = std::max(from, pos); p < end;) {
-        const ssize_t n = ::pread(s.fd, buf + (p - from), end - p, off_t(s.offset + (p - pos)));
-        if (n < 0) {
-          if (errno == EINTR) continue;
-          throw IoError(*s.name, "read at " + qcow2::hex(s.offset + (p - pos)) + " failed: " + strerror(errno), errno);
-        }
-        if (n == 0) {  // past the end of the source file: zeros
-          std::memset(buf + (p - from), 0, end - p);
-          break;
-        }
-        p += uint64_t(n);
-      }
-      pos = end;
-    }
-    for (uint64_t done = from; done < j.length;) {
-      const ssize_t n = ::pwrite(j.dst_fd, buf + (done - from), j.length - done, off_t(j.dst_offset + done));
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        throw IoError(*j.dst_name, "write at " + qcow2::hex(j.dst_offset + done) + " failed: " + strerror(errno), errno);
-      }
-      done += uint64_t(n);
-    }
-  }
-
-  uint64_t limit_;
-  uint64_t splice_piece_;
-  CopyGovernor* governor_;
-  std::mutex mu_;
-  std::condition_variable cv_, done_cv_;
-  std::deque<CopyJob> queue_;
-  uint64_t inflight_ = 0;
-  bool stop_ = false;
-  std::exception_ptr error_;
-  std::vector<std::thread> workers_;
-};
-
-// ---------------------------------------------------------------------------------------------
-// Checkpoint: identifies the merge (layers above BASE, BASE) and how far it got.
-
-// Where merges into block devices keep their checkpoints (a file BASE keeps its own beside it).
-inline constexpr const char* kDefaultStateDirectory = "/var/lib/qcommit";
-
-std::string state_directory() {
-  const char* env = std::getenv("QCOMMIT_STATE_DIR");
-  return env && *env ? env : kDefaultStateDirectory;
-}
-
-struct Checkpoint {
-  std::string identity;
-  uint64_t done = 0;
-  // Set once the copy and the switch are done and --delete starts removing these layers (written
-  // by this user only: see load_checkpoint), so that a re-run finds what is left to delete even
-  // when TOP is already gone.
-  std::vector<std::string> deleting;
-};
-inline constexpr const char* kCheckpointDeleting = "deleting";
-
-std::string layer_identity(const std::string& path) {
-  struct stat st {};
-  if (stat(path.c_str(), &st) != 0) return path;
-  std::ostringstream o;
-  o << fs::weakly_canonical(path).string() << ' ' << st.st_dev << ' ' << st.st_ino << ' ' << st.st_size
-    << ' ' << st.st_mtim.tv_sec << '.' << st.st_mtim.tv_nsec;
-  return o.str();
-}
-
-// Opens the checkpoint without following a symlink planted in its place, and only if it is a
-// regular file (a FIFO would block, a device would be read).
-std::optional<Checkpoint> load_checkpoint(const std::string& path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
-  if (fd.fd < 0) {
-    if (errno == ENOENT) return std::nullopt;
-    return Checkpoint{"", 0, {}};  // a symlink or unreadable: an interrupted run of unknown identity
-  }
-  struct stat st {};
-  if (::fstat(fd.fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size > kMaxCheckpointBytes)
-    return Checkpoint{"", 0, {}};
-  const bool ours = st.st_uid == ::geteuid() && (st.st_mode & 077) == 0;
-  std::string text(size_t(st.st_size), '\0');
-  if (::pread(fd.fd, text.data(), text.size(), 0) != ssize_t(text.size())) return Checkpoint{"", 0, {}};
-  std::istringstream in(text);
-  std::string magic, identity, done;
-  std::getline(in, magic);
-  std::getline(in, identity);
-  std::getline(in, done);
-  uint64_t n = 0;
-  const auto [end, ec] = std::from_chars(done.data(), done.data() + done.size(), n);
-  if (magic != kCheckpointMagic || done.empty() || ec != std::errc() || end != done.data() + done.size())
-    return Checkpoint{"", 0, {}};  // unreadable: restart (leaks are repaired)
-  Checkpoint cp{identity, n, {}};
-  std::string line;
-  if (ours && std::getline(in, line) && line == kCheckpointDeleting)
-    while (std::getline(in, line))
-      if (!line.empty()) cp.deleting.push_back(line);
-  return cp;
-}
-
-void sync_directory_of(const std::string& path) {
-  fs::path dir_path = fs::path(path).parent_path();
-  if (dir_path.empty()) dir_path = ".";
-  Fd dir(::open(dir_path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (dir.fd < 0 || ::fsync(dir.fd) != 0)
-    throw IoError(dir_path.string(), std::string("cannot sync directory: ") + strerror(errno), errno);
-}
-
-// Each version is written to a fresh temporary file (O_EXCL|O_NOFOLLOW: a symlink planted at
-// its name makes the merge fail instead of overwriting what it points to), forced to disk, then
-// renamed over the old one and the directory forced too: after a power loss the checkpoint reads
-// back as the old or the new version, never empty. Each version is written after the window it
-// names was committed, so it never claims data that is not durable.
-void save_checkpoint(const std::string& path, const Checkpoint& cp) {
-  const std::string tmp = path + ".tmp";
-  if (fs::path(path).parent_path() == fs::path(state_directory()) && ::mkdir(state_directory().c_str(), 0700) != 0 &&
-      errno != EEXIST)
-    throw IoError(state_directory(), std::string("cannot create state directory: ") + strerror(errno), errno);
-  auto fail = [](const std::string& file) {
-    throw IoError(file, std::string("cannot write checkpoint: ") + strerror(errno), errno);
-  };
-  if (::unlink(tmp.c_str()) != 0 && errno != ENOENT) fail(tmp);
-  {
-    Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
-    if (fd.fd < 0) fail(tmp);
-    std::string s = std::string(kCheckpointMagic) + "\n" + cp.identity + "\n" + std::to_string(cp.done) + "\n";
-    if (!cp.deleting.empty()) {
-      s += std::string(kCheckpointDeleting) + "\n";
-      for (const auto& p : cp.deleting) s += p + "\n";
-    }
-    if (::write(fd.fd, s.data(), s.size()) != ssize_t(s.size()) || ::fsync(fd.fd) != 0) fail(tmp);
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) fail(path);
-  sync_directory_of(path);
-}
-
-// The merge is finished: the checkpoint goes, durably (a stale one would make the next merge into
-// BASE repair leaks for nothing, never more).
-void remove_checkpoint(const std::string& path) {
-  if (::unlink(path.c_str()) != 0) {
-    if (errno == ENOENT) return;
-    throw IoError(path, std::string("cannot remove checkpoint: ") + strerror(errno), errno);
-  }
-  sync_directory_of(path);
 }
 
 // Same inode, or the same block device through two nodes (/dev/vg/lv, /dev/mapper/vg-lv).
@@ -460,11 +60,11 @@ bool same_file(const std::string& a, const std::string& b) {
 // BASE once more with O_DIRECT, through the descriptor already open (/proc/self/fd names that
 // very file even if its path was swapped since), and checked to be the same file. -1 where the
 // filesystem refuses O_DIRECT (then the copy is buffered).
-Fd reopen_direct(const qcow2::FileDevice& base) {
+UniqueFd reopen_direct(const qcow2::FileDevice& base) {
   const std::string self = "/proc/self/fd/" + std::to_string(base.fd());
-  Fd fd(::open(self.c_str(), O_RDWR | O_DIRECT | O_CLOEXEC));
+  UniqueFd fd(::open(self.c_str(), O_RDWR | O_DIRECT | O_CLOEXEC));
   struct stat a {}, b {};
-  if (fd.fd < 0 || ::fstat(fd.fd, &a) != 0 || ::fstat(base.fd(), &b) != 0) return Fd();
+  if (fd.get() < 0 || ::fstat(fd.get(), &a) != 0 || ::fstat(base.fd(), &b) != 0) return UniqueFd();
   if (a.st_dev != b.st_dev || a.st_ino != b.st_ino) throw Error(base.name(), "changed while the merge opened it");
   return fd;
 }
@@ -493,13 +93,13 @@ uint64_t cached_pages(int fd) {
 // were on disk, and a leak repair judged on it could free clusters that the on-disk tables still
 // use. So: write back what is still dirty, drop every cached page, and check that none is left.
 void drop_cached_pages(const std::string& path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC));
-  if (fd.fd < 0) return;  // opening the chain reports it
-  if (::fdatasync(fd.fd) != 0)
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC));
+  if (fd.get() < 0) return;  // opening the chain reports it
+  if (::fdatasync(fd.get()) != 0)
     throw IoError(path, std::string("cannot write back cached pages before resuming: ") + strerror(errno), errno);
   for (int attempt = 0; attempt < 3; ++attempt) {
-    (void)::posix_fadvise(fd.fd, 0, 0, POSIX_FADV_DONTNEED);
-    if (cached_pages(fd.fd) == 0) return;
+    (void)::posix_fadvise(fd.get(), 0, 0, POSIX_FADV_DONTNEED);
+    if (cached_pages(fd.get()) == 0) return;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   throw Error(path, "cannot drop its cached pages to read it from storage before resuming an interrupted merge; "
@@ -632,18 +232,6 @@ std::optional<MergeResult> finish_interrupted_delete(const MergeOptions& opt) {
 
 }  // namespace
 
-std::string checkpoint_path(const std::string& base) {
-  fs::path p(base);
-  struct stat st {};
-  if (::stat(base.c_str(), &st) == 0 && S_ISBLK(st.st_mode)) {
-    // /dev is a tmpfs that a reboot empties: a block device's checkpoint lives in the state
-    // directory, named by the path the merge was given ("/dev/vg/lv" -> "dev%2fvg%2flv").
-    std::string name;
-    for (char c : fs::absolute(p).string().substr(1)) name += c == '/' ? "%2f" : c == '%' ? "%25" : std::string(1, c);
-    return (fs::path(state_directory()) / (name + ".qcommit-merge")).string();
-  }
-  return (p.parent_path() / ("." + p.filename().string() + ".qcommit-merge")).string();
-}
 
 std::string MergeOptions::validate() const {
   if (top.empty()) return "no TOP image given";
@@ -806,11 +394,11 @@ MergeResult merge(const MergeOptions& opt) {
   qcow2::BlockDevice& dst_dev = base.qcow2 ? base.qcow2->data_device() : *base.raw;
   auto* dst_file = dynamic_cast<qcow2::FileDevice*>(&dst_dev);
   if (!dst_file) throw Error(base.path, "internal: base is not a file");
-  Fd direct_fd;
+  UniqueFd direct_fd;
   if (opt.write_mode != WriteMode::kBuffered) direct_fd = reopen_direct(*dst_file);
-  res.direct_io = direct_fd.fd >= 0;
-  const bool buffered = direct_fd.fd < 0;
-  const int bulk_fd = buffered ? dst_file->fd() : direct_fd.fd;
+  res.direct_io = direct_fd.get() >= 0;
+  const bool buffered = direct_fd.get() < 0;
+  const int bulk_fd = buffered ? dst_file->fd() : direct_fd.get();
   const std::string& dst_name = base.path;
   const bool raw_base_is_blockdev = !base.qcow2 && dst_file->is_block_device();
   qcow2::ViewReader base_view = [&](uint64_t o, std::span<uint8_t> out) { chain.read(o, out, base_depth); };
@@ -818,7 +406,7 @@ MergeResult merge(const MergeOptions& opt) {
   // O_DIRECT writes go out in pieces the device takes as one request each, whole clusters of
   // BASE where a cluster fits; an unthrottled request is a whole number of such pieces.
   const uint64_t grain = base.qcow2 ? std::max(kDirectAlignment, base.qcow2->cluster_size()) : kDirectAlignment;
-  uint64_t splice_piece = direct_fd.fd >= 0 ? device_request_bytes(direct_fd.fd) : kChunkBytes;
+  uint64_t splice_piece = direct_fd.get() >= 0 ? device_request_bytes(direct_fd.get()) : kChunkBytes;
   uint64_t unthrottled_request = kChunkBytes;
   if (splice_piece >= grain) {
     splice_piece -= splice_piece % grain;
