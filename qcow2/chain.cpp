@@ -4,14 +4,12 @@
 
 #include <algorithm>
 #include <cstring>
-#include <filesystem>
 #include <set>
+#include <string_view>
 
 #include "qcow2/error.h"
 
 namespace qcommit::qcow2 {
-
-namespace fs = std::filesystem;
 
 const char* to_string(Format f) { return f == Format::kQcow2 ? "qcow2" : "raw"; }
 
@@ -30,25 +28,41 @@ std::string resolve_backing(const std::string& image_path, const std::string& na
   if (name.rfind("json:", 0) == 0)
     throw UnsupportedError(image_path, "backing file name '" + name.substr(0, 64) +
                                            "' is a json: specification; only plain file names are followed");
-  // A protocol prefix ("nbd:", "http:", ...) before any slash: QEMU would treat it as a protocol.
-  const auto colon = name.find(':');
-  const auto slash = name.find('/');
-  if (colon != std::string::npos && (slash == std::string::npos || colon < slash)) {
-    const std::string proto = name.substr(0, colon);
-    bool word = !proto.empty() && std::all_of(proto.begin(), proto.end(), [](char c) {
-      return std::isalnum(static_cast<unsigned char>(c)) || c == '+' || c == '-' || c == '.';
-    });
-    if (word && proto != "file")
+  // QEMU takes a ':' before any '/' as the end of a protocol name ("nbd:", "http:", ...).
+  std::string plain = name;
+  if (const auto stop = name.find_first_of(":/"); stop != std::string::npos && name[stop] == ':') {
+    const std::string proto = name.substr(0, stop);
+    if (proto != "file")
       throw UnsupportedError(image_path, "backing file name '" + name.substr(0, 64) +
-                                             "' uses protocol '" + proto +
+                                             "' uses protocol '" + proto.substr(0, 64) +
                                              "'; only local files are followed");
+    // The file protocol opens what follows as given: not joined to the image's directory.
+    plain = name.substr(stop + 1);
+    if (plain.empty()) throw Error(image_path, "empty backing file name");
+    return plain;
   }
-  std::string plain = name.rfind("file:", 0) == 0 ? name.substr(5) : name;
   if (plain.empty()) throw Error(image_path, "empty backing file name");
-  fs::path p(plain);
-  if (p.is_absolute()) return p.lexically_normal().string();
-  fs::path dir = fs::path(image_path).parent_path();
-  return (dir / p).lexically_normal().string();
+  if (plain.front() == '/') return plain;
+  const auto slash = image_path.rfind('/');
+  return (slash == std::string::npos ? std::string() : image_path.substr(0, slash + 1)) + plain;
+}
+
+bool inside_dirs(const std::string& real_path, const std::vector<std::string>& dirs) {
+  for (const auto& dir : dirs) {
+    std::string d;
+    try {
+      const PathHandle h = PathHandle::lookup(dir);
+      if (std::string_view(h.kind()) != "a directory") continue;
+      d = h.real_path();
+    } catch (const Error&) {
+      continue;  // a directory that does not exist contains nothing
+    }
+    if (d == "/") return true;
+    if (real_path.size() > d.size() && real_path.compare(0, d.size(), d) == 0 &&
+        real_path[d.size()] == '/')
+      return true;
+  }
+  return false;
 }
 
 namespace {
@@ -59,32 +73,46 @@ Format parse_format(const std::string& image, const std::string& fmt) {
   throw UnsupportedError(image, "backing format '" + fmt + "' is not supported (only qcow2 and raw)");
 }
 
-// Checks the file actually opened (through /proc/self/fd, so a symlink swapped between path
-// resolution and open() cannot redirect us) against the allowed directory trees.
-void check_allowed(const std::string& image, const std::string& backing, const FileDevice& dev,
-                   const std::vector<std::string>& allowed) {
-  if (allowed.empty()) return;
-  std::error_code ec;
-  const fs::path real = fs::read_symlink("/proc/self/fd/" + std::to_string(dev.fd()), ec);
-  if (ec) throw Error(image, "cannot resolve backing file '" + backing + "': " + ec.message());
-  for (const auto& dir : allowed) {
-    const fs::path d = fs::weakly_canonical(dir, ec);
-    if (ec) continue;
-    auto rel = real.lexically_relative(d);
-    if (!rel.empty() && *rel.begin() != "..") return;
+// Looks up the file `image` names as `what` ("backing file", "external data file") at `path`
+// (resolve_backing's result) without opening it, then applies the policy before anything opens
+// it for I/O: it must resolve inside the allowed trees and be a regular file or block device.
+PathHandle look_up_named(const std::string& image, const std::string& what, const std::string& name,
+                         const std::string& path, const std::vector<std::string>& allowed) {
+  PathHandle h = [&] {
+    try {
+      return PathHandle::lookup(path);
+    } catch (const IoError& e) {
+      throw Error(image, "cannot open " + what + " '" + name + "': " + e.problem());
+    }
+  }();
+  if (!allowed.empty() && !inside_dirs(h.real_path(), allowed)) {
+    std::string dirs;
+    for (const auto& d : allowed) dirs += (dirs.empty() ? "" : ", ") + d;
+    throw Error(image, what + " '" + name + "' resolves to " + h.real_path() +
+                           ", outside the allowed directories (" + dirs +
+                           "); use --allow-backing-dir to widen the policy");
   }
-  std::string dirs;
-  for (const auto& d : allowed) dirs += (dirs.empty() ? "" : ", ") + d;
-  throw Error(image, "backing file '" + backing + "' resolves to " + real.string() +
-                         ", outside the allowed directories (" + dirs +
-                         "); use --allow-backing-dir to widen the policy");
+  if (!h.regular_or_block())
+    throw Error(image, what + " '" + name + "' (" + h.real_path() + ") is " + h.kind() +
+                           ", not a regular file or block device; refusing to open it");
+  return h;
+}
+
+std::unique_ptr<FileDevice> open_named(const std::string& image, const std::string& what,
+                                       const std::string& name, const PathHandle& h,
+                                       bool writable) {
+  try {
+    return FileDevice::open(h, {.writable = writable});
+  } catch (const IoError& e) {
+    throw Error(image, "cannot open " + what + " '" + name + "': " + e.problem());
+  }
 }
 
 }  // namespace
 
 Chain Chain::open(const std::string& path, ChainOptions options, std::optional<Format> format) {
   Chain chain;
-  std::set<std::pair<dev_t, ino_t>> seen;
+  std::set<FileId> seen;
   std::string current = path;
   std::string named_as;
   std::string named_by;
@@ -94,19 +122,21 @@ Chain Chain::open(const std::string& path, ChainOptions options, std::optional<F
       throw Error(path, "backing chain deeper than " + std::to_string(options.max_depth) + " layers");
     const bool writable = (depth == 0 && options.writable_top) ||
                           (options.writable_depth && *options.writable_depth == depth);
-    std::unique_ptr<FileDevice> dev;
-    try {
-      dev = FileDevice::open(current, {.writable = writable});
-    } catch (const IoError& e) {
-      if (depth == 0) throw;
-      throw Error(named_by, "cannot open backing file '" + named_as + "': " + e.problem());
-    }
-    if (depth > 0) check_allowed(named_by, named_as, *dev, options.allowed_backing_dirs);
-    if (!seen.insert({dev->st_dev(), dev->st_ino()}).second)
-      throw Error(named_by.empty() ? path : named_by,
-                  "backing chain loop: '" + current + "' is already in the chain");
+    // Nothing is opened for I/O before the policy and the loop check ran on the lookup.
+    const PathHandle handle = depth == 0 ? PathHandle::lookup(current)
+                                         : look_up_named(named_by, "backing file", named_as,
+                                                         current, options.allowed_backing_dirs);
+    if (!seen.insert(handle.id()).second)
+      throw Error(named_by.empty() ? path : named_by, "backing chain loop: '" + current + "' (" +
+                                                          handle.real_path() +
+                                                          ") is already in the chain");
+    std::unique_ptr<FileDevice> dev =
+        depth == 0 ? FileDevice::open(handle, {.writable = writable})
+                   : open_named(named_by, "backing file", named_as, handle, writable);
     auto layer = std::make_unique<Layer>();
     layer->path = current;
+    layer->real_path = handle.real_path();
+    layer->id = handle.id();
     layer->backing_name = named_as;
     layer->format = fmt ? *fmt : probe_format(*dev);
     if (layer->format == Format::kRaw) {
@@ -119,15 +149,11 @@ Chain Chain::open(const std::string& path, ChainOptions options, std::optional<F
     if (img.has_data_file()) {
       if (!img.data_file_name())
         throw Error(current, "image uses an external data file but does not name it");
-      const std::string dpath = resolve_backing(current, *img.data_file_name());
-      try {
-        auto ddev = FileDevice::open(dpath, {.writable = writable});
-        check_allowed(current, *img.data_file_name(), *ddev, options.allowed_backing_dirs);
-        img.attach_data_file(std::move(ddev));
-      } catch (const IoError& e) {
-        throw Error(current, "cannot open external data file '" + *img.data_file_name() +
-                                 "': " + e.problem());
-      }
+      const std::string& dname = *img.data_file_name();
+      const PathHandle dh =
+          look_up_named(current, "external data file", dname, resolve_backing(current, dname),
+                        options.allowed_backing_dirs);
+      img.attach_data_file(open_named(current, "external data file", dname, dh, writable));
     }
     std::optional<std::string> next = img.backing_name();
     std::optional<std::string> next_fmt = img.backing_format();

@@ -21,7 +21,12 @@ enum class Format { kQcow2, kRaw };
 
 // One layer of a chain.
 struct Layer {
-  std::string path;          // as opened (resolved)
+  // As QEMU names it (its "filename" in `qemu-img info --backing-chain`): the top as given, a
+  // backing file as resolve_backing() joins it. Not normalised: the kernel resolves it on open.
+  std::string path;
+  // Where the kernel's resolution of `path` led when it was opened (absolute, no symlinks).
+  std::string real_path;
+  FileId id;                 // of the file opened
   std::string backing_name;  // as written in the image above (empty for the top)
   Format format = Format::kQcow2;
   std::unique_ptr<Image> qcow2;       // when format == kQcow2
@@ -49,7 +54,8 @@ struct ChainOptions {
   // Open the layer at this depth writable (the base of a merge).
   std::optional<size_t> writable_depth;
   // Backing and data files must resolve inside one of these directory trees (empty: no
-  // restriction). The check is made on the file actually opened.
+  // restriction). The check is made on the kernel's resolution of the name (a symlink inside an
+  // allowed tree pointing out of it is outside), before the file is opened for I/O.
   std::vector<std::string> allowed_backing_dirs;
   size_t cache_bytes = kDefaultCacheBytes;
   size_t max_depth = kMaxChainDepth;
@@ -58,9 +64,17 @@ struct ChainOptions {
 // Probes a file's format: qcow2 by magic, otherwise raw.
 [[nodiscard]] Format probe_format(BlockDevice& dev);
 
-// Resolves a backing file name the way QEMU does: relative names are relative to the directory
-// of the image that names them. Refuses json: and protocol names.
+// The path QEMU opens for a backing file name (its full backing filename): an absolute name as
+// is; a relative name appended to `image_path` up to and including its last '/' (nothing when
+// it has none), textually, without normalising: "link/../b" below "d/top" is "d/link/../b", which
+// the kernel resolves through the symlink. A "file:" prefix is dropped and the rest used as is
+// (QEMU's file protocol opens it relative to the working directory). Refuses json: and other
+// protocol names.
 [[nodiscard]] std::string resolve_backing(const std::string& image_path, const std::string& name);
+
+// Whether `real_path` (a kernel-resolved absolute path) lies inside one of the directory trees
+// `dirs`, each resolved by the kernel too (a directory that does not exist contains nothing).
+[[nodiscard]] bool inside_dirs(const std::string& real_path, const std::vector<std::string>& dirs);
 
 class Chain {
  public:

@@ -8,7 +8,9 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <cstring>
+#include <utility>
 
 #include "qcow2/error.h"
 
@@ -18,21 +20,125 @@ namespace {
 [[noreturn]] void throw_errno(const std::string& name, const std::string& what, int err) {
   throw IoError(name, what + ": " + std::strerror(err), err);
 }
+
+// The magic link of an open fd: readlink gives the file's resolved path, open() reopens the very
+// file the fd refers to (whatever its path names now).
+inline constexpr const char* kProcSelfFd = "/proc/self/fd/";
+std::string proc_fd_path(int fd) {
+  return kProcSelfFd + std::to_string(fd);
+}
+
+// Closes the fd unless released (the error paths of the lookup).
+class FdGuard {
+ public:
+  explicit FdGuard(int fd) : fd_(fd) {}
+  FdGuard(const FdGuard&) = delete;
+  FdGuard& operator=(const FdGuard&) = delete;
+  ~FdGuard() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  [[nodiscard]] int release() { return std::exchange(fd_, -1); }
+
+ private:
+  int fd_;
+};
 }  // namespace
 
+PathHandle PathHandle::lookup(const std::string& path) {
+  // O_PATH: the kernel resolves the name and pins the file, but no open() of a device driver,
+  // no wait for a FIFO's writer, no read or write permission needed.
+  const int fd = ::open(path.c_str(), O_PATH | O_CLOEXEC);
+  if (fd < 0) throw_errno(path, "cannot open", errno);
+  return PathHandle(path, fd);
+}
+
+PathHandle::PathHandle(std::string path, int fd) : path_(std::move(path)) {
+  FdGuard guard(fd);
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) throw_errno(path_, "cannot stat", errno);
+  std::string link(PATH_MAX, '\0');
+  const ssize_t n = ::readlink(proc_fd_path(fd).c_str(), link.data(), link.size());
+  if (n < 0)
+    throw_errno(path_,
+                "cannot resolve through " + std::string(kProcSelfFd) + " (is /proc mounted?)",
+                errno);
+  if (size_t(n) >= link.size()) throw Error(path_, "resolved path longer than PATH_MAX");
+  link.resize(size_t(n));
+  real_path_ = std::move(link);
+  mode_ = st.st_mode;
+  dev_ = st.st_dev;
+  ino_ = st.st_ino;
+  rdev_ = st.st_rdev;
+  fd_ = guard.release();
+}
+
+PathHandle::PathHandle(PathHandle&& other) noexcept
+    : path_(std::move(other.path_)),
+      real_path_(std::move(other.real_path_)),
+      fd_(std::exchange(other.fd_, -1)),
+      mode_(other.mode_),
+      dev_(other.dev_),
+      ino_(other.ino_),
+      rdev_(other.rdev_) {}
+
+PathHandle& PathHandle::operator=(PathHandle&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    path_ = std::move(other.path_);
+    real_path_ = std::move(other.real_path_);
+    fd_ = std::exchange(other.fd_, -1);
+    mode_ = other.mode_;
+    dev_ = other.dev_;
+    ino_ = other.ino_;
+    rdev_ = other.rdev_;
+  }
+  return *this;
+}
+
+PathHandle::~PathHandle() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+FileId PathHandle::id() const {
+  if (S_ISBLK(mode_)) return {.block = true, .dev = rdev_, .ino = 0};
+  return {.block = false, .dev = dev_, .ino = ino_};
+}
+
+bool PathHandle::regular_or_block() const {
+  return S_ISREG(mode_) || S_ISBLK(mode_);
+}
+
+const char* PathHandle::kind() const {
+  if (S_ISREG(mode_)) return "a regular file";
+  if (S_ISBLK(mode_)) return "a block device";
+  if (S_ISDIR(mode_)) return "a directory";
+  if (S_ISFIFO(mode_)) return "a FIFO";
+  if (S_ISSOCK(mode_)) return "a socket";
+  if (S_ISCHR(mode_)) return "a character device";
+  return "a file of unknown type";
+}
+
 std::unique_ptr<FileDevice> FileDevice::open(const std::string& path, FileOpenOptions options) {
-  // O_NONBLOCK: opening a FIFO (a hostile backing file name) must not wait for a writer; the
-  // constructor refuses anything but regular files and block devices. Cleared once open.
-  int flags = (options.writable ? O_RDWR : O_RDONLY) | O_CLOEXEC | O_NONBLOCK;
+  return open(PathHandle::lookup(path), options);
+}
+
+std::unique_ptr<FileDevice> FileDevice::open(const PathHandle& handle, FileOpenOptions options) {
+  if (!handle.regular_or_block())
+    throw Error(handle.path(), std::string("is ") + handle.kind() +
+                                   ", not a regular file or block device; refusing to open it");
+  // Reopened through the handle's magic link: the file checked, even if its path was swapped.
+  const std::string via = proc_fd_path(handle.fd());
+  const int flags = (options.writable ? O_RDWR : O_RDONLY) | O_CLOEXEC | O_NOCTTY;
   int fd = -1;
   if (options.direct) {
-    fd = ::open(path.c_str(), flags | O_DIRECT);
-    if (fd < 0 && errno != EINVAL) throw_errno(path, "cannot open", errno);
+    fd = ::open(via.c_str(), flags | O_DIRECT);
+    if (fd < 0 && errno != EINVAL) throw_errno(handle.path(), "cannot open", errno);
   }
-  if (fd < 0) fd = ::open(path.c_str(), flags);
-  if (fd < 0) throw_errno(path, "cannot open", errno);
-  if (int fl = ::fcntl(fd, F_GETFL); fl >= 0) (void)::fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
-  return std::unique_ptr<FileDevice>(new FileDevice(path, fd, options.writable));
+  if (fd < 0) fd = ::open(via.c_str(), flags);
+  if (fd < 0) throw_errno(handle.path(), "cannot open", errno);
+  auto dev = std::unique_ptr<FileDevice>(new FileDevice(handle.path(), fd, options.writable));
+  if (dev->id() != handle.id()) throw Error(handle.path(), "changed while it was being opened");
+  return dev;
 }
 
 FileDevice::FileDevice(std::string path, int fd, bool writable)
@@ -45,6 +151,7 @@ FileDevice::FileDevice(std::string path, int fd, bool writable)
   }
   dev_ = st.st_dev;
   ino_ = st.st_ino;
+  rdev_ = st.st_rdev;
   if (S_ISBLK(st.st_mode)) {
     block_device_ = true;
     uint64_t bytes = 0;
@@ -65,6 +172,11 @@ FileDevice::FileDevice(std::string path, int fd, bool writable)
     ::close(fd_);
     throw Error(path_, "not a regular file or block device");
   }
+}
+
+FileId FileDevice::id() const {
+  if (block_device_) return {.block = true, .dev = rdev_, .ino = 0};
+  return {.block = false, .dev = dev_, .ino = ino_};
 }
 
 FileDevice::~FileDevice() {

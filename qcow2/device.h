@@ -4,6 +4,7 @@
 
 #include <sys/types.h>
 
+#include <compare>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -40,15 +41,64 @@ class BlockDevice {
   [[nodiscard]] virtual uint32_t write_alignment() const { return 4096; }
 };
 
+// Which file an open file is: block devices by the device they are (two device nodes of one
+// disk are the same disk), everything else by (st_dev, st_ino). Never by path.
+struct FileId {
+  bool block = false;
+  dev_t dev = 0;  // st_rdev for a block device, st_dev otherwise
+  ino_t ino = 0;  // 0 for a block device
+  auto operator<=>(const FileId&) const = default;
+};
+
+// A path resolved by the kernel without opening the file for I/O (O_PATH): looking up a FIFO or
+// a device node this way neither blocks nor reaches the device's driver. Policy checks (kind of
+// file, allowed directories) run on the handle, and FileDevice::open(handle) reopens exactly this
+// file through /proc/self/fd, so what was checked is what gets opened.
+class PathHandle {
+ public:
+  // Resolves `path` as open(2) would (symlinks and '..' in order, relative to the working
+  // directory). Throws IoError when the kernel cannot resolve it.
+  [[nodiscard]] static PathHandle lookup(const std::string& path);
+  PathHandle(PathHandle&& other) noexcept;
+  PathHandle& operator=(PathHandle&& other) noexcept;
+  PathHandle(const PathHandle&) = delete;
+  PathHandle& operator=(const PathHandle&) = delete;
+  ~PathHandle();
+
+  [[nodiscard]] const std::string& path() const { return path_; }
+  // Where the kernel's resolution led: the file's absolute path without symlinks.
+  [[nodiscard]] const std::string& real_path() const { return real_path_; }
+  [[nodiscard]] FileId id() const;
+  [[nodiscard]] bool regular_or_block() const;
+  // What kind of file this is, for messages: "a regular file", "a FIFO", "a directory", ...
+  [[nodiscard]] const char* kind() const;
+  [[nodiscard]] int fd() const { return fd_; }
+
+ private:
+  PathHandle(std::string path, int fd);
+  std::string path_;
+  std::string real_path_;
+  int fd_ = -1;
+  mode_t mode_ = 0;
+  dev_t dev_ = 0;
+  ino_t ino_ = 0;
+  dev_t rdev_ = 0;
+};
+
 struct FileOpenOptions {
   bool writable = false;
   bool direct = false;  // O_DIRECT where the filesystem allows it
 };
 
-// A regular file or a block device.
+// A regular file or a block device. Nothing else is ever opened for reading or writing: FIFOs,
+// sockets, character devices and directories are refused from their O_PATH handle.
 class FileDevice final : public BlockDevice {
  public:
+  // Looks `path` up (PathHandle::lookup) and opens it from the handle.
   static std::unique_ptr<FileDevice> open(const std::string& path, FileOpenOptions options = {});
+  // Opens the file `handle` refers to (not its path again); refuses anything but a regular file
+  // or block device without opening it. The device's name is handle.path().
+  static std::unique_ptr<FileDevice> open(const PathHandle& handle, FileOpenOptions options = {});
   ~FileDevice() override;
   FileDevice(const FileDevice&) = delete;
   FileDevice& operator=(const FileDevice&) = delete;
@@ -67,6 +117,7 @@ class FileDevice final : public BlockDevice {
   [[nodiscard]] bool is_block_device() const { return block_device_; }
   [[nodiscard]] dev_t st_dev() const { return dev_; }
   [[nodiscard]] ino_t st_ino() const { return ino_; }
+  [[nodiscard]] FileId id() const;
 
  private:
   FileDevice(std::string path, int fd, bool writable);
@@ -78,6 +129,7 @@ class FileDevice final : public BlockDevice {
   uint32_t alignment_ = 4096;
   dev_t dev_ = 0;
   ino_t ino_ = 0;
+  dev_t rdev_ = 0;
 };
 
 // An in-memory device for tests.

@@ -393,11 +393,13 @@ TEST_CASE("qcow2.bad.backing_json_and_protocols") {
     expect_error<UnsupportedError>([&] { (void)qcow2::Chain::open(top); }, top,
                                    name.rfind("json:", 0) == 0 ? "json:" : "protocol");
   }
-  // file: prefix and names with a colon after a slash are plain files.
-  CHECK(qcow2::resolve_backing("/d/top.qcow2", "file:base.qcow2") == "/d/base.qcow2");
-  CHECK(qcow2::resolve_backing("/d/top.qcow2", "./x:y.qcow2") == "/d/x:y.qcow2");
+  // file: prefix and names with a colon after a slash are plain files. As QEMU: a relative name
+  // is joined to the image's directory textually (the kernel resolves '..' and symlinks); a
+  // file: name is used as is (relative to the working directory).
+  CHECK(qcow2::resolve_backing("/d/top.qcow2", "file:base.qcow2") == "base.qcow2");
+  CHECK(qcow2::resolve_backing("/d/top.qcow2", "./x:y.qcow2") == "/d/./x:y.qcow2");
   CHECK(qcow2::resolve_backing("/d/top.qcow2", "/abs/b.qcow2") == "/abs/b.qcow2");
-  CHECK(qcow2::resolve_backing("/d/e/top.qcow2", "../b.qcow2") == "/d/b.qcow2");
+  CHECK(qcow2::resolve_backing("/d/e/top.qcow2", "../b.qcow2") == "/d/e/../b.qcow2");
 }
 
 TEST_CASE("qcow2.bad.backing_format_unsupported") {
