@@ -85,12 +85,14 @@ int cmd_info(const Args& args) {
     if (out == Output::kJson) {
       if (i) js << ", ";
       js << "{\"depth\": " << i << ", \"filename\": " << json_string(L.path)
-         << ", \"format\": \"" << to_string(L.format) << "\", \"virtual-size\": " << L.virtual_size()
+         << ", \"resolved\": " << json_string(L.real_path) << ", \"format\": \""
+         << to_string(L.format) << "\", \"virtual-size\": " << L.virtual_size()
          << ", \"actual-size\": " << disk;
       if (!L.backing_name.empty()) js << ", \"named-as\": " << json_string(L.backing_name);
     } else {
       std::cout << (i == 0 ? "image: " : "\nbacking image (depth " + std::to_string(i) + "): ")
                 << L.path << "\n";
+      if (L.real_path != L.path) std::cout << "resolved: " << L.real_path << "\n";
       if (!L.backing_name.empty()) std::cout << "named as: " << L.backing_name << "\n";
       std::cout << "file format: " << to_string(L.format) << "\n"
                 << "virtual size: " << human_size(L.virtual_size()) << "\n"

@@ -14,6 +14,8 @@
 #include "cli/options.h"
 #include "cli/units.h"
 #include "engine/merge.h"
+#include "qcow2/device.h"
+#include "qcow2/error.h"
 
 namespace qcommit::cli {
 
@@ -43,6 +45,15 @@ double measure_write_bandwidth(const std::string& dir) {
   ::close(fd);
   free(mem);
   return s > 0 ? double(kMeasureBytes) / s : 0;
+}
+
+// Where the kernel's resolution of a chain path leads (looked up, not opened), for display.
+std::string resolved(const std::string& path) {
+  try {
+    return qcow2::PathHandle::lookup(path).real_path();
+  } catch (const qcow2::Error&) {
+    return path;
+  }
 }
 
 }  // namespace
@@ -102,9 +113,15 @@ int cmd_plan(const Args& args) {
     std::string js = "{\"top\": " + json_string(top) + ", \"base\": " + json_string(p.base) +
                      ", \"base-format\": " + json_string(p.base_format) + ", \"layers\": [";
     for (size_t i = 0; i < p.layers.size(); ++i) js += (i ? ", " : "") + json_string(p.layers[i]);
-    js += "], \"top-size\": " + std::to_string(p.top_size) + ", \"base-size\": " + std::to_string(p.base_size) +
+    js += "], \"resolved-layers\": [";
+    for (size_t i = 0; i < p.layers.size(); ++i)
+      js += (i ? ", " : "") + json_string(resolved(p.layers[i]));
+    js += "], \"resolved-base\": " + json_string(resolved(p.base)) +
+          ", \"top-size\": " + std::to_string(p.top_size) +
+          ", \"base-size\": " + std::to_string(p.base_size) +
           ", \"grow-base\": " + json_bool(p.top_size > p.base_size) +
-          ", \"data-bytes\": " + std::to_string(p.data_bytes) + ", \"zero-bytes\": " + std::to_string(p.zero_bytes) +
+          ", \"data-bytes\": " + std::to_string(p.data_bytes) +
+          ", \"zero-bytes\": " + std::to_string(p.zero_bytes) +
           ", \"compressed-bytes\": " + std::to_string(p.compressed_bytes) +
           ", \"extents\": " + std::to_string(p.extents) +
           ", \"base-internal-snapshots\": " + std::to_string(p.base_snapshots) +
@@ -123,9 +140,14 @@ int cmd_plan(const Args& args) {
     return kExitOk;
   }
   std::printf("merge plan (nothing written)\n");
+  // Each path as QEMU names it, and where the kernel resolves it when that differs.
+  const auto shown = [](const std::string& path) {
+    const std::string real = resolved(path);
+    return real == path ? path : path + " -> " + real;
+  };
   for (size_t i = 0; i < p.layers.size(); ++i)
-    std::printf("  %-8s %s\n", i == 0 ? "top" : "through", p.layers[i].c_str());
-  std::printf("  %-8s %s (%s)\n", "into", p.base.c_str(), p.base_format.c_str());
+    std::printf("  %-8s %s\n", i == 0 ? "top" : "through", shown(p.layers[i]).c_str());
+  std::printf("  %-8s %s (%s)\n", "into", shown(p.base).c_str(), p.base_format.c_str());
   if (p.top_size > p.base_size)
     std::printf("  base grows from %s to %s first\n", format_size(p.base_size).c_str(), format_size(p.top_size).c_str());
   std::printf("data to copy:   %s in %zu extents%s\n", format_size(p.data_bytes).c_str(), p.extents,
