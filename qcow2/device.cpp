@@ -27,37 +27,21 @@ inline constexpr const char* kProcSelfFd = "/proc/self/fd/";
 std::string proc_fd_path(int fd) {
   return kProcSelfFd + std::to_string(fd);
 }
-
-// Closes the fd unless released (the error paths of the lookup).
-class FdGuard {
- public:
-  explicit FdGuard(int fd) : fd_(fd) {}
-  FdGuard(const FdGuard&) = delete;
-  FdGuard& operator=(const FdGuard&) = delete;
-  ~FdGuard() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  [[nodiscard]] int release() { return std::exchange(fd_, -1); }
-
- private:
-  int fd_;
-};
 }  // namespace
 
 PathHandle PathHandle::lookup(const std::string& path) {
   // O_PATH: the kernel resolves the name and pins the file, but no open() of a device driver,
   // no wait for a FIFO's writer, no read or write permission needed.
-  const int fd = ::open(path.c_str(), O_PATH | O_CLOEXEC);
-  if (fd < 0) throw_errno(path, "cannot open", errno);
-  return PathHandle(path, fd);
+  UniqueFd fd(::open(path.c_str(), O_PATH | O_CLOEXEC));
+  if (!fd.valid()) throw_errno(path, "cannot open", errno);
+  return PathHandle(path, std::move(fd));
 }
 
-PathHandle::PathHandle(std::string path, int fd) : path_(std::move(path)) {
-  FdGuard guard(fd);
+PathHandle::PathHandle(std::string path, UniqueFd fd) : path_(std::move(path)), fd_(std::move(fd)) {
   struct stat st {};
-  if (::fstat(fd, &st) != 0) throw_errno(path_, "cannot stat", errno);
+  if (::fstat(fd_.get(), &st) != 0) throw_errno(path_, "cannot stat", errno);
   std::string link(PATH_MAX, '\0');
-  const ssize_t n = ::readlink(proc_fd_path(fd).c_str(), link.data(), link.size());
+  const ssize_t n = ::readlink(proc_fd_path(fd_.get()).c_str(), link.data(), link.size());
   if (n < 0)
     throw_errno(path_,
                 "cannot resolve through " + std::string(kProcSelfFd) + " (is /proc mounted?)",
@@ -69,34 +53,6 @@ PathHandle::PathHandle(std::string path, int fd) : path_(std::move(path)) {
   dev_ = st.st_dev;
   ino_ = st.st_ino;
   rdev_ = st.st_rdev;
-  fd_ = guard.release();
-}
-
-PathHandle::PathHandle(PathHandle&& other) noexcept
-    : path_(std::move(other.path_)),
-      real_path_(std::move(other.real_path_)),
-      fd_(std::exchange(other.fd_, -1)),
-      mode_(other.mode_),
-      dev_(other.dev_),
-      ino_(other.ino_),
-      rdev_(other.rdev_) {}
-
-PathHandle& PathHandle::operator=(PathHandle&& other) noexcept {
-  if (this != &other) {
-    if (fd_ >= 0) ::close(fd_);
-    path_ = std::move(other.path_);
-    real_path_ = std::move(other.real_path_);
-    fd_ = std::exchange(other.fd_, -1);
-    mode_ = other.mode_;
-    dev_ = other.dev_;
-    ino_ = other.ino_;
-    rdev_ = other.rdev_;
-  }
-  return *this;
-}
-
-PathHandle::~PathHandle() {
-  if (fd_ >= 0) ::close(fd_);
 }
 
 FileId PathHandle::id() const {

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "qcow2/unique_fd.h"
+
 namespace qcommit::qcow2 {
 
 // Which ranges of a device hold data (SEEK_DATA/SEEK_HOLE semantics).
@@ -59,11 +61,6 @@ class PathHandle {
   // Resolves `path` as open(2) would (symlinks and '..' in order, relative to the working
   // directory). Throws IoError when the kernel cannot resolve it.
   [[nodiscard]] static PathHandle lookup(const std::string& path);
-  PathHandle(PathHandle&& other) noexcept;
-  PathHandle& operator=(PathHandle&& other) noexcept;
-  PathHandle(const PathHandle&) = delete;
-  PathHandle& operator=(const PathHandle&) = delete;
-  ~PathHandle();
 
   [[nodiscard]] const std::string& path() const { return path_; }
   // Where the kernel's resolution led: the file's absolute path without symlinks.
@@ -72,13 +69,13 @@ class PathHandle {
   [[nodiscard]] bool regular_or_block() const;
   // What kind of file this is, for messages: "a regular file", "a FIFO", "a directory", ...
   [[nodiscard]] const char* kind() const;
-  [[nodiscard]] int fd() const { return fd_; }
+  [[nodiscard]] int fd() const { return fd_.get(); }
 
  private:
-  PathHandle(std::string path, int fd);
+  PathHandle(std::string path, UniqueFd fd);
   std::string path_;
   std::string real_path_;
-  int fd_ = -1;
+  UniqueFd fd_;
   mode_t mode_ = 0;
   dev_t dev_ = 0;
   ino_t ino_ = 0;
