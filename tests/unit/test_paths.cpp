@@ -144,6 +144,10 @@ TEST_CASE("qcow2.paths.relative_top_and_loop_by_identity") {
     REQUIRE(chain.depth() == 2);
     CHECK(chain.layer(1).path == "sub/base.img");
     CHECK(chain.layer(1).real_path == real(d.file("sub/base.img")));
+    // qemu-img names it "./sub/base.img" for "./sub/top.qcow2": the same spelling.
+    Chain dotted = Chain::open("./sub/top.qcow2");
+    REQUIRE(dotted.depth() == 2);
+    CHECK(dotted.layer(1).path == "./sub/base.img");
   } catch (...) {
     restore();
     throw;
