@@ -1,14 +1,12 @@
 #include "engine/image_lock.h"
 
-#include <dirent.h>
 #include <fcntl.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
-#include <fstream>
 
+#include "engine/proc_walk.h"
 #include "qcow2/error.h"
 
 namespace qcommit::engine {
@@ -48,39 +46,7 @@ bool lock_shared(int fd, uint64_t byte) {
 }  // namespace
 
 std::string describe_holders(const std::string& path) {
-  struct stat target {};
-  if (stat(path.c_str(), &target) != 0) return "";
-  std::string out;
-  DIR* proc = opendir("/proc");
-  if (!proc) return "";
-  const pid_t self = getpid();
-  while (dirent* d = readdir(proc)) {
-    char* end = nullptr;
-    long pid = std::strtol(d->d_name, &end, 10);
-    if (*end || pid <= 0 || pid == self) continue;
-    std::string fddir = std::string("/proc/") + d->d_name + "/fd";
-    DIR* fds = opendir(fddir.c_str());
-    if (!fds) continue;
-    bool found = false;
-    while (dirent* f = readdir(fds)) {
-      struct stat st {};
-      if (f->d_name[0] == '.') continue;
-      if (stat((fddir + "/" + f->d_name).c_str(), &st) == 0 && st.st_dev == target.st_dev &&
-          st.st_ino == target.st_ino) {
-        found = true;
-        break;
-      }
-    }
-    closedir(fds);
-    if (!found) continue;
-    std::ifstream comm(std::string("/proc/") + d->d_name + "/comm");
-    std::string name;
-    std::getline(comm, name);
-    if (!out.empty()) out += ", ";
-    out += "pid " + std::to_string(pid) + " (" + name + ")";
-  }
-  closedir(proc);
-  return out;
+  return describe(holders_of(path, Access::any));
 }
 
 ImageLock::ImageLock(const std::string& path, uint32_t perm, uint32_t shared) : path_(path) {

@@ -41,7 +41,8 @@ class ImageLock {
   int fd_ = -1;
 };
 
-// "pid 1234 (qemu-system-x86)" for every process that has `path` open, or "" if none is found.
-std::string describe_holders(const std::string& path);
+// "pid 1234 (qemu-system-x86)" for every process that has `path` open, or "" if none is found
+// (engine/proc_walk.h).
+[[nodiscard]] std::string describe_holders(const std::string& path);
 
 }  // namespace qcommit::engine

@@ -1,6 +1,6 @@
 // Which images a process (QEMU) holds open, and how, read from /proc: libvirt does not say which
 // image a non-active block commit writes into, but QEMU reopens that image read-write for the
-// job while the rest of the backing chain stays read-only.
+// job while the rest of the backing chain stays read-only. The walk itself is engine/proc_walk.h.
 #pragma once
 
 #include <sys/types.h>
@@ -12,8 +12,8 @@
 namespace qcommit::plugin {
 
 // The first QEMU process (command name qemu* or kvm; not this one) that holds `path` open for
-// writing; nullopt when none or /proc is unreadable.  Files are compared by device and inode
-// (block devices: by the device they are), not by name.
+// writing; nullopt when none or /proc is unreadable.  Files are compared by identity
+// (engine::FileId), not by name.
 [[nodiscard]] std::optional<pid_t> writer_of(const std::string& path,
                                              const std::string& proc = "/proc");
 
