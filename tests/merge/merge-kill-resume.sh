@@ -1,85 +1,365 @@
 #!/usr/bin/env bash
-# merge.kill_resume: a real qcommit merge process SIGKILLed at 20 moments spread over the copy;
-# each run resumes the interrupted one (the same command again), the last one finishes. Then:
-# BASE's view == TOP's view saved before, qemu-img check BASE exit 0 (leaks from the kills were
-# repaired by the resumes), TOP byte-identical. After every kill qemu-img check must find no
-# corruption (leaks allowed).
+# merge.kill_resume: a kill matrix on real qcommit processes. `qcommit merge TOP --rebase CHILD`
+# (and a --delete variant) over a chain BELOW <- BASE <- TOP <- CHILD merges over 1 GiB; each
+# trial SIGKILLs the process at chosen moments, runs the same command again (killed again in a
+# sequence, then to completion) and checks what the merge promises:
+#   after every kill: TOP's guest view and CHILD's view equal the copies saved before the first
+#     run; CHILD's backing file is TOP or BASE; qemu-img check finds no corruption in BASE
+#     (leaks allowed); the checkpoint beside BASE exists, or BASE is byte-identical to the
+#     original (nothing is written before the checkpoint);
+#   the run that completes: exit 0, a result event with "resumed": true exactly when a killed run
+#     had left a checkpoint, BASE's view equal to TOP's saved view, qemu-img check BASE exit 0
+#     (the leaks repaired), CHILD's view unchanged and its backing file BASE, no checkpoint left,
+#     with --delete TOP gone.
+# The chain: BELOW (raw, 1280 MiB, every byte 0xb7) is BASE's backing file; BASE (512 MiB) is
+# smaller than TOP (1280 MiB), so the merge grows BASE, and where TOP provides nothing in the
+# grown range TOP reads zeros (nothing is read past the end of a backing file). A grown BASE
+# must keep reading zeros there, never BELOW's bytes. TOP holds ~1 GiB: 5120 scattered 64 KiB
+# clusters below 512 MiB, eight 92 MiB runs in the grown range with gaps, zero clusters over data
+# in both. CHILD has 64 partial-cluster writes of its own all over the disk.
 #
-# usage: merge-kill-resume.sh QCOMMIT
+# Moments: named ones, where strace injects SIGKILL right before the Nth system call of a kind
+# (on a given file): before the first checkpoint is in place, before the grow, inside the grow's
+# commit, before a window's checkpoint (then the resumed run at its first write to BASE), before
+# the last window's checkpoint, before CHILD's header is rewritten, before the checkpoint is
+# removed, and with --delete before and after TOP is unlinked. Timed ones: 1 ms and 5 ms after
+# the start, and at fractions of the copy (the run's own progress events, stratified over the
+# copy, plus up to 100 ms), each followed by a kill of the resumed run somewhere in its copy.
+# Counts are asserted: every named kill hits a running process, most timed ones do, the run that
+# completes says "resumed": true after every kill that left a checkpoint and false after the
+# others, and the matrix includes kills before the first write and resumes past a window.
+#
+# usage: merge-kill-resume.sh QCOMMIT        (needs qemu-img, qemu-io, jq, strace)
+# KILL_SEED=N repeats the jitter of the timed kills of an earlier run.
 set -euo pipefail
 QCOMMIT=$(realpath "$1")
+for tool in qemu-img qemu-io jq strace; do
+  command -v "$tool" >/dev/null || { echo "merge.kill_resume: $tool not found" >&2; exit 1; }
+done
 work=$(mktemp -d "${TMPDIR:-/var/tmp}/qcommit-kill.XXXXXX")
 pid=
 trap '[[ -n $pid ]] && kill -9 $pid 2>/dev/null; rm -rf "$work"' EXIT
 cd "$work"
+t_begin=$(date +%s.%N)
+seed=${KILL_SEED:-$RANDOM}
+RANDOM=$seed
+now() { date +%s.%N; }
+since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
+
 failures=()
-fail() { echo "FAIL: $*" >&2; failures+=("$*"); }
+trial_ok=1
+fail() {
+  echo "FAIL [$tname]: $*" >&2
+  failures+=("[$tname] $*")
+  trial_ok=0
+}
 
 MiB=$((1024 * 1024))
-KILLS=${KILLS:-20}
-# ~320 MiB as random 64 KiB clusters over a 2 GiB disk (write-bound: no two are adjacent).
-qemu-img create -q -f qcow2 base.qcow2 2G
-qemu-io -f qcow2 -c "write -P 1 0 64M" base.qcow2 >/dev/null
-qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2 2G
+CP=.base.qcow2.qcommit-merge
+# Setup only: qemu-io without flushes (the images are read back through the page cache).
+qio() { qemu-io -t unsafe "$@" >/dev/null; }
+
+# ---------------------------------------------------------------------------------------------
+# The chain.
+t0=$(now)
+qemu-img create -q -f raw below.raw 1280M
+qio -f raw -c "write -P 0xb7 0 1280M" below.raw
+qemu-img create -q -f qcow2 -b below.raw -F raw base.qcow2 512M
+qio -f qcow2 -c "write -P 0x11 0 64M" -c "write -z 64M 32M" base.qcow2
+qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2 1280M
 args=()
+# i * odd constant mod 8192 is a permutation: 5120 distinct clusters below 512 MiB.
 for ((i = 0; i < 5120; i++)); do
-  args+=(-c "write -P $((i % 251)) $(((i * 2654435761 % 32768) * 65536)) 64k")
+  args+=(-c "write -P $((i % 251 + 1)) $(((i * 2654435761 % 8192) * 65536)) 64k")
 done
-qemu-io -f qcow2 "${args[@]}" top.qcow2 >/dev/null
-qemu-img convert -O raw top.qcow2 view.raw
-top_sum=$(sha256sum <top.qcow2)
-cp --sparse=always base.qcow2 base.orig
+for ((k = 0; k < 8; k++)); do args+=(-c "write -P $((0x40 + k)) $((512 * MiB + k * 96 * MiB)) 92M"); done
+args+=(-c "write -z 32M 8M" -c "write -z 1200M 16M")
+qio -f qcow2 "${args[@]}" top.qcow2
+qemu-img create -q -f qcow2 -b top.qcow2 -F qcow2 child.qcow2
+args=()
+for ((i = 0; i < 64; i++)); do args+=(-c "write -P $((0xc0 + i % 50)) $(((i * 20 + 3) * MiB + 4096 * i)) 256k"); done
+qio -f qcow2 "${args[@]}" child.qcow2
+top_data=$(qemu-img map --output=json top.qcow2 | jq '[.[] | select(.depth == 0 and .data) | .length] | add')
+((top_data >= 1024 * MiB)) || { echo "setup: TOP holds only $((top_data / MiB)) MiB" >&2; exit 1; }
+qemu-img convert -t unsafe -O raw top.qcow2 top.view
+qemu-img convert -t unsafe -O raw child.qcow2 child.view
+# The grown range's gaps read zeros in TOP (BELOW is not visible past BASE's end).
+cmp -s -n $((4 * MiB)) -i $((1276 * MiB)) top.view /dev/zero || { echo "setup: TOP's tail is not zeros" >&2; exit 1; }
+cp base.qcow2 base.orig
+cp child.qcow2 child.orig
+ln top.qcow2 top.orig # TOP itself is only read; --delete unlinks this name
+top_sum=$(sha256sum <top.orig)
+echo "setup: TOP holds $((top_data / MiB)) MiB of data, $(since "$t0") s"
 
-# Calibrate: how long does an uninterrupted merge take?
-"$QCOMMIT" merge top.qcow2 --budget off --output=json >cal.json
-T=$(jq -r 'select(.event == "result") | ."total-seconds"' cal.json)
-echo "uninterrupted merge: $T s"
-cp --sparse=always base.orig base.qcow2
+backing_of() {
+  local b
+  b=$(qemu-img info --output=json "$work/$1" | jq -r '."full-backing-filename" // empty')
+  [[ -n $b ]] && realpath -m "$b"
+  return 0
+}
+check_base() { # $1: the exit codes allowed, as a regex; sets last_leaks
+  local rc=0
+  qemu-img check --output=json base.qcow2 >chk.json 2>chk.err || rc=$?
+  local c l
+  c=$(jq '.corruptions // 0' chk.json 2>/dev/null || echo '?')
+  l=$(jq '.leaks // 0' chk.json 2>/dev/null || echo '?')
+  [[ $rc =~ ^($1)$ && $c == 0 ]] || fail "$label: qemu-img check BASE exit $rc, corruptions $c: $(head -c 300 chk.err)"
+  [[ $l =~ ^[0-9]+$ ]] && last_leaks=$l || last_leaks=0
+}
 
-runs=0 killed=0 resumed=0 leaks_seen=0 fractions=()
-while ((killed < KILLS)); do
-  # Kill target: a fraction of the copy, spread (stratified) over [0, 1), plus jitter in time.
-  f=$(awk -v k="$killed" -v n="$KILLS" -v r="$RANDOM" 'BEGIN { printf "%.3f", (k + r / 32768) / n }')
-  "$QCOMMIT" merge top.qcow2 --budget off --output=json >run.json 2>run.err &
-  pid=$!
-  runs=$((runs + 1))
-  t0=$(date +%s.%N)
-  deadline=$(awk -v t="$T" -v f="$f" 'BEGIN { printf "%.4f", t * f }')
-  # Kill when progress reaches the fraction, or when its share of the calibrated time is up.
-  while kill -0 "$pid" 2>/dev/null; do
-    done_frac=$(jq -rs '[.[] | select(.event == "progress" and .phase == "copy" and .total > 0) | .done / .total] | last // 0' run.json 2>/dev/null || echo 0)
-    now=$(date +%s.%N)
-    if awk -v d="$done_frac" -v f="$f" -v n="$now" -v t0="$t0" -v dl="$deadline" \
-        'BEGIN { exit !(d >= f || n - t0 >= dl) }'; then
-      break
-    fi
-    sleep 0.002
-  done
-  if kill -9 "$pid" 2>/dev/null; then
-    wait "$pid" 2>/dev/null || true
-    pid=
-    killed=$((killed + 1))
-    fractions+=("$f")
-    rc=0
-    qemu-img check --output=json base.qcow2 >chk.json 2>/dev/null || rc=$?
-    c=$(jq '.corruptions // 0' chk.json 2>/dev/null || echo "?") l=$(jq '.leaks // 0' chk.json 2>/dev/null || echo "?")
-    [[ $c == 0 && ($rc == 0 || $rc == 3) ]] || fail "after kill $killed (fraction $f): qemu-img check exit $rc, corruptions $c"
-    ((l > 0)) && leaks_seen=$((leaks_seen + 1))
+# ---------------------------------------------------------------------------------------------
+# Counters.
+kills=0 hits=0 misses=0 named_kills=0 named_hits=0
+left_checkpoint=0 left_untouched=0 left_complete=0 leaky_kills=0
+resumes_expected=0 resumes_seen=0 fresh_runs=0 resumed_past_zero=0 completed=0
+declare -A phase_count=()
+
+reset_images() {
+  rm -f "$CP" "$CP.tmp" run.json run.err final.json final.err
+  cp base.orig base.qcow2
+  cp child.orig child.qcow2
+  ln -f top.orig top.qcow2
+}
+
+# One run of the merge, killed as `spec` says:
+#   after:SECONDS               SIGKILL SECONDS after the start
+#   copy:FRACTION:JITTER        SIGKILL JITTER seconds after the run reported that it had copied
+#                               FRACTION of what it copies (progress events come every 200 ms)
+#   sys:CALLS:FILE:N            strace injects SIGKILL before the Nth of the system calls CALLS
+#                               (comma-separated) that touch FILE (any file if empty)
+# Sets killed_running (1 when it died of the kill before printing its result) and phase.
+run_killed() {
+  local spec=$1 rc=0
+  rm -f run.json run.err
+  kills=$((kills + 1))
+  case $spec in
+    after:*)
+      "${CMD[@]}" >run.json 2>run.err &
+      pid=$!
+      sleep "${spec#after:}"
+      kill -9 "$pid" 2>/dev/null || true
+      wait "$pid" 2>/dev/null || rc=$?
+      ;;
+    copy:*)
+      local f jitter line permille
+      IFS=: read -r _ f jitter <<<"$spec"
+      permille=$(awk -v f="$f" 'BEGIN { printf "%d", f * 1000 }')
+      rm -f out.fifo
+      mkfifo out.fifo
+      "${CMD[@]}" >out.fifo 2>run.err &
+      pid=$!
+      exec {fifo}<out.fifo
+      while IFS= read -r line <&"$fifo"; do
+        printf '%s\n' "$line" >>run.json
+        if [[ $line =~ \"phase\":\ \"copy\",\ \"done\":\ ([0-9]+),\ \"total\":\ ([0-9]+) ]] &&
+          ((BASH_REMATCH[2] > 0 && BASH_REMATCH[1] * 1000 >= permille * BASH_REMATCH[2])); then
+          sleep "$jitter"
+          kill -9 "$pid" 2>/dev/null || true
+          break
+        fi
+      done
+      # The rest (of a run that finished first); bash's "Killed" job notice goes to /dev/null.
+      {
+        cat <&"$fifo" >>run.json
+        exec {fifo}<&-
+        wait "$pid"
+      } 2>/dev/null || rc=$?
+      ;;
+    sys:*)
+      named_kills=$((named_kills + 1))
+      local calls file n paths=()
+      IFS=: read -r _ calls file n <<<"$spec"
+      # strace matches a path argument as spelled and a descriptor by its absolute path.
+      [[ -n $file ]] && paths=(-P "$file" -P "./$file" -P "$work/$file")
+      strace -f -qq -o /dev/null "${paths[@]}" -e trace="$calls" -e inject="$calls:signal=SIGKILL:when=$n" \
+        "${CMD[@]}" >run.json 2>run.err &
+      pid=$!
+      wait "$pid" 2>/dev/null || rc=$?
+      ;;
+  esac
+  pid=
+  killed_running=0
+  if [[ $rc == 137 ]] && ! grep -q '"event": "result"' run.json; then
+    killed_running=1
+    hits=$((hits + 1))
+    [[ $spec == sys:* ]] && named_hits=$((named_hits + 1))
   else
-    # It finished before the kill: start over from the original BASE to keep killing.
-    wait "$pid" || fail "a merge run failed: $(cat run.err)"
-    pid=
-    cp --sparse=always base.orig base.qcow2
-    rm -f .base.qcow2.qcommit-merge
+    misses=$((misses + 1))
+    [[ $spec == sys:* ]] &&
+      fail "$label: the named kill did not hit a running merge (exit $rc): $(grep -v '^strace: Requested path' run.err | head -c 300)"
   fi
-  if grep -q '"resumed-from"' run.json 2>/dev/null; then resumed=$((resumed + 1)); fi
+  # What the run had got to (its last event), for the summary.
+  phase=$(jq -rs 'map(select(.event == "progress")) | last // {} |
+                  if .phase == null then "start"
+                  elif .phase == "copy" and .total > 0 then "copy \((.done * 10 / .total | floor) * 10)%"
+                  else .phase end' run.json 2>/dev/null || echo '?')
+}
+
+# The state a kill left. Sets state: resume (a checkpoint: the next run must resume), fresh
+# (nothing written: the next run starts over), complete (the job was done before the kill).
+after_kill() {
+  local child_backing
+  child_backing=$(backing_of child.qcow2)
+  if [[ -e top.qcow2 ]]; then
+    qemu-img compare -q -f raw -F qcow2 top.view top.qcow2 || fail "$label: TOP's view changed"
+  elif ((!deleting)); then
+    fail "$label: TOP is gone without --delete"
+  fi
+  qemu-img compare -q -f raw -F qcow2 child.view child.qcow2 || fail "$label: CHILD's view changed"
+  [[ $child_backing == "$work/top.qcow2" || $child_backing == "$work/base.qcow2" ]] ||
+    fail "$label: CHILD's backing file is '$child_backing'"
+  check_base '0|3'
+  ((last_leaks > 0)) && leaky_kills=$((leaky_kills + 1))
+  if [[ -e $CP ]]; then
+    state=resume
+    left_checkpoint=$((left_checkpoint + 1))
+    [[ $child_backing == "$work/base.qcow2" ]] && phase="switch (CHILD rebased)"
+    [[ -e top.qcow2 ]] || phase="delete (TOP gone)"
+  elif [[ $child_backing == "$work/top.qcow2" ]]; then
+    state=fresh
+    left_untouched=$((left_untouched + 1))
+    cmp -s base.qcow2 base.orig || fail "$label: BASE was written but no checkpoint is there"
+  else
+    state=complete
+    left_complete=$((left_complete + 1))
+  fi
+  phase_count["$phase"]=$((${phase_count["$phase"]:-0} + 1))
+  echo "  $label: $phase, $([[ $killed_running == 1 ]] && echo killed || echo "not killed (had finished)"), $state, BASE leaks $last_leaks"
+}
+
+# The merge is done: BASE shows TOP's view, CHILD is on BASE, nothing left behind.
+verify_done() {
+  qemu-img compare -f raw -F qcow2 top.view base.qcow2 >cmp.out 2>&1 || fail "$label: BASE's view is not TOP's: $(head -c 300 cmp.out)"
+  check_base '0'
+  qemu-img compare -q -f raw -F qcow2 child.view child.qcow2 || fail "$label: CHILD's view changed"
+  [[ $(backing_of child.qcow2) == "$work/base.qcow2" ]] || fail "$label: CHILD's backing file is '$(backing_of child.qcow2)', not BASE"
+  [[ -e $CP || -e $CP.tmp ]] && fail "$label: checkpoint left behind"
+  if ((deleting)); then
+    [[ -e top.qcow2 ]] && fail "$label: TOP not deleted"
+  else
+    [[ -e top.qcow2 ]] || fail "$label: TOP deleted without --delete"
+  fi
+  completed=$((completed + 1))
+}
+
+# The same command to completion.
+run_final() {
+  local rc=0 expect=$1
+  "${CMD[@]}" >final.json 2>final.err || rc=$?
+  [[ $rc == 0 ]] || { fail "$label: exit $rc: $(head -c 400 final.err)"; return; }
+  local result
+  result=$(jq -c 'select(.event == "result")' final.json 2>/dev/null || true)
+  [[ -n $result && $(wc -l <<<"$result") == 1 ]] || { fail "$label: no result event: $(tail -c 300 final.json)"; return; }
+  local resumed from
+  resumed=$(jq -r '.resumed' <<<"$result")
+  from=$(jq -r '."resumed-from"' <<<"$result")
+  [[ $resumed == true ]] && resumes_seen=$((resumes_seen + 1))
+  if [[ $expect == resume ]]; then
+    resumes_expected=$((resumes_expected + 1))
+    [[ $resumed == true ]] || fail "$label: a killed run left a checkpoint, but the result says \"resumed\": $resumed"
+  else
+    fresh_runs=$((fresh_runs + 1))
+    [[ $resumed == false ]] || fail "$label: nothing to resume, but the result says \"resumed\": $resumed"
+  fi
+  [[ $resumed == true && $from -gt 0 ]] && resumed_past_zero=$((resumed_past_zero + 1))
+  echo "  $label: completed, resumed $resumed from $((from / MiB)) MiB, leaks repaired $(jq '."leaks-repaired"' <<<"$result"), $(jq '."total-seconds"' <<<"$result") s"
+  verify_done
+}
+
+# trial NAME DELETE SPEC...: fresh images, the runs killed as the SPECs say, then a run to
+# completion (unless a kill came after the job was done), all verified.
+trial() {
+  tname=$1 deleting=$2
+  shift 2
+  trial_ok=1
+  local t0 k=0
+  t0=$(now)
+  reset_images
+  CMD=("$QCOMMIT" merge top.qcow2 --rebase child.qcow2 --budget off --output=json)
+  # The re-run after TOP is gone finds BASE by name: the same command names it from the start.
+  ((deleting)) && CMD+=(--base base.qcow2 --delete)
+  echo "trial $tname$( ((deleting)) && echo ' (--delete)'):"
+  state=fresh
+  for spec in "$@"; do
+    k=$((k + 1))
+    label="kill $k ($spec)"
+    run_killed "$spec"
+    after_kill
+    ((trial_ok)) || break
+    [[ $state == complete ]] && break
+  done
+  label="final run"
+  if ((trial_ok)); then
+    if [[ $state == complete ]]; then
+      verify_done
+    else
+      run_final "$state"
+    fi
+  fi
+  echo "  ($(since "$t0") s)"
+}
+
+# ---------------------------------------------------------------------------------------------
+# An uninterrupted run first: how long a whole merge takes here (the timed kills' scale).
+tname=uninterrupted deleting=0 label="uninterrupted run"
+reset_images
+CMD=("$QCOMMIT" merge top.qcow2 --rebase child.qcow2 --budget off --output=json)
+t_run=$(now)
+run_final fresh
+echo "uninterrupted merge: $(since "$t_run") s (kill seed $seed)"
+
+# Timed kills: the first kill of each timed trial at a fraction of the copy stratified over
+# [0, 0.95) with jitter, the second one, in the run that resumes, anywhere in its own copy.
+TIMED=8
+first=() second=()
+for ((i = 0; i < TIMED; i++)); do
+  first+=("copy:$(awk -v i="$i" -v n="$TIMED" -v r="$RANDOM" -v j="$RANDOM" \
+    'BEGIN { printf "%.3f:%.3f", 0.95 * (i + r / 32768) / n, 0.1 * j / 32768 }')")
+  second+=("copy:$(awk -v r="$RANDOM" -v j="$RANDOM" 'BEGIN { printf "%.3f:%.3f", 0.9 * r / 32768, 0.1 * j / 32768 }')")
 done
-"$QCOMMIT" merge top.qcow2 --budget off --output=json >final.json 2>final.err || fail "final run failed: $(cat final.err)"
-echo "final run: $(jq -c 'select(.event == "result") | {"resumed-from", "leaks-repaired", copied, "total-seconds"}' final.json)"
-echo "kills: $killed at fractions ${fractions[*]}; runs $runs; $leaks_seen kills left leaked clusters"
-qemu-img compare -f raw -F qcow2 view.raw base.qcow2 >/dev/null || fail "BASE differs from TOP's view"
-qemu-img check -q base.qcow2 || fail "qemu-img check BASE not clean after the final run"
-[[ "$(sha256sum <top.qcow2)" == "$top_sum" ]] || fail "TOP was modified"
-[[ -e .base.qcow2.qcommit-merge ]] && fail "checkpoint left behind"
-if ((${#failures[@]})); then printf '  %s\n' "${failures[@]}" >&2; exit 1; fi
+
+# Named moments.
+W="pwrite64,pwritev,pwritev2"     # writes through a descriptor
+B="ftruncate,fallocate,$W"        # anything that changes BASE's file
+R="rename,renameat,renameat2"     # the checkpoint's versions are renamed into place
+U="unlink,unlinkat"
+trial very-start 0 "after:0.001" "after:0.005"
+trial first-checkpoint 0 "sys:$R::1"                       # nothing written yet
+trial grow 0 "sys:$B:base.qcow2:1"                          # first change to BASE: the grow
+trial grow-commit 0 "sys:$W:base.qcow2:3"                   # inside the grow's commit
+trial window-checkpoint 0 "sys:$R::2" "sys:$B:base.qcow2:1" # a window written, not checkpointed;
+                                                            # then the resumed run's first write
+trial second-window-checkpoint 0 "sys:$R::3"                # resumes past the first window
+trial switch 0 "sys:$W:child.qcow2:1"                       # before CHILD's header is rewritten
+trial checkpoint-removal 0 "sys:$U:$CP:1"                   # CHILD rebased, checkpoint still there
+trial delete 1 "sys:$U:top.qcow2:1"                         # before TOP is unlinked
+trial after-delete 1 "sys:$U:$CP:1"                         # TOP gone, checkpoint still there
+for ((i = 0; i < TIMED; i++)); do
+  trial "timed-$i" $((i % 4 == 3)) "${first[$i]}" "${second[$i]}"
+done
+
+# ---------------------------------------------------------------------------------------------
+tname=summary
+[[ "$(sha256sum <top.orig)" == "$top_sum" ]] || fail "TOP's file was modified"
+timed_kills=$((kills - named_kills))
+timed_hits=$((hits - named_hits))
+((named_hits == named_kills)) || fail "$((named_kills - named_hits)) of $named_kills named kills missed"
+# A timed kill misses when the run was done before it: a resumed run with little left to copy.
+((timed_hits * 3 >= timed_kills * 2)) || fail "only $timed_hits of $timed_kills timed kills hit a running merge"
+((resumes_seen == resumes_expected)) || fail "$resumes_seen results said resumed, $resumes_expected runs followed a checkpoint"
+# Eight named kills leave a checkpoint (all but first-checkpoint's), the timed ones more.
+((resumes_expected >= 8)) || fail "only $resumes_expected runs resumed an interrupted one"
+((left_untouched >= 1)) || fail "no kill came before the first write"
+((resumed_past_zero >= 1)) || fail "no run resumed past a committed window"
+summary="kills $kills (named $named_kills), hit a running merge $hits, after the job $misses;"
+summary+=" left a checkpoint $left_checkpoint, nothing written $left_untouched, job done $left_complete,"
+summary+=" leaks after $leaky_kills; runs resumed $resumes_seen of $resumes_expected expected"
+summary+=" ($resumed_past_zero past a committed window), fresh $fresh_runs; completed $completed merges"
+echo "phases hit:"
+for p in "${!phase_count[@]}"; do echo "  ${phase_count[$p]} x $p"; done | sort -k3
+echo "merge.kill_resume: $summary; $(since "$t_begin") s"
+if ((${#failures[@]})); then
+  printf '  %s\n' "${failures[@]}" >&2
+  exit 1
+fi
 echo "merge.kill_resume: OK"
