@@ -21,6 +21,7 @@
 #include "cli/daemon.h"
 #include "cli/json.h"
 #include "cli/options.h"
+#include "cli/units.h"
 #include "plugin/config.h"
 #include "plugin/governor.h"
 #include "plugin/libvirt_hypervisor.h"
@@ -213,11 +214,7 @@ int cmd_live(const Args& args) {
 
   DaemonConfig cfg;
   cfg.uri = uri;
-  try {
-    cfg.defaults.budget = parse_duration(budget, "--budget");
-  } catch (const ConfigError& e) {
-    throw UsageError(e.what());
-  }
+  cfg.defaults.budget = qcommit::cli::parse_duration(budget, "--budget");
   if (auto e = cfg.defaults.validate()) throw UsageError(*e);
   req.initial_speed_bytes_per_s = static_cast<std::uint64_t>(
       cfg.defaults.controller_config().initial_rate_bytes_per_s);

@@ -4,27 +4,16 @@
 #include <cstdio>
 
 #include "cli/options.h"
+#include "plugin/config.h"
 
 namespace qcommit::cli {
 
-std::chrono::nanoseconds parse_duration(const std::string& s) {
-  size_t used = 0;
-  double v = 0;
-  try {
-    v = std::stod(s, &used);
-  } catch (...) {
-    throw UsageError("bad duration '" + s + "' (examples: 20ms, 1.5s, 500us)");
-  }
-  const std::string unit = s.substr(used);
-  double ns;
-  if (unit == "ns") ns = v;
-  else if (unit == "us") ns = v * 1e3;
-  else if (unit == "ms") ns = v * 1e6;
-  else if (unit == "s" || unit.empty()) ns = v * 1e9;
-  else if (unit == "m" || unit == "min") ns = v * 60e9;
-  else throw UsageError("bad duration unit in '" + s + "' (ns, us, ms, s, min)");
-  if (!(ns > 0) || !std::isfinite(ns)) throw UsageError("duration must be positive: '" + s + "'");
-  return std::chrono::nanoseconds(int64_t(ns));
+std::chrono::nanoseconds parse_duration(const std::string& s, const std::string& option) {
+  std::string error;
+  const auto d = plugin::read_duration(s, error);
+  if (!d) throw UsageError(option + " " + s + ": " + error);
+  if (d->count() <= 0) throw UsageError(option + " " + s + ": must be more than 0");
+  return *d;
 }
 
 uint64_t parse_size(const std::string& s) {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
+#include <charconv>
 #include <cmath>
 #include <cstdlib>
 #include <memory>
@@ -47,20 +48,54 @@ bool split_number(const std::string& in, double& value, std::string& unit) {
 
 }  // namespace
 
-std::chrono::nanoseconds parse_duration(const std::string& s, const std::string& what) {
-  double v = 0;
-  std::string unit;
-  if (!split_number(s, v, unit))
-    throw ConfigError(what + ": bad duration '" + s + "' (expected e.g. 20ms, 1s)");
+std::optional<std::chrono::nanoseconds> read_duration(std::string_view text, std::string& error) {
+  const std::string s = trim(std::string(text));
+  size_t n = 0;
+  bool digits = false, dot = false;
+  for (; n < s.size(); ++n) {
+    if (std::isdigit(static_cast<unsigned char>(s[n]))) digits = true;
+    else if (s[n] == '.' && !dot) dot = true;
+    else break;
+  }
+  if (!digits) {
+    error = "bad duration '" + s + "' (examples: 20ms, 1.5s, 500us)";
+    return std::nullopt;
+  }
+  const std::string number = s.substr(0, n);
+  const std::string unit = trim(s.substr(n));
+  if (unit.empty()) {
+    error = "a duration needs a unit: " + number + "ms or " + number + "s";
+    return std::nullopt;
+  }
   double ns_per_unit = 0;
   if (unit == "ns") ns_per_unit = 1;
   else if (unit == "us") ns_per_unit = 1e3;
   else if (unit == "ms") ns_per_unit = 1e6;
   else if (unit == "s") ns_per_unit = 1e9;
-  else throw ConfigError(what + ": bad duration unit in '" + s + "' (use ns, us, ms or s)");
+  else {
+    error = "bad duration unit in '" + s + "' (use ns, us, ms or s)";
+    return std::nullopt;
+  }
+  double v = 0;
+  const auto [end, ec] = std::from_chars(number.data(), number.data() + number.size(), v, std::chars_format::fixed);
   const double ns = v * ns_per_unit;
-  if (ns > 3600e9) throw ConfigError(what + ": duration '" + s + "' is longer than one hour");
+  const double max_ns = std::chrono::duration<double, std::nano>(kMaxDuration).count();
+  if (ec == std::errc::result_out_of_range || (ec == std::errc{} && end == number.data() + number.size() && !(ns <= max_ns))) {
+    error = "duration '" + s + "' is longer than one hour";
+    return std::nullopt;
+  }
+  if (ec != std::errc{} || end != number.data() + number.size()) {
+    error = "bad duration '" + s + "' (examples: 20ms, 1.5s, 500us)";
+    return std::nullopt;
+  }
   return std::chrono::nanoseconds(static_cast<std::int64_t>(std::llround(ns)));
+}
+
+std::chrono::nanoseconds parse_duration(const std::string& s, const std::string& what) {
+  std::string error;
+  const auto d = read_duration(s, error);
+  if (!d) throw ConfigError(what + ": " + error);
+  return *d;
 }
 
 double parse_size(const std::string& s, const std::string& what) {

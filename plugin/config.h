@@ -15,6 +15,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 
 #include "throttle/controller.h"
 
@@ -54,7 +55,15 @@ struct DaemonConfig {
   [[nodiscard]] std::optional<std::string> validate() const;
 };
 
-// "20ms", "1.5s", "500us", "2000ns"; throws ConfigError naming `what`.
+// The one duration grammar of qcommit, qcommitd and this configuration (qcommit(1), DURATIONS):
+// a decimal number (digits with at most one '.', no sign, no exponent), optional blanks, then a
+// unit: ns, us, ms or s ("20ms", "20 ms", "0.02s", "1.5s", "500us"). A bare number is refused:
+// "20" is 20 ms to some readers and 20 s to others. At most kMaxDuration.
+inline constexpr std::chrono::hours kMaxDuration{1};
+// The duration, or nullopt with `error` set to one line that shows the fix ("a duration needs
+// a unit: 20ms or 20s").
+[[nodiscard]] std::optional<std::chrono::nanoseconds> read_duration(std::string_view s, std::string& error);
+// read_duration that throws ConfigError "<what>: <error>".
 [[nodiscard]] std::chrono::nanoseconds parse_duration(const std::string& s, const std::string& what);
 // "4096", "64K", "1M", "1.5G", "1MiB" (binary units); throws ConfigError naming `what`.
 [[nodiscard]] double parse_size(const std::string& s, const std::string& what);
