@@ -1,8 +1,10 @@
 // qcommit merge: offline merge of TOP (and intermediates) into BASE.
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cinttypes>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 
 #include "cli/json.h"
@@ -11,6 +13,8 @@
 #include "cli/domain_merge.h"
 #include "cli/merge_policy.h"
 #include "engine/merge.h"
+#include "qcow2/chain.h"
+#include "qcow2/error.h"
 
 namespace qcommit::cli {
 
@@ -27,6 +31,71 @@ void print_bar(const engine::Progress& p) {
                format_size(p.done_bytes).c_str(), format_size(p.total_bytes).c_str(),
                format_size(uint64_t(p.rate_bps)).c_str(), eta);
   std::fflush(stderr);
+}
+
+// What a dry run adds to the engine's plan for a merge through libvirt.
+struct DryRunExtras {
+  std::string definition;  // the change to the domain's definition, "" when none
+  bool journal = false;    // finishes an interrupted run recorded in the domain's definition
+};
+
+// The read-only part of the engine's check of --rebase CHILD: each child's backing file is TOP
+// (or, when an interrupted run of this merge is to be resumed, BASE already).
+void check_rebase_children(const engine::MergeOptions& mo, const engine::MergePlan& plan) {
+  struct stat top_st {}, base_st {};
+  if (::stat(mo.top.c_str(), &top_st) != 0) throw qcow2::Error(mo.top, "cannot stat it");
+  const bool base_known = ::stat(plan.base.c_str(), &base_st) == 0;
+  auto same = [](const struct stat& a, const std::string& path) {
+    struct stat b {};
+    return ::stat(path.c_str(), &b) == 0 && a.st_dev == b.st_dev && a.st_ino == b.st_ino;
+  };
+  for (const auto& child : mo.rebase) {
+    qcow2::ChainOptions o;
+    o.allowed_backing_dirs = mo.allowed_backing_dirs;
+    o.allowed_backing_dirs.push_back(std::filesystem::absolute(child).parent_path().string());
+    const qcow2::Chain c = qcow2::Chain::open(child, o);
+    const bool on_top = c.depth() >= 2 && same(top_st, c.layer(1).path);
+    const bool rebased_before = plan.resume_from && base_known && c.depth() >= 2 && same(base_st, c.layer(1).path);
+    if (!on_top && !rebased_before) throw qcow2::Error(child, "its backing file is not " + mo.top + "; refusing to rebase it");
+  }
+}
+
+// A dry run's report: what the merge would write, change and delete. Nothing is written.
+void print_dry_run(Output out, const engine::MergePlan& p, bool del, const DryRunExtras& extra) {
+  const std::string& top = p.layers.empty() ? p.base : p.layers.front();
+  if (out == Output::kJson) {
+    auto list = [](const std::vector<std::string>& v) {
+      std::string s = "[";
+      for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + json_string(v[i]);
+      return s + "]";
+    };
+    std::string js = "{\"event\": \"dry-run\", \"top\": " + json_string(top) + ", \"base\": " + json_string(p.base);
+    js += ", \"layers\": " + list(p.layers);
+    js += ", \"data-bytes\": " + std::to_string(p.data_bytes) + ", \"zero-bytes\": " + std::to_string(p.zero_bytes);
+    js += std::string(", \"grow-base\": ") + json_bool(p.top_size > p.base_size);
+    js += ", \"rebase\": " + list(p.rebase);
+    js += ", \"delete\": " + list(del ? p.layers : std::vector<std::string>{});
+    js += ", \"definition\": " + (extra.definition.empty() ? std::string("null") : json_string(extra.definition));
+    js += ", \"resume-from\": " + (p.resume_from ? std::to_string(*p.resume_from) : std::string("null"));
+    js += std::string(", \"written\": false}\n");
+    std::fputs(js.c_str(), stdout);
+    return;
+  }
+  std::printf("would merge %s into %s (nothing written)\n", top.c_str(), p.base.c_str());
+  if (extra.journal) std::printf("  would finish the interrupted merge recorded in the domain's definition\n");
+  for (size_t i = 1; i < p.layers.size(); ++i) std::printf("  through %s\n", p.layers[i].c_str());
+  if (p.top_size > p.base_size)
+    std::printf("  would grow %s from %s to %s\n", p.base.c_str(), format_size(p.base_size).c_str(),
+                format_size(p.top_size).c_str());
+  if (p.data_bytes || p.zero_bytes || p.extents)
+    std::printf("  would copy %s in %zu extents and zero %s\n", format_size(p.data_bytes).c_str(), p.extents,
+                format_size(p.zero_bytes).c_str());
+  if (p.base_bitmaps) std::printf("  would remove %u persistent bitmaps of %s\n", p.base_bitmaps, p.base.c_str());
+  if (p.resume_from) std::printf("  would resume an interrupted run at %s\n", format_size(*p.resume_from).c_str());
+  for (const auto& c : p.rebase) std::printf("  would rebase %s onto %s\n", c.c_str(), p.base.c_str());
+  if (!extra.definition.empty()) std::printf("  would update the definition: %s\n", extra.definition.c_str());
+  if (del)
+    for (const auto& l : p.layers) std::printf("  would delete %s\n", l.c_str());
 }
 
 }  // namespace
@@ -47,7 +116,8 @@ int cmd_merge(const Args& args) {
       "vol", po::value(&vol), "volume name in --pool to merge into its backing file")(
       "connect,c", po::value(&uri), "libvirt connection URI (default qemu:///system)")(
       "uri", po::value(&uri), "the same as --connect")(
-      "dry-run", po::bool_switch(&dry_run), "with --domain: resolve and check everything, write nothing")(
+      "dry-run", po::bool_switch(&dry_run),
+      "resolve and check everything, print what the merge would do (copy, rebase, delete, definition), write nothing")(
       "base", po::value(&base), "merge into this image of TOP's chain (default: TOP's backing file)")(
       "rebase", po::value(&rebase)->multitoken(), "images whose backing file is TOP: point them at BASE")(
       "delete", po::bool_switch(&del), "remove TOP and the intermediates afterwards")(
@@ -70,16 +140,19 @@ int cmd_merge(const Args& args) {
   po::variables_map vm;
   if (!parse(args, opts, pos, vm,
              "qcommit merge TOP [--base BASE] [--rebase CHILD...] [--delete] [--budget DURATION|off]\n"
-             "              [--config FILE] [--connect URI] [--cotenants on|off] [--probe on|off] [--trace FILE.csv]",
+             "              [--config FILE] [--connect URI] [--cotenants on|off] [--probe on|off] [--trace FILE.csv]\n"
+             "              [--dry-run]",
              "examples:\n"
              "  qcommit merge snap1.qcow2                      # into snap1's backing file\n"
              "  qcommit merge snap2.qcow2 --base base.qcow2 --rebase snap3.qcow2\n"
              "  qcommit merge snap.qcow2 --budget off --output=json\n"
+             "  qcommit merge snap2.qcow2 --rebase snap3.qcow2 --delete --dry-run   # what it would do, nothing written\n"
              "  qcommit merge --domain vm1 --disk vda           # shut-off domain: merge and redefine\n"
              "  qcommit merge --pool default --vol vm1-snap.qcow2\n"
              "\nAfter a crash or kill, run the same command again: it resumes from its checkpoint.\n"))
     return kExitOk;
   const Output out = parse_output(output);
+  if (dry_run && !trace.empty()) throw UsageError("--trace records a merge as it runs; a dry run runs none (drop --trace)");
   const bool via_libvirt = !domain.empty() || !pool.empty();
   if (!via_libvirt && top.empty()) throw UsageError("give TOP, or --domain DOM --disk DEV, or --pool P --vol V");
   if (!domain.empty() && disk.empty()) throw UsageError("--domain needs --disk");
@@ -117,7 +190,9 @@ int cmd_merge(const Args& args) {
   // known, said before the copy starts.
   std::optional<MergePolicy> policy;
   std::shared_ptr<engine::BudgetGovernor> governor;
-  auto governor_for = [&](const std::string& merge_base) -> std::shared_ptr<engine::CopyGovernor> {
+  // Resolving the policy reads the configuration and asks libvirt; it writes nothing (a dry run
+  // shows it too). The governor creates its probe file and trace: only for a real merge.
+  auto announce_policy = [&](const std::string& merge_base) {
     policy = resolve_merge_policy(popts, merge_base);
     if (out == Output::kJson) {
       std::printf("{\"event\": \"policy\", %s}\n", policy->json_fields().c_str());
@@ -131,9 +206,19 @@ int cmd_merge(const Args& args) {
       std::fflush(stdout);
       for (const auto& n : policy->notes) std::fprintf(stderr, "%s\n", n.c_str());
     }
+  };
+  auto governor_for = [&](const std::string& merge_base) -> std::shared_ptr<engine::CopyGovernor> {
+    announce_policy(merge_base);
     governor = make_budget_governor(*policy, trace, probe == "on");
     return governor;
   };
+  if (dry_run && !via_libvirt) {
+    const engine::MergePlan plan = engine::plan_merge(mo);
+    check_rebase_children(mo, plan);
+    if (governed) announce_policy(plan.base);
+    print_dry_run(out, plan, del, {});
+    return kExitOk;
+  }
   if (governed && !via_libvirt) mo.governor = governor_for(merge_base_of(top, mo.base, mo.allowed_backing_dirs));
   const bool tty = isatty(2) && out == Output::kHuman;
   mo.on_progress = [&](const engine::Progress& p) {
@@ -160,7 +245,7 @@ int cmd_merge(const Args& args) {
     req.merge = mo;
     if (!top.empty()) req.merge.allowed_backing_dirs = backing_policy(top, allow_dirs);
     else req.merge.allowed_backing_dirs = allow_dirs.empty() ? std::vector<std::string>{"/"} : allow_dirs;
-    if (governed) {
+    if (governed && !dry_run) {
       // --domain hands over BASE; --pool/--vol hands over TOP (the volume).
       req.make_governor = [&, dirs = req.merge.allowed_backing_dirs](const std::string& target) {
         return governor_for(domain.empty() ? merge_base_of(target, mo.base, dirs) : target);
@@ -174,11 +259,24 @@ int cmd_merge(const Args& args) {
     };
     DomainMergeResult dr = merge_domain(req, note);
     if (dry_run) {
-      if (out == Output::kJson)
-        std::printf("{\"event\": \"dry-run\", \"top\": %s, \"base\": %s}\n", json_string(dr.top).c_str(),
-                    json_string(dr.base).c_str());
-      else
-        std::printf("would merge %s into %s (nothing written)\n", dr.top.c_str(), dr.base.c_str());
+      if (dr.plan && domain.empty()) {
+        engine::MergeOptions m = req.merge;
+        m.top = dr.top;
+        check_rebase_children(m, *dr.plan);
+      }
+      if (governed && !dr.base.empty()) announce_policy(dr.base);
+      DryRunExtras extra;
+      extra.definition = dr.would_update_definition ? "disk " + disk + " of domain " + domain + " would use " + dr.base
+                                                    : std::string();
+      extra.journal = dr.finished_earlier_run;
+      if (dr.plan) {
+        print_dry_run(out, *dr.plan, dr.would_delete, extra);
+      } else {
+        engine::MergePlan p;  // an interrupted run whose data is merged: the rest is metadata
+        p.layers = {dr.top};
+        p.base = dr.base;
+        print_dry_run(out, p, dr.would_delete, extra);
+      }
       return kExitOk;
     }
     for (auto& s : dr.snapshot_metadata_removed) note("removed metadata of snapshot '" + s + "'");

@@ -271,20 +271,24 @@ DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(
     std::string top = volume_path(conn.get(), req.pool, req.volume);
     req.merge.top = top;
     if (req.base) req.merge.base = *req.base;
-    if (req.make_governor) req.merge.governor = req.make_governor(top);
-    if (!req.dry_run) res.merge = engine::merge(req.merge);
     res.top = top;
+    if (req.dry_run) {
+      res.plan = engine::plan_merge(req.merge);
+      res.base = res.plan->base;
+      res.would_delete = req.merge.delete_merged;
+      return res;
+    }
+    if (req.make_governor) req.merge.governor = req.make_governor(top);
+    res.merge = engine::merge(req.merge);
     res.base = res.merge.base;
     Pool p(virStoragePoolLookupByName(conn.get(), req.pool.c_str()));
     if (!p) p.reset(virStoragePoolLookupByUUIDString(conn.get(), req.pool.c_str()));
-    if (!req.dry_run) {
-      if (p)
-        refresh_pool(p.get(), res, note);
-      else
-        note("could not refresh storage pool " + req.pool + ": it is gone: " + last_libvirt_error());
-    }
+    if (p)
+      refresh_pool(p.get(), res, note);
+    else
+      note("could not refresh storage pool " + req.pool + ": it is gone: " + last_libvirt_error());
     // BASE may live in another pool (an overlay in a dir pool on a logical volume).
-    if (!req.dry_run) refresh_pools_holding(conn.get(), res.base, res, note);
+    refresh_pools_holding(conn.get(), res.base, res, note);
     return res;
   }
 
@@ -324,6 +328,17 @@ DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(
     return size_t(it - layers.begin());
   };
 
+  // What a dry run reports: the engine's read-only plan of the merge of layers ti..bi-1 into bi
+  // (TOP's child, if any, rebased).
+  auto plan_of = [&](size_t ti, size_t bi) {
+    engine::MergeOptions m = req.merge;
+    m.top = paths[ti];
+    m.base = paths[bi];
+    m.rebase.clear();
+    if (ti > 0) m.rebase = {paths[ti - 1]};
+    return engine::plan_merge(m);
+  };
+
   // A journal left by an interrupted run takes precedence (one per domain: finish it first).
   Journal journal;
   if (journal.load(dom.get())) {
@@ -348,7 +363,12 @@ DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(
     if (!t || *t >= *b) t.reset();  // data merged and TOP out of the chain
     res.top = journal.top;
     res.base = journal.base;
-    if (req.dry_run) return res;
+    if (req.dry_run) {
+      if (t) res.plan = plan_of(*t, *b);
+      res.would_update_definition = journal.switch_source;
+      res.would_delete = journal.delete_merged;
+      return res;
+    }
   } else {
     t = req.top ? index_of(*req.top) : std::optional<size_t>(0);
     if (!t) throw Error(*req.top, "is not in the chain of domain " + req.domain + " disk " + req.disk);
@@ -393,7 +413,12 @@ DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(
     }
     for (auto& s : affected) note("snapshot metadata to remove: " + s);
 
-    if (req.dry_run) return res;
+    if (req.dry_run) {
+      res.plan = plan_of(*t, *b);
+      res.would_update_definition = *t == 0;
+      res.would_delete = req.merge.delete_merged;
+      return res;
+    }
     journal.disk = req.disk;
     journal.top = res.top;
     journal.base = res.base;

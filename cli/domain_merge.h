@@ -33,6 +33,10 @@ struct DomainMergeResult {
   std::vector<std::string> snapshot_metadata_removed;
   std::vector<std::string> pools_refreshed;
   bool finished_earlier_run = false;
+  // dry_run: what the merge would do (none of it done).
+  std::optional<engine::MergePlan> plan;  // the copy, when it is still to be made
+  bool would_update_definition = false;   // the disk would move to BASE
+  bool would_delete = false;              // the merged files would be deleted
 };
 
 // Throws qcow2::Error (one line naming the domain/file) on refusal or failure; nothing is written

@@ -108,7 +108,7 @@ for cmd in "${cmds[@]}"; do
            "$QCOMMIT" merge --domain "vm off" --disk vda --uri "test://$work/node-off.xml" --dry-run \
              --output=json >"$out" 2>/dev/null
            json_lines "$cmd --dry-run" "$out"
-           [[ $(jq -r '.event + " " + .base' "$out") == "dry-run $work/base.qcow2" ]] ||
+           [[ $(jq -r 'select(.event == "dry-run") | .event + " " + .base' "$out") == "dry-run $work/base.qcow2" ]] ||
              fail "merge --dry-run: $(cat "$out")" ;;
     report) "$QCOMMIT" merge r-top.qcow2 --budget 20ms --trace trace.csv >/dev/null 2>&1
             bad_output report trace.csv
