@@ -20,6 +20,7 @@
 
 #include "qcow2/chain.h"
 #include "cli/xml.h"
+#include "engine/image_lock.h"
 #include "plugin/libvirt_handles.h"
 #include "qcow2/error.h"
 
@@ -40,14 +41,19 @@ using CStr = plugin::lv::CString;
 struct DocFree { void operator()(xmlDocPtr p) const { xmlFreeDoc(p); } };
 using Doc = std::unique_ptr<xmlDoc, DocFree>;
 
-// Test-only seam: QCOMMIT_TEST_KILL_AT=<point> makes this process SIGKILL itself at that named
-// point of a domain merge, so tests can crash it between the steps a re-run must finish
-// (tests/libvirt/offline-domain-crash.sh). Points, in order: data-window (after the first
-// committed window of the copy), data-merged, snapshots-removed, defined (before the pools are
-// refreshed and the journal is removed from the definition). Not for production use.
+// Test-only seams at named points of a domain merge, in order: data-window (after the first
+// committed window of the copy), data-merged (the copy and the switch done, the images still
+// locked), snapshots-removed, defined (before the merged files are deleted). Not for production
+// use.
+//  - QCOMMIT_TEST_KILL_AT=<point>: this process SIGKILLs itself there, so tests can crash it
+//    between the steps a re-run must finish (tests/libvirt/offline-domain-crash.sh).
+//  - QCOMMIT_TEST_STOP_AT=<point>: it stops itself there (SIGSTOP) until sent SIGCONT, so a test
+//    can act in that moment, e.g. start the domain (tests/libvirt/domain-started-during-merge.sh).
 void test_kill_point(const char* point) {
   const char* at = std::getenv("QCOMMIT_TEST_KILL_AT");
   if (at && std::strcmp(at, point) == 0) ::kill(::getpid(), SIGKILL);
+  const char* stop = std::getenv("QCOMMIT_TEST_STOP_AT");
+  if (stop && std::strcmp(stop, point) == 0) ::kill(::getpid(), SIGSTOP);
 }
 
 std::string last_libvirt_error() {
@@ -429,7 +435,74 @@ DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(
     journal.save(dom.get());
   }
 
-  // 1. Data. Merged files are deleted only once the definition no longer names them (step 4).
+  // Steps 2 to 4 change what a starting domain would run on (its snapshot list, its definition,
+  // the files). They run while every image of the merge is locked the way QEMU locks images (a
+  // QEMU that starts now cannot open TOP, BASE or TOP's child), and each one only after asking
+  // libvirt again whether the domain is still shut off: it was checked once at the start, and
+  // nothing stops anyone from starting it while the data is copied.
+  auto ensure_inactive = [&] {
+    const int running = virDomainIsActive(dom.get());
+    if (running == 0) return;
+    if (running == 1)
+      throw Error("domain " + req.domain,
+                  "was started during the merge; stopped before changing more (the data is merged): shut it "
+                  "off and run the same command again to finish");
+    throw Error("domain " + req.domain, "cannot tell whether it was started during the merge (" +
+                                            last_libvirt_error() + "); run the same command again");
+  };
+  auto finish = [&](engine::MergeResult& merged) {
+    test_kill_point("data-merged");
+
+    // 2. Snapshot metadata of merged states (those an interrupted run removed are gone already).
+    ensure_inactive();
+    for (const auto& name : journal.snapshots) {
+      Snap s(virDomainSnapshotLookupByName(dom.get(), name.c_str(), 0));
+      if (!s) continue;
+      if (virDomainSnapshotDelete(s.get(), VIR_DOMAIN_SNAPSHOT_DELETE_METADATA_ONLY) == 0)
+        res.snapshot_metadata_removed.push_back(name);
+      else
+        note("could not remove metadata of snapshot '" + name + "': " + last_libvirt_error());
+    }
+    test_kill_point("snapshots-removed");
+
+    // 3. The definition: the disk runs on BASE when TOP was the active layer, and its
+    // <backingStore> chain is the files' chain after the merge.
+    ensure_inactive();
+    {
+      auto [disk, source_path] = read_disk_source(doc);
+      const std::string new_active = journal.switch_source ? journal.base : source_path;
+      qcow2::Chain after = qcow2::Chain::open(new_active, [&] {
+        qcow2::ChainOptions o = chain_options(req.merge.allowed_backing_dirs);
+        o.allowed_backing_dirs.push_back(fs::path(new_active).parent_path().string());
+        return o;
+      }());
+      if (journal.switch_source) {
+        set_source(disk, xml_child(disk, "source"), new_active);
+        if (xmlNodePtr drv = xml_child(disk, "driver"))
+          xmlSetProp(drv, BAD_CAST "type", BAD_CAST qcow2::to_string(after.top().format));
+      }
+      set_backing_store(disk, after);
+      const std::string newxml = dump(doc.get());
+      Dom redefined(virDomainDefineXML(conn.get(), newxml.c_str()));
+      if (!redefined)
+        throw Error("domain " + req.domain, "merge done, but redefining the domain failed: " + last_libvirt_error() +
+                                                "; run the same command again");
+      res.definition_updated = true;
+    }
+    test_kill_point("defined");
+
+    // 4. Merged files, now that the definition no longer names them.
+    if (journal.delete_merged) {
+      ensure_inactive();
+      for (const auto& p : journal.merged) {
+        std::error_code ec;
+        if (fs::remove(p, ec)) merged.deleted.push_back(p);
+      }
+    }
+  };
+
+  // 1. Data. The engine runs steps 2 to 4 (finish) after the copy and the switch, with its locks
+  // still held; it deletes nothing itself (the definition names TOP until step 3).
   if (t) {
     req.merge.top = paths[*t];
     req.merge.base = paths[*b];
@@ -441,58 +514,32 @@ DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(
       if (inner) inner(done);
       test_kill_point("data-window");
     };
+    req.merge.while_locked = finish;
     res.merge = engine::merge(req.merge);
   } else {
-    // The engine had finished: its last step moved TOP's child (or the definition moved) onto
-    // BASE. A kill between that step and its cleanup leaves a stale checkpoint.
+    // The data was merged by an interrupted run: TOP's child (or the definition) is on BASE
+    // already. The same locks as the engine's for the rest: BASE and the disk's active layer for
+    // writing, and the merged files that are still there (about to be deleted).
+    std::vector<engine::ImageLock> locks;
+    std::vector<std::string> locked;  // canonical: one lock per file (OFD locks of one process conflict)
+    auto lock = [&](const std::string& p) {
+      struct stat st {};
+      if (::stat(p.c_str(), &st) != 0) return;
+      const std::string c = canonical(p);
+      if (std::find(locked.begin(), locked.end(), c) != locked.end()) return;
+      locks.push_back(engine::ImageLock::writer(p));
+      locked.push_back(c);
+    };
+    lock(journal.base);
+    lock(active);
+    for (const auto& p : journal.merged) lock(p);
+    finish(res.merge);
+    // A kill between the engine's last step and its cleanup leaves its checkpoint: removed last.
     std::error_code ec;
     fs::remove(engine::checkpoint_path(journal.base), ec);
   }
-  test_kill_point("data-merged");
 
-  // 2. Snapshot metadata of merged states (those an interrupted run removed are gone already).
-  for (const auto& name : journal.snapshots) {
-    Snap s(virDomainSnapshotLookupByName(dom.get(), name.c_str(), 0));
-    if (!s) continue;
-    if (virDomainSnapshotDelete(s.get(), VIR_DOMAIN_SNAPSHOT_DELETE_METADATA_ONLY) == 0)
-      res.snapshot_metadata_removed.push_back(name);
-    else
-      note("could not remove metadata of snapshot '" + name + "': " + last_libvirt_error());
-  }
-  test_kill_point("snapshots-removed");
-
-  // 3. The definition: the disk runs on BASE when TOP was the active layer, and its
-  // <backingStore> chain is the files' chain after the merge.
-  {
-    auto [disk, source_path] = read_disk_source(doc);
-    const std::string new_active = journal.switch_source ? journal.base : source_path;
-    qcow2::Chain after = qcow2::Chain::open(new_active, [&] {
-      qcow2::ChainOptions o = chain_options(req.merge.allowed_backing_dirs);
-      o.allowed_backing_dirs.push_back(fs::path(new_active).parent_path().string());
-      return o;
-    }());
-    if (journal.switch_source) {
-      set_source(disk, xml_child(disk, "source"), new_active);
-      if (xmlNodePtr drv = xml_child(disk, "driver"))
-        xmlSetProp(drv, BAD_CAST "type", BAD_CAST qcow2::to_string(after.top().format));
-    }
-    set_backing_store(disk, after);
-    const std::string newxml = dump(doc.get());
-    Dom redefined(virDomainDefineXML(conn.get(), newxml.c_str()));
-    if (!redefined)
-      throw Error("domain " + req.domain, "merge done, but redefining the domain failed: " + last_libvirt_error() +
-                                              "; run the same command again");
-    res.definition_updated = true;
-  }
-  test_kill_point("defined");
-
-  // 4. Merged files, pools, journal.
-  if (journal.delete_merged) {
-    for (const auto& p : journal.merged) {
-      std::error_code ec;
-      if (fs::remove(p, ec)) res.merge.deleted.push_back(p);
-    }
-  }
+  // Pools and journal: libvirt's view only, nothing a starting domain runs on.
   refresh_pools_holding(conn.get(), res.base, res, note);
   Journal::remove(dom.get());
   return res;
