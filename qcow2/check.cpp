@@ -273,33 +273,28 @@ class Checker {
     for (const auto& [l2, weight] : l2_weight) walk_l2(l2, false, weight);
   }
 
+  // Valid bitmaps: what they keep in use, by the definition the writer frees them by. A stale
+  // extension (autoclear bit clear) keeps nothing in use: its clusters are leaks, as in QEMU, and
+  // a repair drops the extension before freeing them.
   void bitmaps() {
-    const auto& bi = img_.bitmaps();
-    if (!bi || !(img_.header().autoclear_features & kAutoclearBitmaps)) return;
-    if (bi->directory_size > (64ull << 20)) {
-      problem(true, [] { return std::string("ERROR bitmap directory too large"); });
+    if (const auto& stale = img_.stale_bitmaps()) {
+      res_.stale_bitmaps = stale->nb_bitmaps;
+      if (res_.messages.size() < kMaxCheckMessages)
+        res_.messages.push_back(
+            "Warning: the bitmaps extension is stale (the autoclear bitmaps bit is clear: a program "
+            "without bitmap support wrote the image); its " + std::to_string(stale->nb_bitmaps) +
+            " bitmaps are ignored and their clusters are not in use");
+      if (repair_ != Repair::kNone) {
+        const std::vector<uint8_t> h = img_.encode_header(img_.header_);
+        img_.file().write(0, std::span<const uint8_t>(h.data(), h.size()));
+        img_.file().flush();
+        img_.stale_bitmaps_.reset();
+        res_.stale_bitmaps_dropped = true;
+      }
       return;
     }
-    inc(bi->directory_offset, bi->directory_size, "bitmap directory");
-    std::vector<uint8_t> dir(bi->directory_size);
-    img_.file().read(bi->directory_offset, dir);
-    size_t pos = 0;
-    for (uint32_t k = 0; k < bi->nb_bitmaps && pos + sizeof(RawBitmapDirectoryEntry) <= dir.size(); ++k) {
-      RawBitmapDirectoryEntry e{};
-      std::memcpy(&e, dir.data() + pos, sizeof e);
-      const uint64_t table = e.bitmap_table_offset.value();
-      const uint64_t entries = e.bitmap_table_size.value();
-      inc(table, entries * 8, "bitmap table");
-      if (entries * 8 <= (64ull << 20)) {
-        std::vector<uint8_t> tb(entries * 8);
-        img_.file().read(table, tb);
-        for (uint64_t i = 0; i < entries; ++i) {
-          const uint64_t d = load_big_u64(tb.data() + 8 * i) & kBitmapTableOffsetMask;
-          if (d) inc(d, cs_, "bitmap data");
-        }
-      }
-      pos += (sizeof e + e.extra_data_size.value() + e.name_size.value() + 7) & ~size_t(7);
-    }
+    const auto bad = img_.visit_bitmap_extents([&](const BitmapExtent& e) { inc(e.offset, e.length, e.what); });
+    if (bad) problem(true, [&] { return "ERROR " + *bad; });
   }
 
   uint64_t safe_refcount(uint64_t c) {

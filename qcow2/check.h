@@ -23,6 +23,8 @@ struct CheckResult {
   uint64_t image_end_offset = 0;
   std::vector<std::string> messages;  // first kMaxCheckMessages problems
   bool dirty_cleared = false;
+  uint32_t stale_bitmaps = 0;          // bitmaps of a stale extension (ignored, see Image::bitmaps())
+  bool stale_bitmaps_dropped = false;  // repair removed that extension from the header
   [[nodiscard]] bool clean() const { return corruptions == corruptions_fixed && leaks == leaks_fixed; }
 };
 
@@ -30,7 +32,8 @@ inline constexpr size_t kMaxCheckMessages = 100;
 
 // Checks `image` (opened writable when repair != kNone). Repair lowers leaked refcounts
 // (kLeaks) and also raises refcounts that are too low and fixes COPIED flags (kAll); a dirty
-// (lazy refcounts) image is repaired and its dirty bit cleared.
+// (lazy refcounts) image is repaired and its dirty bit cleared; a stale bitmaps extension is
+// dropped from the header before its clusters are freed as leaks.
 [[nodiscard]] CheckResult check(Image& image, Repair repair = Repair::kNone);
 
 }  // namespace qcommit::qcow2

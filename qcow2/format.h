@@ -117,6 +117,8 @@ struct RawBitmapDirectoryEntry {
 };
 static_assert(sizeof(RawBitmapDirectoryEntry) == 24);
 inline constexpr uint64_t kBitmapTableOffsetMask = 0x00fffffffffffe00ull;
+inline constexpr uint32_t kMaxBitmaps = 65535;                        // as QEMU
+inline constexpr uint64_t kMaxBitmapDirectoryBytes = 1024ull * kMaxBitmaps;  // as QEMU: ~64 MiB
 inline constexpr uint64_t kBitmapTableAllOnes = 1ull;  // bit 0: cluster reads as all ones
 
 struct RawFullDiskEncryption {

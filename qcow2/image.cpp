@@ -12,11 +12,15 @@ namespace qcommit::qcow2 {
 
 using boost::endian::load_big_u32;
 using boost::endian::load_big_u64;
+using boost::endian::store_big_u32;
+using boost::endian::store_big_u64;
 
 namespace {
 
 inline constexpr uint32_t kMaxSnapshots = 65536;
 inline constexpr uint64_t kMaxImageFileOffset = 1ull << 56;  // bits 9-55 of an L2 entry
+// Bitmap tables are read in pieces of at most this many bytes.
+inline constexpr uint64_t kBitmapTableChunkBytes = 1ull << 20;
 
 std::string bits_list(uint64_t mask, const std::vector<FeatureName>& names, uint8_t type) {
   std::string out;
@@ -218,6 +222,7 @@ void Image::parse_extensions(uint64_t start, uint64_t end) {
                                     " bytes overruns the header area");
     Extension ext{type, std::vector<uint8_t>(area.begin() + long(pos), area.begin() + long(pos + len))};
     const auto& d = ext.data;
+    bool keep = true;  // kept in extensions_, written back by a header rewrite
     switch (type) {
       case kExtBackingFormat:
         if (len > 1023) throw CorruptionError(nm, "backing format name too long");
@@ -239,8 +244,15 @@ void Image::parse_extensions(uint64_t start, uint64_t end) {
           throw CorruptionError(nm, "bitmaps extension too short");
         RawBitmapsExtension b{};
         std::memcpy(&b, d.data(), sizeof b);
-        bitmaps_ = BitmapsInfo{b.nb_bitmaps.value(), b.bitmap_directory_size.value(),
+        const BitmapsInfo info{b.nb_bitmaps.value(), b.bitmap_directory_size.value(),
                                b.bitmap_directory_offset.value()};
+        // The autoclear bit was parsed with the header (always clear in a v2 image).
+        if (header_.autoclear_features & kAutoclearBitmaps) {
+          bitmaps_ = info;
+        } else {
+          stale_bitmaps_ = info;
+          keep = false;
+        }
         break;
       }
       case kExtDataFile: {
@@ -253,10 +265,121 @@ void Image::parse_extensions(uint64_t start, uint64_t end) {
       default:
         break;  // kept as-is in extensions_
     }
-    extensions_.push_back(std::move(ext));
+    if (keep) extensions_.push_back(std::move(ext));
     pos += (len + 7) & ~size_t(7);
     if (pos > area.size()) return;
   }
+}
+
+std::optional<std::string> Image::visit_bitmap_extents(const BitmapExtentVisitor& visit) {
+  if (!bitmaps_) return std::nullopt;
+  const BitmapsInfo bi = *bitmaps_;
+  const uint64_t cs = cluster_size();
+  const uint64_t file_size = file_->size();
+  const std::string dir_at = "bitmap directory at " + hex(bi.directory_offset);
+  if (bi.nb_bitmaps == 0 || bi.nb_bitmaps > kMaxBitmaps)
+    return "bitmaps extension lists " + std::to_string(bi.nb_bitmaps) + " bitmaps (1 to " +
+           std::to_string(kMaxBitmaps) + " allowed)";
+  if (bi.directory_offset % cs != 0 || bi.directory_offset == 0)
+    return dir_at + " is not a cluster-aligned offset past the header";
+  if (bi.directory_size > kMaxBitmapDirectoryBytes)
+    return dir_at + " of " + std::to_string(bi.directory_size) + " bytes is larger than " +
+           std::to_string(kMaxBitmapDirectoryBytes);
+  visit({bi.directory_offset, bi.directory_size, "bitmap directory"});
+  if (bi.directory_offset > file_size || bi.directory_size > file_size - bi.directory_offset)
+    return dir_at + " lies beyond end of file";
+  std::vector<uint8_t> dir(bi.directory_size);
+  file_->read(bi.directory_offset, dir);
+  // Distinct tables lie inside the file: more table bytes than the file holds are overlapping or
+  // out of range, and reading them would cost time in proportion to a hostile header's numbers.
+  uint64_t table_bytes = 0;
+  std::vector<uint8_t> chunk;
+  size_t pos = 0;
+  for (uint32_t k = 0; k < bi.nb_bitmaps; ++k) {
+    const std::string entry_at = "bitmap directory entry " + std::to_string(k) + " (" + dir_at + ")";
+    if (dir.size() - pos < sizeof(RawBitmapDirectoryEntry))
+      return dir_at + " holds fewer than the " + std::to_string(bi.nb_bitmaps) + " bitmaps listed";
+    RawBitmapDirectoryEntry e{};
+    std::memcpy(&e, dir.data() + pos, sizeof e);
+    const uint64_t entry_bytes = sizeof e + uint64_t(e.extra_data_size.value()) + e.name_size.value();
+    if (entry_bytes > dir.size() - pos) return entry_at + " overruns the directory";
+    pos += size_t((entry_bytes + 7) & ~uint64_t(7));
+    pos = std::min(pos, dir.size());
+    const uint64_t table = e.bitmap_table_offset.value();
+    const uint64_t table_size = uint64_t(e.bitmap_table_size.value()) * 8;
+    if (table_size == 0) continue;
+    const std::string table_at = "bitmap table at " + hex(table) + " (" + entry_at + ")";
+    if (table % cs != 0 || table == 0) return table_at + " is not a cluster-aligned offset past the header";
+    visit({table, table_size, "bitmap table"});
+    if (table > file_size || table_size > file_size - table) return table_at + " lies beyond end of file";
+    table_bytes += table_size;
+    if (table_bytes > file_size) return "bitmap tables (" + dir_at + ") are larger than the file";
+    for (uint64_t done = 0; done < table_size; done += chunk.size()) {
+      chunk.resize(size_t(std::min(table_size - done, kBitmapTableChunkBytes)));
+      file_->read(table + done, chunk);
+      for (size_t i = 0; i < chunk.size(); i += 8) {
+        const uint64_t data = load_big_u64(chunk.data() + i) & kBitmapTableOffsetMask;
+        if (!data) continue;
+        if (data % cs != 0)
+          return "bitmap data cluster at " + hex(data) + " (" + table_at + ") is not cluster aligned";
+        visit({data, cs, "bitmap data"});
+      }
+    }
+  }
+  return std::nullopt;
+}
+
+std::vector<uint8_t> Image::encode_header(const Header& h) {
+  const uint64_t cs = cluster_size();
+  std::vector<uint8_t> buf(cs, 0);
+  // Bytes past the fields written below (the compression type, fields of later versions) are kept
+  // as they are on disk.
+  file_->read(0, std::span<uint8_t>(buf.data(), size_t(std::min<uint64_t>(h.header_length, cs))));
+  uint8_t* p = buf.data();
+  store_big_u32(p + 0, kMagic);
+  store_big_u32(p + 4, h.version);
+  store_big_u32(p + 20, h.cluster_bits);
+  store_big_u64(p + 24, h.size);
+  store_big_u32(p + 32, h.crypt_method);
+  store_big_u32(p + 36, h.l1_size);
+  store_big_u64(p + 40, h.l1_table_offset);
+  store_big_u64(p + 48, h.refcount_table_offset);
+  store_big_u32(p + 56, h.refcount_table_clusters);
+  store_big_u32(p + 60, h.nb_snapshots);
+  store_big_u64(p + 64, h.snapshots_offset);
+  size_t pos = kHeaderV2Bytes;
+  if (h.version >= kVersion3) {
+    store_big_u64(p + 72, h.incompatible_features);
+    store_big_u64(p + 80, h.compatible_features);
+    store_big_u64(p + 88, h.autoclear_features);
+    store_big_u32(p + 96, h.refcount_order);
+    store_big_u32(p + 100, h.header_length);
+    pos = h.header_length;
+  }
+  auto room = [&](size_t n) {
+    if (pos + n > cs) throw Error(name(), "header, extensions and backing file name do not fit in one cluster");
+  };
+  for (const auto& e : extensions_) {
+    const size_t padded = (e.data.size() + 7) & ~size_t(7);
+    room(8 + padded);
+    store_big_u32(p + pos, e.type);
+    store_big_u32(p + pos + 4, uint32_t(e.data.size()));
+    if (!e.data.empty()) std::memcpy(p + pos + 8, e.data.data(), e.data.size());
+    pos += 8 + padded;
+  }
+  room(8);
+  pos += 8;  // end-of-extensions marker (zeros)
+  if (backing_name_) {
+    const auto& b = *backing_name_;
+    room(b.size());
+    std::memcpy(p + pos, b.data(), b.size());
+    store_big_u64(p + 8, pos);
+    store_big_u32(p + 16, uint32_t(b.size()));
+  } else {
+    store_big_u64(p + 8, 0);
+    store_big_u32(p + 16, 0);
+  }
+  return buf;
 }
 
 void Image::load_tables() {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -55,6 +56,14 @@ struct BitmapsInfo {
   uint64_t directory_offset = 0;
 };
 
+// A byte range of the image file that valid persistent bitmaps keep in use.
+struct BitmapExtent {
+  uint64_t offset = 0;
+  uint64_t length = 0;
+  const char* what = "";  // "bitmap directory", "bitmap table" or "bitmap data"
+};
+using BitmapExtentVisitor = std::function<void(const BitmapExtent&)>;
+
 // What one guest subcluster maps to (QEMU's QCow2SubclusterType, from the spec).
 enum class SubclusterType : uint8_t {
   kUnallocatedPlain,  // read from the backing file (or zeros)
@@ -100,7 +109,20 @@ class Image {
   [[nodiscard]] const std::optional<std::string>& data_file_name() const { return data_file_name_; }
   [[nodiscard]] const std::vector<Extension>& extensions() const { return extensions_; }
   [[nodiscard]] const std::vector<FeatureName>& feature_names() const { return feature_names_; }
+  // Persistent bitmaps, valid only while the autoclear bitmaps bit is set: a program without
+  // bitmap support clears that bit when it writes the image (spec, "Bitmaps extension"), and the
+  // extension it leaves behind describes nothing. Such a stale extension is not in bitmaps() and
+  // not in extensions(): its clusters are not in use (check counts them as leaks, repair frees
+  // them), no writer frees or follows them, and every header rewrite drops it, as QEMU does when
+  // it opens the image for writing.
   [[nodiscard]] const std::optional<BitmapsInfo>& bitmaps() const { return bitmaps_; }
+  [[nodiscard]] const std::optional<BitmapsInfo>& stale_bitmaps() const { return stale_bitmaps_; }
+
+  // Calls `visit` for every range the valid bitmaps keep in use (directory, tables, data
+  // clusters); nothing when there are none or they are stale. Returns the first inconsistency
+  // found, if any: the ranges visited until then are all that can be known to be in use. This is
+  // the one definition of what bitmaps use, shared by the consistency check and the writer.
+  [[nodiscard]] std::optional<std::string> visit_bitmap_extents(const BitmapExtentVisitor& visit);
   [[nodiscard]] bool has_data_file() const { return header_.incompatible_features & kIncompatDataFile; }
   [[nodiscard]] bool dirty() const { return header_.incompatible_features & kIncompatDirty; }
   [[nodiscard]] bool corrupt() const { return header_.incompatible_features & kIncompatCorrupt; }
@@ -141,6 +163,9 @@ class Image {
   void parse_extensions(uint64_t start, uint64_t end);
   void load_tables();
   [[noreturn]] void corrupt_at(const std::string& what) const;
+  // The first cluster as a header rewrite stores it: `h`, the bytes past the known fields as on
+  // disk, the extensions() (a stale bitmaps extension is not among them) and the backing name.
+  [[nodiscard]] std::vector<uint8_t> encode_header(const Header& h);
   struct Entry {
     SubclusterType type;
     uint64_t cluster_host;  // host offset of the cluster (normal/zero_alloc/unalloc_alloc)
@@ -160,6 +185,7 @@ class Image {
   std::vector<Extension> extensions_;
   std::vector<FeatureName> feature_names_;
   std::optional<BitmapsInfo> bitmaps_;
+  std::optional<BitmapsInfo> stale_bitmaps_;
   std::vector<uint64_t> l1_;
   std::vector<uint64_t> reftable_;
   TableCache cache_;

@@ -8,13 +8,11 @@
 namespace qcommit::qcow2 {
 
 using boost::endian::load_big_u64;
-using boost::endian::store_big_u32;
 using boost::endian::store_big_u64;
 
 namespace {
 inline constexpr uint64_t kAllSubclustersAllocated = 0x00000000ffffffffull;
 inline constexpr uint64_t kAllSubclustersZero = 0xffffffff00000000ull;
-inline constexpr uint64_t kMaxBitmapDirectoryBytes = 64ull << 20;
 }  // namespace
 
 const char* to_string(WritePoint p) {
@@ -44,8 +42,6 @@ Writer::Writer(Image& image)
   if (image_.header().nb_snapshots > 0 && image_.header().version == kVersion2) {
     // v2 with internal snapshots is handled like v3: refcounts tell what is shared.
   }
-  raw_header_.resize(image_.header().header_length);
-  image_.file().read(0, raw_header_);
   file_end_cluster_ = (image_.file().size() + cs_ - 1) / cs_;
 }
 
@@ -392,34 +388,24 @@ void Writer::set_backing(const std::optional<std::string>& name, const std::opti
 }
 
 size_t Writer::remove_bitmaps() {
-  if (!image_.bitmaps_) return 0;
-  const BitmapsInfo bi = *image_.bitmaps_;
-  const std::string& nm = image_.name();
-  if (bi.directory_size > kMaxBitmapDirectoryBytes || bi.directory_offset % cs_ != 0)
-    throw CorruptionError(nm, "bitmap directory at " + hex(bi.directory_offset) + " is invalid");
-  std::vector<uint8_t> dir(bi.directory_size);
-  image_.file().read(bi.directory_offset, dir);
-  size_t pos = 0, count = 0;
-  while (pos + sizeof(RawBitmapDirectoryEntry) <= dir.size() && count < bi.nb_bitmaps) {
-    RawBitmapDirectoryEntry e{};
-    std::memcpy(&e, dir.data() + pos, sizeof e);
-    const uint64_t table = e.bitmap_table_offset.value();
-    const uint64_t entries = e.bitmap_table_size.value();
-    if (table % cs_ != 0 || entries * 8 > (64ull << 20))
-      throw CorruptionError(nm, "bitmap table at " + hex(table) + " is invalid");
-    std::vector<uint8_t> tb(entries * 8);
-    if (entries) image_.file().read(table, tb);
-    for (uint64_t i = 0; i < entries; ++i) {
-      const uint64_t d = load_big_u64(tb.data() + i * 8) & kBitmapTableOffsetMask;
-      if (d) deferred_frees_.push_back({d / cs_, 1});
-    }
-    if (entries) deferred_frees_.push_back({table / cs_, (entries * 8 + cs_ - 1) / cs_});
-    const uint64_t len = sizeof e + e.extra_data_size.value() + e.name_size.value();
-    pos += (len + 7) & ~uint64_t(7);
-    ++count;
+  if (image_.stale_bitmaps_) {
+    // Describes nothing (the autoclear bit is clear): nothing of it is freed, its clusters are
+    // leaks at most, and some may be in use again since a check repaired them. The header
+    // rewrite drops it (it is not among the extensions written back).
+    image_.stale_bitmaps_.reset();
+    header_dirty_ = true;
   }
-  if (bi.directory_size)
-    deferred_frees_.push_back({bi.directory_offset / cs_, (bi.directory_size + cs_ - 1) / cs_});
+  if (!image_.bitmaps_) return 0;
+  std::vector<std::pair<uint64_t, uint64_t>> frees;  // (first cluster, count)
+  const auto problem = image_.visit_bitmap_extents([&](const BitmapExtent& e) {
+    if (e.length == 0) return;
+    const uint64_t first = e.offset / cs_, last = (e.offset + e.length - 1) / cs_;
+    frees.push_back({first, last - first + 1});
+  });
+  if (problem) throw CorruptionError(image_.name(), *problem);
+  const size_t count = image_.bitmaps_->nb_bitmaps;
+  // Extension and autoclear bit go with the header (step 4 of commit), the clusters after it.
+  deferred_frees_.insert(deferred_frees_.end(), frees.begin(), frees.end());
   auto& ex = image_.extensions_;
   ex.erase(std::remove_if(ex.begin(), ex.end(), [](const Extension& e) { return e.type == kExtBitmaps; }),
            ex.end());
@@ -448,54 +434,7 @@ void Writer::write_tables(std::set<uint64_t>& offsets) {
 }
 
 void Writer::write_header(const Header& h) {
-  std::vector<uint8_t> buf(cs_, 0);
-  std::memcpy(buf.data(), raw_header_.data(), std::min<size_t>(raw_header_.size(), cs_));
-  uint8_t* p = buf.data();
-  store_big_u32(p + 0, kMagic);
-  store_big_u32(p + 4, h.version);
-  store_big_u32(p + 20, h.cluster_bits);
-  store_big_u64(p + 24, h.size);
-  store_big_u32(p + 32, h.crypt_method);
-  store_big_u32(p + 36, h.l1_size);
-  store_big_u64(p + 40, h.l1_table_offset);
-  store_big_u64(p + 48, h.refcount_table_offset);
-  store_big_u32(p + 56, h.refcount_table_clusters);
-  store_big_u32(p + 60, h.nb_snapshots);
-  store_big_u64(p + 64, h.snapshots_offset);
-  size_t pos = kHeaderV2Bytes;
-  if (h.version >= kVersion3) {
-    store_big_u64(p + 72, h.incompatible_features);
-    store_big_u64(p + 80, h.compatible_features);
-    store_big_u64(p + 88, h.autoclear_features);
-    store_big_u32(p + 96, h.refcount_order);
-    store_big_u32(p + 100, h.header_length);
-    pos = h.header_length;
-  }
-  auto room = [&](size_t n) {
-    if (pos + n > cs_)
-      throw Error(image_.name(), "header, extensions and backing file name do not fit in one cluster");
-  };
-  for (const auto& e : image_.extensions_) {
-    const size_t padded = (e.data.size() + 7) & ~size_t(7);
-    room(8 + padded);
-    store_big_u32(p + pos, e.type);
-    store_big_u32(p + pos + 4, uint32_t(e.data.size()));
-    if (!e.data.empty()) std::memcpy(p + pos + 8, e.data.data(), e.data.size());
-    pos += 8 + padded;
-  }
-  room(8);
-  pos += 8;  // end-of-extensions marker (zeros)
-  if (image_.backing_name_) {
-    const auto& b = *image_.backing_name_;
-    room(b.size());
-    std::memcpy(p + pos, b.data(), b.size());
-    store_big_u64(p + 8, pos);
-    store_big_u32(p + 16, uint32_t(b.size()));
-    pos += b.size();
-  } else {
-    store_big_u64(p + 8, 0);
-    store_big_u32(p + 16, 0);
-  }
+  const std::vector<uint8_t> buf = image_.encode_header(h);
   image_.file().write(0, std::span<const uint8_t>(buf.data(), buf.size()));
   committed_ = h;
 }

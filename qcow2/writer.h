@@ -71,7 +71,9 @@ class Writer {
   void set_backing(const std::optional<std::string>& name, const std::optional<std::string>& format);
 
   // Removes persistent bitmaps: extension and autoclear bit first, then their clusters are freed.
-  // Returns how many bitmaps were removed.
+  // Returns how many bitmaps were removed. A stale bitmaps extension (Image::stale_bitmaps()) is
+  // dropped from the header and nothing of it is freed; it counts no bitmaps. Throws
+  // CorruptionError, before staging anything, when the valid bitmaps' metadata is inconsistent.
   size_t remove_bitmaps();
 
   // Persists everything staged, in the documented order.
@@ -125,7 +127,6 @@ class Writer {
   Image& image_;
   const Geometry geo_;
   const uint64_t cs_;
-  std::vector<uint8_t> raw_header_;  // first header_length bytes as on disk (unknown fields kept)
   uint64_t file_end_cluster_ = 0;    // first cluster index past everything allocated
   uint64_t free_hint_ = 0;
   std::set<uint64_t> reserved_;      // picked for a new refcount block, refcount not yet set

@@ -8,6 +8,8 @@ fields from the qcow2 specification) and rewrites single table entries.
                                                              that L2 entry N points at
   qcow2_patch.py IMG overlong-compressed N zlib|zstd         replace the compressed stream of L2
                                                              entry N by one that inflates to 2 clusters
+  qcow2_patch.py IMG autoclear VALUE                         set the autoclear feature bits (v3)
+  qcow2_patch.py IMG extensions                              print the header extensions' magics
   qcow2_patch.py IMG info                                    print the fields used here
 """
 import struct
@@ -28,7 +30,7 @@ def header(f):
     l1_size, l1_off, rt_off = struct.unpack('>IQQ', h[36:56])
     incompat = struct.unpack('>Q', h[72:80])[0] if version >= 3 else 0
     refcount_order = struct.unpack('>I', h[96:100])[0] if version >= 3 else 4
-    return dict(cs=1 << cluster_bits, cluster_bits=cluster_bits, l1_size=l1_size, l1=l1_off,
+    return dict(version=version, cs=1 << cluster_bits, cluster_bits=cluster_bits, l1_size=l1_size, l1=l1_off,
                 rt=rt_off, ext_l2=bool(incompat & 16), refcount_order=refcount_order)
 
 
@@ -49,6 +51,22 @@ def main():
         esz = 16 if h['ext_l2'] else 8
         if what == 'info':
             print(h, 'L1[0]=%#x' % rd64(f, h['l1']))
+            return
+        if what == 'extensions':
+            f.seek(0)
+            first = f.read(h['cs'])
+            pos = struct.unpack('>I', first[100:104])[0] if h['version'] >= 3 else 72
+            end = struct.unpack('>Q', first[8:16])[0] or h['cs']
+            while pos + 8 <= end:
+                magic, length = struct.unpack('>II', first[pos:pos + 8])
+                if magic == 0:
+                    break
+                print('%#010x' % magic)
+                pos += 8 + ((length + 7) & ~7)
+            return
+        if what == 'autoclear':
+            assert h['version'] >= 3, 'v2 images have no autoclear field'
+            wr64(f, 88, int(sys.argv[3], 0))
             return
         n = int(sys.argv[3])
         arg = sys.argv[4]
