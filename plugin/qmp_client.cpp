@@ -7,14 +7,35 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 
 namespace qcommit::plugin {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr int kMaxReadsPerTake = 64;
+constexpr std::int64_t kMicrosPerSecond = 1000000;
+// The largest seconds field whose timestamp, microseconds included, fits in int64_t microseconds.
+constexpr std::int64_t kMaxTimestampSeconds =
+    (std::numeric_limits<std::int64_t>::max() - (kMicrosPerSecond - 1)) / kMicrosPerSecond;
+
+// An event's {"seconds", "microseconds"} in microseconds, or 0 (no timestamp) unless both are
+// integers with 0 <= seconds <= kMaxTimestampSeconds and 0 <= microseconds < 1 s, as QEMU sends
+// them: a monitor that sends anything else gets no timestamp rather than an overflowed one.
+std::int64_t event_timestamp_us(const json::Value& ts) {
+  const json::Value* s = ts.find("seconds");
+  const json::Value* us = ts.find("microseconds");
+  if (!s || !us) return 0;
+  const std::optional<std::int64_t> sec = s->integer(), micro = us->integer();
+  if (!sec.has_value() || !micro.has_value()) return 0;
+  const std::int64_t seconds = sec.value(), micros = micro.value();
+  if (seconds < 0 || seconds > kMaxTimestampSeconds || micros < 0 || micros >= kMicrosPerSecond)
+    return 0;
+  return seconds * kMicrosPerSecond + micros;
+}
 
 std::string seconds_text(std::chrono::milliseconds d) {
   char buf[32];
@@ -213,12 +234,7 @@ void QmpClient::queue_event(const json::Value& msg) {
   if (!name || !name->is_string()) fail("protocol error: event without a name");
   e.name = name->string();
   if (const json::Value* d = msg.find("data")) e.data = *d;
-  if (const json::Value* ts = msg.find("timestamp")) {
-    const json::Value* s = ts->find("seconds");
-    const json::Value* us = ts->find("microseconds");
-    if (s && us && s->integer() && us->integer())
-      e.timestamp_us = *s->integer() * 1000000 + *us->integer();
-  }
+  if (const json::Value* ts = msg.find("timestamp")) e.timestamp_us = event_timestamp_us(*ts);
   events_.push_back(std::move(e));
   while (events_.size() > opt_.max_queued_events) {
     events_.pop_front();

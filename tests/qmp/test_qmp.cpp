@@ -3,8 +3,10 @@
 #include <doctest/doctest.h>
 
 #include <chrono>
+#include <cstdint>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "plugin/json.h"
 #include "plugin/qmp_client.h"
@@ -262,6 +264,52 @@ TEST_CASE("qmp.client.events_bounded_and_waited_for") {
   REQUIRE(ev.size() == 1);
   CHECK(ev[0].name == "BLOCK_JOB_READY");
   CHECK(std::chrono::steady_clock::now() - t0 < 4s);
+}
+
+TEST_CASE("qmp.client.hostile_event_timestamps") {
+  // {seconds, microseconds} as a monitor might send them, and the microseconds the client keeps:
+  // QEMU's form (both integers, 0 <= microseconds < 1 s, seconds small enough for int64_t
+  // microseconds) or 0, never an overflowed product (UBSan: signed integer overflow).
+  struct Stamp {
+    const char* seconds;
+    const char* micros;
+    std::int64_t want;
+  };
+  const std::vector<Stamp> stamps{
+      {"1700000000", "5", 1700000000000005},
+      {"9223372036853", "999999", 9223372036853999999},  // the largest accepted
+      {"9223372036854", "999999", 0},                     // 9223372036854999999 > INT64_MAX
+      {"9300000000000", "0", 0},                          // 9.3e18 us
+      {"9007199254740992", "0", 0},                       // 2^53 s, the largest exact integer
+      {"9.3e18", "0", 0},
+      {"1e300", "0", 0},
+      {"-1", "-1", 0},
+      {"-9007199254740991", "0", 0},
+      {"1700000000", "-1", 0},
+      {"1700000000", "1000000", 0},
+      {"1700000000", "9007199254740991", 0},
+      {"1.5", "0", 0},
+      {"1700000000", "0.5", 0},
+      {"\"1700000000\"", "5", 0},
+  };
+  FakeQmp srv([&](const json::Value& cmd) {
+    std::string out;
+    for (const Stamp& st : stamps)
+      out += std::string(R"({"timestamp": {"seconds": )") + st.seconds + R"(, "microseconds": )" +
+             st.micros + R"(}, "event": "STOP", "data": {}})" "\r\n";
+    out += R"({"event": "RESUME", "timestamp": {"seconds": 1}, "data": {}})" "\r\n";
+    return out + reply(cmd);
+  });
+  QmpClient c = QmpClient::connect(srv.path(), quick());
+  (void)c.execute("query-status");
+  auto ev = c.take_queued_events();
+  REQUIRE(ev.size() == stamps.size() + 1);
+  for (std::size_t i = 0; i < stamps.size(); ++i) {
+    CAPTURE(stamps[i].seconds);
+    CAPTURE(stamps[i].micros);
+    CHECK(ev[i].timestamp_us == stamps[i].want);
+  }
+  CHECK(ev.back().timestamp_us == 0);  // microseconds missing
 }
 
 // --- adapter ---------------------------------------------------------------------------------
