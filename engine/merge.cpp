@@ -484,6 +484,10 @@ RebaseTarget prepare_rebase(const std::string& child, const qcow2::Layer& base) 
   if (t.backing_name.size() > qcow2::kMaxBackingNameBytes)
     throw Error(child, "cannot be rebased: the backing name '" + t.backing_name + "' is longer than " +
                            std::to_string(qcow2::kMaxBackingNameBytes) + " bytes");
+  // Staged now, written at the switch: a name that does not fit in the child's header cluster
+  // refuses the merge before anything is written.
+  t.writer->set_backing(t.backing_name, std::string(qcow2::to_string(base.format)));
+  t.writer->check_header_fits();
   return t;
 }
 
@@ -782,7 +786,6 @@ class MergeJob {
     progress({done_bytes, total, seconds_since(t_start), 0, "switch"});
     const auto t_switch = Clock::now();
     for (RebaseTarget& child : children) {
-      child.writer->set_backing(child.backing_name, std::string(qcow2::to_string(base->format)));
       point("rebase");
       child.writer->commit();
       res.rebased.push_back(child.path);

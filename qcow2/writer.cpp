@@ -373,6 +373,8 @@ void Writer::grow(uint64_t new_size) {
   header_dirty_ = true;
 }
 
+void Writer::check_header_fits() { (void)image_.encode_header(image_.header_); }
+
 void Writer::set_backing(const std::optional<std::string>& name, const std::optional<std::string>& format) {
   if (name && name->size() > kMaxBackingNameBytes)
     throw Error(image_.name(), "backing file name longer than 1023 bytes");

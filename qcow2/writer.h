@@ -69,6 +69,9 @@ class Writer {
 
   // Rewrites the backing file name and format (std::nullopt removes the backing file).
   void set_backing(const std::optional<std::string>& name, const std::optional<std::string>& format);
+  // Throws (naming the image) when the header as staged (backing name, extensions) would not fit
+  // in the first cluster: callers check before they write anything else.
+  void check_header_fits();
 
   // Removes persistent bitmaps: extension and autoclear bit first, then their clusters are freed.
   // Returns how many bitmaps were removed. A stale bitmaps extension (Image::stale_bitmaps()) is

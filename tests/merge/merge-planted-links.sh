@@ -6,7 +6,8 @@
 #  (2) a FIFO planted at the checkpoint's name: the merge neither blocks nor fails;
 #  (3) a block-device BASE (a loop device under a raw BASE, needs root): its checkpoint is kept in
 #      the state directory (QCOMMIT_STATE_DIR), never under /dev (a tmpfs a reboot empties), seen
-#      with strace.
+#      with strace;
+#  (4) a child that cannot be rebased is refused before anything is written.
 #
 # usage: merge-planted-links.sh QCOMMIT
 set -euo pipefail
@@ -80,6 +81,21 @@ if [[ $(id -u) -eq 0 ]] && command -v strace >/dev/null && command -v losetup >/
 else
   echo "skip (3): needs root, strace and losetup"
 fi
+
+# (4) A child that cannot be rebased (BASE's name does not fit in its 512-byte header cluster) is
+#     refused before anything is written: BASE, TOP and the child are byte-identical afterwards.
+d=$(printf 'd%.0s' {1..200})/$(printf 'e%.0s' {1..200})
+mkdir -p "$d"
+qemu-img create -q -f qcow2 "$d/base.qcow2" 4M
+qemu-img create -q -f qcow2 -b "$d/base.qcow2" -F qcow2 top4.qcow2 4M
+qemu-io -f qcow2 -c "write -P 5 0 1M" top4.qcow2 >/dev/null
+qemu-img create -q -f qcow2 -o cluster_size=512 -b top4.qcow2 -F qcow2 child4.qcow2 4M
+sha256sum "$d/base.qcow2" top4.qcow2 child4.qcow2 >sums4
+if "$QCOMMIT" merge top4.qcow2 --rebase child4.qcow2 --budget off >out4.txt 2>err4.txt; then
+  fail "(4) a child whose header cannot hold BASE's name was accepted"
+fi
+grep -q 'child4.qcow2' err4.txt || fail "(4) the error does not name the child: $(cat err4.txt)"
+sha256sum --quiet -c sums4 || fail "(4) files changed although the merge was refused"
 
 if ((${#failures[@]})); then
   printf 'merge.planted_links: %d failure(s)\n' "${#failures[@]}"
