@@ -491,9 +491,18 @@ DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(
     }
     test_kill_point("defined");
 
-    // 4. Merged files, now that the definition no longer names them.
+    // 4. Merged files, now that the definition no longer names them. The engine locks TOP and
+    // the intermediates for reading only, and lets others read them too: a process that opened
+    // one so meanwhile (another domain's QEMU reading it as a backing file, a backup) would be
+    // left on a deleted file. Nothing is deleted while any other process has one open.
     if (journal.delete_merged) {
       ensure_inactive();
+      for (const auto& p : journal.merged) {
+        const std::string holders = engine::describe_holders(p);
+        if (!holders.empty())
+          throw Error(p, "is open in " + holders + "; not deleted (the merge is done): close it and run the same "
+                         "command again to delete it");
+      }
       for (const auto& p : journal.merged) {
         std::error_code ec;
         if (fs::remove(p, ec)) merged.deleted.push_back(p);

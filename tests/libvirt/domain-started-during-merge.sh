@@ -12,7 +12,9 @@
 # running QEMU has open, and never does a running domain get its definition switched away.
 # Scenarios: the active layer (TOP <- domain) at each point; the same on the re-run that finishes
 # an interrupted merge (killed at 'defined', QCOMMIT_TEST_KILL_AT), where the locks are the CLI's
-# own; a range below the active layer (--top MID --base BASE) at data-merged.
+# own; a range below the active layer (--top MID --base BASE) at data-merged; and a qemu-io that
+# opens TOP read-only at 'defined' (TOP's read lock admits other readers): TOP is not deleted
+# under it, the merge refuses in one line, and the re-run deletes TOP once it is closed.
 # After each: the guest view is unchanged (qemu-img compare), the images are clean, and the
 # domain starts on the merged chain.
 # usage: domain-started-during-merge.sh QCOMMIT [SCENARIO...]
@@ -24,8 +26,9 @@ virsh -q list >/dev/null 2>&1 || { echo "libvirtd is not reachable (start it: vi
 tag=qcs-$$-$RANDOM
 root=/var/lib/libvirt/images/$tag
 doms=()
-pid=
+pid= qio=
 cleanup() {
+  [[ -n $qio ]] && kill "$qio" 2>/dev/null
   if [[ -n $pid ]]; then
     kill -CONT "$pid" 2>/dev/null
     kill -9 "$pid" 2>/dev/null
@@ -150,7 +153,47 @@ finish_and_verify() {
   fi
 }
 
-all=(active-data-merged active-defined rerun-defined below-data-merged)
+# reader_during POINT MERGE-ARGS...: runs the merge with QCOMMIT_TEST_STOP_AT=POINT; there, a
+# qemu-io opens top.qcow2 read-only (as a QEMU reading it as a backing file would: TOP is only
+# read-locked by the merge, and others may read it too) and keeps it open. The merge must not
+# delete it under that reader: it refuses (one line naming the process, exit 1), TOP stays.
+reader_during() {
+  local point=$1
+  shift
+  QCOMMIT_TEST_STOP_AT=$point "$QCOMMIT" merge --domain "$dom" --disk vda --budget off "$@" \
+    >merge.out 2>merge.err &
+  pid=$!
+  local state= i
+  for ((i = 0; i < 1200; i++)); do
+    state=$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null || true)
+    [[ $state == T || -z $state ]] && break
+    sleep 0.1
+  done
+  [[ $state == T ]] || { fail "the merge never stopped at '$point': $(tail -n 3 merge.err)"; pid=; return 0; }
+  qemu-io -r -f raw -c 'sleep 600000' "$dir/top.qcow2" >qio.out 2>&1 &
+  qio=$!
+  for ((i = 0; i < 100; i++)); do
+    find "/proc/$qio/fd" -type l -printf '%l\n' 2>/dev/null | grep -qx "$dir/top.qcow2" && break
+    sleep 0.05
+  done
+  find "/proc/$qio/fd" -type l -printf '%l\n' 2>/dev/null | grep -qx "$dir/top.qcow2" ||
+    fail "qemu-io could not open top.qcow2 beside the merge: $(cat qio.out)"
+  kill -CONT "$pid"
+  merge_rc=0
+  wait "$pid" || merge_rc=$?
+  pid=
+  if find "/proc/$qio/fd" -type l -printf '%l\n' 2>/dev/null | grep -q ' (deleted)$'; then
+    fail "top.qcow2 was deleted while qemu-io (pid $qio) had it open"
+  fi
+  [[ $merge_rc == 1 ]] || fail "the merge deleted (exit $merge_rc) though top.qcow2 was open"
+  tail -n 1 merge.err | grep -q "top.qcow2: is open in pid $qio (qemu-io); not deleted" ||
+    fail "no clear one-line refusal: $(tail -n 2 merge.err)"
+  [[ -e $dir/top.qcow2 ]] || fail "top.qcow2 is gone"
+  kill "$qio" 2>/dev/null
+  wait "$qio" 2>/dev/null || true
+}
+
+all=(active-data-merged active-defined rerun-defined below-data-merged reader-opens-top)
 (($#)) || set -- "${all[@]}"
 for scen in "$@"; do
   t0=$SECONDS
@@ -187,6 +230,13 @@ for scen in "$@"; do
       started_during data-merged --top "$dir/mid.qcow2" --base "$dir/base.qcow2" --delete
       [[ $started == no ]] || fail "the domain could start while the merge held its images"
       finish_and_verify top.qcow2 mid.qcow2 --top "$dir/mid.qcow2" --base "$dir/base.qcow2" --delete
+      ;;
+    reader-opens-top)
+      # Another reader of TOP, which the merge's read lock on TOP lets in: no deletion under it;
+      # the re-run deletes TOP once it is closed.
+      setup
+      reader_during defined --delete
+      finish_and_verify mid.qcow2 top.qcow2 --delete
       ;;
     *) echo "unknown scenario $scen" >&2; exit 2 ;;
   esac
