@@ -23,14 +23,14 @@
 # commit, before a window's checkpoint (then the resumed run at its first write to BASE), before
 # the last window's checkpoint, before CHILD's header is rewritten, before the checkpoint is
 # removed, and with --delete before and after TOP is unlinked. Timed ones: 1 ms and 5 ms after
-# the start, and at fractions of the copy (the run's own progress events, stratified over the
-# copy, plus up to 100 ms), each followed by a kill of the resumed run somewhere in its copy.
+# the start, and at fractions of the copy stratified over it (timed from the run's first progress
+# event of the copy), each followed by a kill of the resumed run somewhere in its own copy.
 # Counts are asserted: every named kill hits a running process, most timed ones do, the run that
 # completes says "resumed": true after every kill that left a checkpoint and false after the
 # others, and the matrix includes kills before the first write and resumes past a window.
 #
 # usage: merge-kill-resume.sh QCOMMIT        (needs qemu-img, qemu-io, jq, strace)
-# KILL_SEED=N repeats the jitter of the timed kills of an earlier run.
+# KILL_SEED=N repeats the timed kills of an earlier run (same fractions).
 set -euo pipefail
 QCOMMIT=$(realpath "$1")
 for tool in qemu-img qemu-io jq strace; do
@@ -47,11 +47,9 @@ now() { date +%s.%N; }
 since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
 
 failures=()
-trial_ok=1
 fail() {
   echo "FAIL [$tname]: $*" >&2
   failures+=("[$tname] $*")
-  trial_ok=0
 }
 
 MiB=$((1024 * 1024))
@@ -81,8 +79,9 @@ for ((i = 0; i < 64; i++)); do args+=(-c "write -P $((0xc0 + i % 50)) $(((i * 20
 qio -f qcow2 "${args[@]}" child.qcow2
 top_data=$(qemu-img map --output=json top.qcow2 | jq '[.[] | select(.depth == 0 and .data) | .length] | add')
 ((top_data >= 1024 * MiB)) || { echo "setup: TOP holds only $((top_data / MiB)) MiB" >&2; exit 1; }
-qemu-img convert -t unsafe -O raw top.qcow2 top.view
+qemu-img convert -t unsafe -O raw top.qcow2 top.view &
 qemu-img convert -t unsafe -O raw child.qcow2 child.view
+wait $!
 # The grown range's gaps read zeros in TOP (BELOW is not visible past BASE's end).
 cmp -s -n $((4 * MiB)) -i $((1276 * MiB)) top.view /dev/zero || { echo "setup: TOP's tail is not zeros" >&2; exit 1; }
 cp base.qcow2 base.orig
@@ -90,6 +89,21 @@ cp child.qcow2 child.orig
 ln top.qcow2 top.orig # TOP itself is only read; --delete unlinks this name
 top_sum=$(sha256sum <top.orig)
 echo "setup: TOP holds $((top_data / MiB)) MiB of data, $(since "$t0") s"
+
+# compare_views WHAT VIEW IMAGE [WHAT VIEW IMAGE]...: qemu-img compare of saved raw views with
+# the images' views, side by side; each mismatch fails with WHAT and the offset.
+compare_views() {
+  local pids=() what=() i
+  for ((i = 0; $#; i++)); do
+    qemu-img compare -f raw -F qcow2 "$2" "$3" >"cmp$i.out" 2>&1 &
+    pids+=($!)
+    what+=("$1")
+    shift 3
+  done
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}" || fail "$label: ${what[$i]}: $(head -c 200 "cmp$i.out")"
+  done
+}
 
 backing_of() {
   local b
@@ -123,14 +137,16 @@ reset_images() {
 
 # One run of the merge, killed as `spec` says:
 #   after:SECONDS               SIGKILL SECONDS after the start
-#   copy:FRACTION:JITTER        SIGKILL JITTER seconds after the run reported that it had copied
-#                               FRACTION of what it copies (progress events come every 200 ms)
+#   copy:FRACTION               SIGKILL when FRACTION of this run's copy should be done: its
+#                               first progress event of the copy gives the bytes it copies, the
+#                               uninterrupted run how long copying takes here
 #   sys:CALLS:FILE:N            strace injects SIGKILL before the Nth of the system calls CALLS
 #                               (comma-separated) that touch FILE (any file if empty)
 # Sets killed_running (1 when it died of the kill before printing its result) and phase.
 run_killed() {
   local spec=$1 rc=0
-  rm -f run.json run.err
+  : >run.json # there even if the kill comes before the shell's redirection
+  : >run.err
   kills=$((kills + 1))
   case $spec in
     after:*)
@@ -141,9 +157,7 @@ run_killed() {
       wait "$pid" 2>/dev/null || rc=$?
       ;;
     copy:*)
-      local f jitter line permille
-      IFS=: read -r _ f jitter <<<"$spec"
-      permille=$(awk -v f="$f" 'BEGIN { printf "%d", f * 1000 }')
+      local line delay
       rm -f out.fifo
       mkfifo out.fifo
       "${CMD[@]}" >out.fifo 2>run.err &
@@ -152,8 +166,10 @@ run_killed() {
       while IFS= read -r line <&"$fifo"; do
         printf '%s\n' "$line" >>run.json
         if [[ $line =~ \"phase\":\ \"copy\",\ \"done\":\ ([0-9]+),\ \"total\":\ ([0-9]+) ]] &&
-          ((BASH_REMATCH[2] > 0 && BASH_REMATCH[1] * 1000 >= permille * BASH_REMATCH[2])); then
-          sleep "$jitter"
+          ((BASH_REMATCH[2] > 0)); then
+          delay=$(awk -v f="${spec#copy:}" -v b="${BASH_REMATCH[2]}" -v B="$copy_bytes" -v T="$copy_seconds" \
+            'BEGIN { printf "%.3f", f * T * b / B }')
+          sleep "$delay"
           kill -9 "$pid" 2>/dev/null || true
           break
         fi
@@ -193,6 +209,11 @@ run_killed() {
                   if .phase == null then "start"
                   elif .phase == "copy" and .total > 0 then "copy \((.done * 10 / .total | floor) * 10)%"
                   else .phase end' run.json 2>/dev/null || echo '?')
+  if [[ $spec == copy:* && $phase == copy* ]]; then # when in its copy, rather than its last report
+    local decile
+    decile=$(awk -v f="${spec#copy:}" 'BEGIN { printf "%d", int(f * 10) * 10 }')
+    phase="copy, $decile-$((decile + 10))% of its time"
+  fi
 }
 
 # The state a kill left. Sets state: resume (a checkpoint: the next run must resume), fresh
@@ -201,11 +222,11 @@ after_kill() {
   local child_backing
   child_backing=$(backing_of child.qcow2)
   if [[ -e top.qcow2 ]]; then
-    qemu-img compare -q -f raw -F qcow2 top.view top.qcow2 || fail "$label: TOP's view changed"
-  elif ((!deleting)); then
-    fail "$label: TOP is gone without --delete"
+    compare_views "TOP's view changed" top.view top.qcow2 "CHILD's view changed" child.view child.qcow2
+  else
+    ((deleting)) || fail "$label: TOP is gone without --delete"
+    compare_views "CHILD's view changed" child.view child.qcow2
   fi
-  qemu-img compare -q -f raw -F qcow2 child.view child.qcow2 || fail "$label: CHILD's view changed"
   [[ $child_backing == "$work/top.qcow2" || $child_backing == "$work/base.qcow2" ]] ||
     fail "$label: CHILD's backing file is '$child_backing'"
   check_base '0|3'
@@ -229,9 +250,8 @@ after_kill() {
 
 # The merge is done: BASE shows TOP's view, CHILD is on BASE, nothing left behind.
 verify_done() {
-  qemu-img compare -f raw -F qcow2 top.view base.qcow2 >cmp.out 2>&1 || fail "$label: BASE's view is not TOP's: $(head -c 300 cmp.out)"
+  compare_views "BASE's view is not TOP's" top.view base.qcow2 "CHILD's view changed" child.view child.qcow2
   check_base '0'
-  qemu-img compare -q -f raw -F qcow2 child.view child.qcow2 || fail "$label: CHILD's view changed"
   [[ $(backing_of child.qcow2) == "$work/base.qcow2" ]] || fail "$label: CHILD's backing file is '$(backing_of child.qcow2)', not BASE"
   [[ -e $CP || -e $CP.tmp ]] && fail "$label: checkpoint left behind"
   if ((deleting)); then
@@ -271,7 +291,6 @@ run_final() {
 trial() {
   tname=$1 deleting=$2
   shift 2
-  trial_ok=1
   local t0 k=0
   t0=$(now)
   reset_images
@@ -285,37 +304,36 @@ trial() {
     label="kill $k ($spec)"
     run_killed "$spec"
     after_kill
-    ((trial_ok)) || break
     [[ $state == complete ]] && break
   done
+  # Also after a failure: whether the re-run repairs what the kill left is worth knowing.
   label="final run"
-  if ((trial_ok)); then
-    if [[ $state == complete ]]; then
-      verify_done
-    else
-      run_final "$state"
-    fi
+  if [[ $state == complete ]]; then
+    verify_done
+  else
+    run_final "$state"
   fi
   echo "  ($(since "$t0") s)"
 }
 
 # ---------------------------------------------------------------------------------------------
-# An uninterrupted run first: how long a whole merge takes here (the timed kills' scale).
+# An uninterrupted run first (and how long a whole merge takes here).
 tname=uninterrupted deleting=0 label="uninterrupted run"
 reset_images
 CMD=("$QCOMMIT" merge top.qcow2 --rebase child.qcow2 --budget off --output=json)
 t_run=$(now)
 run_final fresh
-echo "uninterrupted merge: $(since "$t_run") s (kill seed $seed)"
+copy_bytes=$(jq -s 'map(select(.event == "progress" and .phase == "copy")) | first | .total' final.json)
+copy_seconds=$(jq -s 'map(select(.event == "result")) | first | ."copy-seconds"' final.json)
+echo "uninterrupted merge: $(since "$t_run") s, copying $((copy_bytes / MiB)) MiB in $copy_seconds s (kill seed $seed)"
 
 # Timed kills: the first kill of each timed trial at a fraction of the copy stratified over
-# [0, 0.95) with jitter, the second one, in the run that resumes, anywhere in its own copy.
+# [0, 1) with jitter, the second one, in the run that resumes, anywhere in its own copy.
 TIMED=8
 first=() second=()
 for ((i = 0; i < TIMED; i++)); do
-  first+=("copy:$(awk -v i="$i" -v n="$TIMED" -v r="$RANDOM" -v j="$RANDOM" \
-    'BEGIN { printf "%.3f:%.3f", 0.95 * (i + r / 32768) / n, 0.1 * j / 32768 }')")
-  second+=("copy:$(awk -v r="$RANDOM" -v j="$RANDOM" 'BEGIN { printf "%.3f:%.3f", 0.9 * r / 32768, 0.1 * j / 32768 }')")
+  first+=("copy:$(awk -v i="$i" -v n="$TIMED" -v r="$RANDOM" 'BEGIN { printf "%.3f", (i + r / 32768) / n }')")
+  second+=("copy:$(awk -v r="$RANDOM" 'BEGIN { printf "%.3f", r / 32768 }')")
 done
 
 # Named moments.
