@@ -325,6 +325,10 @@ t_run=$(now)
 run_final fresh
 copy_bytes=$(jq -s 'map(select(.event == "progress" and .phase == "copy")) | first | .total' final.json)
 copy_seconds=$(jq -s 'map(select(.event == "result")) | first | ."copy-seconds"' final.json)
+if ! [[ $copy_bytes =~ ^[1-9][0-9]*$ && $copy_seconds =~ ^[0-9.]+$ ]]; then
+  echo "merge.kill_resume: the uninterrupted run reported no copy to time kills by: $(tail -c 300 final.json)" >&2
+  exit 1
+fi
 echo "uninterrupted merge: $(since "$t_run") s, copying $((copy_bytes / MiB)) MiB in $copy_seconds s (kill seed $seed)"
 
 # Timed kills: the first kill of each timed trial at a fraction of the copy stratified over
