@@ -3,11 +3,10 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
-
-#include "engine/proc_walk.h"
-#include "qcow2/error.h"
+#include <thread>
 
 namespace qcommit::engine {
 
@@ -43,47 +42,110 @@ bool lock_shared(int fd, uint64_t byte) {
   return fcntl(fd, F_OFD_SETLK, &fl) == 0;
 }
 
+// The first conflict with what others hold, as QEMU checks before it takes its bytes ("" for
+// none). A race between the check and the taking is caught by the other side's check.
+std::string first_conflict(int fd, uint32_t perm, uint32_t shared) {
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t bit = 1u << i;
+    if ((perm & bit) && locked_by_other(fd, kLockSharedBase + uint64_t(i)))
+      return std::string("another process does not allow ") + perm_name(i);
+    if (!(shared & bit) && locked_by_other(fd, kLockPermBase + uint64_t(i)))
+      return std::string("another process holds the ") + perm_name(i) + " permission";
+  }
+  return "";
+}
+
+// Takes our bytes; false (errno set) when the kernel refuses one.
+bool take_bytes(int fd, uint32_t perm, uint32_t shared) {
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t bit = 1u << i;
+    if ((perm & bit) && !lock_shared(fd, kLockPermBase + uint64_t(i))) return false;
+    if (!(shared & bit) && !lock_shared(fd, kLockSharedBase + uint64_t(i))) return false;
+  }
+  return true;
+}
+
+std::string in_use_message(const std::string& conflict, const std::vector<Holder>& holders) {
+  const std::string who = describe(holders);
+  return "image is in use: " + conflict + (who.empty() ? "" : " (held by " + who + ")");
+}
+
+bool any_guest(const std::vector<Holder>& holders) {
+  return std::any_of(holders.begin(), holders.end(),
+                     [](const Holder& h) { return runs_guest(h.name); });
+}
+
+// "30 s", or "1500 ms" when not whole seconds.
+std::string duration_text(LockClock::duration d) {
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(d).count();
+  if (ms % 1000 == 0) return std::to_string(ms / 1000) + " s";
+  return std::to_string(ms) + " ms";
+}
+
+std::string wait_message(const std::string& path, LockClock::duration wait,
+                         const std::vector<Holder>& holders, const std::string& conflict) {
+  const std::string who = holders.empty() ? "another process" : describe(holders);
+  return "waiting up to " + duration_text(wait) + " for " + who + " to release " + path + " (" +
+         conflict + ")";
+}
+
 }  // namespace
+
+LockClock::time_point LockWaitClock::now() const { return LockClock::now(); }
+
+void LockWaitClock::sleep_for(LockClock::duration d) const { std::this_thread::sleep_for(d); }
+
+ImageInUse::ImageInUse(const std::string& path, const std::string& conflict,
+                       std::vector<Holder> holders)
+    : qcow2::Error(path, in_use_message(conflict, holders)), holders_(std::move(holders)) {}
+
+bool ImageInUse::held_by_guest() const { return any_guest(holders_); }
 
 std::string describe_holders(const std::string& path) {
   return describe(holders_of(path, Access::any));
 }
 
-ImageLock::ImageLock(const std::string& path, uint32_t perm, uint32_t shared) : path_(path) {
-  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd_ < 0) throw qcow2::IoError(path, std::string("cannot open: ") + std::strerror(errno), errno);
-  // Check first, as QEMU does, then take our bytes; a race between the two is caught by the
-  // other side's check.
-  for (int i = 0; i < 4; ++i) {
-    const uint32_t bit = 1u << i;
-    std::string conflict;
-    if ((perm & bit) && locked_by_other(fd_, kLockSharedBase + uint64_t(i)))
-      conflict = std::string("another process does not allow ") + perm_name(i);
-    else if (!(shared & bit) && locked_by_other(fd_, kLockPermBase + uint64_t(i)))
-      conflict = std::string("another process holds the ") + perm_name(i) + " permission";
-    if (!conflict.empty()) {
-      ::close(fd_);
-      fd_ = -1;
-      std::string who = describe_holders(path);
-      throw qcow2::Error(path, "image is in use: " + conflict + (who.empty() ? "" : " (held by " + who + ")"));
-    }
-  }
-  for (int i = 0; i < 4; ++i) {
-    const uint32_t bit = 1u << i;
-    bool ok = true;
-    if (perm & bit) ok = lock_shared(fd_, kLockPermBase + uint64_t(i));
-    if (ok && !(shared & bit)) ok = lock_shared(fd_, kLockSharedBase + uint64_t(i));
-    if (!ok) {
-      int err = errno;
-      ::close(fd_);
-      fd_ = -1;
-      throw qcow2::IoError(path, std::string("cannot lock image: ") + std::strerror(err), err);
-    }
-  }
-}
+ImageLock::ImageLock(const std::string& path, uint32_t perm, uint32_t shared)
+    : ImageLock(acquire(path, perm, shared, LockClock::duration::zero(), nullptr)) {}
 
-ImageLock::~ImageLock() {
-  if (fd_ >= 0) ::close(fd_);  // closing the open file description drops its OFD locks
+ImageLock ImageLock::acquire(const std::string& path, uint32_t perm, uint32_t shared,
+                             LockClock::duration wait, const LockWaitNotice& on_wait,
+                             const LockWaitClock& clock) {
+  const LockClock::time_point start = clock.now();
+  const LockClock::time_point deadline =
+      wait < LockClock::time_point::max() - start ? start + wait : LockClock::time_point::max();
+  bool waiting = false;
+  LockClock::time_point next_holders_walk{};
+  for (;;) {
+    UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd.valid())
+      throw qcow2::IoError(path, std::string("cannot open: ") + std::strerror(errno), errno);
+    const std::string conflict = first_conflict(fd.get(), perm, shared);
+    if (conflict.empty()) {
+      if (!take_bytes(fd.get(), perm, shared)) {
+        const int err = errno;
+        throw qcow2::IoError(path, std::string("cannot lock image: ") + std::strerror(err), err);
+      }
+      return ImageLock(path, std::move(fd));
+    }
+    fd.reset();  // nothing of ours stays open while others are looked for or waited for
+    const LockClock::time_point now = clock.now();
+    if (!waiting || now >= deadline) {
+      // The first refusal, or the one at the deadline: named with who holds the image now.
+      std::vector<Holder> holders = holders_of(path, Access::any);
+      if (wait <= LockClock::duration::zero() || now >= deadline || any_guest(holders))
+        throw ImageInUse(path, conflict, std::move(holders));
+      if (on_wait) on_wait(wait_message(path, wait, holders, conflict));
+      waiting = true;
+      next_holders_walk = now + kLockHoldersRecheckInterval;
+    } else if (now >= next_holders_walk) {
+      // A guest started during the wait: no reason to wait for it any longer.
+      std::vector<Holder> holders = holders_of(path, Access::any);
+      if (any_guest(holders)) throw ImageInUse(path, conflict, std::move(holders));
+      next_holders_walk = now + kLockHoldersRecheckInterval;
+    }
+    clock.sleep_for(std::min<LockClock::duration>(kLockRecheckInterval, deadline - now));
+  }
 }
 
 }  // namespace qcommit::engine

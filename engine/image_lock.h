@@ -2,8 +2,15 @@
 // that a running QEMU and qcommit refuse each other instead of corrupting an image.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <vector>
+
+#include "engine/proc_walk.h"
+#include "qcow2/error.h"
+#include "qcow2/unique_fd.h"
 
 namespace qcommit::engine {
 
@@ -16,33 +23,89 @@ inline constexpr uint32_t kPermAll = 0x0f;
 inline constexpr uint64_t kLockPermBase = 100;
 inline constexpr uint64_t kLockSharedBase = 200;
 
-// Holds QEMU-compatible locks on one file for its lifetime (RAII). Throws qcow2::Error naming the
-// file and, where it can be found, the process that holds the conflicting lock.
+// A waiting acquisition tries again this often, so it starts soon after the holder lets go.
+inline constexpr std::chrono::milliseconds kLockRecheckInterval{20};
+// ... and looks again this often for who holds the image (a walk over all of /proc), so that a
+// guest started during the wait is refused then rather than at the deadline.
+inline constexpr std::chrono::milliseconds kLockHoldersRecheckInterval{1000};
+
+using LockClock = std::chrono::steady_clock;
+
+// Time for waiting acquisitions: the real clock unless a test gives its own.
+class LockWaitClock {
+ public:
+  virtual ~LockWaitClock() = default;
+  [[nodiscard]] virtual LockClock::time_point now() const;
+  virtual void sleep_for(LockClock::duration d) const;
+};
+
+// Told once, when an acquisition starts to wait: "waiting up to 30 s for pid 5087 (qemu-io) to
+// release base.qcow2 (another process holds the consistent read permission)".
+using LockWaitNotice = std::function<void(const std::string& message)>;
+
+// The image is locked by another process: "image is in use: <conflict> (held by pid N (name))".
+// Every process that has the file open is named, since OFD locks do not say whose they are.
+class ImageInUse : public qcow2::Error {
+ public:
+  ImageInUse(const std::string& path, const std::string& conflict, std::vector<Holder> holders);
+  [[nodiscard]] const std::vector<Holder>& holders() const { return holders_; }
+  // Whether one of them is a QEMU running a guest (runs_guest): such a holder is not waited for.
+  [[nodiscard]] bool held_by_guest() const;
+
+ private:
+  std::vector<Holder> holders_;
+};
+
+// Holds QEMU-compatible locks on one file for its lifetime (RAII). Throws ImageInUse (a
+// qcow2::Error) naming the file and, where it can be found, the process that holds the
+// conflicting lock; qcow2::IoError when the file cannot be opened or locked.
 class ImageLock {
  public:
-  // perm: what we do with the file; shared: what we allow others to do.
+  // perm: what we do with the file; shared: what we allow others to do. Refuses at once.
   ImageLock(const std::string& path, uint32_t perm, uint32_t shared);
-  ~ImageLock();
-  ImageLock(const ImageLock&) = delete;
-  ImageLock& operator=(const ImageLock&) = delete;
-  ImageLock(ImageLock&& o) noexcept : path_(std::move(o.path_)), fd_(o.fd_) { o.fd_ = -1; }
+  ImageLock(ImageLock&&) noexcept = default;
+  ImageLock& operator=(ImageLock&&) noexcept = default;
+
+  // Like the constructor, but while another process holds a conflicting lock, tries again every
+  // kLockRecheckInterval until `wait` has passed, then throws ImageInUse naming the holders then.
+  // `on_wait` (may be empty) is called once, when the first try fails. A QEMU running a guest
+  // among the holders is refused at once (ImageInUse::held_by_guest), also when it appears during
+  // the wait; holders this process cannot see (another PID namespace, another host) are waited
+  // for like any other. wait <= 0: the constructor's behaviour exactly.
+  [[nodiscard]] static ImageLock acquire(const std::string& path, uint32_t perm, uint32_t shared,
+                                         LockClock::duration wait, const LockWaitNotice& on_wait,
+                                         const LockWaitClock& clock = LockWaitClock{});
 
   // Reading an image while nobody changes it.
-  static ImageLock reader(const std::string& path) {
-    return ImageLock(path, kPermConsistentRead, kPermConsistentRead | kPermWriteUnchanged);
-  }
+  static constexpr uint32_t kReaderPerm = kPermConsistentRead;
+  static constexpr uint32_t kReaderShared = kPermConsistentRead | kPermWriteUnchanged;
   // Writing an image exclusively (others may not even read it consistently while we change it).
-  static ImageLock writer(const std::string& path) {
-    return ImageLock(path, kPermConsistentRead | kPermWrite | kPermResize, kPermWriteUnchanged);
+  static constexpr uint32_t kWriterPerm = kPermConsistentRead | kPermWrite | kPermResize;
+  static constexpr uint32_t kWriterShared = kPermWriteUnchanged;
+
+  [[nodiscard]] static ImageLock reader(const std::string& path) {
+    return ImageLock(path, kReaderPerm, kReaderShared);
+  }
+  [[nodiscard]] static ImageLock writer(const std::string& path) {
+    return ImageLock(path, kWriterPerm, kWriterShared);
+  }
+  [[nodiscard]] static ImageLock reader(const std::string& path, LockClock::duration wait,
+                                        const LockWaitNotice& on_wait) {
+    return acquire(path, kReaderPerm, kReaderShared, wait, on_wait);
+  }
+  [[nodiscard]] static ImageLock writer(const std::string& path, LockClock::duration wait,
+                                        const LockWaitNotice& on_wait) {
+    return acquire(path, kWriterPerm, kWriterShared, wait, on_wait);
   }
 
  private:
+  ImageLock(std::string path, UniqueFd fd) : path_(std::move(path)), fd_(std::move(fd)) {}
+
   std::string path_;
-  int fd_ = -1;
+  UniqueFd fd_;  // closing the open file description drops its OFD locks
 };
 
-// "pid 1234 (qemu-system-x86)" for every process that has `path` open, or "" if none is found
-// (engine/proc_walk.h).
+// "pid 1234 (qemu-system-x86)" for every process that has `path` open, or "" if none is found.
 [[nodiscard]] std::string describe_holders(const std::string& path);
 
 }  // namespace qcommit::engine
