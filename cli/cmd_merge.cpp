@@ -18,6 +18,9 @@
 
 namespace qcommit::cli {
 
+// How long `merge` waits for another process to release an image it must lock.
+inline constexpr const char* kDefaultLockWait = "10s";
+
 namespace {
 
 void print_bar(const engine::Progress& p) {
@@ -109,6 +112,7 @@ int cmd_merge(const Args& args) {
   bool del = false, no_direct = false, force_direct = false;
   std::string domain, disk, pool, vol, uri = "qemu:///system";
   bool dry_run = false;
+  std::string lock_wait = kDefaultLockWait;
   opts.add_options()("top", po::value(&top), "the image to merge (TOP)")(
       "domain", po::value(&domain), "a shut-off libvirt domain whose disk chain to merge (with --disk)")(
       "disk", po::value(&disk), "the domain's disk target, e.g. vda (TOP defaults to its active layer)")(
@@ -121,6 +125,9 @@ int cmd_merge(const Args& args) {
       "base", po::value(&base), "merge into this image of TOP's chain (default: TOP's backing file)")(
       "rebase", po::value(&rebase)->multitoken(), "images whose backing file is TOP: point them at BASE")(
       "delete", po::bool_switch(&del), "remove TOP and the intermediates afterwards")(
+      "wait", po::value(&lock_wait),
+      "wait this long for another process (qemu-img info, a backup tool) to release an image, e.g. 30s; 0: refuse at "
+      "once (default 10s; a running guest is never waited for)")(
       "budget", po::value(&budget),
       "added-latency budget for co-tenants, e.g. 20ms, or 'off' (default: the policy of BASE's pool in the "
       "qcommitd configuration, else its [default], else 20ms)")(
@@ -163,6 +170,14 @@ int cmd_merge(const Args& args) {
   mo.rebase = rebase;
   if (!top.empty()) mo.allowed_backing_dirs = backing_policy(top, allow_dirs);
   mo.delete_merged = del;
+  mo.lock_wait = lock_wait == "0" ? std::chrono::nanoseconds::zero() : parse_duration(lock_wait, "--wait");
+  mo.on_lock_wait = [out](const std::string& message) {
+    if (out == Output::kJson)
+      std::printf("{\"event\": \"wait\", \"message\": %s}\n", json_string(message).c_str());
+    else
+      std::fprintf(stderr, "qcommit: %s\n", message.c_str());
+    std::fflush(stdout);
+  };
   // With a budget, O_DIRECT: the bytes we have queued are exactly our requests in flight, which
   // the controller bounds. Unthrottled, kAuto: large requests O_DIRECT (spliced from the source's
   // page cache), small ones buffered with writeback started at once, which lets the kernel merge

@@ -640,8 +640,9 @@ class MergeJob {
       base_depth = base_depth_in(probe, opt);
       for (size_t i = 0; i <= base_depth; ++i) {
         locked_paths.push_back(probe.layer(i).path);
-        locks.push_back(i < base_depth ? ImageLock::reader(probe.layer(i).path)
-                                       : ImageLock::writer(probe.layer(i).path));
+        const std::string& path = probe.layer(i).path;
+        locks.push_back(i < base_depth ? ImageLock::reader(path, opt.lock_wait, opt.on_lock_wait)
+                                       : ImageLock::writer(path, opt.lock_wait, opt.on_lock_wait));
       }
     }
     if (fs::exists(checkpoint_path(locked_paths[base_depth]))) drop_cached_pages(locked_paths[base_depth]);
@@ -684,7 +685,7 @@ class MergeJob {
       const bool rebased_before = resuming && c.depth() >= 2 && same_file(c.layer(1).path, base->path);
       if (!rebased_before && (c.depth() < 2 || !same_file(c.layer(1).path, chain->layer(0).path)))
         throw Error(child, "its backing file is not " + opt.top + "; refusing to rebase it");
-      locks.push_back(ImageLock::writer(child));
+      locks.push_back(ImageLock::writer(child, opt.lock_wait, opt.on_lock_wait));
       children.push_back(prepare_rebase(child, *base));
     }
   }

@@ -77,6 +77,11 @@ struct MergeOptions {
   std::string top;
   std::optional<std::string> base;  // default: TOP's backing file
   std::vector<std::string> rebase;  // images whose backing file is TOP
+  // How long to wait for another process (a backup tool, `qemu-img info`, a monitoring agent)
+  // to release an image the merge must lock; 0: refuse at once. A running guest's QEMU is never
+  // waited for. on_lock_wait is told once per image it waits for, with who holds it.
+  Duration lock_wait = Duration::zero();
+  std::function<void(const std::string& message)> on_lock_wait;
   // Backing files must lie inside these directory trees (empty: anywhere).
   std::vector<std::string> allowed_backing_dirs;
   bool delete_merged = false;
