@@ -51,7 +51,8 @@ wait "$qpid" 2>/dev/null || true
 [[ "$(sha256sum <base.qcow2)" == "$sum_base" ]] || fail "BASE changed by the refused merge"
 [[ -e .base.qcow2.qcommit-merge ]] && fail "refused merge left a checkpoint"
 
-# (2) + (3): a slow merge (small latency budget, buffered writes) runs; a second one and qemu-io
+# (2) + (3): a slow merge (small latency budget, buffered writes) runs; a second one (--wait 0:
+# refused at once instead of waiting for the first to end) and qemu-io
 # writing BASE must be refused while it does.
 qemu-img convert -O raw top.qcow2 view.raw
 "$QCOMMIT" merge top.qcow2 --budget 1ms --no-direct --output=json >first.json 2>first.err &
@@ -65,7 +66,7 @@ if ! kill -0 "$mpid" 2>/dev/null; then
   fail "the first merge finished before the concurrency checks could run (make it slower)"
 else
   rc=0
-  "$QCOMMIT" merge top.qcow2 --budget off >second.out 2>second.err || rc=$?
+  "$QCOMMIT" merge top.qcow2 --budget off --wait 0 >second.out 2>second.err || rc=$?
   echo "second concurrent merge: exit $rc: $(cat second.err)"
   [[ $rc != 0 ]] || fail "a second concurrent merge of the same chain was not refused"
   grep -q "base.qcow2\|top.qcow2" second.err || fail "second merge's error names neither image: $(cat second.err)"
