@@ -28,7 +28,7 @@ root=/var/lib/libvirt/images/$tag
 doms=()
 pid= qio=
 cleanup() {
-  [[ -n $qio ]] && kill "$qio" 2>/dev/null
+  if [[ -n $qio ]]; then kill "$qio" 2>/dev/null || true; fi
   if [[ -n $pid ]]; then
     kill -CONT "$pid" 2>/dev/null
     kill -9 "$pid" 2>/dev/null
@@ -189,8 +189,9 @@ reader_during() {
   tail -n 1 merge.err | grep -q "top.qcow2: is open in pid $qio (qemu-io); not deleted" ||
     fail "no clear one-line refusal: $(tail -n 2 merge.err)"
   [[ -e $dir/top.qcow2 ]] || fail "top.qcow2 is gone"
-  kill "$qio" 2>/dev/null
+  kill "$qio" 2>/dev/null || true
   wait "$qio" 2>/dev/null || true
+  qio=
 }
 
 all=(active-data-merged active-defined rerun-defined below-data-merged reader-opens-top)
