@@ -807,8 +807,15 @@ class MergeJob {
     progress({done_bytes, total, res.total_seconds, 0, "done"});
   }
 
-  // TOP first; the checkpoint lists them first, for finish_interrupted_delete().
+  // TOP first; the checkpoint lists them first, for finish_interrupted_delete(). A layer that
+  // another process has open (TOP is only read-locked, so a reader may have opened it) is not
+  // deleted under it: the merge stops, done but for the deletions, and the same command again
+  // finishes them once the file is closed.
   void delete_merged_layers() {
+    for (const auto& p : res.merged_layers)
+      if (const std::string holders = describe_holders(p); !holders.empty())
+        throw Error(p, "merged, but not deleted: it is open in " + holders +
+                           "; run the same command again once it is closed");
     Checkpoint deleting{identity, top_size, {}};
     for (const auto& p : res.merged_layers) deleting.deleting.push_back(fs::absolute(p).string());
     point("checkpoint");

@@ -7,7 +7,8 @@
 #  (3) a block-device BASE (a loop device under a raw BASE, needs root): its checkpoint is kept in
 #      the state directory (QCOMMIT_STATE_DIR), never under /dev (a tmpfs a reboot empties), seen
 #      with strace;
-#  (4) a child that cannot be rebased is refused before anything is written.
+#  (4) a child that cannot be rebased is refused before anything is written;
+#  (5) --delete never deletes a layer another process has open.
 #
 # usage: merge-planted-links.sh QCOMMIT
 set -euo pipefail
@@ -96,6 +97,28 @@ if "$QCOMMIT" merge top4.qcow2 --rebase child4.qcow2 --budget off >out4.txt 2>er
 fi
 grep -q 'child4.qcow2' err4.txt || fail "(4) the error does not name the child: $(cat err4.txt)"
 sha256sum --quiet -c sums4 || fail "(4) files changed although the merge was refused"
+
+# (5) merge --delete while a reader has TOP open (TOP is only read-locked): TOP is not deleted under
+#     it, the error names the reader; once it is closed the same command finishes (resumed).
+rm -f base.qcow2 top.qcow2
+qemu-img create -q -f qcow2 base.qcow2 64M
+qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2 64M
+qemu-io -f qcow2 -c "write -P 7 4M 16M" top.qcow2 >/dev/null
+qemu-img convert -O raw top.qcow2 view.raw
+# A reader that takes no image lock (qemu-io would lock BASE too, and the merge would wait it out).
+python3 -c 'import time; f = open("top.qcow2", "rb"); time.sleep(3)' &
+reader=$!
+sleep 0.5
+if "$QCOMMIT" merge top.qcow2 --budget off --delete >out5.txt 2>err5.txt; then
+  fail "(5) merge --delete succeeded while a reader had TOP open"
+fi
+[[ -e top.qcow2 ]] || fail "(5) TOP was deleted while a reader had it open"
+grep -q "pid $reader" err5.txt || fail "(5) the error does not name the reader: $(cat err5.txt)"
+wait "$reader" || true
+"$QCOMMIT" merge top.qcow2 --budget off --delete --output=json >out5.json 2>err5b.txt || fail "(5) the re-run failed: $(cat err5b.txt)"
+[[ ! -e top.qcow2 ]] || fail "(5) the re-run did not delete TOP"
+jq -se 'map(select(.event == "result")) | .[0].resumed == true' out5.json >/dev/null || fail "(5) the re-run did not resume"
+qemu-img compare -q view.raw base.qcow2 || fail "(5) BASE does not show TOP's view"
 
 if ((${#failures[@]})); then
   printf 'merge.planted_links: %d failure(s)\n' "${#failures[@]}"
