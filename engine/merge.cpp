@@ -491,6 +491,13 @@ RebaseTarget prepare_rebase(const std::string& child, const qcow2::Layer& base) 
   return t;
 }
 
+// Which merge a checkpoint belongs to: the layers above BASE (as they are now) and BASE.
+std::string merge_identity(Chain& chain, size_t base_depth) {
+  std::string identity;
+  for (size_t i = 0; i < base_depth; ++i) identity += layer_identity(chain.layer(i).path) + " | ";
+  return identity + fs::weakly_canonical(chain.layer(base_depth).path).string();
+}
+
 // Where BASE is in TOP's chain (opened read-only with the options' backing directories).
 size_t base_depth_in(Chain& chain, const MergeOptions& opt) {
   if (chain.depth() < 2) throw Error(opt.top, "image has no backing file: nothing to merge into");
@@ -661,8 +668,7 @@ class MergeJob {
 
   // 3. The checkpoint of an interrupted run of this same merge (same layers, same BASE).
   void find_checkpoint() {
-    for (size_t i = 0; i < base_depth; ++i) identity += layer_identity(chain->layer(i).path) + " | ";
-    identity += fs::weakly_canonical(base->path).string();
+    identity = merge_identity(*chain, base_depth);
     cp_path = checkpoint_path(base->path);
     old_cp = load_checkpoint(cp_path);
     resuming = old_cp && old_cp->identity == identity;
@@ -878,9 +884,7 @@ MergePlan plan_merge(const MergeOptions& opt) {
       p.data_bytes += e.length;
     if (e.compressed) p.compressed_bytes += e.length;
   }
-  std::string identity;
-  for (size_t i = 0; i < p.base_depth; ++i) identity += layer_identity(chain.layer(i).path) + " | ";
-  identity += fs::weakly_canonical(base.path).string();
+  const std::string identity = merge_identity(chain, p.base_depth);
   if (auto cp = load_checkpoint(checkpoint_path(base.path)); cp && cp->identity == identity)
     p.resume_from = cp->done;
   p.rebase = opt.rebase;
