@@ -106,7 +106,7 @@ inline constexpr Duration kMinNextTick = std::chrono::milliseconds(1);
 // Measured in the lab (tests/lab/results/bench-stall-cpu-control.txt): with the controller
 // steering the per-request delay to the whole budget, the guest's added p99 was ~2.5x the
 // storage FIFO delay the merge caused (p99 28.4 ms at 20 ms; at half of it: 19.0-20.1 ms,
-// bench-stall-session4.txt).  Callers holding a user's budget hand the controller
+// bench-stall-governed-runs.txt).  Callers holding a user's budget hand the controller
 // request_budget(budget).
 inline constexpr double kStorageRequestsPerGuestSyncWrite = 2.0;
 
