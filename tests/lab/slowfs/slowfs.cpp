@@ -19,11 +19,10 @@
 // The log is a CSV with one row per queued request (see kLogHeader).
 
 #define FUSE_USE_VERSION 312
-#include <fuse3/fuse_lowlevel.h>
-#include <linux/fuse.h>
-
 #include <dirent.h>
 #include <fcntl.h>
+#include <fuse3/fuse_lowlevel.h>
+#include <linux/fuse.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
@@ -121,7 +120,8 @@ class FifoLink {
     bool done = false;
   };
 
-  FifoLink(double bps, double latency_ms, FILE* log) : bps_(bps), latency_ms_(latency_ms), log_(log) {
+  FifoLink(double bps, double latency_ms, FILE* log)
+      : bps_(bps), latency_ms_(latency_ms), log_(log) {
     if (log_) {
       std::fputs(kLogHeader, log_);
       logger_ = std::thread([this] { write_log(); });
@@ -207,14 +207,16 @@ class FifoLink {
         // The line goes to the logger thread: writing the file here once stalled the server
         // (and every request behind it) for 96-126 ms while the host flushed its page cache.
         char line[192];
-        const int n = std::snprintf(line, sizeof line, "%.6f,%c,%llu,%llu,%llu,%u,%llu,%.3f,%.3f\n",
-                                    t->enqueued_epoch, t->op, static_cast<unsigned long long>(t->ino),
-                                    static_cast<unsigned long long>(t->offset),
-                                    static_cast<unsigned long long>(t->bytes), t->ahead_reqs,
-                                    static_cast<unsigned long long>(t->ahead_bytes), wait_ms,
-                                    Seconds(service).count() * 1e3);
+        const int n = std::snprintf(
+            line, sizeof line, "%.6f,%c,%llu,%llu,%llu,%u,%llu,%.3f,%.3f\n", t->enqueued_epoch,
+            t->op, static_cast<unsigned long long>(t->ino),
+            static_cast<unsigned long long>(t->offset), static_cast<unsigned long long>(t->bytes),
+            t->ahead_reqs, static_cast<unsigned long long>(t->ahead_bytes), wait_ms,
+            Seconds(service).count() * 1e3);
         std::lock_guard lg(log_m_);
-        if (n > 0) log_buf_.append(line, std::min<std::size_t>(static_cast<std::size_t>(n), sizeof line - 1));
+        if (n > 0)
+          log_buf_.append(line,
+                          std::min<std::size_t>(static_cast<std::size_t>(n), sizeof line - 1));
         if (t->op == 'F' || total_reqs_ % 64 == 0) log_cv_.notify_one();
       }
       t->done = true;
@@ -227,7 +229,8 @@ class FifoLink {
     std::string out;
     std::unique_lock lk(log_m_);
     for (;;) {
-      log_cv_.wait_for(lk, std::chrono::milliseconds(200), [&] { return log_stop_ || !log_buf_.empty(); });
+      log_cv_.wait_for(lk, std::chrono::milliseconds(200),
+                       [&] { return log_stop_ || !log_buf_.empty(); });
       out.swap(log_buf_);
       const bool stop = log_stop_;
       lk.unlock();
@@ -287,7 +290,9 @@ Inode& inode_of(fuse_ino_t ino) {
   return *reinterpret_cast<Inode*>(ino);
 }
 
-std::string proc_path(int fd) { return "/proc/self/fd/" + std::to_string(fd); }
+std::string proc_path(int fd) {
+  return "/proc/self/fd/" + std::to_string(fd);
+}
 
 // Adds FOPEN_PARALLEL_DIRECT_WRITES to open/create replies marked by the op handler (libfuse
 // 3.14 has no fuse_file_info bit for it). The fuse_open_out is the last 16 bytes of the reply.
@@ -297,13 +302,16 @@ ssize_t io_writev(int fd, struct iovec* iov, int count, void*) {
   std::vector<iovec> v(iov, iov + count);
   std::vector<char> last(static_cast<char*>(iov[count - 1].iov_base),
                          static_cast<char*>(iov[count - 1].iov_base) + iov[count - 1].iov_len);
-  auto* open_out = reinterpret_cast<fuse_open_out*>(last.data() + last.size() - sizeof(fuse_open_out));
+  auto* open_out =
+      reinterpret_cast<fuse_open_out*>(last.data() + last.size() - sizeof(fuse_open_out));
   open_out->open_flags |= FOPEN_PARALLEL_DIRECT_WRITES;
   v.back().iov_base = last.data();
   return ::writev(fd, v.data(), count);
 }
 
-ssize_t io_read(int fd, void* buf, size_t len, void*) { return ::read(fd, buf, len); }
+ssize_t io_read(int fd, void* buf, size_t len, void*) {
+  return ::read(fd, buf, len);
+}
 
 int do_lookup(fuse_ino_t parent, const char* name, fuse_entry_param* e) {
   std::memset(e, 0, sizeof(*e));
@@ -348,9 +356,12 @@ void forget_one(fuse_ino_t ino, uint64_t n) {
 }
 
 void op_init(void*, fuse_conn_info* conn) {
-  if (conn->capable & FUSE_CAP_WRITEBACK_CACHE) conn->want |= FUSE_CAP_WRITEBACK_CACHE;
-  else std::fprintf(stderr, "qcommit-slowfs: kernel lacks writeback_cache\n");
-  conn->want &= ~static_cast<unsigned>(FUSE_CAP_SPLICE_READ | FUSE_CAP_SPLICE_WRITE | FUSE_CAP_SPLICE_MOVE);
+  if (conn->capable & FUSE_CAP_WRITEBACK_CACHE)
+    conn->want |= FUSE_CAP_WRITEBACK_CACHE;
+  else
+    std::fprintf(stderr, "qcommit-slowfs: kernel lacks writeback_cache\n");
+  conn->want &=
+      ~static_cast<unsigned>(FUSE_CAP_SPLICE_READ | FUSE_CAP_SPLICE_WRITE | FUSE_CAP_SPLICE_MOVE);
   conn->max_write = kMaxWriteBytes;
   conn->max_readahead = kMaxWriteBytes;
   if (g_fs->cfg.max_background) {
@@ -362,8 +373,10 @@ void op_init(void*, fuse_conn_info* conn) {
 void op_lookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
   fuse_entry_param e;
   int err = do_lookup(parent, name, &e);
-  if (err) fuse_reply_err(req, err);
-  else fuse_reply_entry(req, &e);
+  if (err)
+    fuse_reply_err(req, err);
+  else
+    fuse_reply_entry(req, &e);
 }
 
 void op_forget(fuse_req_t req, fuse_ino_t ino, uint64_t n) {
@@ -395,15 +408,20 @@ void op_setattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int valid, fu
     rc = fchownat(in.fd, "", u, g, AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW);
   }
   if (!rc && (valid & FUSE_SET_ATTR_SIZE))
-    rc = fi ? ftruncate(static_cast<int>(fi->fh), attr->st_size) : truncate(path.c_str(), attr->st_size);
+    rc = fi ? ftruncate(static_cast<int>(fi->fh), attr->st_size)
+            : truncate(path.c_str(), attr->st_size);
   if (!rc && (valid & (FUSE_SET_ATTR_ATIME | FUSE_SET_ATTR_MTIME))) {
     timespec tv[2];
     tv[0].tv_sec = tv[1].tv_sec = 0;
     tv[0].tv_nsec = tv[1].tv_nsec = UTIME_OMIT;
-    if (valid & FUSE_SET_ATTR_ATIME_NOW) tv[0].tv_nsec = UTIME_NOW;
-    else if (valid & FUSE_SET_ATTR_ATIME) tv[0] = attr->st_atim;
-    if (valid & FUSE_SET_ATTR_MTIME_NOW) tv[1].tv_nsec = UTIME_NOW;
-    else if (valid & FUSE_SET_ATTR_MTIME) tv[1] = attr->st_mtim;
+    if (valid & FUSE_SET_ATTR_ATIME_NOW)
+      tv[0].tv_nsec = UTIME_NOW;
+    else if (valid & FUSE_SET_ATTR_ATIME)
+      tv[0] = attr->st_atim;
+    if (valid & FUSE_SET_ATTR_MTIME_NOW)
+      tv[1].tv_nsec = UTIME_NOW;
+    else if (valid & FUSE_SET_ATTR_MTIME)
+      tv[1] = attr->st_mtim;
     rc = fi ? futimens(static_cast<int>(fi->fh), tv) : utimensat(AT_FDCWD, path.c_str(), tv, 0);
   }
   if (rc) return (void)fuse_reply_err(req, errno);
@@ -435,7 +453,8 @@ void op_open(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   t_mark_parallel = false;
 }
 
-void op_create(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t mode, fuse_file_info* fi) {
+void op_create(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t mode,
+               fuse_file_info* fi) {
   int fd = openat(inode_of(parent).fd, name, backing_flags(fi->flags) | O_CREAT, mode);
   if (fd < 0) return (void)fuse_reply_err(req, errno);
   fuse_entry_param e;
@@ -454,8 +473,10 @@ void op_mkdir(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t mode) 
   if (mkdirat(inode_of(parent).fd, name, mode) < 0) return (void)fuse_reply_err(req, errno);
   fuse_entry_param e;
   int err = do_lookup(parent, name, &e);
-  if (err) fuse_reply_err(req, err);
-  else fuse_reply_entry(req, &e);
+  if (err)
+    fuse_reply_err(req, err);
+  else
+    fuse_reply_entry(req, &e);
 }
 
 void op_unlink(fuse_req_t req, fuse_ino_t parent, const char* name) {
@@ -482,17 +503,21 @@ void op_read(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info*
 
 std::atomic<bool> g_fail_writes{false};
 
-void op_write_buf(fuse_req_t req, fuse_ino_t ino, fuse_bufvec* in_buf, off_t off, fuse_file_info* fi) {
+void op_write_buf(fuse_req_t req, fuse_ino_t ino, fuse_bufvec* in_buf, off_t off,
+                  fuse_file_info* fi) {
   size_t size = fuse_buf_size(in_buf);
   if (g_fail_writes) return (void)fuse_reply_err(req, EIO);
-  g_fs->link->pass('W', ino == FUSE_ROOT_ID ? 1 : inode_of(ino).ino, static_cast<uint64_t>(off), size);
+  g_fs->link->pass('W', ino == FUSE_ROOT_ID ? 1 : inode_of(ino).ino, static_cast<uint64_t>(off),
+                   size);
   fuse_bufvec out = FUSE_BUFVEC_INIT(size);
   out.buf[0].flags = static_cast<fuse_buf_flags>(FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK);
   out.buf[0].fd = static_cast<int>(fi->fh);
   out.buf[0].pos = off;
   ssize_t res = fuse_buf_copy(&out, in_buf, static_cast<fuse_buf_copy_flags>(0));
-  if (res < 0) fuse_reply_err(req, static_cast<int>(-res));
-  else fuse_reply_write(req, static_cast<size_t>(res));
+  if (res < 0)
+    fuse_reply_err(req, static_cast<int>(-res));
+  else
+    fuse_reply_write(req, static_cast<size_t>(res));
 }
 
 void op_flush(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
@@ -522,8 +547,10 @@ void op_fallocate(fuse_req_t req, fuse_ino_t, int mode, off_t off, off_t len, fu
 
 void op_lseek(fuse_req_t req, fuse_ino_t, off_t off, int whence, fuse_file_info* fi) {
   off_t res = lseek(static_cast<int>(fi->fh), off, whence);
-  if (res < 0) fuse_reply_err(req, errno);
-  else fuse_reply_lseek(req, res);
+  if (res < 0)
+    fuse_reply_err(req, errno);
+  else
+    fuse_reply_lseek(req, res);
 }
 
 void op_opendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
@@ -556,7 +583,7 @@ void op_readdir(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_in
       d->entry = readdir(d->dp);
       if (!d->entry) break;
     }
-    struct stat st{};
+    struct stat st {};
     st.st_ino = d->entry->d_ino;
     st.st_mode = static_cast<mode_t>(d->entry->d_type) << 12;
     off_t next = d->entry->d_off;
@@ -582,25 +609,31 @@ void op_statfs(fuse_req_t req, fuse_ino_t ino) {
   fuse_reply_statfs(req, &sv);
 }
 
-void op_setxattr(fuse_req_t req, fuse_ino_t ino, const char* name, const char* value, size_t size, int flags) {
+void op_setxattr(fuse_req_t req, fuse_ino_t ino, const char* name, const char* value, size_t size,
+                 int flags) {
   int rc = setxattr(proc_path(inode_of(ino).fd).c_str(), name, value, size, flags);
   fuse_reply_err(req, rc < 0 ? errno : 0);
 }
 
 void op_getxattr(fuse_req_t req, fuse_ino_t ino, const char* name, size_t size) {
   std::vector<char> buf(size);
-  ssize_t n = getxattr(proc_path(inode_of(ino).fd).c_str(), name, size ? buf.data() : nullptr, size);
+  ssize_t n =
+      getxattr(proc_path(inode_of(ino).fd).c_str(), name, size ? buf.data() : nullptr, size);
   if (n < 0) return (void)fuse_reply_err(req, errno);
-  if (size == 0) fuse_reply_xattr(req, static_cast<size_t>(n));
-  else fuse_reply_buf(req, buf.data(), static_cast<size_t>(n));
+  if (size == 0)
+    fuse_reply_xattr(req, static_cast<size_t>(n));
+  else
+    fuse_reply_buf(req, buf.data(), static_cast<size_t>(n));
 }
 
 void op_listxattr(fuse_req_t req, fuse_ino_t ino, size_t size) {
   std::vector<char> buf(size);
   ssize_t n = listxattr(proc_path(inode_of(ino).fd).c_str(), size ? buf.data() : nullptr, size);
   if (n < 0) return (void)fuse_reply_err(req, errno);
-  if (size == 0) fuse_reply_xattr(req, static_cast<size_t>(n));
-  else fuse_reply_buf(req, buf.data(), static_cast<size_t>(n));
+  if (size == 0)
+    fuse_reply_xattr(req, static_cast<size_t>(n));
+  else
+    fuse_reply_buf(req, buf.data(), static_cast<size_t>(n));
 }
 
 void op_removexattr(fuse_req_t req, fuse_ino_t ino, const char* name) {
@@ -635,8 +668,11 @@ void apply_control_file(const Config& cfg, FifoLink& link) {
     if (eq == std::string::npos) continue;
     std::string k = s.substr(0, eq), v = s.substr(eq + 1);
     if (k == "bandwidth") {
-      if (auto r = parse_rate(v)) link.set_bandwidth(*r);
-      else std::fprintf(stderr, "qcommit-slowfs: %s: bad bandwidth '%s'\n", cfg.control.c_str(), v.c_str());
+      if (auto r = parse_rate(v))
+        link.set_bandwidth(*r);
+      else
+        std::fprintf(stderr, "qcommit-slowfs: %s: bad bandwidth '%s'\n", cfg.control.c_str(),
+                     v.c_str());
     } else if (k == "latency_ms") {
       link.set_latency_ms(std::strtod(v.c_str(), nullptr));
     } else if (k == "fail_writes") {
@@ -680,7 +716,8 @@ void control_loop(const Config& cfg, FifoLink& link) {
         std::fprintf(f,
                      "bandwidth_bps=%.0f\nlatency_ms=%.3f\nqueued_reqs=%llu\nqueued_bytes=%llu\n"
                      "total_reqs=%llu\ntotal_bytes=%llu\nmax_wait_ms=%.3f\n",
-                     link.bandwidth(), link.latency_ms(), static_cast<unsigned long long>(s.queued_reqs),
+                     link.bandwidth(), link.latency_ms(),
+                     static_cast<unsigned long long>(s.queued_reqs),
                      static_cast<unsigned long long>(s.queued_bytes),
                      static_cast<unsigned long long>(s.total_reqs),
                      static_cast<unsigned long long>(s.total_bytes), s.max_wait_ms);
@@ -700,22 +737,33 @@ Config parse_args(int argc, char** argv) {
       if (i + 1 >= argc) die("missing value for " + a);
       return argv[++i];
     };
-    if (a == "--backing") c.backing = val();
-    else if (a == "--mount") c.mount = val();
+    if (a == "--backing")
+      c.backing = val();
+    else if (a == "--mount")
+      c.mount = val();
     else if (a == "--bandwidth") {
       std::string v = val();
       auto r = parse_rate(v);
       if (!r) die("bad --bandwidth '" + v + "' (e.g. 50M = 50 MB/s)");
       c.bandwidth_bps = *r;
-    } else if (a == "--latency-ms") c.latency_ms = std::strtod(val().c_str(), nullptr);
-    else if (a == "--control") c.control = val();
-    else if (a == "--log") c.log = val();
-    else if (a == "--stats") c.stats = val();
-    else if (a == "--pidfile") c.pidfile = val();
-    else if (a == "--max-background") c.max_background = static_cast<unsigned>(std::stoul(val()));
-    else if (a == "--real-fsync") c.real_fsync = true;
-    else if (a == "--fsname") c.fsname = val();
-    else die("unknown argument '" + a + "'");
+    } else if (a == "--latency-ms")
+      c.latency_ms = std::strtod(val().c_str(), nullptr);
+    else if (a == "--control")
+      c.control = val();
+    else if (a == "--log")
+      c.log = val();
+    else if (a == "--stats")
+      c.stats = val();
+    else if (a == "--pidfile")
+      c.pidfile = val();
+    else if (a == "--max-background")
+      c.max_background = static_cast<unsigned>(std::stoul(val()));
+    else if (a == "--real-fsync")
+      c.real_fsync = true;
+    else if (a == "--fsname")
+      c.fsname = val();
+    else
+      die("unknown argument '" + a + "'");
   }
   if (auto err = c.validate()) die(*err);
   return c;
@@ -793,7 +841,7 @@ int main(int argc, char** argv) {
     die("fuse_session_custom_io failed");
   }
 
-  struct sigaction sa{};
+  struct sigaction sa {};
   sa.sa_handler = on_signal;
   sigaction(SIGTERM, &sa, nullptr);
   sigaction(SIGINT, &sa, nullptr);
