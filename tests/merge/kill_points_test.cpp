@@ -15,6 +15,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -22,6 +24,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/merge.h"
@@ -39,16 +42,18 @@ int sh(const std::string& cmd) {
   return WIFEXITED(rc) ? WEXITSTATUS(rc) : 128;
 }
 
-void must(const std::string& cmd) { REQUIRE_MESSAGE(sh(cmd) == 0, cmd); }
+void must(const std::string& cmd) {
+  REQUIRE_MESSAGE(sh(cmd) == 0, cmd);
+}
 
 struct Scenario {
   std::string name;
-  std::string setup;                   // shell, run in the scenario's directory
+  std::string setup;  // shell, run in the scenario's directory
   std::string top = "top.qcow2";
-  std::optional<std::string> base;     // --base
-  std::string base_file;               // the file BASE is
-  std::vector<std::string> children;   // --rebase
-  std::vector<std::string> merged;     // TOP and intermediates (deleted with --delete)
+  std::optional<std::string> base;    // --base
+  std::string base_file;              // the file BASE is
+  std::vector<std::string> children;  // --rebase
+  std::vector<std::string> merged;    // TOP and intermediates (deleted with --delete)
   bool delete_merged = false;
 };
 
@@ -102,16 +107,19 @@ std::string run_stopped_at(const Scenario& s, const std::string& dir, int k) {
 // Saves the guest views (raw) of TOP and the children before any merge.
 void save_views(const Scenario& s, const std::string& dir) {
   must("cd " + dir + " && qemu-img convert -U -O raw " + s.top + " view-top.raw");
-  for (const auto& c : s.children) must("cd " + dir + " && qemu-img convert -U -O raw " + c + " view-" + c + ".raw");
+  for (const auto& c : s.children)
+    must("cd " + dir + " && qemu-img convert -U -O raw " + c + " view-" + c + ".raw");
 }
 
 bool same_view(const std::string& dir, const std::string& image, const std::string& raw) {
-  return sh("cd " + dir + " && qemu-img compare -U -q " + raw + " " + image + " >/dev/null 2>&1") == 0;
+  return sh("cd " + dir + " && qemu-img compare -U -q " + raw + " " + image + " >/dev/null 2>&1") ==
+         0;
 }
 
 void check_unchanged_views(const Scenario& s, const std::string& dir, const std::string& where) {
   if (fs::exists(dir + "/" + s.top))
-    CHECK_MESSAGE(same_view(dir, s.top, "view-top.raw"), s.name << ": TOP's view changed after a stop at " << where);
+    CHECK_MESSAGE(same_view(dir, s.top, "view-top.raw"),
+                  s.name << ": TOP's view changed after a stop at " << where);
   for (const auto& c : s.children)
     CHECK_MESSAGE(same_view(dir, c, "view-" + c + ".raw"),
                   s.name << ": child " << c << "'s view changed after a stop at " << where);
@@ -126,16 +134,19 @@ int check_base(const std::string& dir, const Scenario& s) {
 void check_final(const Scenario& s, const std::string& dir, const std::string& where) {
   CHECK_MESSAGE(same_view(dir, s.base_file, "view-top.raw"),
                 s.name << ": BASE does not show TOP's original view (stop at " << where << ")");
-  CHECK_MESSAGE(check_base(dir, s) == 0, s.name << ": BASE not clean after the re-run (stop at " << where << ")");
+  CHECK_MESSAGE(check_base(dir, s) == 0,
+                s.name << ": BASE not clean after the re-run (stop at " << where << ")");
   for (const auto& c : s.children) {
-    CHECK_MESSAGE(same_view(dir, c, "view-" + c + ".raw"), s.name << ": child " << c << " changed (stop at " << where << ")");
-    CHECK_MESSAGE(sh("cd " + dir + " && qemu-img info -U --output=json " + c + " | grep -q '\"backing-filename\": \".*" +
-                     s.base_file + "\"'") == 0,
+    CHECK_MESSAGE(same_view(dir, c, "view-" + c + ".raw"),
+                  s.name << ": child " << c << " changed (stop at " << where << ")");
+    CHECK_MESSAGE(sh("cd " + dir + " && qemu-img info -U --output=json " + c +
+                     " | grep -q '\"backing-filename\": \".*" + s.base_file + "\"'") == 0,
                   s.name << ": child " << c << " not on BASE (stop at " << where << ")");
   }
   if (s.delete_merged)
     for (const auto& m : s.merged)
-      CHECK_MESSAGE(!fs::exists(dir + "/" + m), s.name << ": " << m << " not deleted (stop at " << where << ")");
+      CHECK_MESSAGE(!fs::exists(dir + "/" + m),
+                    s.name << ": " << m << " not deleted (stop at " << where << ")");
 }
 
 struct Counts {
@@ -144,7 +155,8 @@ struct Counts {
 };
 
 Counts run_matrix(const Scenario& s) {
-  const std::string root = fs::temp_directory_path() / ("qcommit-kp-" + std::to_string(::getpid()) + "-" + s.name);
+  const std::string root =
+      fs::temp_directory_path() / ("qcommit-kp-" + std::to_string(::getpid()) + "-" + s.name);
   fs::remove_all(root);
   const std::string orig = root + "/orig", dir = root + "/run";
   fs::create_directories(orig);
@@ -182,13 +194,16 @@ Counts run_matrix(const Scenario& s) {
       continue;
     }
     ++n.reruns;
-    CHECK_MESSAGE(r.resumed == had_checkpoint, s.name << ": re-run after a stop at " << at << " resumed=" << r.resumed
+    CHECK_MESSAGE(r.resumed == had_checkpoint, s.name << ": re-run after a stop at " << at
+                                                      << " resumed=" << r.resumed
                                                       << " with checkpoint=" << had_checkpoint);
     if (r.resumed) ++n.resumed;
-    CHECK_MESSAGE(!fs::exists(engine::checkpoint_path(dir + "/" + s.base_file)), s.name << ": checkpoint left");
+    CHECK_MESSAGE(!fs::exists(engine::checkpoint_path(dir + "/" + s.base_file)),
+                  s.name << ": checkpoint left");
     check_final(s, dir, at);
   }
-  MESSAGE(s.name << ": " << n.stops << " stops, " << n.reruns << " re-runs, " << n.resumed << " resumed");
+  MESSAGE(s.name << ": " << n.stops << " stops, " << n.reruns << " re-runs, " << n.resumed
+                 << " resumed");
   std::string points;
   for (auto& [p, c] : n.by_point) points += " " + p + "=" + std::to_string(c);
   MESSAGE(s.name << ": points" << points);
@@ -197,77 +212,102 @@ Counts run_matrix(const Scenario& s) {
 }
 
 // Scattered 64 KiB writes with a pattern each, as qemu-io commands.
-std::string scattered_writes(const std::string& image, int count, uint64_t span_clusters, int seed) {
+std::string scattered_writes(const std::string& image, int count, uint64_t span_clusters,
+                             int seed) {
   std::string cmd = "qemu-io -f qcow2";
   for (int i = 0; i < count; ++i) {
     const uint64_t c = (uint64_t(i) * 2654435761u + uint64_t(seed) * 97) % span_clusters;
-    cmd += " -c 'write -P " + std::to_string((i + seed) % 250 + 1) + " " + std::to_string(c * 65536) + " 64k'";
+    cmd += " -c 'write -P " + std::to_string((i + seed) % 250 + 1) + " " +
+           std::to_string(c * 65536) + " 64k'";
   }
   return cmd + " " + image + " >/dev/null";
 }
 
 void expect_points(const Counts& n, std::initializer_list<const char*> names) {
-  for (const char* p : names) CHECK_MESSAGE(n.by_point.count(p) > 0, "no stop at write point " << p);
+  for (const char* p : names)
+    CHECK_MESSAGE(n.by_point.count(p) > 0, "no stop at write point " << p);
   CHECK(n.stops > 10);
   CHECK(n.resumed > 0);
 }
 
-}  // namespace
-
 // BELOW (8M, all data) <- BASE (4M) <- TOP (8M) <- CHILD: BASE is grown while BASE's own backing
 // file covers the grown range, which must keep reading as zeros; TOP also has zero clusters.
-TEST_CASE("merge.kill_points.grown_base_over_backing") {
-  Scenario s{.name = "grown",
-             .setup = "qemu-img create -q -f qcow2 below.qcow2 8M; qemu-io -f qcow2 -c 'write -P 0xbb 0 8M' below.qcow2 "
-                      ">/dev/null; qemu-img create -q -f qcow2 -b below.qcow2 -F qcow2 base.qcow2 4M; "
-                      "qemu-io -f qcow2 -c 'write -P 0x11 0 1M' base.qcow2 >/dev/null; "
-                      "qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2 8M; " +
-                      scattered_writes("top.qcow2", 40, 128, 1) +
-                      "; qemu-io -f qcow2 -c 'write -z 512k 256k' -c 'write -P 0x22 6M 512k' top.qcow2 >/dev/null; "
-                      "qemu-img create -q -f qcow2 -b top.qcow2 -F qcow2 child.qcow2 8M; "
-                      "qemu-io -f qcow2 -c 'write -P 0x33 64k 64k' child.qcow2 >/dev/null",
-             .base = std::nullopt,
-             .base_file = "base.qcow2",
-             .children = {"child.qcow2"},
-             .merged = {"top.qcow2"},
-             .delete_merged = false};
-  const Counts n = run_matrix(s);
-  expect_points(n, {"grow", "data", "data-flush", "l2-tables", "header", "checkpoint", "rebase"});
+Scenario grown_scenario() {
+  return Scenario{
+      .name = "grown",
+      .setup =
+          "qemu-img create -q -f qcow2 below.qcow2 8M; qemu-io -f qcow2 -c 'write -P 0xbb 0 8M' "
+          "below.qcow2 "
+          ">/dev/null; qemu-img create -q -f qcow2 -b below.qcow2 -F qcow2 base.qcow2 4M; "
+          "qemu-io -f qcow2 -c 'write -P 0x11 0 1M' base.qcow2 >/dev/null; "
+          "qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2 8M; " +
+          scattered_writes("top.qcow2", 40, 128, 1) +
+          "; qemu-io -f qcow2 -c 'write -z 512k 256k' -c 'write -P 0x22 6M 512k' top.qcow2 "
+          ">/dev/null; "
+          "qemu-img create -q -f qcow2 -b top.qcow2 -F qcow2 child.qcow2 8M; "
+          "qemu-io -f qcow2 -c 'write -P 0x33 64k 64k' child.qcow2 >/dev/null",
+      .base = std::nullopt,
+      .base_file = "base.qcow2",
+      .children = {"child.qcow2"},
+      .merged = {"top.qcow2"},
+      .delete_merged = false};
 }
 
 // The same with --delete, qcow2 v2 BASE (no zero flags: the grown range gets zero data) and an
 // intermediate layer (TOP <- MID <- BASE, merged into BASE with --base).
-TEST_CASE("merge.kill_points.v2_base_intermediate_delete") {
-  Scenario s{.name = "v2-delete",
-             .setup = "qemu-img create -q -f qcow2 below.qcow2 6M; qemu-io -f qcow2 -c 'write -P 0xbb 0 6M' below.qcow2 "
-                      ">/dev/null; qemu-img create -q -f qcow2 -o compat=0.10 -b below.qcow2 -F qcow2 base.qcow2 3M; "
+Scenario v2_delete_scenario() {
+  return Scenario{.name = "v2-delete",
+                  .setup =
+                      "qemu-img create -q -f qcow2 below.qcow2 6M; qemu-io -f qcow2 -c 'write -P "
+                      "0xbb 0 6M' below.qcow2 "
+                      ">/dev/null; qemu-img create -q -f qcow2 -o compat=0.10 -b below.qcow2 -F "
+                      "qcow2 base.qcow2 3M; "
                       "qemu-io -f qcow2 -c 'write -P 0x11 1M 1M' base.qcow2 >/dev/null; "
                       "qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 mid.qcow2 5M; " +
                       scattered_writes("mid.qcow2", 20, 80, 2) +
                       "; qemu-img create -q -f qcow2 -b mid.qcow2 -F qcow2 top.qcow2 8M; " +
                       scattered_writes("top.qcow2", 30, 128, 3) +
                       "; qemu-img create -q -f qcow2 -b top.qcow2 -F qcow2 child.qcow2 8M",
-             .base = "base.qcow2",
-             .base_file = "base.qcow2",
-             .children = {"child.qcow2"},
-             .merged = {"top.qcow2", "mid.qcow2"},
-             .delete_merged = true};
+                  .base = "base.qcow2",
+                  .base_file = "base.qcow2",
+                  .children = {"child.qcow2"},
+                  .merged = {"top.qcow2", "mid.qcow2"},
+                  .delete_merged = true};
+}
+
+// BASE with persistent bitmaps (removed by the merge), same size as TOP.
+Scenario bitmaps_scenario() {
+  return Scenario{
+      .name = "bitmaps",
+      .setup =
+          "qemu-img create -q -f qcow2 base.qcow2 8M; qemu-io -f qcow2 -c 'write -P 0x11 0 2M' "
+          "base.qcow2 "
+          ">/dev/null; qemu-img bitmap --add base.qcow2 b0; qemu-img bitmap --add base.qcow2 b1; "
+          "qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2 8M; " +
+          scattered_writes("top.qcow2", 48, 128, 4),
+      .base = std::nullopt,
+      .base_file = "base.qcow2",
+      .children = {},
+      .merged = {"top.qcow2"},
+      .delete_merged = true};
+}
+
+}  // namespace
+
+TEST_CASE("merge.kill_points.grown_base_over_backing") {
+  const Scenario s = grown_scenario();
+  const Counts n = run_matrix(s);
+  expect_points(n, {"grow", "data", "data-flush", "l2-tables", "header", "checkpoint", "rebase"});
+}
+
+TEST_CASE("merge.kill_points.v2_base_intermediate_delete") {
+  const Scenario s = v2_delete_scenario();
   const Counts n = run_matrix(s);
   expect_points(n, {"grow", "data", "l2-tables", "checkpoint", "rebase", "delete"});
 }
 
-// BASE with persistent bitmaps (removed by the merge), same size as TOP.
 TEST_CASE("merge.kill_points.base_with_bitmaps") {
-  Scenario s{.name = "bitmaps",
-             .setup = "qemu-img create -q -f qcow2 base.qcow2 8M; qemu-io -f qcow2 -c 'write -P 0x11 0 2M' base.qcow2 "
-                      ">/dev/null; qemu-img bitmap --add base.qcow2 b0; qemu-img bitmap --add base.qcow2 b1; "
-                      "qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2 8M; " +
-                      scattered_writes("top.qcow2", 48, 128, 4),
-             .base = std::nullopt,
-             .base_file = "base.qcow2",
-             .children = {},
-             .merged = {"top.qcow2"},
-             .delete_merged = true};
+  const Scenario s = bitmaps_scenario();
   const Counts n = run_matrix(s);
   expect_points(n, {"data", "header", "refcount-decrements", "checkpoint", "delete"});
 }
@@ -275,11 +315,13 @@ TEST_CASE("merge.kill_points.base_with_bitmaps") {
 // A raw BASE (grown by truncate) under a qcow2 TOP with a child.
 TEST_CASE("merge.kill_points.raw_base") {
   Scenario s{.name = "raw",
-             .setup = "qemu-img create -q -f raw base.raw 4M; qemu-io -f raw -c 'write -P 0x11 0 4M' base.raw >/dev/null; "
-                      "qemu-img create -q -f qcow2 -b base.raw -F raw top.qcow2 8M; " +
-                      scattered_writes("top.qcow2", 40, 128, 5) +
-                      "; qemu-io -f qcow2 -c 'write -z 0 128k' top.qcow2 >/dev/null; "
-                      "qemu-img create -q -f qcow2 -b top.qcow2 -F qcow2 child.qcow2 8M",
+             .setup =
+                 "qemu-img create -q -f raw base.raw 4M; qemu-io -f raw -c 'write -P 0x11 0 4M' "
+                 "base.raw >/dev/null; "
+                 "qemu-img create -q -f qcow2 -b base.raw -F raw top.qcow2 8M; " +
+                 scattered_writes("top.qcow2", 40, 128, 5) +
+                 "; qemu-io -f qcow2 -c 'write -z 0 128k' top.qcow2 >/dev/null; "
+                 "qemu-img create -q -f qcow2 -b top.qcow2 -F qcow2 child.qcow2 8M",
              .base = std::nullopt,
              .base_file = "base.raw",
              .children = {"child.qcow2"},
@@ -289,40 +331,96 @@ TEST_CASE("merge.kill_points.raw_base") {
   expect_points(n, {"grow", "data", "checkpoint", "rebase"});
 }
 
-// A write-back that fails (EIO) in the middle of a window, on storage whose client page cache
-// then holds pages the storage never got (qcommit-slowfs with fail_writes=1: every WRITE and
-// FSYNC fails). The merge must stop with an I/O error naming BASE; once the storage works again
-// the same merge must finish from what is on the storage, not from the cached pages: checked
-// after a fresh mount (no page cache), with qemu-img. Needs root and FUSE (QCOMMIT_SLOWFS names
-// the qcommit-slowfs binary).
-TEST_CASE("merge.eio_rerun_reads_storage") {
-  const char* slowfs = std::getenv("QCOMMIT_SLOWFS");
-  if (!slowfs || ::geteuid() != 0 || !fs::exists("/dev/fuse")) {
-    MESSAGE("skipped: needs root, /dev/fuse and QCOMMIT_SLOWFS");
-    return;
+// qcommit-slowfs mounted over a backing directory, whose writes can be made to fail (every WRITE,
+// FSYNC, FALLOCATE and size change, with EIO or ENOSPC) at once by a signal. Needs root and FUSE
+// (QCOMMIT_SLOWFS names the qcommit-slowfs binary).
+class SlowFs {
+ public:
+  // Returns nullopt (and says why) where the test cannot mount FUSE.
+  static std::optional<std::string> binary() {
+    const char* slowfs = std::getenv("QCOMMIT_SLOWFS");
+    if (!slowfs || ::geteuid() != 0 || !fs::exists("/dev/fuse")) {
+      MESSAGE("skipped: needs root, /dev/fuse and QCOMMIT_SLOWFS");
+      return std::nullopt;
+    }
+    return slowfs;
   }
-  const std::string root = fs::temp_directory_path() / ("qcommit-eio-" + std::to_string(::getpid()));
-  const std::string backing = root + "/backing", mnt = root + "/mnt", control = root + "/control";
+
+  SlowFs(std::string binary, std::string root, std::string fail_errno)
+      : binary_(std::move(binary)), root_(std::move(root)), errno_name_(std::move(fail_errno)) {
+    fs::create_directories(backing());
+    fs::create_directories(mnt());
+    mount();
+  }
+  ~SlowFs() {
+    if (mounted_) unmount();
+    fs::remove_all(root_);
+  }
+  SlowFs(const SlowFs&) = delete;
+  SlowFs& operator=(const SlowFs&) = delete;
+
+  std::string backing() const { return root_ + "/backing"; }
+  std::string mnt() const { return root_ + "/mnt"; }
+
+  // Every write fails from now on / works again. The signal is handled within microseconds by
+  // the idle FUSE process; the pause covers a loaded machine.
+  void fail(bool on) const {
+    ::kill(pid_, on ? SIGUSR1 : SIGUSR2);
+    ::usleep(kSignalSettleUs);
+  }
+
+  // A fresh mount: the client's page cache is gone, reads show what the storage holds.
+  void remount() {
+    unmount();
+    mount();
+  }
+
+ private:
+  static constexpr useconds_t kSignalSettleUs = 20 * 1000;
+
+  void mount() {
+    const std::string pidfile = root_ + "/pid";
+    must(binary_ + " --backing " + backing() + " --mount " + mnt() +
+         " --bandwidth 4G --fail-errno " + errno_name_ + " --pidfile " + pidfile + " >>" + root_ +
+         "/slowfs.log 2>&1 &");
+    for (int i = 0; i < 100 && sh("mountpoint -q " + mnt()) != 0; ++i) ::usleep(50 * 1000);
+    REQUIRE(sh("mountpoint -q " + mnt()) == 0);
+    for (int i = 0; i < 100 && pid_ <= 0; ++i) {
+      if (FILE* f = std::fopen(pidfile.c_str(), "r")) {
+        if (std::fscanf(f, "%d", &pid_) != 1) pid_ = 0;
+        std::fclose(f);
+      }
+      if (pid_ <= 0) ::usleep(20 * 1000);
+    }
+    REQUIRE(pid_ > 0);
+    mounted_ = true;
+  }
+  void unmount() {
+    must("fusermount3 -u " + mnt() + " || umount -l " + mnt());
+    // The process unmounts its mount point again as it exits: wait for it to be gone.
+    for (int i = 0; i < 200 && ::kill(pid_, 0) == 0; ++i) ::usleep(50 * 1000);
+    fs::remove(root_ + "/pid");
+    pid_ = 0;
+    mounted_ = false;
+  }
+
+  std::string binary_, root_, errno_name_;
+  pid_t pid_ = 0;
+  bool mounted_ = false;
+};
+
+// A write-back that fails (EIO) in the middle of a window, on storage whose client page cache
+// then holds pages the storage never got. The merge must stop with an I/O error naming BASE; once
+// the storage works again the same merge must finish from what is on the storage, not from the
+// cached pages: checked after a fresh mount (no page cache), with qemu-img.
+TEST_CASE("merge.eio_rerun_reads_storage") {
+  const auto slowfs = SlowFs::binary();
+  if (!slowfs) return;
+  const std::string root =
+      fs::temp_directory_path() / ("qcommit-eio-" + std::to_string(::getpid()));
   fs::remove_all(root);
-  fs::create_directories(backing);
-  fs::create_directories(mnt);
-  auto set_fail = [&](bool on) {
-    must("echo fail_writes=" + std::string(on ? "1" : "0") + " > " + control);
-    ::usleep(300 * 1000);  // polled every 50 ms
-  };
-  auto mount = [&] {
-    must(std::string(slowfs) + " --backing " + backing + " --mount " + mnt + " --bandwidth 4G --control " + control +
-         " --pidfile " + root + "/pid >" + root + "/slowfs.log 2>&1 &");
-    for (int i = 0; i < 100 && sh("mountpoint -q " + mnt) != 0; ++i) ::usleep(50 * 1000);
-    REQUIRE(sh("mountpoint -q " + mnt) == 0);
-  };
-  auto unmount = [&] {
-    must("fusermount3 -u " + mnt + " || umount -l " + mnt);
-    // The old process unmounts its mount point again as it exits: wait for it (its pid file goes).
-    for (int i = 0; i < 200 && fs::exists(root + "/pid"); ++i) ::usleep(50 * 1000);
-  };
-  must("echo fail_writes=0 > " + control);
-  mount();
+  SlowFs storage(*slowfs, root, "EIO");
+  const std::string mnt = storage.mnt();
   Scenario s{.name = "eio",
              .setup = "",
              .top = "top.qcow2",
@@ -331,19 +429,22 @@ TEST_CASE("merge.eio_rerun_reads_storage") {
              .children = {},
              .merged = {"top.qcow2"},
              .delete_merged = false};
-  must("cd " + mnt + " && qemu-img create -q -f qcow2 base.qcow2 16M && qemu-io -f qcow2 -c 'write -P 0x11 0 3M' "
-       "base.qcow2 >/dev/null && qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2 16M && " +
+  must("cd " + mnt +
+       " && qemu-img create -q -f qcow2 base.qcow2 16M && qemu-io -f qcow2 -c 'write -P 0x11 0 3M' "
+       "base.qcow2 >/dev/null && qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2 16M "
+       "&& " +
        scattered_writes("top.qcow2", 160, 256, 7));
   save_views(s, mnt);
 
-  // Stop writing at the third window's L2 tables: they reach the page cache, their write-back fails.
+  // Stop writing at the third window's L2 tables: they reach the page cache, their write-back
+  // fails.
   const pid_t pid = ::fork();
   REQUIRE(pid >= 0);
   if (pid == 0) {
     engine::MergeOptions o = options_for(s, mnt);
     int l2_points = 0;
     o.on_write_point = [&](std::string_view name) {
-      if (name == "l2-tables" && ++l2_points == 3) set_fail(true);
+      if (name == "l2-tables" && ++l2_points == 3) storage.fail(true);
     };
     try {
       (void)engine::merge(o);
@@ -359,18 +460,170 @@ TEST_CASE("merge.eio_rerun_reads_storage") {
   int status = 0;
   REQUIRE(::waitpid(pid, &status, 0) == pid);
   REQUIRE(WIFEXITED(status));
-  CHECK_MESSAGE(WEXITSTATUS(status) == 3, "expected an I/O error naming BASE, exit " << WEXITSTATUS(status));
-  set_fail(false);
+  CHECK_MESSAGE(WEXITSTATUS(status) == 3,
+                "expected an I/O error naming BASE, exit " << WEXITSTATUS(status));
+  storage.fail(false);
 
   engine::MergeResult r;
   CHECK_NOTHROW(r = engine::merge(options_for(s, mnt)));
   CHECK(r.resumed);
-  unmount();
-  mount();  // a fresh mount: nothing cached, what the storage holds
-  CHECK_MESSAGE(same_view(mnt, "base.qcow2", "view-top.raw"), "BASE does not show TOP's view after the re-run");
+  storage.remount();  // nothing cached: what the storage holds
+  CHECK_MESSAGE(same_view(mnt, "base.qcow2", "view-top.raw"),
+                "BASE does not show TOP's view after the re-run");
   CHECK_MESSAGE(check_base(mnt, s) == 0, "BASE not clean after the re-run");
-  unmount();
+}
+
+namespace {
+
+// How a merge whose storage failed at write point k ended (exit status of the child).
+enum FaultExit : int { kFinished = 0, kFailedCleanly = 3, kBadMessage = 4, kOtherError = 5 };
+
+// Runs the merge in a child process and makes every write of the storage fail from write point k
+// on. Returns the point's name ("" if the merge finished first) and how the merge ended; a merge
+// that fails must do so with one line naming a file of the chain and the storage's error.
+std::pair<std::string, int> run_faulted_at(const Scenario& s, const std::string& dir,
+                                           const SlowFs& storage, int k,
+                                           const std::string& error_text) {
+  int pipefd[2];
+  REQUIRE(::pipe(pipefd) == 0);
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    ::close(pipefd[0]);
+    engine::MergeOptions o = options_for(s, dir);
+    int seen = 0;
+    o.on_write_point = [&](std::string_view name) {
+      if (++seen != k) return;
+      (void)!::write(pipefd[1], name.data(), name.size());
+      storage.fail(true);
+    };
+    try {
+      (void)engine::merge(o);
+    } catch (const std::exception& e) {
+      const std::string msg = e.what();
+      std::fprintf(stderr, "merge stopped: %s\n", msg.c_str());
+      const bool one_line = msg.find('\n') == std::string::npos;
+      const bool names_file = msg.find(dir + "/") != std::string::npos;
+      const bool says_why = msg.find(error_text) != std::string::npos;
+      ::_exit(one_line && names_file && says_why ? kFailedCleanly : kBadMessage);
+    }
+    ::_exit(kFinished);
+  }
+  ::close(pipefd[1]);
+  char buf[64] = {};
+  const ssize_t n = ::read(pipefd[0], buf, sizeof buf - 1);
+  ::close(pipefd[0]);
+  int status = 0;
+  REQUIRE(::waitpid(pid, &status, 0) == pid);
+  REQUIRE(WIFEXITED(status));
+  return {std::string(buf, size_t(std::max<ssize_t>(n, 0))), WEXITSTATUS(status)};
+}
+
+struct FaultCounts {
+  int points = 0, failed = 0, finished_anyway = 0;
+  std::map<std::string, int> by_point;
+};
+
+// The storage fails at every write point of the merge in turn. After each: the merge failed with
+// a clear one-line error (or finished with everything on the storage), TOP's and the children's
+// views are unchanged, BASE has no corruption; then, with the storage working again, the same
+// merge runs again without a remount (the client cache still holds pages the storage never got)
+// and must finish; after a fresh mount BASE shows TOP's original view, `qemu-img check` is clean.
+FaultCounts run_fault_matrix(const Scenario& s, const std::string& slowfs,
+                             const std::string& errno_name, const std::string& error_text) {
+  const std::string root =
+      fs::temp_directory_path() / ("qcommit-fault-" + std::to_string(::getpid()) + "-" + s.name);
   fs::remove_all(root);
+  const std::string orig = root + "/orig";
+  fs::create_directories(orig);
+  must("cd " + orig + " && set -e; " + s.setup);
+  save_views(s, orig);
+  SlowFs storage(slowfs, root + "/fs", errno_name);
+  const std::string dir = storage.mnt() + "/run";
+  FaultCounts n;
+  for (int k = 1;; ++k) {
+    REQUIRE(k < 2000);
+    fs::remove_all(dir);
+    must("cp -a --sparse=always " + orig + " " + dir);
+    const auto [where, how] = run_faulted_at(s, dir, storage, k, error_text);
+    storage.fail(false);
+    if (where.empty()) {  // finished without reaching point k: the matrix is complete
+      storage.remount();
+      check_final(s, dir, "none (no fault)");
+      break;
+    }
+    ++n.points;
+    ++n.by_point[where];
+    const std::string at = errno_name + " at " + where + " #" + std::to_string(k);
+    CHECK_MESSAGE((how == kFailedCleanly || how == kFinished),
+                  s.name << ": " << at << ": exit " << how
+                         << " (4: the error is not one line naming a file "
+                            "and the storage's error; see stderr)");
+    if (how == kFinished) {
+      ++n.finished_anyway;  // the fault hit nothing that matters: all must be on the storage
+      storage.remount();
+      check_final(s, dir, at + " (reported success)");
+      continue;
+    }
+    ++n.failed;
+    check_unchanged_views(s, dir, at);
+    const int rc = check_base(dir, s);
+    CHECK_MESSAGE((rc == 0 || rc == 3), s.name << ": BASE corrupt after " << at);
+    if (!fs::exists(dir + "/" + s.top) && !s.base) {
+      storage.remount();
+      check_final(s, dir, at);
+      continue;
+    }
+    try {
+      (void)engine::merge(options_for(s, dir));
+    } catch (const std::exception& e) {
+      FAIL_CHECK(s.name << ": re-run after " << at << " failed: " << e.what());
+      continue;
+    }
+    CHECK_MESSAGE(!fs::exists(engine::checkpoint_path(dir + "/" + s.base_file)),
+                  s.name << ": checkpoint left");
+    storage.remount();
+    check_final(s, dir, at);
+  }
+  MESSAGE(s.name << " " << errno_name << ": " << n.points << " faulted points, " << n.failed
+                 << " failed cleanly, " << n.finished_anyway << " finished anyway");
+  std::string points;
+  for (auto& [p, c] : n.by_point) points += " " + p + "=" + std::to_string(c);
+  MESSAGE(s.name << " " << errno_name << ": points" << points);
+  fs::remove_all(orig);
+  return n;
+}
+
+void expect_faults(const FaultCounts& n, std::initializer_list<const char*> names) {
+  for (const char* p : names)
+    CHECK_MESSAGE(n.by_point.count(p) > 0, "no fault at write point " << p);
+  CHECK(n.points > 10);
+  CHECK(n.failed > n.points / 2);  // most faults must stop the merge: a write that fails is seen
+}
+
+}  // namespace
+
+TEST_CASE("merge.fault_points.eio_grown_base_over_backing") {
+  const auto slowfs = SlowFs::binary();
+  if (!slowfs) return;
+  const FaultCounts n = run_fault_matrix(grown_scenario(), *slowfs, "EIO", "Input/output error");
+  expect_faults(n, {"grow", "data", "l2-tables", "header", "checkpoint", "rebase"});
+}
+
+TEST_CASE("merge.fault_points.eio_v2_base_intermediate_delete") {
+  const auto slowfs = SlowFs::binary();
+  if (!slowfs) return;
+  const FaultCounts n =
+      run_fault_matrix(v2_delete_scenario(), *slowfs, "EIO", "Input/output error");
+  expect_faults(n, {"grow", "data", "l2-tables", "checkpoint", "rebase", "delete"});
+}
+
+TEST_CASE("merge.fault_points.enospc_base_with_bitmaps") {
+  const auto slowfs = SlowFs::binary();
+  if (!slowfs) return;
+  const FaultCounts n =
+      run_fault_matrix(bitmaps_scenario(), *slowfs, "ENOSPC", "No space left on device");
+  expect_faults(n, {"data", "header", "refcount-decrements", "checkpoint", "delete"});
 }
 
 }  // namespace qcommit::test

@@ -9,13 +9,16 @@
 // Usage: qcommit-slowfs --backing DIR --mount DIR [--bandwidth 50M] [--latency-ms 0]
 //                       [--control FILE] [--log FILE] [--stats FILE] [--pidfile FILE]
 //                       [--max-background N] [--real-fsync] [--fsname NAME]
+//                       [--fail-errno EIO|ENOSPC]
 // --fsname sets the mount's source as /proc/mounts shows it (default "qcommit-slowfs"); e.g.
 // `lab:/export` makes the mount look like an NFS export to libvirt's netfs pool, which takes a
 // target already mounted from "HOST:DIR" as started instead of running mount(8) itself.
 // The control file holds `bandwidth=<rate>`, `latency_ms=<n>` and/or `fail_writes=0|1` lines; it
-// is polled every 50 ms, so they can change while running. While fail_writes=1 every WRITE and
-// FSYNC fails with EIO and writes nothing, as a failing disk or server does: the client's page
-// cache then holds pages the storage never got. Rates take K/M/G suffixes (powers of 1000).
+// is polled every 50 ms, so they can change while running. While fail_writes=1 every WRITE,
+// FSYNC, FALLOCATE and size change fails with the --fail-errno error (default EIO) and writes
+// nothing, as a failing disk or server (or, with ENOSPC, a full one) does: the client's page
+// cache then holds pages the storage never got. SIGUSR1 turns failing on and SIGUSR2 off at
+// once, for tests that must fail one precise write. Rates take K/M/G suffixes (powers of 1000).
 // The log is a CSV with one row per queued request (see kLogHeader).
 
 #define FUSE_USE_VERSION 312
@@ -396,6 +399,12 @@ void op_getattr(fuse_req_t req, fuse_ino_t ino, fuse_file_info*) {
   fuse_reply_attr(req, &st, kAttrTimeoutS);
 }
 
+// While set, every write fails with this errno (0: writes work). Set from the control file, the
+// command line's --fail-errno and SIGUSR1/SIGUSR2; lock-free, so a signal handler may store it.
+std::atomic<int> g_fail_errno{0};
+int g_fault_errno = EIO;  // what failing means: --fail-errno
+static_assert(std::atomic<int>::is_always_lock_free);
+
 void op_setattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int valid, fuse_file_info* fi) {
   Inode& in = inode_of(ino);
   std::string path = proc_path(in.fd);
@@ -407,6 +416,8 @@ void op_setattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int valid, fu
     gid_t g = (valid & FUSE_SET_ATTR_GID) ? attr->st_gid : static_cast<gid_t>(-1);
     rc = fchownat(in.fd, "", u, g, AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW);
   }
+  if (!rc && (valid & FUSE_SET_ATTR_SIZE) && g_fail_errno)
+    return (void)fuse_reply_err(req, g_fail_errno);
   if (!rc && (valid & FUSE_SET_ATTR_SIZE))
     rc = fi ? ftruncate(static_cast<int>(fi->fh), attr->st_size)
             : truncate(path.c_str(), attr->st_size);
@@ -501,12 +512,10 @@ void op_read(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info*
   fuse_reply_data(req, &buf, FUSE_BUF_SPLICE_MOVE);
 }
 
-std::atomic<bool> g_fail_writes{false};
-
 void op_write_buf(fuse_req_t req, fuse_ino_t ino, fuse_bufvec* in_buf, off_t off,
                   fuse_file_info* fi) {
   size_t size = fuse_buf_size(in_buf);
-  if (g_fail_writes) return (void)fuse_reply_err(req, EIO);
+  if (int e = g_fail_errno) return (void)fuse_reply_err(req, e);
   g_fs->link->pass('W', ino == FUSE_ROOT_ID ? 1 : inode_of(ino).ino, static_cast<uint64_t>(off),
                    size);
   fuse_bufvec out = FUSE_BUFVEC_INIT(size);
@@ -533,7 +542,7 @@ void op_release(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
 void op_fsync(fuse_req_t req, fuse_ino_t ino, int datasync, fuse_file_info* fi) {
   // Data is stable once its WRITE was served (sync export); the flush only waits its turn.
   g_fs->link->pass('F', inode_of(ino).ino, 0, 0);
-  if (g_fail_writes) return (void)fuse_reply_err(req, EIO);
+  if (int e = g_fail_errno) return (void)fuse_reply_err(req, e);
   int rc = 0;
   if (g_fs->cfg.real_fsync)
     rc = datasync ? fdatasync(static_cast<int>(fi->fh)) : fsync(static_cast<int>(fi->fh));
@@ -541,6 +550,7 @@ void op_fsync(fuse_req_t req, fuse_ino_t ino, int datasync, fuse_file_info* fi) 
 }
 
 void op_fallocate(fuse_req_t req, fuse_ino_t, int mode, off_t off, off_t len, fuse_file_info* fi) {
+  if (int e = g_fail_errno) return (void)fuse_reply_err(req, e);
   int rc = fallocate(static_cast<int>(fi->fh), mode, off, len);
   fuse_reply_err(req, rc < 0 ? errno : 0);
 }
@@ -649,6 +659,10 @@ void on_signal(int) {
   umount2(g_mountpoint.c_str(), MNT_DETACH);  // the loop ends with ENODEV once unused
 }
 
+void on_fault_signal(int sig) {
+  g_fail_errno = sig == SIGUSR1 ? g_fault_errno : 0;
+}
+
 bool write_sysfs(const std::string& path, const std::string& value) {
   int fd = open(path.c_str(), O_WRONLY);
   if (fd < 0) return false;
@@ -676,7 +690,7 @@ void apply_control_file(const Config& cfg, FifoLink& link) {
     } else if (k == "latency_ms") {
       link.set_latency_ms(std::strtod(v.c_str(), nullptr));
     } else if (k == "fail_writes") {
-      g_fail_writes = v == "1";
+      g_fail_errno = v == "1" ? g_fault_errno : 0;
     }
   }
   std::fclose(f);
@@ -762,7 +776,15 @@ Config parse_args(int argc, char** argv) {
       c.real_fsync = true;
     else if (a == "--fsname")
       c.fsname = val();
-    else
+    else if (a == "--fail-errno") {
+      std::string v = val();
+      if (v == "EIO")
+        g_fault_errno = EIO;
+      else if (v == "ENOSPC")
+        g_fault_errno = ENOSPC;
+      else
+        die("bad --fail-errno '" + v + "' (EIO or ENOSPC)");
+    } else
       die("unknown argument '" + a + "'");
   }
   if (auto err = c.validate()) die(*err);
@@ -846,6 +868,11 @@ int main(int argc, char** argv) {
   sigaction(SIGTERM, &sa, nullptr);
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGHUP, &sa, nullptr);
+  struct sigaction fault {};
+  fault.sa_handler = on_fault_signal;
+  fault.sa_flags = SA_RESTART;
+  sigaction(SIGUSR1, &fault, nullptr);
+  sigaction(SIGUSR2, &fault, nullptr);
 
   if (!cfg.pidfile.empty()) {
     if (FILE* f = std::fopen(cfg.pidfile.c_str(), "w")) {
