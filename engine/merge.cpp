@@ -89,6 +89,16 @@ uint64_t cached_pages(int fd) {
   return pages;
 }
 
+// Writes back what an interrupted run left dirty in BASE's page cache. A write-back that failed
+// while nobody was left to see it (the run died first) is reported once, to the first fsync on a
+// file opened after it: that error belongs to the interrupted run, whose unwritten pages are
+// dropped next and read again from the storage. So one error is taken as that report and the
+// write-back asked again; an error the second time is the storage failing now.
+void write_back_before_resuming(int fd, const std::string& path) {
+  if (::fdatasync(fd) == 0 || ::fdatasync(fd) == 0) return;
+  throw IoError(path, std::string("cannot write back cached pages before resuming: ") + strerror(errno), errno);
+}
+
 // A run that finds BASE's checkpoint reads BASE from its storage, not from the page cache. After a
 // failed writeback (EIO; ENOSPC on a thin or network volume) the kernel keeps the pages it could
 // not write as clean, cached pages: the interrupted run's metadata would be read back as if it
@@ -100,8 +110,7 @@ void drop_cached_pages(const std::string& path) {
   struct statfs sfs {};
   if (::fstatfs(fd.get(), &sfs) == 0 && (sfs.f_type == TMPFS_MAGIC || sfs.f_type == RAMFS_MAGIC))
     return;  // the page cache is the storage: nothing to read again, nothing can be dropped
-  if (::fdatasync(fd.get()) != 0)
-    throw IoError(path, std::string("cannot write back cached pages before resuming: ") + strerror(errno), errno);
+  write_back_before_resuming(fd.get(), path);
   for (int attempt = 0; attempt < 3; ++attempt) {
     (void)::posix_fadvise(fd.get(), 0, 0, POSIX_FADV_DONTNEED);
     if (cached_pages(fd.get()) == 0) return;

@@ -190,7 +190,8 @@ Counts run_matrix(const Scenario& s) {
     try {
       r = engine::merge(options_for(s, dir));
     } catch (const std::exception& e) {
-      FAIL_CHECK(s.name << ": re-run after a stop at " << at << " failed: " << e.what());
+      FAIL_CHECK(s.name << ": re-run after a stop at " << at
+                        << " failed: " << std::string(e.what()));
       continue;
     }
     ++n.reruns;
@@ -577,7 +578,7 @@ FaultCounts run_fault_matrix(const Scenario& s, const std::string& slowfs,
     try {
       (void)engine::merge(options_for(s, dir));
     } catch (const std::exception& e) {
-      FAIL_CHECK(s.name << ": re-run after " << at << " failed: " << e.what());
+      FAIL_CHECK(s.name << ": re-run after " << at << " failed: " << std::string(e.what()));
       continue;
     }
     CHECK_MESSAGE(!fs::exists(engine::checkpoint_path(dir + "/" + s.base_file)),
