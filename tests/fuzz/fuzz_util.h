@@ -9,6 +9,8 @@
 #include <filesystem>
 #include <span>
 #include <string>
+#include <string_view>
+#include <vector>
 
 namespace qcommit::fuzz {
 

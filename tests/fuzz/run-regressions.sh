@@ -4,7 +4,7 @@
 set -euo pipefail
 bin=$1 dir=$2
 n=0
-for t in fuzz_image fuzz_chain fuzz_merge_plan; do
+for t in fuzz_image fuzz_chain fuzz_merge_plan fuzz_merge_chain; do
   [ -d "$dir/$t" ] || continue
   files=("$dir/$t"/*)
   [ -e "${files[0]}" ] || continue
