@@ -40,13 +40,15 @@ class Checker {
       if (!off) continue;
       if (off % cs_ != 0) {
         problem(true, [&] {
-          return "ERROR refcount block " + std::to_string(i) + " at " + hex(off) + " is not cluster aligned";
+          return "ERROR refcount block " + std::to_string(i) + " at " + hex(off) +
+                 " is not cluster aligned";
         });
         continue;
       }
       if (off / cs_ >= nb_clusters_) {
         problem(true, [&] {
-          return "ERROR refcount block " + std::to_string(i) + " at " + hex(off) + " is outside the image";
+          return "ERROR refcount block " + std::to_string(i) + " at " + hex(off) +
+                 " is outside the image";
         });
         bad_blocks_ = true;
         continue;
@@ -95,9 +97,13 @@ class Checker {
         // comparison reports it as QEMU does. Far past it: a corruption per reference, without
         // growing the table (a few-KiB hostile image must not cost memory or time).
         if (c - nb_clusters_ > kBeyondEofSlackClusters) {
-          problem(true, [&] {
-            return std::string("ERROR ") + what + " at " + hex(offset) + " lies beyond end of file";
-          }, weight);
+          problem(
+              true,
+              [&] {
+                return std::string("ERROR ") + what + " at " + hex(offset) +
+                       " lies beyond end of file";
+              },
+              weight);
           return;
         }
         refs_.resize(c + 1, 0);
@@ -118,7 +124,8 @@ class Checker {
   bool count_l2_table(uint64_t l2, uint64_t weight) {
     inc(l2, cs_, "L2 table", weight);
     if (l2 / cs_ < nb_clusters_) return true;
-    problem(true, [&] { return "ERROR L2 table at " + hex(l2) + " lies beyond end of file"; }, weight);
+    problem(
+        true, [&] { return "ERROR L2 table at " + hex(l2) + " lies beyond end of file"; }, weight);
     return false;
   }
 
@@ -147,8 +154,8 @@ class Checker {
       const uint64_t rc = safe_refcount(l2 / cs_);
       if ((rc == 1) != ((e & kOflagCopied) != 0)) {
         problem(true, [&] {
-          return "ERROR OFLAG_COPIED L2 cluster: l1_index=" + std::to_string(i) + " l1_entry=" + hex(e) +
-                 " refcount=" + std::to_string(rc);
+          return "ERROR OFLAG_COPIED L2 cluster: l1_index=" + std::to_string(i) +
+                 " l1_entry=" + hex(e) + " refcount=" + std::to_string(rc);
         });
         copied_fix_l1_.push_back(i);
       }
@@ -167,43 +174,56 @@ class Checker {
       // Unused entries (all bytes zero, bitmap included) reference nothing: skip them a 64-byte
       // block at a time (a sparse 1 TiB layer has 16 M entries, nearly all zero).
       if (i % (kL2ZeroScanBytes / eb) == 0) {
-        while (i + kL2ZeroScanBytes / eb <= n && l2_bytes_unused(t.data() + i * eb, kL2ZeroScanBytes))
+        while (i + kL2ZeroScanBytes / eb <= n &&
+               l2_bytes_unused(t.data() + i * eb, kL2ZeroScanBytes))
           i += kL2ZeroScanBytes / eb;
         if (i >= n) break;
       }
       const uint64_t e = load_big_u64(t.data() + i * eb);
       if (e & kOflagCompressed) {
         if (e & kOflagCopied)
-          problem(true, [&] {
-            return "ERROR: coffset=" + hex(e & geo_.coffset_mask()) +
-                   ": copied flag must never be set for compressed clusters";
-          }, weight);
+          problem(
+              true,
+              [&] {
+                return "ERROR: coffset=" + hex(e & geo_.coffset_mask()) +
+                       ": copied flag must never be set for compressed clusters";
+              },
+              weight);
         const uint64_t coff = e & geo_.coffset_mask();
         const uint64_t nsect = ((e >> geo_.csize_shift()) & geo_.csize_mask()) + 1;
-        inc(coff & ~uint64_t(kCompressedSectorBytes - 1), nsect * kCompressedSectorBytes, "compressed data",
-            weight);
+        inc(coff & ~uint64_t(kCompressedSectorBytes - 1), nsect * kCompressedSectorBytes,
+            "compressed data", weight);
         continue;
       }
       const uint64_t host = e & kL2OffsetMask;
       if (geo_.extended_l2) {
         const uint64_t bm = load_big_u64(t.data() + i * 16 + 8);
         if ((uint32_t(bm) & uint32_t(bm >> 32)) != 0 || (!host && uint32_t(bm)))
-          problem(true, [&] {
-            return "ERROR invalid subcluster bitmap in L2 table at " + hex(l2) + " entry " + std::to_string(i);
-          }, weight);
+          problem(
+              true,
+              [&] {
+                return "ERROR invalid subcluster bitmap in L2 table at " + hex(l2) + " entry " +
+                       std::to_string(i);
+              },
+              weight);
       }
       if (!host || img_.has_data_file()) continue;
       if (host % cs_ != 0) {
-        problem(true, [&] {
-          return "ERROR offset=" + hex(host) + ": Cluster is not properly aligned; L2 entry corrupted.";
-        }, weight);
+        problem(
+            true,
+            [&] {
+              return "ERROR offset=" + hex(host) +
+                     ": Cluster is not properly aligned; L2 entry corrupted.";
+            },
+            weight);
         continue;
       }
       if (active) {
         const uint64_t rc = safe_refcount(host / cs_);
         if ((rc == 1) != ((e & kOflagCopied) != 0)) {
           problem(true, [&] {
-            return "ERROR OFLAG_COPIED data cluster: l2_entry=" + hex(e) + " refcount=" + std::to_string(rc);
+            return "ERROR OFLAG_COPIED data cluster: l2_entry=" + hex(e) +
+                   " refcount=" + std::to_string(rc);
           });
           copied_fix_l2_.push_back({l2, i});
         }
@@ -226,7 +246,8 @@ class Checker {
       RawSnapshotHeader sh{};
       img_.file().read(pos, std::span<uint8_t>(reinterpret_cast<uint8_t*>(&sh), sizeof sh));
       ++tables[{sh.l1_table_offset.value(), sh.l1_size.value()}];
-      uint64_t len = sizeof sh + sh.extra_data_size.value() + sh.id_str_size.value() + sh.name_size.value();
+      uint64_t len =
+          sizeof sh + sh.extra_data_size.value() + sh.id_str_size.value() + sh.name_size.value();
       pos += (len + 7) & ~uint64_t(7);
     }
     inc(h.snapshots_offset, pos - h.snapshots_offset, "snapshot table");
@@ -236,7 +257,8 @@ class Checker {
       inc(offset, entries * 8, "L1 table", count);
       if (entries == 0) continue;
       if (entries * 8 > kMaxL1TableBytes || offset % cs_ != 0) {
-        problem(true, [&] { return "ERROR snapshot L1 at " + hex(offset) + " is invalid"; }, count);
+        problem(
+            true, [&] { return "ERROR snapshot L1 at " + hex(offset) + " is invalid"; }, count);
         continue;
       }
       const uint64_t n = entries_in_file(offset, entries);
@@ -257,10 +279,13 @@ class Checker {
           if (!l2) continue;
           const auto weight = uint64_t(covering);
           if (l2 % cs_ != 0) {
-            problem(true, [&] {
-              return "ERROR snapshot L1 entry at " + hex(off + k) + ": L2 table offset " + hex(l2) +
-                     " is not cluster aligned";
-            }, weight);
+            problem(
+                true,
+                [&] {
+                  return "ERROR snapshot L1 entry at " + hex(off + k) + ": L2 table offset " +
+                         hex(l2) + " is not cluster aligned";
+                },
+                weight);
             continue;
           }
           if (count_l2_table(l2, weight)) l2_weight[l2] += weight;
@@ -281,8 +306,10 @@ class Checker {
       res_.stale_bitmaps = stale->nb_bitmaps;
       if (res_.messages.size() < kMaxCheckMessages)
         res_.messages.push_back(
-            "Warning: the bitmaps extension is stale (the autoclear bitmaps bit is clear: a program "
-            "without bitmap support wrote the image); its " + std::to_string(stale->nb_bitmaps) +
+            "Warning: the bitmaps extension is stale (the autoclear bitmaps bit is clear: a "
+            "program "
+            "without bitmap support wrote the image); its " +
+            std::to_string(stale->nb_bitmaps) +
             " bitmaps are ignored and their clusters are not in use");
       if (repair_ != Repair::kNone) {
         const std::vector<uint8_t> h = img_.encode_header(img_.header_);
@@ -293,7 +320,8 @@ class Checker {
       }
       return;
     }
-    const auto bad = img_.visit_bitmap_extents([&](const BitmapExtent& e) { inc(e.offset, e.length, e.what); });
+    const auto bad =
+        img_.visit_bitmap_extents([&](const BitmapExtent& e) { inc(e.offset, e.length, e.what); });
     if (bad) problem(true, [&] { return "ERROR " + *bad; });
   }
 
@@ -338,8 +366,8 @@ class Checker {
       if (have > want) {
         ++res_.leaks;
         if (res_.messages.size() < kMaxCheckMessages)
-          res_.messages.push_back("Leaked cluster " + std::to_string(c) + " refcount=" + std::to_string(have) +
-                                  " reference=" + std::to_string(want));
+          res_.messages.push_back("Leaked cluster " + std::to_string(c) + " refcount=" +
+                                  std::to_string(have) + " reference=" + std::to_string(want));
         if (repair_ != Repair::kNone) fixes.push_back({c, want});
       } else {
         problem(true, [&] {
@@ -349,15 +377,19 @@ class Checker {
         // Without a refcount block there is nothing to repair (the loop below would skip it);
         // queueing millions of such clusters (references far beyond the file) took >256 MiB.
         if (repair_ == Repair::kAll && want <= geo_.refcount_max()) {
-          if (!block_missing) fixes.push_back({c, want});
-          else ++unrepairable;
+          if (!block_missing)
+            fixes.push_back({c, want});
+          else
+            ++unrepairable;
         }
       }
     }
     if (unrepairable && res_.messages.size() < kMaxCheckMessages)
       res_.messages.push_back("cannot repair " + std::to_string(unrepairable) +
                               " clusters: their refcount blocks are missing");
-    if (fixes.empty() && (repair_ != Repair::kAll || (copied_fix_l1_.empty() && copied_fix_l2_.empty()))) return;
+    if (fixes.empty() &&
+        (repair_ != Repair::kAll || (copied_fix_l1_.empty() && copied_fix_l2_.empty())))
+      return;
     // Apply refcount fixes block by block.
     const uint64_t per_block = geo_.refcount_block_entries();
     std::vector<uint8_t> block(cs_);
@@ -376,7 +408,8 @@ class Checker {
       const uint64_t off = bi < rt.size() ? rt[bi] & kRefTableOffsetMask : 0;
       if (!off || off % cs_ != 0 || off / cs_ >= nb_clusters_) {
         if (res_.messages.size() < kMaxCheckMessages)
-          res_.messages.push_back("cannot repair cluster " + std::to_string(c) + ": its refcount block is missing");
+          res_.messages.push_back("cannot repair cluster " + std::to_string(c) +
+                                  ": its refcount block is missing");
         continue;
       }
       if (off != cur_block) {
@@ -387,7 +420,10 @@ class Checker {
       const uint64_t old = refcount_entry(block.data(), geo_.refcount_order, c % per_block);
       set_refcount_entry(block.data(), geo_.refcount_order, c % per_block, v);
       changed = true;
-      if (old > v) ++res_.leaks_fixed; else ++res_.corruptions_fixed;
+      if (old > v)
+        ++res_.leaks_fixed;
+      else
+        ++res_.corruptions_fixed;
     }
     flush_block();
     img_.file().flush();

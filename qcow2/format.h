@@ -28,9 +28,9 @@ inline constexpr uint32_t kHeaderV3WithCompressionBytes = 112;  // 105 rounded u
 inline constexpr uint32_t kMinClusterBits = 9;                  // 512 B
 inline constexpr uint32_t kMaxClusterBits = 21;                 // 2 MiB
 inline constexpr uint32_t kMaxBackingNameBytes = 1023;
-inline constexpr uint64_t kMaxL1TableBytes = 32ull << 20;        // as QEMU: 32 MiB
-inline constexpr uint64_t kMaxRefcountTableBytes = 8ull << 20;   // as QEMU: 8 MiB
-inline constexpr uint32_t kMaxRefcountOrder = 6;                 // 64-bit refcounts
+inline constexpr uint64_t kMaxL1TableBytes = 32ull << 20;       // as QEMU: 32 MiB
+inline constexpr uint64_t kMaxRefcountTableBytes = 8ull << 20;  // as QEMU: 8 MiB
+inline constexpr uint32_t kMaxRefcountOrder = 6;                // 64-bit refcounts
 
 struct RawHeader {
   big_uint32_buf_t magic;
@@ -117,7 +117,7 @@ struct RawBitmapDirectoryEntry {
 };
 static_assert(sizeof(RawBitmapDirectoryEntry) == 24);
 inline constexpr uint64_t kBitmapTableOffsetMask = 0x00fffffffffffe00ull;
-inline constexpr uint32_t kMaxBitmaps = 65535;                        // as QEMU
+inline constexpr uint32_t kMaxBitmaps = 65535;                               // as QEMU
 inline constexpr uint64_t kMaxBitmapDirectoryBytes = 1024ull * kMaxBitmaps;  // as QEMU: ~64 MiB
 inline constexpr uint64_t kBitmapTableAllOnes = 1ull;  // bit 0: cluster reads as all ones
 
@@ -148,9 +148,9 @@ static_assert(sizeof(RawSnapshotHeader) == 40);
 inline constexpr uint64_t kOflagCopied = 1ull << 63;
 inline constexpr uint64_t kOflagCompressed = 1ull << 62;
 inline constexpr uint64_t kOflagZero = 1ull << 0;
-inline constexpr uint64_t kL1OffsetMask = 0x00fffffffffffe00ull;   // bits 9-55
+inline constexpr uint64_t kL1OffsetMask = 0x00fffffffffffe00ull;  // bits 9-55
 inline constexpr uint64_t kL1ReservedMask = 0x7f000000000001ffull;
-inline constexpr uint64_t kL2OffsetMask = 0x00fffffffffffe00ull;   // bits 9-55
+inline constexpr uint64_t kL2OffsetMask = 0x00fffffffffffe00ull;  // bits 9-55
 inline constexpr uint64_t kL2StdReservedMask = 0x3f000000000001feull;
 inline constexpr uint64_t kRefTableOffsetMask = 0xfffffffffffffe00ull;  // bits 9-63
 inline constexpr uint64_t kRefTableReservedMask = 0x1ffull;
@@ -225,13 +225,20 @@ struct Geometry {
 // from the least significant bits of each byte; wider ones are big-endian.
 [[nodiscard]] inline uint64_t refcount_entry(const uint8_t* block, uint32_t order, uint64_t i) {
   switch (order) {
-    case 0: return (block[i / 8] >> (i % 8)) & 1;
-    case 1: return (block[i / 4] >> (2 * (i % 4))) & 3;
-    case 2: return (block[i / 2] >> (4 * (i % 2))) & 15;
-    case 3: return block[i];
-    case 4: return boost::endian::load_big_u16(block + 2 * i);
-    case 5: return boost::endian::load_big_u32(block + 4 * i);
-    default: return boost::endian::load_big_u64(block + 8 * i);
+    case 0:
+      return (block[i / 8] >> (i % 8)) & 1;
+    case 1:
+      return (block[i / 4] >> (2 * (i % 4))) & 3;
+    case 2:
+      return (block[i / 2] >> (4 * (i % 2))) & 15;
+    case 3:
+      return block[i];
+    case 4:
+      return boost::endian::load_big_u16(block + 2 * i);
+    case 5:
+      return boost::endian::load_big_u32(block + 4 * i);
+    default:
+      return boost::endian::load_big_u64(block + 8 * i);
   }
 }
 
@@ -243,13 +250,27 @@ inline void set_refcount_entry(uint8_t* block, uint32_t order, uint64_t i, uint6
     b = uint8_t((b & ~mask) | ((uint32_t(v) << shift) & mask));
   };
   switch (order) {
-    case 0: sub_byte(8, 1); break;
-    case 1: sub_byte(4, 2); break;
-    case 2: sub_byte(2, 4); break;
-    case 3: block[i] = uint8_t(v); break;
-    case 4: boost::endian::store_big_u16(block + 2 * i, uint16_t(v)); break;
-    case 5: boost::endian::store_big_u32(block + 4 * i, uint32_t(v)); break;
-    default: boost::endian::store_big_u64(block + 8 * i, v); break;
+    case 0:
+      sub_byte(8, 1);
+      break;
+    case 1:
+      sub_byte(4, 2);
+      break;
+    case 2:
+      sub_byte(2, 4);
+      break;
+    case 3:
+      block[i] = uint8_t(v);
+      break;
+    case 4:
+      boost::endian::store_big_u16(block + 2 * i, uint16_t(v));
+      break;
+    case 5:
+      boost::endian::store_big_u32(block + 4 * i, uint32_t(v));
+      break;
+    default:
+      boost::endian::store_big_u64(block + 8 * i, v);
+      break;
   }
 }
 

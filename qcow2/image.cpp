@@ -38,12 +38,18 @@ std::string bits_list(uint64_t mask, const std::vector<FeatureName>& names, uint
 
 const char* to_string(SubclusterType t) {
   switch (t) {
-    case SubclusterType::kUnallocatedPlain: return "unallocated";
-    case SubclusterType::kUnallocatedAlloc: return "unallocated-alloc";
-    case SubclusterType::kZeroPlain: return "zero";
-    case SubclusterType::kZeroAlloc: return "zero-alloc";
-    case SubclusterType::kNormal: return "normal";
-    case SubclusterType::kCompressed: return "compressed";
+    case SubclusterType::kUnallocatedPlain:
+      return "unallocated";
+    case SubclusterType::kUnallocatedAlloc:
+      return "unallocated-alloc";
+    case SubclusterType::kZeroPlain:
+      return "zero";
+    case SubclusterType::kZeroAlloc:
+      return "zero-alloc";
+    case SubclusterType::kNormal:
+      return "normal";
+    case SubclusterType::kCompressed:
+      return "compressed";
   }
   return "?";
 }
@@ -60,7 +66,9 @@ std::unique_ptr<Image> Image::open(std::unique_ptr<BlockDevice> file, ImageOptio
   return img;
 }
 
-void Image::corrupt_at(const std::string& what) const { throw CorruptionError(name(), what); }
+void Image::corrupt_at(const std::string& what) const {
+  throw CorruptionError(name(), what);
+}
 
 void Image::parse_header() {
   const std::string& nm = name();
@@ -103,17 +111,17 @@ void Image::parse_header() {
     h.refcount_order = raw.refcount_order.value();
     h.header_length = raw.header_length.value();
     if (h.header_length < kHeaderV3MinBytes)
-      throw CorruptionError(nm, "header_length " + std::to_string(h.header_length) +
-                                    " is smaller than 104 bytes");
+      throw CorruptionError(
+          nm, "header_length " + std::to_string(h.header_length) + " is smaller than 104 bytes");
     if (h.header_length > cs)
-      throw CorruptionError(nm, "header_length " + std::to_string(h.header_length) +
-                                    " exceeds the cluster size");
+      throw CorruptionError(
+          nm, "header_length " + std::to_string(h.header_length) + " exceeds the cluster size");
     if (h.header_length % 8 != 0)
-      throw CorruptionError(nm, "header_length " + std::to_string(h.header_length) +
-                                    " is not a multiple of 8");
+      throw CorruptionError(
+          nm, "header_length " + std::to_string(h.header_length) + " is not a multiple of 8");
     if (h.refcount_order > kMaxRefcountOrder)
-      throw CorruptionError(nm, "refcount_order " + std::to_string(h.refcount_order) +
-                                    " is larger than 6");
+      throw CorruptionError(
+          nm, "refcount_order " + std::to_string(h.refcount_order) + " is larger than 6");
     if (h.header_length > kCompressionTypeOffset) {
       uint8_t ct = 0;
       file_->read(kCompressionTypeOffset, std::span<uint8_t>(&ct, 1));
@@ -124,8 +132,10 @@ void Image::parse_header() {
     if (h.compression_type != CompressionType::kZlib &&
         !(h.incompatible_features & kIncompatCompression))
       throw CorruptionError(nm, "compression type set without the compression-type feature bit");
-    if ((h.incompatible_features & kIncompatCompression) && h.header_length <= kCompressionTypeOffset)
-      throw CorruptionError(nm, "compression-type feature bit set but the header has no field for it");
+    if ((h.incompatible_features & kIncompatCompression) &&
+        h.header_length <= kCompressionTypeOffset)
+      throw CorruptionError(nm,
+                            "compression-type feature bit set but the header has no field for it");
   }
   geo_ = Geometry{h.cluster_bits, (h.incompatible_features & kIncompatExtendedL2) != 0,
                   h.refcount_order};
@@ -133,7 +143,8 @@ void Image::parse_header() {
   // Extensions first: the feature name table helps name unknown bits.
   const uint64_t ext_start = h.header_length;
   uint64_t ext_end = cs;
-  if (h.backing_file_offset != 0 && h.backing_file_offset < ext_end) ext_end = h.backing_file_offset;
+  if (h.backing_file_offset != 0 && h.backing_file_offset < ext_end)
+    ext_end = h.backing_file_offset;
   // The end is clamped to the file first: a header_length beyond the end of a short file left
   // start > end, and the extension area's size wrapped (std::length_error, no file named).
   ext_end = std::min(ext_end, file_size);
@@ -141,10 +152,13 @@ void Image::parse_header() {
 
   if (h.crypt_method != 0)
     throw UnsupportedError(nm, std::string("encrypted images are not supported (") +
-                                   (h.crypt_method == 1 ? "AES" : h.crypt_method == 2 ? "LUKS" : "unknown") +
+                                   (h.crypt_method == 1   ? "AES"
+                                    : h.crypt_method == 2 ? "LUKS"
+                                                          : "unknown") +
                                    " encryption)");
   if (uint64_t unknown = h.incompatible_features & ~kIncompatKnown)
-    throw UnsupportedError(nm, "unsupported incompatible feature " + bits_list(unknown, feature_names_, 0));
+    throw UnsupportedError(
+        nm, "unsupported incompatible feature " + bits_list(unknown, feature_names_, 0));
   if (geo_.extended_l2 && h.cluster_bits < 14)
     throw CorruptionError(nm, "extended L2 entries need a cluster size of at least 16 KiB");
   if (!(h.incompatible_features & kIncompatDataFile) && data_file_name_)
@@ -154,7 +168,8 @@ void Image::parse_header() {
   if (h.backing_file_offset != 0) {
     if (h.backing_file_size > kMaxBackingNameBytes || h.backing_file_offset >= cs ||
         h.backing_file_size > cs - h.backing_file_offset)
-      throw CorruptionError(nm, "backing file name too long (" + std::to_string(h.backing_file_size) +
+      throw CorruptionError(nm, "backing file name too long (" +
+                                    std::to_string(h.backing_file_size) +
                                     " bytes, at most 1023 within the first cluster)");
     if (h.backing_file_offset + h.backing_file_size > file_size)
       throw CorruptionError(nm, "backing file name lies beyond end of file");
@@ -173,32 +188,35 @@ void Image::parse_header() {
   // Tables: sanity before any allocation proportional to a header field.
   const uint64_t needed_l1 = geo_.l1_entries_for(h.size);
   if (uint64_t(h.l1_size) * 8 > kMaxL1TableBytes)
-    throw CorruptionError(nm, "L1 table of " + std::to_string(h.l1_size) +
-                                  " entries is larger than 32 MiB");
+    throw CorruptionError(
+        nm, "L1 table of " + std::to_string(h.l1_size) + " entries is larger than 32 MiB");
   if (h.l1_size < needed_l1)
     throw CorruptionError(nm, "L1 table has " + std::to_string(h.l1_size) + " entries; " +
                                   std::to_string(needed_l1) + " needed for the virtual size");
   if (h.l1_size > 0) {
     if (h.l1_table_offset % cs != 0)
-      throw CorruptionError(nm, "L1 table offset " + hex(h.l1_table_offset) + " is not cluster aligned");
+      throw CorruptionError(
+          nm, "L1 table offset " + hex(h.l1_table_offset) + " is not cluster aligned");
     if (h.l1_table_offset == 0)
       throw CorruptionError(nm, "L1 table at offset 0 overlaps the header");
     if (h.l1_table_offset > file_size || uint64_t(h.l1_size) * 8 > file_size - h.l1_table_offset)
-      throw CorruptionError(nm, "L1 table at " + hex(h.l1_table_offset) + " lies beyond end of file");
+      throw CorruptionError(nm,
+                            "L1 table at " + hex(h.l1_table_offset) + " lies beyond end of file");
   }
   const uint64_t reftable_bytes = uint64_t(h.refcount_table_clusters) << h.cluster_bits;
   if (reftable_bytes > kMaxRefcountTableBytes)
     throw CorruptionError(nm, "refcount table of " + std::to_string(h.refcount_table_clusters) +
                                   " clusters is larger than 8 MiB");
-  if (h.refcount_table_clusters == 0)
-    throw CorruptionError(nm, "image has no refcount table");
+  if (h.refcount_table_clusters == 0) throw CorruptionError(nm, "image has no refcount table");
   if (h.refcount_table_offset % cs != 0 || h.refcount_table_offset == 0)
-    throw CorruptionError(nm, "refcount table offset " + hex(h.refcount_table_offset) + " is invalid");
+    throw CorruptionError(nm,
+                          "refcount table offset " + hex(h.refcount_table_offset) + " is invalid");
   if (h.refcount_table_offset > file_size || reftable_bytes > file_size - h.refcount_table_offset)
-    throw CorruptionError(nm, "refcount table at " + hex(h.refcount_table_offset) +
-                                  " lies beyond end of file");
+    throw CorruptionError(
+        nm, "refcount table at " + hex(h.refcount_table_offset) + " lies beyond end of file");
   if (h.nb_snapshots > kMaxSnapshots)
-    throw CorruptionError(nm, "too many internal snapshots (" + std::to_string(h.nb_snapshots) + ")");
+    throw CorruptionError(nm,
+                          "too many internal snapshots (" + std::to_string(h.nb_snapshots) + ")");
   if (h.nb_snapshots > 0 && (h.snapshots_offset % cs != 0 || h.snapshots_offset >= file_size))
     throw CorruptionError(nm, "snapshot table offset " + hex(h.snapshots_offset) + " is invalid");
 }
@@ -220,14 +238,16 @@ void Image::parse_extensions(uint64_t start, uint64_t end) {
     if (len > area.size() - pos)
       throw CorruptionError(nm, "header extension " + hex(type) + " of " + std::to_string(len) +
                                     " bytes overruns the header area");
-    Extension ext{type, std::vector<uint8_t>(area.begin() + long(pos), area.begin() + long(pos + len))};
+    Extension ext{type,
+                  std::vector<uint8_t>(area.begin() + long(pos), area.begin() + long(pos + len))};
     const auto& d = ext.data;
     bool keep = true;  // kept in extensions_, written back by a header rewrite
     switch (type) {
       case kExtBackingFormat:
         if (len > 1023) throw CorruptionError(nm, "backing format name too long");
         backing_format_ = std::string(d.begin(), d.end());
-        if (auto z = backing_format_->find('\0'); z != std::string::npos) backing_format_->resize(z);
+        if (auto z = backing_format_->find('\0'); z != std::string::npos)
+          backing_format_->resize(z);
         break;
       case kExtFeatureNameTable:
         for (size_t i = 0; i + sizeof(RawFeatureName) <= d.size(); i += sizeof(RawFeatureName)) {
@@ -296,12 +316,14 @@ std::optional<std::string> Image::visit_bitmap_extents(const BitmapExtentVisitor
   std::vector<uint8_t> chunk;
   size_t pos = 0;
   for (uint32_t k = 0; k < bi.nb_bitmaps; ++k) {
-    const std::string entry_at = "bitmap directory entry " + std::to_string(k) + " (" + dir_at + ")";
+    const std::string entry_at =
+        "bitmap directory entry " + std::to_string(k) + " (" + dir_at + ")";
     if (dir.size() - pos < sizeof(RawBitmapDirectoryEntry))
       return dir_at + " holds fewer than the " + std::to_string(bi.nb_bitmaps) + " bitmaps listed";
     RawBitmapDirectoryEntry e{};
     std::memcpy(&e, dir.data() + pos, sizeof e);
-    const uint64_t entry_bytes = sizeof e + uint64_t(e.extra_data_size.value()) + e.name_size.value();
+    const uint64_t entry_bytes =
+        sizeof e + uint64_t(e.extra_data_size.value()) + e.name_size.value();
     if (entry_bytes > dir.size() - pos) return entry_at + " overruns the directory";
     pos += size_t((entry_bytes + 7) & ~uint64_t(7));
     pos = std::min(pos, dir.size());
@@ -309,9 +331,11 @@ std::optional<std::string> Image::visit_bitmap_extents(const BitmapExtentVisitor
     const uint64_t table_size = uint64_t(e.bitmap_table_size.value()) * 8;
     if (table_size == 0) continue;
     const std::string table_at = "bitmap table at " + hex(table) + " (" + entry_at + ")";
-    if (table % cs != 0 || table == 0) return table_at + " is not a cluster-aligned offset past the header";
+    if (table % cs != 0 || table == 0)
+      return table_at + " is not a cluster-aligned offset past the header";
     visit({table, table_size, "bitmap table"});
-    if (table > file_size || table_size > file_size - table) return table_at + " lies beyond end of file";
+    if (table > file_size || table_size > file_size - table)
+      return table_at + " lies beyond end of file";
     table_bytes += table_size;
     if (table_bytes > file_size) return "bitmap tables (" + dir_at + ") are larger than the file";
     for (uint64_t done = 0; done < table_size; done += chunk.size()) {
@@ -321,7 +345,8 @@ std::optional<std::string> Image::visit_bitmap_extents(const BitmapExtentVisitor
         const uint64_t data = load_big_u64(chunk.data() + i) & kBitmapTableOffsetMask;
         if (!data) continue;
         if (data % cs != 0)
-          return "bitmap data cluster at " + hex(data) + " (" + table_at + ") is not cluster aligned";
+          return "bitmap data cluster at " + hex(data) + " (" + table_at +
+                 ") is not cluster aligned";
         visit({data, cs, "bitmap data"});
       }
     }
@@ -357,7 +382,8 @@ std::vector<uint8_t> Image::encode_header(const Header& h) {
     pos = h.header_length;
   }
   auto room = [&](size_t n) {
-    if (pos + n > cs) throw Error(name(), "header, extensions and backing file name do not fit in one cluster");
+    if (pos + n > cs)
+      throw Error(name(), "header, extensions and backing file name do not fit in one cluster");
   };
   for (const auto& e : extensions_) {
     const size_t padded = (e.data.size() + 7) & ~size_t(7);
@@ -397,17 +423,22 @@ void Image::load_tables() {
   for (size_t i = 0; i < rt_entries; ++i) reftable_[i] = load_big_u64(buf.data() + i * 8);
 }
 
-void Image::attach_data_file(std::unique_ptr<BlockDevice> data) { data_ = std::move(data); }
+void Image::attach_data_file(std::unique_ptr<BlockDevice> data) {
+  data_ = std::move(data);
+}
 
 std::shared_ptr<const std::vector<uint8_t>> Image::l2_table(uint64_t l2_offset, uint64_t l1_index) {
   const uint64_t cs = cluster_size();
-  auto where = [&] { return "L2 table at " + hex(l2_offset) + " (L1 index " + std::to_string(l1_index) + ")"; };
+  auto where = [&] {
+    return "L2 table at " + hex(l2_offset) + " (L1 index " + std::to_string(l1_index) + ")";
+  };
   if (l2_offset % cs != 0) corrupt_at(where() + " is not cluster aligned");
   if (l2_offset < cs) corrupt_at(where() + " overlaps the image header");
   // The end-of-file check applies to tables read from disk; tables a writer has just allocated
   // live in the cache until they are written.
   return cache_.get(l2_offset, cs, [&](std::vector<uint8_t>& t) {
-    if (l2_offset >= file_->size() || file_->size() - l2_offset < cs) corrupt_at(where() + " lies beyond end of file");
+    if (l2_offset >= file_->size() || file_->size() - l2_offset < cs)
+      corrupt_at(where() + " lies beyond end of file");
     file_->read(l2_offset, t);
   });
 }
@@ -415,17 +446,17 @@ std::shared_ptr<const std::vector<uint8_t>> Image::l2_table(uint64_t l2_offset, 
 Image::Entry Image::decode(const std::vector<uint8_t>& l2, uint64_t l2_offset, uint64_t index,
                            uint32_t sub) const {
   const uint64_t e = load_big_u64(l2.data() + index * geo_.l2_entry_bytes());
-  auto where = [&] {
-    return "L2 table at " + hex(l2_offset) + " entry " + std::to_string(index);
-  };
+  auto where = [&] { return "L2 table at " + hex(l2_offset) + " entry " + std::to_string(index); };
   if (e & kOflagCompressed) {
     if (has_data_file()) corrupt_at(where() + ": compressed cluster in an image with a data file");
     if (geo_.extended_l2 && load_big_u64(l2.data() + index * 16 + 8) != 0)
       corrupt_at(where() + ": compressed cluster with a non-zero subcluster bitmap");
     const uint64_t coffset = e & geo_.coffset_mask();
     const uint64_t nsectors = ((e >> geo_.csize_shift()) & geo_.csize_mask()) + 1;
-    const uint64_t csize = nsectors * kCompressedSectorBytes - (coffset & (kCompressedSectorBytes - 1));
-    if (coffset < cluster_size()) corrupt_at(where() + ": compressed data overlaps the image header");
+    const uint64_t csize =
+        nsectors * kCompressedSectorBytes - (coffset & (kCompressedSectorBytes - 1));
+    if (coffset < cluster_size())
+      corrupt_at(where() + ": compressed data overlaps the image header");
     return {SubclusterType::kCompressed, 0, coffset, csize};
   }
   const uint64_t host = e & kL2OffsetMask;
@@ -439,8 +470,7 @@ Image::Entry Image::decode(const std::vector<uint8_t>& l2, uint64_t l2_offset, u
   if (geo_.extended_l2) {
     const uint64_t bitmap = load_big_u64(l2.data() + index * 16 + 8);
     const uint32_t alloc = uint32_t(bitmap), zero = uint32_t(bitmap >> 32);
-    if (alloc & zero)
-      corrupt_at(where() + ": subclusters marked both allocated and zero");
+    if (alloc & zero) corrupt_at(where() + ": subclusters marked both allocated and zero");
     const bool a = alloc & (1u << sub), z = zero & (1u << sub);
     if (!has_host) {
       if (alloc) corrupt_at(where() + ": allocated subclusters without a host cluster");
@@ -450,7 +480,8 @@ Image::Entry Image::decode(const std::vector<uint8_t>& l2, uint64_t l2_offset, u
     if (z) return {SubclusterType::kZeroAlloc, host};
     return {SubclusterType::kUnallocatedAlloc, host};
   }
-  if (e & kOflagZero) return {has_host ? SubclusterType::kZeroAlloc : SubclusterType::kZeroPlain, host};
+  if (e & kOflagZero)
+    return {has_host ? SubclusterType::kZeroAlloc : SubclusterType::kZeroPlain, host};
   return {has_host ? SubclusterType::kNormal : SubclusterType::kUnallocatedPlain, host};
 }
 
@@ -460,8 +491,7 @@ Run Image::lookup(uint64_t guest_offset, uint64_t max_len) {
   if (guest_offset >= virtual_size() || max_len == 0) return run;
   max_len = std::min(max_len, virtual_size() - guest_offset);
   const uint64_t l1i = geo_.l1_index(guest_offset);
-  const uint64_t span_end =
-      std::min(guest_offset + max_len, (l1i + 1) * geo_.l1_entry_span());
+  const uint64_t span_end = std::min(guest_offset + max_len, (l1i + 1) * geo_.l1_entry_span());
   const uint64_t l1e = l1i < l1_.size() ? l1_[l1i] : 0;
   const uint64_t l2_offset = l1e & kL1OffsetMask;
   if (l2_offset == 0) {
@@ -484,7 +514,7 @@ Run Image::lookup(uint64_t guest_offset, uint64_t max_len) {
       const uint8_t* p = l2->data() + idx * eb;
       uint64_t k = 0;
       const uint64_t room = (span_end - pos + cs - 1) / cs;  // entries left in the span
-      const uint64_t block = kL2ZeroScanBytes / eb;  // entries per scan block
+      const uint64_t block = kL2ZeroScanBytes / eb;          // entries per scan block
       while (k + block <= room && l2_bytes_unused(p + k * eb, kL2ZeroScanBytes)) k += block;
       while (k < room && l2_bytes_unused(p + k * eb, eb)) ++k;
       if (k) {
@@ -611,8 +641,8 @@ uint64_t Image::refcount(uint64_t cluster_index) {
                ") is not cluster aligned");
   auto t = cache_.get(block, cs, [&](std::vector<uint8_t>& b) {
     if (block >= file_->size() || file_->size() - block < cs)
-      corrupt_at("refcount block at " + hex(block) + " (refcount table index " + std::to_string(bi) +
-                 ") lies beyond end of file");
+      corrupt_at("refcount block at " + hex(block) + " (refcount table index " +
+                 std::to_string(bi) + ") lies beyond end of file");
     file_->read(block, b);
   });
   return refcount_entry(t->data(), geo_.refcount_order, cluster_index % per_block);

@@ -81,7 +81,7 @@ struct Run {
   uint64_t guest_offset = 0;
   uint64_t length = 0;
   SubclusterType type = SubclusterType::kUnallocatedPlain;
-  uint64_t host_offset = 0;       // of guest_offset, in the data file (normal/zero_alloc/unalloc_alloc)
+  uint64_t host_offset = 0;  // of guest_offset, in the data file (normal/zero_alloc/unalloc_alloc)
   uint64_t compressed_offset = 0;  // compressed: host byte offset of the compressed stream
   uint64_t compressed_size = 0;    // compressed: bytes the descriptor covers
 };
@@ -123,7 +123,9 @@ class Image {
   // found, if any: the ranges visited until then are all that can be known to be in use. This is
   // the one definition of what bitmaps use, shared by the consistency check and the writer.
   [[nodiscard]] std::optional<std::string> visit_bitmap_extents(const BitmapExtentVisitor& visit);
-  [[nodiscard]] bool has_data_file() const { return header_.incompatible_features & kIncompatDataFile; }
+  [[nodiscard]] bool has_data_file() const {
+    return header_.incompatible_features & kIncompatDataFile;
+  }
   [[nodiscard]] bool dirty() const { return header_.incompatible_features & kIncompatDirty; }
   [[nodiscard]] bool corrupt() const { return header_.incompatible_features & kIncompatCorrupt; }
   [[nodiscard]] const std::vector<uint64_t>& l1_table() const { return l1_; }

@@ -17,14 +17,22 @@ inline constexpr uint64_t kAllSubclustersZero = 0xffffffff00000000ull;
 
 const char* to_string(WritePoint p) {
   switch (p) {
-    case WritePoint::kDataFlush: return "data-flush";
-    case WritePoint::kRefcountBlocks: return "refcount-blocks";
-    case WritePoint::kRefcountTable: return "refcount-table";
-    case WritePoint::kHeaderForRefcountTable: return "header-for-refcount-table";
-    case WritePoint::kL2Tables: return "l2-tables";
-    case WritePoint::kL1Table: return "l1-table";
-    case WritePoint::kHeader: return "header";
-    case WritePoint::kRefcountDecrements: return "refcount-decrements";
+    case WritePoint::kDataFlush:
+      return "data-flush";
+    case WritePoint::kRefcountBlocks:
+      return "refcount-blocks";
+    case WritePoint::kRefcountTable:
+      return "refcount-table";
+    case WritePoint::kHeaderForRefcountTable:
+      return "header-for-refcount-table";
+    case WritePoint::kL2Tables:
+      return "l2-tables";
+    case WritePoint::kL1Table:
+      return "l1-table";
+    case WritePoint::kHeader:
+      return "header";
+    case WritePoint::kRefcountDecrements:
+      return "refcount-decrements";
   }
   return "?";
 }
@@ -33,10 +41,12 @@ Writer::Writer(Image& image)
     : image_(image), geo_(image.geometry()), cs_(image.cluster_size()), committed_(image.header()) {
   const std::string& nm = image_.name();
   if (!image_.file().writable()) throw Error(nm, "image is open read-only");
-  if (image_.corrupt()) throw CorruptionError(nm, "image is marked corrupt; refusing to write (run 'qcommit check')");
+  if (image_.corrupt())
+    throw CorruptionError(nm, "image is marked corrupt; refusing to write (run 'qcommit check')");
   if (image_.dirty())
-    throw Error(nm, "image is dirty (lazy refcounts were in use and it was not closed cleanly); "
-                    "run 'qcommit check --repair' first");
+    throw Error(nm,
+                "image is dirty (lazy refcounts were in use and it was not closed cleanly); "
+                "run 'qcommit check --repair' first");
   if (image_.has_data_file())
     throw UnsupportedError(nm, "writing into an image with an external data file is not supported");
   if (image_.header().nb_snapshots > 0 && image_.header().version == kVersion2) {
@@ -55,7 +65,8 @@ bool Writer::has_staged_changes() const {
 // Refcounts and allocation
 
 std::shared_ptr<std::vector<uint8_t>> Writer::refblock(uint64_t offset) {
-  return image_.cache_.get(offset, cs_, [&](std::vector<uint8_t>& b) { image_.file().read(offset, b); });
+  return image_.cache_.get(offset, cs_,
+                           [&](std::vector<uint8_t>& b) { image_.file().read(offset, b); });
 }
 
 void Writer::dirty_refblock(uint64_t off, const std::shared_ptr<std::vector<uint8_t>>& table) {
@@ -68,7 +79,9 @@ void Writer::dirty_l2(uint64_t off, const std::shared_ptr<std::vector<uint8_t>>&
   dirty_l2s_.insert(off);
 }
 
-uint64_t Writer::get_refcount(uint64_t cluster) { return image_.refcount(cluster); }
+uint64_t Writer::get_refcount(uint64_t cluster) {
+  return image_.refcount(cluster);
+}
 
 void Writer::set_refcount(uint64_t cluster, uint64_t value) {
   if (value > geo_.refcount_max())
@@ -106,7 +119,8 @@ void Writer::grow_reftable(uint64_t min_entries) {
   want = (want + per_cluster - 1) / per_cluster * per_cluster;
   const uint64_t clusters = want / per_cluster;
   if (clusters * cs_ > kMaxRefcountTableBytes)
-    throw Error(image_.name(), "refcount table would exceed 8 MiB; image too large for this cluster size");
+    throw Error(image_.name(),
+                "refcount table would exceed 8 MiB; image too large for this cluster size");
   const uint64_t t = find_free(clusters);
   for (uint64_t i = 0; i < clusters; ++i) reserved_.insert(t + i);
   file_end_cluster_ = std::max(file_end_cluster_, t + clusters);
@@ -185,7 +199,8 @@ std::shared_ptr<std::vector<uint8_t>> Writer::writable_l2(uint64_t guest, uint64
   auto cur = std::const_pointer_cast<std::vector<uint8_t>>(image_.l2_table(old, l1i));
   const uint64_t rc = get_refcount(old / cs_);
   if (rc == 0)
-    throw CorruptionError(image_.name(), "L2 table at " + hex(old) + " is in use but has refcount 0");
+    throw CorruptionError(image_.name(),
+                          "L2 table at " + hex(old) + " is in use but has refcount 0");
   if (rc == 1) {
     if (!(l1e & kOflagCopied)) {
       image_.l1_[l1i] = old | kOflagCopied;
@@ -240,7 +255,8 @@ void Writer::release_entry(const ClusterState& st) {
 
 std::vector<Writer::HostRun> Writer::prepare_full_write(uint64_t offset, uint64_t length) {
   const uint64_t vsize = image_.virtual_size();
-  if (offset % cs_ != 0 || offset + length > vsize || (length % cs_ != 0 && offset + length != vsize))
+  if (offset % cs_ != 0 || offset + length > vsize ||
+      (length % cs_ != 0 && offset + length != vsize))
     throw Error(image_.name(), "internal: unaligned full-cluster write at " + hex(offset));
   std::vector<HostRun> runs;
   for (uint64_t c = offset; c < offset + length; c += cs_) {
@@ -250,8 +266,9 @@ std::vector<Writer::HostRun> Writer::prepare_full_write(uint64_t offset, uint64_
     if (auto ph = private_host(st)) {
       host = *ph;
       const uint64_t want = host | kOflagCopied;
-      const bool same = geo_.extended_l2 ? (st.entry == want && st.bitmap == kAllSubclustersAllocated)
-                                         : st.entry == want;
+      const bool same = geo_.extended_l2
+                            ? (st.entry == want && st.bitmap == kAllSubclustersAllocated)
+                            : st.entry == want;
       if (!same) set_l2(c, want, kAllSubclustersAllocated);
     } else {
       host = allocate(1);
@@ -357,7 +374,8 @@ void Writer::grow(uint64_t new_size) {
   const uint64_t need = geo_.l1_entries_for(new_size);
   if (need > image_.l1_.size()) {
     if (need * 8 > kMaxL1TableBytes)
-      throw Error(image_.name(), "cannot grow to " + std::to_string(new_size) + " bytes: L1 table would exceed 32 MiB");
+      throw Error(image_.name(), "cannot grow to " + std::to_string(new_size) +
+                                     " bytes: L1 table would exceed 32 MiB");
     const uint64_t clusters = (need * 8 + cs_ - 1) / cs_;
     const uint64_t old_off = h.l1_table_offset;
     const uint64_t old_clusters = (uint64_t(h.l1_size) * 8 + cs_ - 1) / cs_;
@@ -373,19 +391,24 @@ void Writer::grow(uint64_t new_size) {
   header_dirty_ = true;
 }
 
-void Writer::check_header_fits() { (void)image_.encode_header(image_.header_); }
+void Writer::check_header_fits() {
+  (void)image_.encode_header(image_.header_);
+}
 
-void Writer::set_backing(const std::optional<std::string>& name, const std::optional<std::string>& format) {
+void Writer::set_backing(const std::optional<std::string>& name,
+                         const std::optional<std::string>& format) {
   if (name && name->size() > kMaxBackingNameBytes)
     throw Error(image_.name(), "backing file name longer than 1023 bytes");
   image_.backing_name_ = name;
   image_.backing_format_ = name ? format : std::nullopt;
   auto& ex = image_.extensions_;
-  ex.erase(std::remove_if(ex.begin(), ex.end(), [](const Extension& e) { return e.type == kExtBackingFormat; }),
+  ex.erase(std::remove_if(ex.begin(), ex.end(),
+                          [](const Extension& e) { return e.type == kExtBackingFormat; }),
            ex.end());
   if (image_.backing_format_)
-    ex.insert(ex.begin(), Extension{kExtBackingFormat, std::vector<uint8_t>(image_.backing_format_->begin(),
-                                                                           image_.backing_format_->end())});
+    ex.insert(ex.begin(),
+              Extension{kExtBackingFormat, std::vector<uint8_t>(image_.backing_format_->begin(),
+                                                                image_.backing_format_->end())});
   header_dirty_ = true;
 }
 
@@ -409,7 +432,8 @@ size_t Writer::remove_bitmaps() {
   // Extension and autoclear bit go with the header (step 4 of commit), the clusters after it.
   deferred_frees_.insert(deferred_frees_.end(), frees.begin(), frees.end());
   auto& ex = image_.extensions_;
-  ex.erase(std::remove_if(ex.begin(), ex.end(), [](const Extension& e) { return e.type == kExtBitmaps; }),
+  ex.erase(std::remove_if(ex.begin(), ex.end(),
+                          [](const Extension& e) { return e.type == kExtBitmaps; }),
            ex.end());
   image_.bitmaps_.reset();
   image_.header_.autoclear_features &= ~kAutoclearBitmaps;
@@ -430,7 +454,8 @@ void Writer::flush() {
 
 void Writer::write_tables(std::set<uint64_t>& offsets) {
   for (uint64_t off : offsets) {
-    auto t = image_.cache_.get(off, cs_, [&](std::vector<uint8_t>& b) { image_.file().read(off, b); });
+    auto t =
+        image_.cache_.get(off, cs_, [&](std::vector<uint8_t>& b) { image_.file().read(off, b); });
     image_.file().write(off, *t);
   }
 }
@@ -446,7 +471,8 @@ void Writer::apply_frees() {
     for (uint64_t c = first; c < first + count; ++c) {
       const uint64_t rc = get_refcount(c);
       if (rc == 0)
-        throw CorruptionError(image_.name(), "freeing cluster at " + hex(c * cs_) + " whose refcount is already 0");
+        throw CorruptionError(
+            image_.name(), "freeing cluster at " + hex(c * cs_) + " whose refcount is already 0");
       set_refcount(c, rc - 1);
       if (rc == 1) free_hint_ = std::min(free_hint_, c);
     }
@@ -474,7 +500,8 @@ void Writer::commit() {
   if (reftable_relocated_) {
     point(WritePoint::kRefcountTable);
     std::vector<uint8_t> t(image_.reftable_.size() * 8);
-    for (size_t i = 0; i < image_.reftable_.size(); ++i) store_big_u64(t.data() + 8 * i, image_.reftable_[i]);
+    for (size_t i = 0; i < image_.reftable_.size(); ++i)
+      store_big_u64(t.data() + 8 * i, image_.reftable_[i]);
     f.write(image_.header_.refcount_table_offset, t);
     flush();
     point(WritePoint::kHeaderForRefcountTable);

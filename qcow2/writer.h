@@ -68,7 +68,8 @@ class Writer {
   void grow(uint64_t new_size);
 
   // Rewrites the backing file name and format (std::nullopt removes the backing file).
-  void set_backing(const std::optional<std::string>& name, const std::optional<std::string>& format);
+  void set_backing(const std::optional<std::string>& name,
+                   const std::optional<std::string>& format);
   // Throws (naming the image) when the header as staged (backing name, extensions) would not fit
   // in the first cluster: callers check before they write anything else.
   void check_header_fits();
@@ -130,10 +131,10 @@ class Writer {
   Image& image_;
   const Geometry geo_;
   const uint64_t cs_;
-  uint64_t file_end_cluster_ = 0;    // first cluster index past everything allocated
+  uint64_t file_end_cluster_ = 0;  // first cluster index past everything allocated
   uint64_t free_hint_ = 0;
-  std::set<uint64_t> reserved_;      // picked for a new refcount block, refcount not yet set
-  Header committed_;                  // the header as it is on disk
+  std::set<uint64_t> reserved_;  // picked for a new refcount block, refcount not yet set
+  Header committed_;             // the header as it is on disk
   std::set<uint64_t> dirty_refblocks_;
   std::set<uint64_t> dirty_l2s_;
   std::set<uint64_t> dirty_l1_;

@@ -93,15 +93,15 @@ TEST_CASE("qcow2.l2.standard_entries") {
   ImageBuilder b(s);
   const uint64_t cs = 4096;
   const uint64_t h0 = b.write_cluster(0, 0xa0);
-  const uint64_t h1 = b.write_cluster(cs, 0xa1);         // contiguous with h0
-  b.alloc_cluster();                                      // gap on the host
-  const uint64_t h3 = b.write_cluster(2 * cs, 0xa2);     // not contiguous
-  b.set_l2(4 * cs, kZeroFlag);                            // zero, no host cluster
+  const uint64_t h1 = b.write_cluster(cs, 0xa1);      // contiguous with h0
+  b.alloc_cluster();                                  // gap on the host
+  const uint64_t h3 = b.write_cluster(2 * cs, 0xa2);  // not contiguous
+  b.set_l2(4 * cs, kZeroFlag);                        // zero, no host cluster
   const uint64_t hz = b.alloc_cluster();
-  b.set_l2(5 * cs, hz | kCopied | kZeroFlag);             // zero, preallocated
-  b.set_l2(6 * cs, hz | kZeroFlag);                       // zero alloc without COPIED (shared)
+  b.set_l2(5 * cs, hz | kCopied | kZeroFlag);  // zero, preallocated
+  b.set_l2(6 * cs, hz | kZeroFlag);            // zero alloc without COPIED (shared)
   const uint64_t hn = b.alloc_cluster();
-  b.set_l2(7 * cs, hn);                                   // normal without COPIED
+  b.set_l2(7 * cs, hn);  // normal without COPIED
   REQUIRE(h1 == h0 + cs);
   auto img = open_image(b);
 
