@@ -7,7 +7,9 @@
 namespace qcommit::throttle {
 namespace {
 
-double seconds(Duration d) { return std::chrono::duration<double>(d).count(); }
+double seconds(Duration d) {
+  return std::chrono::duration<double>(d).count();
+}
 
 Duration from_seconds(double s) {
   return std::chrono::duration_cast<Duration>(std::chrono::duration<double>(s));
@@ -17,10 +19,14 @@ Duration from_seconds(double s) {
 
 const char* to_string(Phase p) {
   switch (p) {
-    case Phase::SlowStart: return "slow-start";
-    case Phase::Steady: return "steady";
-    case Phase::Slowdown: return "slowdown";
-    case Phase::Paused: return "paused";
+    case Phase::SlowStart:
+      return "slow-start";
+    case Phase::Steady:
+      return "steady";
+    case Phase::Slowdown:
+      return "slowdown";
+    case Phase::Paused:
+      return "paused";
   }
   return "?";
 }
@@ -50,10 +56,10 @@ Controller::Controller(ControllerConfig cfg) : cfg_(cfg) {
   // Clamp an unvalidated config to something that cannot divide by zero or invert bounds.
   if (cfg_.latency_budget <= Duration::zero()) cfg_.latency_budget = std::chrono::milliseconds(20);
   if (!(cfg_.floor_rate_bytes_per_s > 0)) cfg_.floor_rate_bytes_per_s = 1.0;
-  cfg_.ceiling_rate_bytes_per_s = std::max(cfg_.ceiling_rate_bytes_per_s, cfg_.floor_rate_bytes_per_s);
-  cfg_.initial_rate_bytes_per_s = std::clamp(cfg_.initial_rate_bytes_per_s,
-                                             cfg_.floor_rate_bytes_per_s,
-                                             cfg_.ceiling_rate_bytes_per_s);
+  cfg_.ceiling_rate_bytes_per_s =
+      std::max(cfg_.ceiling_rate_bytes_per_s, cfg_.floor_rate_bytes_per_s);
+  cfg_.initial_rate_bytes_per_s = std::clamp(
+      cfg_.initial_rate_bytes_per_s, cfg_.floor_rate_bytes_per_s, cfg_.ceiling_rate_bytes_per_s);
   if (cfg_.min_window_bytes == 0) cfg_.min_window_bytes = kMinWindowBytes;
   cfg_.max_window_bytes = std::max(cfg_.max_window_bytes, cfg_.min_window_bytes);
   if (cfg_.tick_interval <= Duration::zero()) cfg_.tick_interval = std::chrono::milliseconds(50);
@@ -117,7 +123,7 @@ void Controller::skip_until(TimePoint now) {
 
 std::uint64_t Controller::compute_window() const {
   const double t = seconds(cfg_.latency_budget);
-  const double cap = t * drain_est_;           // hard cap: budget × drain
+  const double cap = t * drain_est_;  // hard cap: budget × drain
   double w = cap;
   w = std::clamp(w, static_cast<double>(cfg_.min_window_bytes),
                  static_cast<double>(cfg_.max_window_bytes));
@@ -133,183 +139,242 @@ void Controller::start_slowdown(TimePoint now) {
   ++stats_.slowdowns;
 }
 
-Decision Controller::tick(const TickInput& in) {
-  const TimePoint now = in.now;
-  Duration dt = started_ ? now - last_now_ : cfg_.tick_interval;
-  if (dt < Duration::zero()) dt = Duration::zero();
-  if (dt > kMaxTickGap) dt = kMaxTickGap;
-  const double dt_s = seconds(dt);
+// The tick's own timing: interval since the previous tick (bounded), the budget and the delay
+// target, widened to one indivisible copy request's service time when that is longer.
+Controller::TickTiming Controller::timing(TimePoint now) const {
+  TickTiming t;
+  t.dt = started_ ? now - last_now_ : cfg_.tick_interval;
+  if (t.dt < Duration::zero()) t.dt = Duration::zero();
+  if (t.dt > kMaxTickGap) t.dt = kMaxTickGap;
+  t.dt_s = seconds(t.dt);
   // One indivisible copy request ahead of a foreground one is a delay no rate avoids.
   const double unit_s =
       drain_sampled_ ? static_cast<double>(cfg_.copy_request_bytes) / drain_max_seen_ : 0.0;
   const double configured_s = seconds(cfg_.latency_budget);
-  const double budget_s = std::max(configured_s, unit_s);
-  const Duration target = from_seconds(std::max(configured_s * kTargetFraction, unit_s));
-  const std::int64_t slot = now.time_since_epoch() / cfg_.slowdown_interval;
-  if (!started_) last_slowdown_slot_ = slot;
-  ++stats_.ticks;
+  t.budget_s = std::max(configured_s, unit_s);
+  t.target = from_seconds(std::max(configured_s * kTargetFraction, unit_s));
+  return t;
+}
 
-  // ---- drain estimate ----------------------------------------------------------------------
+// Feeds the drain estimate; returns whether the copy used what it was allowed (its window or its
+// rate): only then does a low delay say that more would fit.
+bool Controller::measure_drain(const TickInput& in, const TickTiming& t) {
   const bool window_limited =
       started_ && static_cast<double>(std::min(prev_backlog_, in.backlog_bytes)) >=
                       kBusyFraction * static_cast<double>(prev_window_);
-  update_drain(in, dt, window_limited);
+  update_drain(in, t.dt, window_limited);
   const bool used_rate =
-      started_ && static_cast<double>(in.drained_bytes) >= kBusyFraction * prev_rate_ * dt_s;
-  const bool busy = window_limited || used_rate;
+      started_ && static_cast<double>(in.drained_bytes) >= kBusyFraction * prev_rate_ * t.dt_s;
+  return window_limited || used_rate;
+}
 
-  // ---- periodic slowdown (before this tick's samples, which belong to the new epoch) ----------
+// A slowdown every slowdown_interval, slotted on the caller's clock, so that the base latencies
+// are re-learned with the copy held at the floor.  Runs before this tick's samples are taken:
+// they belong to the new epoch.
+void Controller::start_periodic_slowdown(TimePoint now) {
+  const std::int64_t slot = now.time_since_epoch() / cfg_.slowdown_interval;
+  if (!started_) last_slowdown_slot_ = slot;
   if (!in_slowdown_ && !paused_ && started_ && slot != last_slowdown_slot_) {
     last_slowdown_slot_ = slot;
     start_slowdown(now);
   }
+}
 
-  // ---- base latencies ----------------------------------------------------------------------
-  const bool had_fg_base = fg_base_.value().has_value();
+// Adds this tick's samples to the base-latency filters; returns the copy samples with their
+// service time (at the best drain seen: the storage's own speed) taken out.
+std::vector<Duration> Controller::learn_base_latencies(const TickInput& in) {
   for (Duration l : in.foreground_latencies) fg_base_.add(l);
-  const auto service = [&](std::uint64_t bytes) {
-    // Service time at the best drain rate seen: an estimate of the storage's own speed, not of
-    // our (possibly app-limited) share.
-    return from_seconds(static_cast<double>(bytes) / drain_max_seen_);
-  };
   std::vector<Duration> copy_norm;
   copy_norm.reserve(in.copy_samples.size());
   for (const auto& s : in.copy_samples) {
-    const Duration n = std::max(Duration::zero(), s.latency - service(s.bytes));
+    const Duration service = from_seconds(static_cast<double>(s.bytes) / drain_max_seen_);
+    const Duration n = std::max(Duration::zero(), s.latency - service);
     copy_norm.push_back(n);
     copy_base_.add(n);
   }
-  const std::optional<Duration> fgb = fg_base_.value();
-  const std::optional<Duration> cb = copy_base_.value();
-  const bool fresh =
-      !in.foreground_latencies.empty() || !in.copy_samples.empty() ||
-      (in.foreground_idle && in.foreground_outstanding == 0 && !in.foreground_oldest_outstanding);
+  return copy_norm;
+}
 
-  // ---- queueing delay q --------------------------------------------------------------------
+// The tick brought news: latency samples, or every foreground source read idle.
+bool Controller::is_fresh(const TickInput& in) {
+  return !in.foreground_latencies.empty() || !in.copy_samples.empty() ||
+         (in.foreground_idle && in.foreground_outstanding == 0 &&
+          !in.foreground_oldest_outstanding);
+}
+
+// Queueing delay the foreground saw: its latencies over its base, and (blk-wbt) an outstanding
+// request counts as a sample of at least its age.
+Duration Controller::foreground_delay(const TickInput& in, TimePoint now) {
   Duration q = Duration::zero();
-  const Duration fg_base_or_zero = fgb.value_or(Duration::zero());
-  for (Duration l : in.foreground_latencies) q = std::max(q, l - fg_base_or_zero);
-  // blk-wbt: an outstanding request is a sample of at least its age.
-  std::optional<Duration> fg_age = in.foreground_oldest_outstanding;
+  const Duration base = fg_base_.value().value_or(Duration::zero());
+  for (Duration l : in.foreground_latencies) q = std::max(q, l - base);
+  std::optional<Duration> age = in.foreground_oldest_outstanding;
   if (in.foreground_outstanding > 0 && in.foreground_latencies.empty()) {
     if (!fg_quiet_since_) fg_quiet_since_ = now;
-    const Duration lower_bound = now - *fg_quiet_since_;
-    fg_age = std::max(fg_age.value_or(Duration::zero()), lower_bound);
+    age = std::max(age.value_or(Duration::zero()), now - *fg_quiet_since_);
   } else {
     fg_quiet_since_.reset();
   }
-  if (fg_age) q = std::max(q, *fg_age - fg_base_or_zero);
+  if (age) q = std::max(q, *age - base);
+  return q;
+}
+
+// Queueing delay the copy's own requests saw: copy samples are numerous, their median is the
+// queue they all waited behind; and a copy stall (bytes queued, none drained for longer than they
+// should take) counts as a sample of its age.
+Duration Controller::copy_delay(const TickInput& in, TimePoint now,
+                                std::vector<Duration>& copy_norm) {
+  Duration q = Duration::zero();
+  const std::optional<Duration> cb = copy_base_.value();
   if (!copy_norm.empty() && cb) {
-    // Copy samples are numerous; their median is the queue they all waited behind.
     auto mid = copy_norm.begin() + static_cast<std::ptrdiff_t>(copy_norm.size() / 2);
     std::nth_element(copy_norm.begin(), mid, copy_norm.end());
     q = std::max(q, *mid - *cb);
   }
-  {
-    // Copy stall: bytes queued and none drained for longer than they should take.
-    std::optional<Duration> age = in.copy_oldest_outstanding;
-    if (in.backlog_bytes > 0 && in.drained_bytes == 0 && in.copy_samples.empty()) {
-      if (!copy_quiet_since_) copy_quiet_since_ = now;
-      const Duration expected = from_seconds(static_cast<double>(in.backlog_bytes) / drain_est_);
-      age = std::max(age.value_or(Duration::zero()), now - *copy_quiet_since_ - expected);
-    } else {
-      copy_quiet_since_.reset();
-    }
-    if (age) q = std::max(q, *age - cb.value_or(Duration::zero()));
+  std::optional<Duration> age = in.copy_oldest_outstanding;
+  if (in.backlog_bytes > 0 && in.drained_bytes == 0 && in.copy_samples.empty()) {
+    if (!copy_quiet_since_) copy_quiet_since_ = now;
+    const Duration expected = from_seconds(static_cast<double>(in.backlog_bytes) / drain_est_);
+    age = std::max(age.value_or(Duration::zero()), now - *copy_quiet_since_ - expected);
+  } else {
+    copy_quiet_since_.reset();
   }
-  if (q < Duration::zero()) q = Duration::zero();
+  if (age) q = std::max(q, *age - cb.value_or(Duration::zero()));
+  return q;
+}
 
-  // ---- state machine -----------------------------------------------------------------------
-  Decision d;
-  const bool emergency_now = q > from_seconds(budget_s * kEmergencyFactor);
+// Slowdowns that start or end on this tick: the guest became active (its first samples may sit
+// behind our queue, so they are forgotten and its base learned during a slowdown before q is
+// trusted), and the end of a slowdown once its time is up and the tick brought news.
+void Controller::update_slowdown(const TickInput& in, bool had_fg_base, bool fresh) {
   if (!in_slowdown_ && !paused_ && started_ && !had_fg_base && !in.foreground_latencies.empty()) {
-    // The guest became active: its first samples may sit behind our queue, so forget them
-    // and learn its base during a slowdown before trusting q.
-    start_slowdown(now);
+    start_slowdown(in.now);
     fg_base_.reset();
   }
-  if (in_slowdown_ && now >= slowdown_end_ && fresh) {
+  if (in_slowdown_ && in.now >= slowdown_end_ && fresh) {
     in_slowdown_ = false;
     rate_ = std::min(saved_rate_, kRateHeadroomOverDrain * drain_est_);
   }
+}
 
-  if (emergency_now) {
-    if (!paused_) {
-      paused_ = true;
-      paused_since_ = now;
-      rate_ *= kEmergencyRateFactor;
-      last_decrease_ = now;
+// Emergency stop: the delay passed kEmergencyFactor × the budget.  Returns true on entering it.
+bool Controller::enter_pause(TimePoint now) {
+  if (paused_) return false;
+  paused_ = true;
+  paused_since_ = now;
+  rate_ *= kEmergencyRateFactor;
+  last_decrease_ = now;
+  slow_start_ = false;
+  ++stats_.emergencies;
+  return true;
+}
+
+// Leaves the pause once a fresh tick shows the delay at target, or, with no news, once nothing
+// has been outstanding for kPauseProbeAfter (a probe: nobody is there to be protected).
+void Controller::maybe_resume(const TickInput& in, Duration q, Duration target, bool fresh) {
+  const bool nothing_outstanding =
+      in.foreground_outstanding == 0 && in.backlog_bytes == 0 && !in.foreground_oldest_outstanding;
+  if ((fresh && q <= target) ||
+      (!fresh && nothing_outstanding && in.now - paused_since_ >= kPauseProbeAfter))
+    paused_ = false;
+}
+
+// Proportional multiplicative decrease: ×0.9 just above target, ×0.7 at the budget; at most once
+// per kDecreaseHoldoff.
+void Controller::decrease_rate(TimePoint now, Duration q, Duration target) {
+  if (last_decrease_ && now - *last_decrease_ < kDecreaseHoldoff) return;
+  const double over = std::clamp((seconds(q) - seconds(target)) / seconds(target), 0.0, 1.0);
+  rate_ *= kMildDecreaseFactor - over * (kMildDecreaseFactor - kStrongDecreaseFactor);
+  last_decrease_ = now;
+  slow_start_ = false;
+  ++stats_.decreases;
+}
+
+// Slow start doubles every kSlowStartDoublingTime while q stays under half the target; then the
+// rate grows additively, with a gain that falls to zero as q reaches the target.
+void Controller::increase_rate(Duration q, Duration target, double dt_s) {
+  if (slow_start_) {
+    if (q < target / 2)
+      rate_ *= std::exp2(dt_s / seconds(kSlowStartDoublingTime));
+    else
       slow_start_ = false;
-      ++stats_.emergencies;
-      d.emergency = true;
-    }
-  } else if (paused_) {
-    const bool nothing_outstanding =
-        in.foreground_outstanding == 0 && in.backlog_bytes == 0 && !in.foreground_oldest_outstanding;
-    if ((fresh && q <= target) || (!fresh && nothing_outstanding && now - paused_since_ >= kPauseProbeAfter))
-      paused_ = false;
-  } else if (!in_slowdown_) {
-    if (q > target) {
-      if (!last_decrease_ || now - *last_decrease_ >= kDecreaseHoldoff) {
-        // Proportional multiplicative decrease: ×0.9 just above target, ×0.7 at the budget.
-        const double over = std::clamp((seconds(q) - seconds(target)) / seconds(target), 0.0, 1.0);
-        const double factor = kMildDecreaseFactor - over * (kMildDecreaseFactor - kStrongDecreaseFactor);
-        rate_ *= factor;
-        last_decrease_ = now;
-        slow_start_ = false;
-        ++stats_.decreases;
-      }
-    } else if (fresh && busy) {
-      if (slow_start_) {
-        if (q < target / 2) {
-          rate_ *= std::exp2(dt_s / seconds(kSlowStartDoublingTime));
-        } else {
-          slow_start_ = false;
-        }
-      } else {
-        const double qf = seconds(q) / seconds(target);
-        const double gain = qf <= kFullIncreaseFraction
-                                ? 1.0
-                                : (1.0 - qf) / (1.0 - kFullIncreaseFraction);
-        rate_ += cfg_.additive_increase_bytes_per_s2 * dt_s * gain;
-      }
-    }
+    return;
   }
+  const double qf = seconds(q) / seconds(target);
+  const double gain =
+      qf <= kFullIncreaseFraction ? 1.0 : (1.0 - qf) / (1.0 - kFullIncreaseFraction);
+  rate_ += cfg_.additive_increase_bytes_per_s2 * dt_s * gain;
+}
+
+// The rate between the floor and headroom × drain estimate (itself within floor and ceiling).
+void Controller::clamp_rate() {
   const double headroom = slow_start_ ? kSlowStartHeadroomOverDrain : kRateHeadroomOverDrain;
   rate_ = std::clamp(rate_, cfg_.floor_rate_bytes_per_s,
                      std::clamp(headroom * drain_est_, cfg_.floor_rate_bytes_per_s,
                                 cfg_.ceiling_rate_bytes_per_s));
+}
 
-  double out_rate = in_slowdown_ ? cfg_.floor_rate_bytes_per_s : rate_;
-  std::uint64_t window = in_slowdown_ ? cfg_.min_window_bytes : compute_window();
+// What the caller may do until the next tick, and when that is.
+Decision Controller::decide(TimePoint now, Duration q, Duration target, bool fresh) const {
+  Decision d;
+  d.rate_bytes_per_s = in_slowdown_ ? cfg_.floor_rate_bytes_per_s : rate_;
+  d.window_bytes = in_slowdown_ ? cfg_.min_window_bytes : compute_window();
   if (!fresh && started_) {
     // Never increase on a tick without fresh latency samples.
-    out_rate = std::min(out_rate, prev_rate_);
-    window = std::min(window, prev_window_);
+    d.rate_bytes_per_s = std::min(d.rate_bytes_per_s, prev_rate_);
+    d.window_bytes = std::min(d.window_bytes, prev_window_);
   }
-
   Duration next = cfg_.tick_interval;
   if (paused_ || q > target) next = cfg_.tick_interval / 2;
   if (in_slowdown_ && slowdown_end_ > now) next = std::min(next, slowdown_end_ - now);
-  next = std::max(next, kMinNextTick);
-
-  d.window_bytes = window;
-  d.rate_bytes_per_s = out_rate;
+  d.next_tick = std::max(next, kMinNextTick);
   d.paused = paused_;
-  d.next_tick = next;
-  d.phase = paused_ ? Phase::Paused
-                    : in_slowdown_ ? Phase::Slowdown
-                                   : slow_start_ ? Phase::SlowStart : Phase::Steady;
+  d.phase = paused_        ? Phase::Paused
+            : in_slowdown_ ? Phase::Slowdown
+            : slow_start_  ? Phase::SlowStart
+                           : Phase::Steady;
   d.queue_delay = q;
-  d.foreground_base = fgb;
-  d.copy_base = cb;
   d.drain_estimate_bytes_per_s = drain_est_;
   d.fresh = fresh;
+  return d;
+}
 
+Decision Controller::tick(const TickInput& in) {
+  const TimePoint now = in.now;
+  const TickTiming t = timing(now);
+  ++stats_.ticks;
+  const bool busy = measure_drain(in, t);
+  start_periodic_slowdown(now);
+
+  const bool had_fg_base = fg_base_.value().has_value();
+  std::vector<Duration> copy_norm = learn_base_latencies(in);
+  const std::optional<Duration> fgb = fg_base_.value();
+  const std::optional<Duration> cb = copy_base_.value();
+  const bool fresh = is_fresh(in);
+  const Duration q =
+      std::max({foreground_delay(in, now), copy_delay(in, now, copy_norm), Duration::zero()});
+
+  const bool emergency_now = q > from_seconds(t.budget_s * kEmergencyFactor);
+  update_slowdown(in, had_fg_base, fresh);
+  bool entered_pause = false;
+  if (emergency_now)
+    entered_pause = enter_pause(now);
+  else if (paused_)
+    maybe_resume(in, q, t.target, fresh);
+  else if (!in_slowdown_ && q > t.target)
+    decrease_rate(now, q, t.target);
+  else if (!in_slowdown_ && fresh && busy)
+    increase_rate(q, t.target, t.dt_s);
+  clamp_rate();
+
+  Decision d = decide(now, q, t.target, fresh);
+  d.emergency = entered_pause;
+  d.foreground_base = fgb;
+  d.copy_base = cb;
   started_ = true;
   last_now_ = now;
-  prev_window_ = window;
-  prev_rate_ = out_rate;
+  prev_window_ = d.window_bytes;
+  prev_rate_ = d.rate_bytes_per_s;
   prev_backlog_ = in.backlog_bytes;
   return d;
 }

@@ -64,6 +64,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <vector>
 
 namespace qcommit::throttle {
 
@@ -89,7 +90,7 @@ inline constexpr double kMildDecreaseFactor = 0.9;    // rate × 0.9 when q just
 inline constexpr double kStrongDecreaseFactor = 0.7;  // rate × 0.7 when q ≥ budget
 inline constexpr double kEmergencyRateFactor = 0.5;   // rate × 0.5 on entering emergency stop
 inline constexpr double kBusyFraction = 0.5;          // backlog ≥ ½ window ⇒ window-limited
-inline constexpr double kRateHeadroomOverDrain = 1.25;   // steady: rate ≤ 1.25 × drain estimate
+inline constexpr double kRateHeadroomOverDrain = 1.25;  // steady: rate ≤ 1.25 × drain estimate
 inline constexpr double kSlowStartHeadroomOverDrain = 2.0;  // slow start: rate ≤ 2 × drain
 inline constexpr std::uint64_t kMinWindowBytes = 64 * 1024;
 inline constexpr Duration kDrainSampleInterval = std::chrono::milliseconds(200);
@@ -118,9 +119,9 @@ inline constexpr double kStorageRequestsPerGuestSyncWrite = 2.0;
 struct ControllerConfig {
   // T: max added latency per storage request (see request_budget for a user's budget).
   Duration latency_budget = std::chrono::milliseconds(20);
-  double floor_rate_bytes_per_s = 1.0 * kMiB;      // copy never paced below this unless paused
-  double ceiling_rate_bytes_per_s = 16384.0 * kMiB;  // never above
-  double initial_rate_bytes_per_s = 4.0 * kMiB;    // start of slow start
+  double floor_rate_bytes_per_s = 1.0 * kMiB;           // copy never paced below this unless paused
+  double ceiling_rate_bytes_per_s = 16384.0 * kMiB;     // never above
+  double initial_rate_bytes_per_s = 4.0 * kMiB;         // start of slow start
   double additive_increase_bytes_per_s2 = 16.0 * kMiB;  // AI slope (bytes/s per second)
   std::uint64_t min_window_bytes = kMinWindowBytes;
   std::uint64_t max_window_bytes = 1024ull * 1024 * 1024;
@@ -173,18 +174,18 @@ enum class Phase { SlowStart, Steady, Slowdown, Paused };
 [[nodiscard]] const char* to_string(Phase p);
 
 struct Decision {
-  std::uint64_t window_bytes = 0;   // max backlog bytes (in flight + dirty) allowed
-  double rate_bytes_per_s = 0;      // pacing rate
-  bool paused = false;              // issue no new copy I/O
-  Duration next_tick{};             // call tick() again after this long
+  std::uint64_t window_bytes = 0;  // max backlog bytes (in flight + dirty) allowed
+  double rate_bytes_per_s = 0;     // pacing rate
+  bool paused = false;             // issue no new copy I/O
+  Duration next_tick{};            // call tick() again after this long
   // Diagnostics.
   Phase phase = Phase::SlowStart;
-  Duration queue_delay{};           // q this tick (max of all signals)
+  Duration queue_delay{};  // q this tick (max of all signals)
   std::optional<Duration> foreground_base{};
   std::optional<Duration> copy_base{};
   double drain_estimate_bytes_per_s = 0;
-  bool fresh = false;               // this tick brought latency samples
-  bool emergency = false;           // this tick entered the emergency stop
+  bool fresh = false;      // this tick brought latency samples
+  bool emergency = false;  // this tick entered the emergency stop
 };
 
 struct ControllerStats {
@@ -238,7 +239,28 @@ class Controller {
     double bytes_per_s;
     bool window_limited;  // or above the estimate at the time
   };
+  struct TickTiming {
+    Duration dt{};  // since the previous tick, at most kMaxTickGap
+    double dt_s = 0;
+    double budget_s = 0;  // the budget, or one copy request's service time if longer
+    Duration target{};    // the delay steered to
+  };
+  [[nodiscard]] TickTiming timing(TimePoint now) const;
+  [[nodiscard]] bool measure_drain(const TickInput& in, const TickTiming& t);
   void update_drain(const TickInput& in, Duration dt, bool window_limited);
+  void start_periodic_slowdown(TimePoint now);
+  [[nodiscard]] std::vector<Duration> learn_base_latencies(const TickInput& in);
+  [[nodiscard]] static bool is_fresh(const TickInput& in);
+  [[nodiscard]] Duration foreground_delay(const TickInput& in, TimePoint now);
+  [[nodiscard]] Duration copy_delay(const TickInput& in, TimePoint now,
+                                    std::vector<Duration>& copy_norm);
+  void update_slowdown(const TickInput& in, bool had_fg_base, bool fresh);
+  [[nodiscard]] bool enter_pause(TimePoint now);
+  void maybe_resume(const TickInput& in, Duration q, Duration target, bool fresh);
+  void decrease_rate(TimePoint now, Duration q, Duration target);
+  void increase_rate(Duration q, Duration target, double dt_s);
+  void clamp_rate();
+  [[nodiscard]] Decision decide(TimePoint now, Duration q, Duration target, bool fresh) const;
   [[nodiscard]] std::uint64_t compute_window() const;
   void start_slowdown(TimePoint now);
 
