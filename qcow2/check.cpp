@@ -179,26 +179,25 @@ class Checker {
           i += kL2ZeroScanBytes / eb;
         if (i >= n) break;
       }
-      const uint64_t e = load_big_u64(t.data() + i * eb);
+      const L2Entry entry = load_l2_entry(t.data(), geo_, i);
+      const uint64_t e = entry.descriptor;
       if (e & kOflagCompressed) {
+        const CompressedDescriptor cd = parse_compressed_l2_entry(geo_, e);
         if (e & kOflagCopied)
           problem(
               true,
               [&] {
-                return "ERROR: coffset=" + hex(e & geo_.coffset_mask()) +
+                return "ERROR: coffset=" + hex(cd.host_offset) +
                        ": copied flag must never be set for compressed clusters";
               },
               weight);
-        const uint64_t coff = e & geo_.coffset_mask();
-        const uint64_t nsect = ((e >> geo_.csize_shift()) & geo_.csize_mask()) + 1;
-        inc(coff & ~uint64_t(kCompressedSectorBytes - 1), nsect * kCompressedSectorBytes,
-            "compressed data", weight);
+        inc(cd.first_sector_offset(), cd.sector_bytes(), "compressed data", weight);
         continue;
       }
       const uint64_t host = e & kL2OffsetMask;
       if (geo_.extended_l2) {
-        const uint64_t bm = load_big_u64(t.data() + i * 16 + 8);
-        if ((uint32_t(bm) & uint32_t(bm >> 32)) != 0 || (!host && uint32_t(bm)))
+        const SubclusterBitmap bm = SubclusterBitmap::parse(entry.bitmap);
+        if (bm.contradictory() || (!host && bm.allocated))
           problem(
               true,
               [&] {

@@ -206,7 +206,9 @@ struct Geometry {
   [[nodiscard]] constexpr uint64_t refcount_max() const {
     return refcount_order == 6 ? ~0ull : (1ull << refcount_bits()) - 1;
   }
-  // Compressed cluster descriptor layout (spec: x = 62 - (cluster_bits - 8)).
+  // Compressed cluster descriptor layout (spec: x = 62 - (cluster_bits - 8)): the host offset
+  // is bits 0 to x-1 (coffset_mask), the sector count bits x to 61 (csize_mask << csize_shift).
+  // Decoded only by parse_compressed_l2_entry() below.
   [[nodiscard]] constexpr uint32_t csize_shift() const { return 62 - (cluster_bits - 8); }
   [[nodiscard]] constexpr uint64_t csize_mask() const { return (1ull << (cluster_bits - 8)) - 1; }
   [[nodiscard]] constexpr uint64_t coffset_mask() const { return (1ull << csize_shift()) - 1; }
@@ -220,6 +222,98 @@ struct Geometry {
     return (off + cluster_size() - 1) & ~(cluster_size() - 1);
   }
 };
+
+// ---------------------------------------------------------------------------------------------
+// L2 entries as stored. Every reader and writer of an L2 table goes through these: the layout of
+// an entry (8 bytes, or 16 with extended L2), of a compressed cluster descriptor and of a
+// subcluster bitmap is known here and nowhere else.
+
+// Bytes from the start of an extended L2 entry to its subcluster bitmap.
+inline constexpr uint32_t kL2BitmapOffsetBytes = 8;
+
+// One L2 entry: the cluster descriptor and, with extended L2 entries, the subcluster bitmap
+// (always 0 without them).
+struct L2Entry {
+  uint64_t descriptor = 0;
+  uint64_t bitmap = 0;
+};
+
+// Entry `index` of the L2 table at `table` (cluster_size() bytes). No validation: the caller
+// decides what an entry's bits mean and which combinations are corrupt.
+[[nodiscard]] inline L2Entry load_l2_entry(const uint8_t* table, const Geometry& geo,
+                                           uint64_t index) {
+  const uint8_t* p = table + index * geo.l2_entry_bytes();
+  L2Entry e;
+  e.descriptor = boost::endian::load_big_u64(p);
+  if (geo.extended_l2) e.bitmap = boost::endian::load_big_u64(p + kL2BitmapOffsetBytes);
+  return e;
+}
+
+// Stores `e` as entry `index` of the L2 table at `table`; the bitmap only with extended L2.
+inline void store_l2_entry(uint8_t* table, const Geometry& geo, uint64_t index, L2Entry e) {
+  uint8_t* p = table + index * geo.l2_entry_bytes();
+  boost::endian::store_big_u64(p, e.descriptor);
+  if (geo.extended_l2) boost::endian::store_big_u64(p + kL2BitmapOffsetBytes, e.bitmap);
+}
+
+// A compressed cluster descriptor (an L2 entry with kOflagCompressed set), decoded. The spec
+// (x = 62 - (cluster_bits - 8)): bits 0 to x-1 are the host byte offset of the compressed stream,
+// usually aligned to neither a sector nor a cluster; bits x to 61 the number of 512-byte sectors
+// the stream uses beyond the one holding that offset. The stream may end anywhere in its last
+// sector, whose tail may hold the next compressed cluster.
+struct CompressedDescriptor {
+  uint64_t host_offset = 0;  // bytes: first byte of the compressed stream in the image file
+  uint64_t sectors = 0;      // 512-byte sectors used, the one holding host_offset included (>= 1)
+
+  // Host byte offset of the sector holding host_offset: where the used sectors begin.
+  [[nodiscard]] constexpr uint64_t first_sector_offset() const {
+    return host_offset & ~uint64_t(kCompressedSectorBytes - 1);
+  }
+  // Bytes of the used sectors: [first_sector_offset(), + sector_bytes()) is what the
+  // descriptor keeps in use (a refcount reference to every cluster it touches).
+  [[nodiscard]] constexpr uint64_t sector_bytes() const { return sectors * kCompressedSectorBytes; }
+  // Bytes from host_offset to the end of the last used sector: the most a reader reads to
+  // decompress the cluster (QEMU's csize).
+  [[nodiscard]] constexpr uint64_t stream_bytes() const {
+    return sector_bytes() - (host_offset & (kCompressedSectorBytes - 1));
+  }
+};
+
+// The one decoder of compressed cluster descriptors. `entry` is the L2 entry's descriptor with
+// kOflagCompressed set; bits 62 and 63 (the compressed and copied flags) are ignored. Total for
+// every entry and every cluster_bits in [kMinClusterBits, kMaxClusterBits]: no check that the
+// offset fits in the file or that its bits above 55 are clear (callers report those as they
+// need).
+[[nodiscard]] constexpr CompressedDescriptor parse_compressed_l2_entry(const Geometry& geo,
+                                                                       uint64_t entry) {
+  return {entry & geo.coffset_mask(), ((entry >> geo.csize_shift()) & geo.csize_mask()) + 1};
+}
+
+// The subcluster allocation bitmap of an extended L2 entry (spec, "Extended L2 Entries"): bit i
+// of the low 32 bits says subcluster i is allocated (its data is in the host cluster), bit i of
+// the high 32 bits that it reads as zeros. Neither: unallocated (the backing file's data).
+struct SubclusterBitmap {
+  uint32_t allocated = 0;
+  uint32_t zero = 0;
+
+  static constexpr uint32_t kAll = 0xffffffffu;  // every one of kSubclustersPerCluster
+
+  [[nodiscard]] static constexpr SubclusterBitmap parse(uint64_t bitmap) {
+    return {uint32_t(bitmap), uint32_t(bitmap >> 32)};
+  }
+  [[nodiscard]] constexpr uint64_t encode() const { return (uint64_t(zero) << 32) | allocated; }
+  // A subcluster both allocated and zero: the entry is corrupt.
+  [[nodiscard]] constexpr bool contradictory() const { return (allocated & zero) != 0; }
+};
+static_assert(kSubclustersPerCluster == 32, "a SubclusterBitmap half holds one bit a subcluster");
+// Every subcluster allocated / every subcluster zero, as stored.
+inline constexpr uint64_t kAllSubclustersAllocated =
+    SubclusterBitmap{SubclusterBitmap::kAll, 0}.encode();
+inline constexpr uint64_t kAllSubclustersZero =
+    SubclusterBitmap{0, SubclusterBitmap::kAll}.encode();
+
+// ---------------------------------------------------------------------------------------------
+// Refcount blocks
 
 // Refcount entry i of a refcount block with 2^order-bit entries. Sub-byte widths pack entries
 // from the least significant bits of each byte; wider ones are big-endian.
@@ -278,6 +372,8 @@ static_assert(Geometry{16, false, 4}.l2_entries() == 8192);
 static_assert(Geometry{16, true, 4}.l2_entries() == 4096);
 static_assert(Geometry{16, false, 4}.l1_entry_span() == 512ull << 20);
 static_assert(Geometry{16, false, 4}.csize_shift() == 54);
+static_assert(kAllSubclustersAllocated == 0x00000000ffffffffull);
+static_assert(kAllSubclustersZero == 0xffffffff00000000ull);
 static_assert(Geometry{9, false, 0}.refcount_block_entries() == 4096);
 static_assert(Geometry{16, false, 6}.refcount_max() == ~0ull);
 

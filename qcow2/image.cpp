@@ -445,19 +445,17 @@ std::shared_ptr<const std::vector<uint8_t>> Image::l2_table(uint64_t l2_offset, 
 
 Image::Entry Image::decode(const std::vector<uint8_t>& l2, uint64_t l2_offset, uint64_t index,
                            uint32_t sub) const {
-  const uint64_t e = load_big_u64(l2.data() + index * geo_.l2_entry_bytes());
+  const L2Entry entry = load_l2_entry(l2.data(), geo_, index);
+  const uint64_t e = entry.descriptor;
   auto where = [&] { return "L2 table at " + hex(l2_offset) + " entry " + std::to_string(index); };
   if (e & kOflagCompressed) {
     if (has_data_file()) corrupt_at(where() + ": compressed cluster in an image with a data file");
-    if (geo_.extended_l2 && load_big_u64(l2.data() + index * 16 + 8) != 0)
+    if (entry.bitmap != 0)
       corrupt_at(where() + ": compressed cluster with a non-zero subcluster bitmap");
-    const uint64_t coffset = e & geo_.coffset_mask();
-    const uint64_t nsectors = ((e >> geo_.csize_shift()) & geo_.csize_mask()) + 1;
-    const uint64_t csize =
-        nsectors * kCompressedSectorBytes - (coffset & (kCompressedSectorBytes - 1));
-    if (coffset < cluster_size())
+    const CompressedDescriptor cd = parse_compressed_l2_entry(geo_, e);
+    if (cd.host_offset < cluster_size())
       corrupt_at(where() + ": compressed data overlaps the image header");
-    return {SubclusterType::kCompressed, 0, coffset, csize};
+    return {SubclusterType::kCompressed, 0, cd.host_offset, cd.stream_bytes()};
   }
   const uint64_t host = e & kL2OffsetMask;
   const bool has_host = host != 0 || (has_data_file() && (e & kOflagCopied));
@@ -468,12 +466,11 @@ Image::Entry Image::decode(const std::vector<uint8_t>& l2, uint64_t l2_offset, u
       corrupt_at(where() + ": host cluster offset " + hex(host) + " points into the image header");
   }
   if (geo_.extended_l2) {
-    const uint64_t bitmap = load_big_u64(l2.data() + index * 16 + 8);
-    const uint32_t alloc = uint32_t(bitmap), zero = uint32_t(bitmap >> 32);
-    if (alloc & zero) corrupt_at(where() + ": subclusters marked both allocated and zero");
-    const bool a = alloc & (1u << sub), z = zero & (1u << sub);
+    const SubclusterBitmap bm = SubclusterBitmap::parse(entry.bitmap);
+    if (bm.contradictory()) corrupt_at(where() + ": subclusters marked both allocated and zero");
+    const bool a = bm.allocated & (1u << sub), z = bm.zero & (1u << sub);
     if (!has_host) {
-      if (alloc) corrupt_at(where() + ": allocated subclusters without a host cluster");
+      if (bm.allocated) corrupt_at(where() + ": allocated subclusters without a host cluster");
       return {z ? SubclusterType::kZeroPlain : SubclusterType::kUnallocatedPlain, 0};
     }
     if (a) return {SubclusterType::kNormal, host};

@@ -7,13 +7,7 @@
 
 namespace qcommit::qcow2 {
 
-using boost::endian::load_big_u64;
 using boost::endian::store_big_u64;
-
-namespace {
-inline constexpr uint64_t kAllSubclustersAllocated = 0x00000000ffffffffull;
-inline constexpr uint64_t kAllSubclustersZero = 0xffffffff00000000ull;
-}  // namespace
 
 const char* to_string(WritePoint p) {
   switch (p) {
@@ -176,8 +170,9 @@ Writer::ClusterState Writer::cluster_state(uint64_t guest) {
   st.l2_offset = image_.l1_[st.l1_index] & kL1OffsetMask;
   if (!st.l2_offset) return st;
   auto t = image_.l2_table(st.l2_offset, st.l1_index);
-  st.entry = load_big_u64(t->data() + st.l2_index * geo_.l2_entry_bytes());
-  if (geo_.extended_l2) st.bitmap = load_big_u64(t->data() + st.l2_index * 16 + 8);
+  const L2Entry e = load_l2_entry(t->data(), geo_, st.l2_index);
+  st.entry = e.descriptor;
+  st.bitmap = e.bitmap;
   return st;
 }
 
@@ -223,9 +218,7 @@ std::shared_ptr<std::vector<uint8_t>> Writer::writable_l2(uint64_t guest, uint64
 void Writer::set_l2(uint64_t guest, uint64_t entry, uint64_t bitmap) {
   uint64_t l2off = 0;
   auto t = writable_l2(guest, l2off);
-  const uint64_t idx = geo_.l2_index(guest);
-  store_big_u64(t->data() + idx * geo_.l2_entry_bytes(), entry);
-  if (geo_.extended_l2) store_big_u64(t->data() + idx * 16 + 8, bitmap);
+  store_l2_entry(t->data(), geo_, geo_.l2_index(guest), L2Entry{entry, bitmap});
   dirty_l2(l2off, t);
 }
 
@@ -239,10 +232,9 @@ std::optional<uint64_t> Writer::private_host(const ClusterState& st) {
 
 void Writer::release_entry(const ClusterState& st) {
   if (st.entry & kOflagCompressed) {
-    const uint64_t coff = st.entry & geo_.coffset_mask();
-    const uint64_t nsect = ((st.entry >> geo_.csize_shift()) & geo_.csize_mask()) + 1;
-    const uint64_t first = (coff & ~uint64_t(kCompressedSectorBytes - 1));
-    const uint64_t last = first + nsect * kCompressedSectorBytes - 1;
+    const CompressedDescriptor cd = parse_compressed_l2_entry(geo_, st.entry);
+    const uint64_t first = cd.first_sector_offset();
+    const uint64_t last = first + cd.sector_bytes() - 1;
     deferred_frees_.push_back({first / cs_, last / cs_ - first / cs_ + 1});
     return;
   }
@@ -356,10 +348,12 @@ void Writer::write_zeroes(uint64_t offset, uint64_t length, const ViewReader& vi
                ((b - c) % sc == 0 || b == cend)) {
       const uint32_t first = uint32_t((pos - c) / sc);
       const uint32_t last = uint32_t((b - c + sc - 1) / sc);  // exclusive
-      uint64_t mask = 0;
-      for (uint32_t i = first; i < last; ++i) mask |= 1ull << i;
-      uint64_t bitmap = (st.bitmap & ~mask) | (mask << 32);
-      set_l2(c, st.entry, bitmap);
+      uint32_t mask = 0;
+      for (uint32_t i = first; i < last; ++i) mask |= 1u << i;
+      SubclusterBitmap bitmap = SubclusterBitmap::parse(st.bitmap);
+      bitmap.allocated &= ~mask;
+      bitmap.zero |= mask;
+      set_l2(c, st.entry, bitmap.encode());
     } else {
       std::vector<uint8_t> zeros(b - pos, 0);
       write(pos, zeros, view);

@@ -228,6 +228,77 @@ TEST_CASE("qcow2.l2.compressed_max_sectors") {
   CHECK(r.compressed_size == (g.csize_mask() + 1) * 512);
 }
 
+TEST_CASE("qcow2.l2.compressed_descriptor_decoding") {
+  // Values worked out by hand from the spec's layout, x = 62 - (cluster_bits - 8): host offset in
+  // bits 0 to x-1, additional sectors in bits x to 61; bits 62 (compressed) and 63 ignored.
+  using qcow2::parse_compressed_l2_entry;
+  constexpr uint64_t kCompressed = 1ull << 62;
+  struct Case {
+    uint32_t cluster_bits;
+    uint64_t entry;
+    uint64_t host_offset, sectors, first_sector_offset, sector_bytes, stream_bytes;
+  };
+  const Case cases[] = {
+      // 512 B clusters: x = 61, a one-bit sector field (bit 61).
+      {9, kCompressed | 0x1234567, 0x1234567, 1, 0x1234400, 512, 153},
+      {9, kCompressed | (1ull << 61) | 0x1234567, 0x1234567, 2, 0x1234400, 1024, 665},
+      {9, kCopied | kCompressed | 0x1fffffffffffffffull, 0x1fffffffffffffffull, 1,
+       0x1ffffffffffffe00ull, 512, 1},
+      // 64 KiB clusters: x = 54, an 8-bit sector field (bits 54-61).
+      {16, kCompressed | (5ull << 54) | 0x10200, 0x10200, 6, 0x10200, 3072, 3072},
+      {16, kCompressed | (0xffull << 54) | 0x3fffffffffffffull, 0x3fffffffffffffull, 256,
+       0x3ffffffffffe00ull, 131072, 130561},
+      // Bit 53: the top bit of the offset with 64 KiB clusters, the lowest of the sector count with
+      // 128 KiB ones (x = 53, a 9-bit field): where the field widens by a bit.
+      {16, kCompressed | (1ull << 53) | 0x200, 0x20000000000200ull, 1, 0x20000000000200ull, 512,
+       512},
+      {17, kCompressed | (1ull << 53) | 0x200, 0x200, 2, 0x200, 1024, 1024},
+      // 2 MiB clusters: x = 49, a 13-bit sector field (bits 49-61).
+      {21, kCompressed | (1ull << 49) | 0x1ffffffffffffull, 0x1ffffffffffffull, 2,
+       0x1fffffffffe00ull, 1024, 513},
+      {21, kCompressed | (0x1fffull << 49) | 0x40000000, 0x40000000, 8192, 0x40000000, 4ull << 20,
+       4ull << 20},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.cluster_bits);
+    CAPTURE(c.entry);
+    const auto d = parse_compressed_l2_entry(Geometry{c.cluster_bits, false, 4}, c.entry);
+    CHECK(d.host_offset == c.host_offset);
+    CHECK(d.sectors == c.sectors);
+    CHECK(d.first_sector_offset() == c.first_sector_offset);
+    CHECK(d.sector_bytes() == c.sector_bytes);
+    CHECK(d.stream_bytes() == c.stream_bytes);
+  }
+}
+
+TEST_CASE("qcow2.l2.subcluster_bitmap_encoding") {
+  // Spec: bit i of the low half allocates subcluster i, bit i of the high half makes it zero.
+  using qcow2::SubclusterBitmap;
+  const auto bm = SubclusterBitmap::parse(0x8000000100000003ull);
+  CHECK(bm.allocated == 0x3u);
+  CHECK(bm.zero == 0x80000001u);
+  CHECK(bm.contradictory());
+  CHECK(bm.encode() == 0x8000000100000003ull);
+  CHECK_FALSE(SubclusterBitmap::parse(0x0000000c00000003ull).contradictory());
+  CHECK(qcow2::kAllSubclustersAllocated == 0x00000000ffffffffull);
+  CHECK(qcow2::kAllSubclustersZero == 0xffffffff00000000ull);
+  // The entry's bitmap is the second 8 bytes of a 16-byte extended entry, big-endian.
+  std::vector<uint8_t> table(64, 0);
+  const Geometry x{16, true, 4};
+  qcow2::store_l2_entry(table.data(), x, 2, {0x8000000000050000ull, 0x0000000200000001ull});
+  CHECK(table[32] == 0x80);
+  CHECK(table[37] == 0x05);
+  CHECK(table[43] == 0x02);
+  CHECK(table[47] == 0x01);
+  const auto e = qcow2::load_l2_entry(table.data(), x, 2);
+  CHECK(e.descriptor == 0x8000000000050000ull);
+  CHECK(e.bitmap == 0x0000000200000001ull);
+  // Without extended L2 an entry is 8 bytes and has no bitmap.
+  const auto s = qcow2::load_l2_entry(table.data(), Geometry{16, false, 4}, 4);
+  CHECK(s.descriptor == 0x8000000000050000ull);
+  CHECK(s.bitmap == 0);
+}
+
 TEST_CASE("qcow2.l2.compressed_zstd") {
   for (uint32_t bits : {12u, 16u, 21u}) {
     CAPTURE(bits);
