@@ -14,7 +14,8 @@ int cmd_check(const Args& in_args) {
   // IMAGE (boost would otherwise read IMAGE as the value of --repair).
   Args args = in_args;
   for (size_t i = 0; i < args.size(); ++i)
-    if (args[i] == "--repair" && (i + 1 == args.size() || (args[i + 1] != "leaks" && args[i + 1] != "all")))
+    if (args[i] == "--repair" &&
+        (i + 1 == args.size() || (args[i + 1] != "leaks" && args[i + 1] != "all")))
       args[i] = "--repair=leaks";
   po::options_description opts("options");
   std::string image, output = "human", repair;
@@ -30,9 +31,12 @@ int cmd_check(const Args& in_args) {
     return kExitOk;
   const Output out = parse_output(output);
   qcow2::Repair mode = qcow2::Repair::kNone;
-  if (repair == "leaks") mode = qcow2::Repair::kLeaks;
-  else if (repair == "all") mode = qcow2::Repair::kAll;
-  else if (!repair.empty()) throw UsageError("--repair must be 'leaks' or 'all'");
+  if (repair == "leaks")
+    mode = qcow2::Repair::kLeaks;
+  else if (repair == "all")
+    mode = qcow2::Repair::kAll;
+  else if (!repair.empty())
+    throw UsageError("--repair must be 'leaks' or 'all'");
   auto dev = qcow2::FileDevice::open(image, {.writable = mode != qcow2::Repair::kNone});
   auto img = qcow2::Image::open(std::move(dev));
   auto r = qcow2::check(*img, mode);
@@ -48,8 +52,8 @@ int cmd_check(const Args& in_args) {
   } else {
     for (const auto& m : r.messages) std::fprintf(stderr, "%s\n", m.c_str());
     if (r.leaks_fixed || r.corruptions_fixed)
-      std::printf("repaired %" PRIu64 " leaked clusters and %" PRIu64 " corruptions\n", r.leaks_fixed,
-                  r.corruptions_fixed);
+      std::printf("repaired %" PRIu64 " leaked clusters and %" PRIu64 " corruptions\n",
+                  r.leaks_fixed, r.corruptions_fixed);
     if (!corruptions && !leaks) std::printf("No errors were found on the image.\n");
     if (corruptions) std::printf("%" PRIu64 " errors were found on the image.\n", corruptions);
     if (leaks) std::printf("%" PRIu64 " leaked clusters were found on the image.\n", leaks);

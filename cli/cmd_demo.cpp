@@ -34,12 +34,14 @@ std::string child_json(const std::vector<std::string>& args, JsonForm form = Jso
   }
   std::string err;
   if (!plugin::json::parse(out, &err))
-    throw std::runtime_error("qcommit " + args[0] + " --output=json: not JSON (" + err + "): " + out);
+    throw std::runtime_error("qcommit " + args[0] + " --output=json: not JSON (" + err +
+                             "): " + out);
   return out;
 }
 
 std::string process_json(const ProcessResult& r) {
-  return "{\"exit-code\": " + std::to_string(r.exit_code) + ", \"output\": " + json_string(r.output) + "}";
+  return "{\"exit-code\": " + std::to_string(r.exit_code) +
+         ", \"output\": " + json_string(r.output) + "}";
 }
 
 }  // namespace
@@ -52,12 +54,13 @@ int cmd_demo(const Args& args) {
       "output", po::value(&output), "human or json (one document: each step's result)");
   po::positional_options_description pos;
   po::variables_map vm;
-  if (!parse(args, opts, pos, vm, "qcommit demo [--keep] [--output=json]",
-             "Builds base.qcow2 <- snap1.qcow2 <- snap2.qcow2 with qemu-img and qemu-io in a\n"
-             "temporary directory, shows the chain as qcommit reads it, checks every byte against\n"
-             "qemu-img convert, merges it and verifies the base with qemu-img compare and check.\n"
-             "examples:\n  qcommit demo\n  qcommit demo --keep      # look at the images afterwards\n"
-             "  qcommit demo --output=json | jq '.passed, .merge.copied'\n"))
+  if (!parse(
+          args, opts, pos, vm, "qcommit demo [--keep] [--output=json]",
+          "Builds base.qcow2 <- snap1.qcow2 <- snap2.qcow2 with qemu-img and qemu-io in a\n"
+          "temporary directory, shows the chain as qcommit reads it, checks every byte against\n"
+          "qemu-img convert, merges it and verifies the base with qemu-img compare and check.\n"
+          "examples:\n  qcommit demo\n  qcommit demo --keep      # look at the images afterwards\n"
+          "  qcommit demo --output=json | jq '.passed, .merge.copied'\n"))
     return kExitOk;
   const Output out = parse_output(output);
   const bool human = out == Output::kHuman;
@@ -71,7 +74,8 @@ int cmd_demo(const Args& args) {
       if (!keep) std::filesystem::remove_all(dir);
     }
   } cleanup{dir, keep};
-  const std::string base = dir + "/base.qcow2", s1 = dir + "/snap1.qcow2", s2 = dir + "/snap2.qcow2";
+  const std::string base = dir + "/base.qcow2", s1 = dir + "/snap1.qcow2",
+                    s2 = dir + "/snap2.qcow2";
   if (human) std::cout << "== building a chain in " << dir << " with qemu-img/qemu-io\n";
   run_checked({"qemu-img", "create", "-q", "-f", "qcow2", base, "64M"});
   run_checked({"qemu-io", "-c", "write -P 0x11 0 8M", "-c", "write -P 0x12 32M 1M", base});
@@ -104,18 +108,23 @@ int cmd_demo(const Args& args) {
     for (uint64_t off = 0; off < chain.virtual_size() && !mismatch; off += a.size()) {
       chain.read(off, a);
       dev->read(off, b);
-      if (a != b) mismatch = off;
-      else compared += a.size();
+      if (a != b)
+        mismatch = off;
+      else
+        compared += a.size();
     }
   }
-  js += ", \"cross-check\": {\"bytes-equal\": " + std::to_string(compared) + ", \"mismatch-at\": " +
-        (mismatch ? std::to_string(*mismatch) : "null") + "}";
+  js += ", \"cross-check\": {\"bytes-equal\": " + std::to_string(compared) +
+        ", \"mismatch-at\": " + (mismatch ? std::to_string(*mismatch) : "null") + "}";
   if (mismatch) {
-    if (human) std::cout << "\nMISMATCH at offset " << *mismatch << " between qcommit and qemu-img\n";
-    else std::cout << js << ", \"passed\": false}\n";
+    if (human)
+      std::cout << "\nMISMATCH at offset " << *mismatch << " between qcommit and qemu-img\n";
+    else
+      std::cout << js << ", \"passed\": false}\n";
     return kExitError;
   }
-  if (human) std::cout << "\n== every byte read through the chain equals qemu-img convert's output\n";
+  if (human)
+    std::cout << "\n== every byte read through the chain equals qemu-img convert's output\n";
 
   // Merge snap2 (and snap1) into base, then verify with qemu-img itself.
   if (human) {
@@ -123,15 +132,16 @@ int cmd_demo(const Args& args) {
     const int rc = cmd_merge({s2, "--base", base, "--budget", "off"});
     if (rc) return rc;
   } else {
-    js += ", \"merge\": " + child_json({"merge", s2, "--base", base, "--budget", "off"}, JsonForm::kLastLine);
+    js += ", \"merge\": " +
+          child_json({"merge", s2, "--base", base, "--budget", "off"}, JsonForm::kLastLine);
   }
   ProcessResult cmp = run_process({"qemu-img", "compare", "-f", "raw", "-F", "qcow2", raw, base});
   ProcessResult chk = run_process({"qemu-img", "check", base});
   const bool passed = cmp.exit_code == 0 && chk.exit_code == 0;
   if (!human) {
     std::cout << js << ", \"qemu-img-compare\": " << process_json(cmp)
-              << ", \"qemu-img-check\": " << process_json(chk) << ", \"passed\": " << json_bool(passed)
-              << "}\n";
+              << ", \"qemu-img-check\": " << process_json(chk)
+              << ", \"passed\": " << json_bool(passed) << "}\n";
     return passed ? kExitOk : kExitError;
   }
   std::cout << "qemu-img compare (view before merge vs base after): " << cmp.output;

@@ -57,7 +57,8 @@ void check_domain(virDomainPtr dom, std::vector<Finding>& out) {
   std::unique_ptr<char, decltype(&free)> xml(virDomainGetXMLDesc(dom, 0), &free);
   if (!xml) return;
   std::unique_ptr<xmlDoc, decltype(&xmlFreeDoc)> doc(
-      xmlReadMemory(xml.get(), int(strlen(xml.get())), "d.xml", nullptr, XML_PARSE_NONET), &xmlFreeDoc);
+      xmlReadMemory(xml.get(), int(strlen(xml.get())), "d.xml", nullptr, XML_PARSE_NONET),
+      &xmlFreeDoc);
   if (!doc) return;
   xmlNodePtr root = xmlDocGetRootElement(doc.get());
   const bool iothreads = xml_child(root, "iothreads") != nullptr;
@@ -70,22 +71,26 @@ void check_domain(virDomainPtr dom, std::vector<Finding>& out) {
     const std::string cache = xml_attr(drv, "cache"), io = xml_attr(drv, "io");
     const std::string subject = "domain " + name + " disk " + dev;
     if (cache.empty() || cache == "writeback" || cache == "default")
-      out.push_back({"warn", subject, "cache mode is writeback (libvirt's default when none is set)",
-                     "a commit job then copies into the host page cache at read speed and the guest's "
-                     "flush waits behind the whole backlog: multi-second stalls. Use cache='none' "
-                     "(io='native'), or run qcommitd, which paces the writeback of the job's target"});
+      out.push_back(
+          {"warn", subject, "cache mode is writeback (libvirt's default when none is set)",
+           "a commit job then copies into the host page cache at read speed and the guest's "
+           "flush waits behind the whole backlog: multi-second stalls. Use cache='none' "
+           "(io='native'), or run qcommitd, which paces the writeback of the job's target"});
     else if (cache == "none" || cache == "directsync")
       out.push_back({"ok", subject, "cache=" + cache + " (O_DIRECT)",
-                     "the queue ahead of the guest is what the job has in flight, which a speed limit governs"});
+                     "the queue ahead of the guest is what the job has in flight, which a speed "
+                     "limit governs"});
     else
       out.push_back({"info", subject, "cache=" + cache, "not a mode qcommit has measured"});
     if ((cache == "none" || cache == "directsync") && io != "native" && io != "io_uring")
-      out.push_back({"info", subject, "io mode is '" + (io.empty() ? std::string("threads") : io) + "'",
-                     "with O_DIRECT, io='native' keeps requests in flight without a thread per request"});
+      out.push_back(
+          {"info", subject, "io mode is '" + (io.empty() ? std::string("threads") : io) + "'",
+           "with O_DIRECT, io='native' keeps requests in flight without a thread per request"});
     if (!iothreads)
-      out.push_back({"info", "domain " + name, "no <iothreads>",
-                     "block jobs and guest I/O share QEMU's main loop; an iothread for the disk keeps "
-                     "the guest's requests moving while a job runs"});
+      out.push_back(
+          {"info", "domain " + name, "no <iothreads>",
+           "block jobs and guest I/O share QEMU's main loop; an iothread for the disk keeps "
+           "the guest's requests moving while a job runs"});
   }
 }
 
@@ -94,16 +99,19 @@ void check_domain(virDomainPtr dom, std::vector<Finding>& out) {
 int cmd_doctor(const Args& args) {
   po::options_description opts("options");
   std::string domain, output = "human", uri = "qemu:///system", socket_path = kDaemonSocket;
-  opts.add_options()("domain", po::value(&domain), "only this domain (default: every running domain)")(
-      "uri", po::value(&uri), "libvirt connection URI")("socket", po::value(&socket_path), "qcommitd's socket")(
-      "output", po::value(&output), "human or json");
+  opts.add_options()("domain", po::value(&domain),
+                     "only this domain (default: every running domain)")("uri", po::value(&uri),
+                                                                         "libvirt connection URI")(
+      "socket", po::value(&socket_path), "qcommitd's socket")("output", po::value(&output),
+                                                              "human or json");
   po::positional_options_description pos;
   pos.add("domain", 1);
   po::variables_map vm;
   if (!parse(args, opts, pos, vm, "qcommit doctor [DOMAIN] [--output=json]",
              "Reads the host's settings and the domains' definitions and says what makes merges\n"
              "stall guests here, each finding with its reason. Writes nothing.\n"
-             "examples:\n  qcommit doctor\n  qcommit doctor vm1 --output=json | jq '.findings[] | select(.level==\"warn\")'\n"))
+             "examples:\n  qcommit doctor\n  qcommit doctor vm1 --output=json | jq '.findings[] | "
+             "select(.level==\"warn\")'\n"))
     return kExitOk;
   const Output out = parse_output(output);
   std::vector<Finding> f;
@@ -114,12 +122,15 @@ int cmd_doctor(const Args& args) {
   const uint64_t dirty_ratio = read_u64("/proc/sys/vm/dirty_ratio");
   if (!dirty_bytes) dirty_bytes = mem * dirty_ratio / 100;
   const double drain_s = double(dirty_bytes) / kAssumedSharedStorageBytesPerS;
-  f.push_back({drain_s > 1 ? "warn" : "ok", "host",
-               "up to " + format_size(dirty_bytes) + " of dirty page cache allowed (vm.dirty_" +
-                   (read_u64("/proc/sys/vm/dirty_bytes") ? "bytes" : "ratio=" + std::to_string(dirty_ratio)) + ")",
-               "at 100 MB/s of shared storage that is " + std::to_string(int(drain_s)) +
-                   " s of writeback a guest's flush can wait behind; lowering vm.dirty_bytes bounds it "
-                   "host-wide, qcommit/qcommitd bound it per merge"});
+  f.push_back(
+      {drain_s > 1 ? "warn" : "ok", "host",
+       "up to " + format_size(dirty_bytes) + " of dirty page cache allowed (vm.dirty_" +
+           (read_u64("/proc/sys/vm/dirty_bytes") ? "bytes"
+                                                 : "ratio=" + std::to_string(dirty_ratio)) +
+           ")",
+       "at 100 MB/s of shared storage that is " + std::to_string(int(drain_s)) +
+           " s of writeback a guest's flush can wait behind; lowering vm.dirty_bytes bounds it "
+           "host-wide, qcommit/qcommitd bound it per merge"});
 
   // Kernel: per-file page cache counts for qcommitd's writeback pacing.
   if (!plugin::cachestat_available())
@@ -136,30 +147,40 @@ int cmd_doctor(const Args& args) {
     if (type != "nfs" && type != "nfs4") continue;
     const std::string subject = "NFS mount " + mnt;
     if (mopts.find("nconnect=") == std::string::npos)
-      f.push_back({"warn", subject, "no nconnect", "one TCP connection serialises the copy and the guests' I/O; nconnect=8..16 spreads them"});
+      f.push_back({"warn", subject, "no nconnect",
+                   "one TCP connection serialises the copy and the guests' I/O; nconnect=8..16 "
+                   "spreads them"});
     if (mopts.find("write=eager") == std::string::npos)
-      f.push_back({"info", subject, "write=eager not set", "with write=eager the client sends writes at once instead of piling dirty pages"});
+      f.push_back(
+          {"info", subject, "write=eager not set",
+           "with write=eager the client sends writes at once instead of piling dirty pages"});
     if (mopts.find(",sync") != std::string::npos || mopts.rfind("sync", 0) == 0)
-      f.push_back({"info", subject, "mounted sync", "every write waits for the server: queues ahead of guests drain slowly"});
+      f.push_back({"info", subject, "mounted sync",
+                   "every write waits for the server: queues ahead of guests drain slowly"});
   }
 
   // QEMU version caveats.
   ProcessResult q = run_process({"qemu-system-x86_64", "--version"});
   int major = 0, minor = 0;
-  if (q.exit_code == 0 && std::sscanf(q.output.c_str(), "QEMU emulator version %d.%d", &major, &minor) == 2) {
+  if (q.exit_code == 0 &&
+      std::sscanf(q.output.c_str(), "QEMU emulator version %d.%d", &major, &minor) == 2) {
     if (major < 8 || (major == 8 && minor < 1))
-      f.push_back({"info", "QEMU " + std::to_string(major) + "." + std::to_string(minor),
-                   "lowering a block job's speed takes effect only after its current sleep (fixed in 8.1)",
-                   "and active commit keeps 16 x 1 MiB requests in flight whatever its speed: with "
-                   "cache=none that is a floor of 16 MiB / bandwidth of added latency"});
+      f.push_back(
+          {"info", "QEMU " + std::to_string(major) + "." + std::to_string(minor),
+           "lowering a block job's speed takes effect only after its current sleep (fixed in 8.1)",
+           "and active commit keeps 16 x 1 MiB requests in flight whatever its speed: with "
+           "cache=none that is a floor of 16 MiB / bandwidth of added latency"});
   }
 
   // qcommitd.
   const bool daemon = qcommitd_answers(socket_path);
-  f.push_back({daemon ? "ok" : "warn", "qcommitd",
-               daemon ? "running (socket " + socket_path + ")" : "not running (no socket at " + socket_path + ")",
-               daemon ? "virsh blockcommit jobs are governed by their pool's budget"
-                      : "virsh blockcommit jobs run unthrottled: start qcommitd (systemctl start qcommitd)"});
+  f.push_back(
+      {daemon ? "ok" : "warn", "qcommitd",
+       daemon ? "running (socket " + socket_path + ")"
+              : "not running (no socket at " + socket_path + ")",
+       daemon
+           ? "virsh blockcommit jobs are governed by their pool's budget"
+           : "virsh blockcommit jobs run unthrottled: start qcommitd (systemctl start qcommitd)"});
 
   // Domains.
   plugin::lv::Conn conn(virConnectOpenReadOnly(uri.c_str()));
@@ -178,13 +199,15 @@ int cmd_doctor(const Args& args) {
   if (out == Output::kJson) {
     std::string js = "{\"findings\": [";
     for (size_t i = 0; i < f.size(); ++i)
-      js += std::string(i ? ", " : "") + "{\"level\": " + json_string(f[i].level) + ", \"subject\": " +
-            json_string(f[i].subject) + ", \"finding\": " + json_string(f[i].text) + ", \"reason\": " +
-            json_string(f[i].reason) + "}";
+      js += std::string(i ? ", " : "") + "{\"level\": " + json_string(f[i].level) +
+            ", \"subject\": " + json_string(f[i].subject) +
+            ", \"finding\": " + json_string(f[i].text) +
+            ", \"reason\": " + json_string(f[i].reason) + "}";
     std::printf("%s]}\n", js.c_str());
   } else {
     for (const auto& x : f)
-      std::printf("[%-4s] %s: %s\n       why: %s\n", x.level.c_str(), x.subject.c_str(), x.text.c_str(), x.reason.c_str());
+      std::printf("[%-4s] %s: %s\n       why: %s\n", x.level.c_str(), x.subject.c_str(),
+                  x.text.c_str(), x.reason.c_str());
   }
   return kExitOk;
 }

@@ -31,14 +31,19 @@ LayerInfo scan_layer(Image& img) {
   while (off < size) {
     qcow2::Run r = img.lookup(off, size - off);
     switch (r.type) {
-      case SubclusterType::kNormal: li.data_bytes += r.length; break;
+      case SubclusterType::kNormal:
+        li.data_bytes += r.length;
+        break;
       case SubclusterType::kCompressed:
         li.data_bytes += r.length;
         li.compressed_bytes += r.length;
         break;
       case SubclusterType::kZeroPlain:
-      case SubclusterType::kZeroAlloc: li.zero_bytes += r.length; break;
-      default: break;
+      case SubclusterType::kZeroAlloc:
+        li.zero_bytes += r.length;
+        break;
+      default:
+        break;
     }
     off += r.length;
   }
@@ -117,7 +122,8 @@ int cmd_info(const Args& args) {
       for (size_t k = 0; k < feats.size(); ++k) js << (k ? ", " : "") << json_string(feats[k]);
       js << "]";
       if (img.backing_name()) js << ", \"backing-filename\": " << json_string(*img.backing_name());
-      if (img.backing_format()) js << ", \"backing-format\": " << json_string(*img.backing_format());
+      if (img.backing_format())
+        js << ", \"backing-format\": " << json_string(*img.backing_format());
       if (img.data_file_name()) js << ", \"data-file\": " << json_string(*img.data_file_name());
       if (img.bitmaps()) js << ", \"bitmaps\": " << img.bitmaps()->nb_bitmaps;
       js << ", \"allocated-data-bytes\": " << li.data_bytes
@@ -125,23 +131,26 @@ int cmd_info(const Args& args) {
          << ", \"compressed-bytes\": " << li.compressed_bytes << "}";
     } else {
       std::cout << "cluster size: " << img.cluster_size() << "\n"
-                << "version: " << h.version << " (compat " << (h.version == 2 ? "0.10" : "1.1") << ")\n"
+                << "version: " << h.version << " (compat " << (h.version == 2 ? "0.10" : "1.1")
+                << ")\n"
                 << "refcount bits: " << img.geometry().refcount_bits() << "\n";
       if (h.incompatible_features & qcow2::kIncompatCompression || h.version == 3)
         std::cout << "compression type: "
-                  << (h.compression_type == qcow2::CompressionType::kZstd ? "zstd" : "zlib") << "\n";
+                  << (h.compression_type == qcow2::CompressionType::kZstd ? "zstd" : "zlib")
+                  << "\n";
       std::cout << "features:";
       for (auto& f : feats) std::cout << " " << f;
       std::cout << (feats.empty() ? " none\n" : "\n");
       if (img.backing_name())
-        std::cout << "backing file: " << *img.backing_name() << " (format: "
-                  << img.backing_format().value_or("probed") << ")\n";
+        std::cout << "backing file: " << *img.backing_name()
+                  << " (format: " << img.backing_format().value_or("probed") << ")\n";
       if (img.data_file_name()) std::cout << "data file: " << *img.data_file_name() << "\n";
       if (h.nb_snapshots) std::cout << "internal snapshots: " << h.nb_snapshots << "\n";
       if (img.bitmaps()) std::cout << "bitmaps: " << img.bitmaps()->nb_bitmaps << "\n";
       std::cout << "allocated data: " << human_size(li.data_bytes) << "\n"
                 << "allocated zeros: " << human_size(li.zero_bytes) << "\n";
-      if (li.compressed_bytes) std::cout << "compressed: " << human_size(li.compressed_bytes) << "\n";
+      if (li.compressed_bytes)
+        std::cout << "compressed: " << human_size(li.compressed_bytes) << "\n";
     }
   }
   if (out == Output::kJson) std::cout << js.str() << "]}\n";

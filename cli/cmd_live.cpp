@@ -33,7 +33,9 @@ namespace qcommit::cli {
 namespace {
 
 std::atomic<bool> g_interrupted{false};
-void on_interrupt(int) { g_interrupted = true; }
+void on_interrupt(int) {
+  g_interrupted = true;
+}
 void wake_timer(int, void*) {}
 
 plugin::TimePoint mono_now() {
@@ -104,8 +106,8 @@ struct LiveBackend {
   plugin::BlockJobControl& ctl;
   // Runs the event loop for at most the given time (1 ms .. kEventWait); false: broken.
   std::function<bool(std::chrono::milliseconds)> wait_events;
-  std::string job_hint;               // where to look at a job left running
-  std::string pivot_hint;             // how to pivot a job left ready
+  std::string job_hint;    // where to look at a job left running
+  std::string pivot_hint;  // how to pivot a job left ready
   // --qmp: give up when the connection stays lost this long; libvirt: wait for libvirtd.
   std::optional<plugin::Duration> give_up_after;
   std::function<std::string()> lost_message;
@@ -157,9 +159,12 @@ int cmd_live(const Args& args) {
       qmp = value("--qmp");
     } else if (is("--strategy")) {
       const std::string s = value("--strategy");
-      if (s == "direct") req.strategy = LiveStrategy::Direct;
-      else if (s == "two-phase") req.strategy = LiveStrategy::TwoPhase;
-      else throw UsageError("--strategy must be two-phase or direct, not '" + s + "'");
+      if (s == "direct")
+        req.strategy = LiveStrategy::Direct;
+      else if (s == "two-phase")
+        req.strategy = LiveStrategy::TwoPhase;
+      else
+        throw UsageError("--strategy must be two-phase or direct, not '" + s + "'");
     } else if (is("--overlay-dir")) {
       overlay_dir = value("--overlay-dir");
     } else if (a == "--pivot") {
@@ -202,11 +207,12 @@ int cmd_live(const Args& args) {
   // two would fight over their speed. qcommitd wins; we refuse before touching anything.
   // (qcommitd governs libvirt's domains only: a QEMU reached with --qmp is not among them.)
   if (qmp.empty() && !dry_run && qcommitd_answers(daemon_socket)) {
-    std::fprintf(stderr,
-                 "qcommit live: %s: qcommitd is running (%s) and governs every block job; start the "
-                 "merge with 'virsh blockcommit %s %s --active --pivot' and let it govern, or stop "
-                 "qcommitd to use qcommit live\n",
-                 pos[0].c_str(), daemon_socket.c_str(), pos[0].c_str(), pos[1].c_str());
+    std::fprintf(
+        stderr,
+        "qcommit live: %s: qcommitd is running (%s) and governs every block job; start the "
+        "merge with 'virsh blockcommit %s %s --active --pivot' and let it govern, or stop "
+        "qcommitd to use qcommit live\n",
+        pos[0].c_str(), daemon_socket.c_str(), pos[0].c_str(), pos[1].c_str());
     return kExitError;
   }
   req.domain = qmp.empty() ? pos[0] : "";
@@ -216,8 +222,8 @@ int cmd_live(const Args& args) {
   cfg.uri = uri;
   cfg.defaults.budget = qcommit::cli::parse_duration(budget, "--budget");
   if (auto e = cfg.defaults.validate()) throw UsageError(*e);
-  req.initial_speed_bytes_per_s = static_cast<std::uint64_t>(
-      cfg.defaults.controller_config().initial_rate_bytes_per_s);
+  req.initial_speed_bytes_per_s =
+      static_cast<std::uint64_t>(cfg.defaults.controller_config().initial_rate_bytes_per_s);
 
   std::unique_ptr<LibvirtHypervisor> lv;
   std::unique_ptr<QmpHypervisor> qm;
@@ -299,7 +305,8 @@ int cmd_live(const Args& args) {
                      ", \"disk\": " + json_string(req.disk) + ", \"strategy\": \"" +
                      to_string(req.strategy) + "\", \"budget\": " + json_string(budget) +
                      ", \"dry-run\": " + json_bool(dry_run) + ", \"steps\": [";
-    for (size_t i = 0; i < steps.size(); ++i) js += (i ? ", " : "") + json_string(steps[i].describe());
+    for (size_t i = 0; i < steps.size(); ++i)
+      js += (i ? ", " : "") + json_string(steps[i].describe());
     std::printf("%s]}\n", js.c_str());
   } else {
     std::printf("qcommit live: %s %s, strategy %s, budget %s\n", req.domain.c_str(),
@@ -358,7 +365,7 @@ int run_live(LiveBackend& be, const plugin::LiveRequest& req,
   Governor gov(hv, files, cfg, opt);
   LiveMerge merge(be.ctl, hv, steps, req);
 
-  struct sigaction sa{};
+  struct sigaction sa {};
   sa.sa_handler = on_interrupt;
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
@@ -402,25 +409,31 @@ int run_live(LiveBackend& be, const plugin::LiveRequest& req,
       const GovernorStatus st = gov.status(now);
       for (const auto& j : st.jobs) {
         if (json) {
-          std::printf("{\"event\": \"progress\", \"type\": \"%s\", \"bytes-left\": %llu, "
-                      "\"speed\": %llu, \"window\": %llu, \"p99-ms\": %s, \"phase\": %s}\n",
-                      to_string(j.type), static_cast<unsigned long long>(j.bytes_left),
-                      static_cast<unsigned long long>(j.speed_bytes_per_s),
-                      static_cast<unsigned long long>(j.window_bytes),
-                      j.latency_p99 ? std::to_string(std::chrono::duration<double, std::milli>(
-                                                         *j.latency_p99).count()).c_str()
-                                    : "null",
-                      json_string(j.phase).c_str());
+          std::printf(
+              "{\"event\": \"progress\", \"type\": \"%s\", \"bytes-left\": %llu, "
+              "\"speed\": %llu, \"window\": %llu, \"p99-ms\": %s, \"phase\": %s}\n",
+              to_string(j.type), static_cast<unsigned long long>(j.bytes_left),
+              static_cast<unsigned long long>(j.speed_bytes_per_s),
+              static_cast<unsigned long long>(j.window_bytes),
+              j.latency_p99 ? std::to_string(
+                                  std::chrono::duration<double, std::milli>(*j.latency_p99).count())
+                                  .c_str()
+                            : "null",
+              json_string(j.phase).c_str());
           std::fflush(stdout);
           continue;
         }
-        std::fprintf(stderr, "  %s: %llu bytes left, speed %.1f MiB/s, window %llu KiB, p99 %s, %s\n",
+        std::fprintf(stderr,
+                     "  %s: %llu bytes left, speed %.1f MiB/s, window %llu KiB, p99 %s, %s\n",
                      to_string(j.type), static_cast<unsigned long long>(j.bytes_left),
                      static_cast<double>(j.speed_bytes_per_s) / 1048576.0,
                      static_cast<unsigned long long>(j.window_bytes / 1024),
-                     j.latency_p99 ? (std::to_string(std::chrono::duration<double, std::milli>(
-                                                         *j.latency_p99).count()) + " ms").c_str()
-                                   : "-",
+                     j.latency_p99
+                         ? (std::to_string(
+                                std::chrono::duration<double, std::milli>(*j.latency_p99).count()) +
+                            " ms")
+                               .c_str()
+                         : "-",
                      j.phase.c_str());
       }
     }
@@ -435,8 +448,9 @@ int run_live(LiveBackend& be, const plugin::LiveRequest& req,
   }
   if (g_interrupted) {
     gov.release_all();
-    std::fprintf(stderr, "qcommit live: interrupted at step %zu; the running block job (if any) "
-                         "continues at a finishing speed: see %s\n",
+    std::fprintf(stderr,
+                 "qcommit live: interrupted at step %zu; the running block job (if any) "
+                 "continues at a finishing speed: see %s\n",
                  merge.current() + 1, be.job_hint.c_str());
     return kExitError;
   }

@@ -53,14 +53,16 @@ int cmd_map(const Args& args) {
     for (const auto& e : entries) {
       const char* kind = e.data ? (e.compressed ? "compressed" : (e.zero ? "data/zero" : "data"))
                                 : (e.zero ? (e.present ? "zero" : "hole") : "backing");
-      std::string mapped = e.offset ? "0x" + [&] {
-        char h[24];
-        std::snprintf(h, sizeof h, "%" PRIx64, *e.offset);
-        return std::string(h);
-      }() : "-";
+      std::string mapped = e.offset ? "0x" +
+                                          [&] {
+                                            char h[24];
+                                            std::snprintf(h, sizeof h, "%" PRIx64, *e.offset);
+                                            return std::string(h);
+                                          }()
+                                    : "-";
       const auto& L = chain.layer(e.depth);
-      std::string file = e.offset && L.qcow2 && L.qcow2->has_data_file()
-                             ? L.qcow2->data_device().name() : L.path;
+      std::string file =
+          e.offset && L.qcow2 && L.qcow2->has_data_file() ? L.qcow2->data_device().name() : L.path;
       n = std::snprintf(line, sizeof line, "0x%-18" PRIx64 "0x%-18" PRIx64 "%-7u%-10s%-20s%s\n",
                         e.start, e.length, e.depth, kind, mapped.c_str(),
                         e.present ? file.c_str() : "-");

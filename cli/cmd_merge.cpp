@@ -7,11 +7,11 @@
 #include <filesystem>
 #include <iostream>
 
+#include "cli/domain_merge.h"
 #include "cli/json.h"
+#include "cli/merge_policy.h"
 #include "cli/options.h"
 #include "cli/units.h"
-#include "cli/domain_merge.h"
-#include "cli/merge_policy.h"
 #include "engine/merge.h"
 #include "qcow2/chain.h"
 #include "qcow2/error.h"
@@ -45,7 +45,8 @@ struct DryRunExtras {
 // The read-only part of the engine's check of --rebase CHILD: each child's backing file is TOP
 // (or, when an interrupted run of this merge is to be resumed, BASE already).
 void check_rebase_children(const engine::MergeOptions& mo, const engine::MergePlan& plan) {
-  struct stat top_st {}, base_st {};
+  struct stat top_st {
+  }, base_st{};
   if (::stat(mo.top.c_str(), &top_st) != 0) throw qcow2::Error(mo.top, "cannot stat it");
   const bool base_known = ::stat(plan.base.c_str(), &base_st) == 0;
   auto same = [](const struct stat& a, const std::string& path) {
@@ -58,8 +59,10 @@ void check_rebase_children(const engine::MergeOptions& mo, const engine::MergePl
     o.allowed_backing_dirs.push_back(std::filesystem::absolute(child).parent_path().string());
     const qcow2::Chain c = qcow2::Chain::open(child, o);
     const bool on_top = c.depth() >= 2 && same(top_st, c.layer(1).path);
-    const bool rebased_before = plan.resume_from && base_known && c.depth() >= 2 && same(base_st, c.layer(1).path);
-    if (!on_top && !rebased_before) throw qcow2::Error(child, "its backing file is not " + mo.top + "; refusing to rebase it");
+    const bool rebased_before =
+        plan.resume_from && base_known && c.depth() >= 2 && same(base_st, c.layer(1).path);
+    if (!on_top && !rebased_before)
+      throw qcow2::Error(child, "its backing file is not " + mo.top + "; refusing to rebase it");
   }
 }
 
@@ -72,31 +75,40 @@ void print_dry_run(Output out, const engine::MergePlan& p, bool del, const DryRu
       for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + json_string(v[i]);
       return s + "]";
     };
-    std::string js = "{\"event\": \"dry-run\", \"top\": " + json_string(top) + ", \"base\": " + json_string(p.base);
+    std::string js = "{\"event\": \"dry-run\", \"top\": " + json_string(top) +
+                     ", \"base\": " + json_string(p.base);
     js += ", \"layers\": " + list(p.layers);
-    js += ", \"data-bytes\": " + std::to_string(p.data_bytes) + ", \"zero-bytes\": " + std::to_string(p.zero_bytes);
+    js += ", \"data-bytes\": " + std::to_string(p.data_bytes) +
+          ", \"zero-bytes\": " + std::to_string(p.zero_bytes);
     js += std::string(", \"grow-base\": ") + json_bool(p.top_size > p.base_size);
     js += ", \"rebase\": " + list(p.rebase);
     js += ", \"delete\": " + list(del ? p.layers : std::vector<std::string>{});
-    js += ", \"definition\": " + (extra.definition.empty() ? std::string("null") : json_string(extra.definition));
-    js += ", \"resume-from\": " + (p.resume_from ? std::to_string(*p.resume_from) : std::string("null"));
+    js += ", \"definition\": " +
+          (extra.definition.empty() ? std::string("null") : json_string(extra.definition));
+    js += ", \"resume-from\": " +
+          (p.resume_from ? std::to_string(*p.resume_from) : std::string("null"));
     js += std::string(", \"written\": false}\n");
     std::fputs(js.c_str(), stdout);
     return;
   }
   std::printf("would merge %s into %s (nothing written)\n", top.c_str(), p.base.c_str());
-  if (extra.journal) std::printf("  would finish the interrupted merge recorded in the domain's definition\n");
+  if (extra.journal)
+    std::printf("  would finish the interrupted merge recorded in the domain's definition\n");
   for (size_t i = 1; i < p.layers.size(); ++i) std::printf("  through %s\n", p.layers[i].c_str());
   if (p.top_size > p.base_size)
     std::printf("  would grow %s from %s to %s\n", p.base.c_str(), format_size(p.base_size).c_str(),
                 format_size(p.top_size).c_str());
   if (p.data_bytes || p.zero_bytes || p.extents)
-    std::printf("  would copy %s in %zu extents and zero %s\n", format_size(p.data_bytes).c_str(), p.extents,
-                format_size(p.zero_bytes).c_str());
-  if (p.base_bitmaps) std::printf("  would remove %u persistent bitmaps of %s\n", p.base_bitmaps, p.base.c_str());
-  if (p.resume_from) std::printf("  would resume an interrupted run at %s\n", format_size(*p.resume_from).c_str());
-  for (const auto& c : p.rebase) std::printf("  would rebase %s onto %s\n", c.c_str(), p.base.c_str());
-  if (!extra.definition.empty()) std::printf("  would update the definition: %s\n", extra.definition.c_str());
+    std::printf("  would copy %s in %zu extents and zero %s\n", format_size(p.data_bytes).c_str(),
+                p.extents, format_size(p.zero_bytes).c_str());
+  if (p.base_bitmaps)
+    std::printf("  would remove %u persistent bitmaps of %s\n", p.base_bitmaps, p.base.c_str());
+  if (p.resume_from)
+    std::printf("  would resume an interrupted run at %s\n", format_size(*p.resume_from).c_str());
+  for (const auto& c : p.rebase)
+    std::printf("  would rebase %s onto %s\n", c.c_str(), p.base.c_str());
+  if (!extra.definition.empty())
+    std::printf("  would update the definition: %s\n", extra.definition.c_str());
   if (del)
     for (const auto& l : p.layers) std::printf("  would delete %s\n", l.c_str());
 }
@@ -114,54 +126,73 @@ int cmd_merge(const Args& args) {
   bool dry_run = false;
   std::string lock_wait = kDefaultLockWait;
   opts.add_options()("top", po::value(&top), "the image to merge (TOP)")(
-      "domain", po::value(&domain), "a shut-off libvirt domain whose disk chain to merge (with --disk)")(
-      "disk", po::value(&disk), "the domain's disk target, e.g. vda (TOP defaults to its active layer)")(
+      "domain", po::value(&domain),
+      "a shut-off libvirt domain whose disk chain to merge (with --disk)")(
+      "disk", po::value(&disk),
+      "the domain's disk target, e.g. vda (TOP defaults to its active layer)")(
       "pool", po::value(&pool), "storage pool of the volume to merge (with --vol)")(
       "vol", po::value(&vol), "volume name in --pool to merge into its backing file")(
       "connect,c", po::value(&uri), "libvirt connection URI (default qemu:///system)")(
       "uri", po::value(&uri), "the same as --connect")(
       "dry-run", po::bool_switch(&dry_run),
-      "resolve and check everything, print what the merge would do (copy, rebase, delete, definition), write nothing")(
-      "base", po::value(&base), "merge into this image of TOP's chain (default: TOP's backing file)")(
-      "rebase", po::value(&rebase)->multitoken(), "images whose backing file is TOP: point them at BASE")(
+      "resolve and check everything, print what the merge would do (copy, rebase, delete, "
+      "definition), write nothing")(
+      "base", po::value(&base),
+      "merge into this image of TOP's chain (default: TOP's backing file)")(
+      "rebase", po::value(&rebase)->multitoken(),
+      "images whose backing file is TOP: point them at BASE")(
       "delete", po::bool_switch(&del), "remove TOP and the intermediates afterwards")(
       "wait", po::value(&lock_wait),
-      "wait this long for another process (qemu-img info, a backup tool) to release an image, e.g. 30s; 0: refuse at "
+      "wait this long for another process (qemu-img info, a backup tool) to release an image, e.g. "
+      "30s; 0: refuse at "
       "once (default 10s; a running guest is never waited for)")(
       "budget", po::value(&budget),
-      "added-latency budget for co-tenants, e.g. 20ms, or 'off' (default: the policy of BASE's pool in the "
+      "added-latency budget for co-tenants, e.g. 20ms, or 'off' (default: the policy of BASE's "
+      "pool in the "
       "qcommitd configuration, else its [default], else 20ms)")(
-      "config", po::value(&config_path), "qcommitd configuration with the per-pool policies (default /etc/qcommit/qcommitd.conf)")(
+      "config", po::value(&config_path),
+      "qcommitd configuration with the per-pool policies (default /etc/qcommit/qcommitd.conf)")(
       "cotenants", po::value(&cotenants),
-      "on (default): the block stats of running guests on BASE's storage (libvirt) join the probe; off")(
-      "verbose,v", po::bool_switch(&verbose), "say also why co-tenants are off")(
-      "no-direct", po::bool_switch(&no_direct), "buffered writes with bounded dirty data, large requests too (--budget off default: large O_DIRECT, small buffered)")(
-      "direct", po::bool_switch(&force_direct), "O_DIRECT writes where the filesystem allows (default with a budget)")(
-      "trace", po::value(&trace), "write one CSV row per controller tick to this file (see scripts/plot-trace)")(
-      "probe", po::value(&probe), "on (default): time a 4 KiB O_DSYNC write on the target's filesystem each tick; off")(
+      "on (default): the block stats of running guests on BASE's storage (libvirt) join the probe; "
+      "off")("verbose,v", po::bool_switch(&verbose), "say also why co-tenants are off")(
+      "no-direct", po::bool_switch(&no_direct),
+      "buffered writes with bounded dirty data, large requests too (--budget off default: large "
+      "O_DIRECT, small buffered)")(
+      "direct", po::bool_switch(&force_direct),
+      "O_DIRECT writes where the filesystem allows (default with a budget)")(
+      "trace", po::value(&trace),
+      "write one CSV row per controller tick to this file (see scripts/plot-trace)")(
+      "probe", po::value(&probe),
+      "on (default): time a 4 KiB O_DSYNC write on the target's filesystem each tick; off")(
       "output", po::value(&output), "human or json (JSON lines: progress events and the result)");
   std::vector<std::string> allow_dirs;
   add_backing_policy(opts, allow_dirs);
   po::positional_options_description pos;
   pos.add("top", 1);
   po::variables_map vm;
-  if (!parse(args, opts, pos, vm,
-             "qcommit merge TOP [--base BASE] [--rebase CHILD...] [--delete] [--budget DURATION|off]\n"
-             "              [--config FILE] [--connect URI] [--cotenants on|off] [--probe on|off] [--trace FILE.csv]\n"
-             "              [--dry-run]",
-             "examples:\n"
-             "  qcommit merge snap1.qcow2                      # into snap1's backing file\n"
-             "  qcommit merge snap2.qcow2 --base base.qcow2 --rebase snap3.qcow2\n"
-             "  qcommit merge snap.qcow2 --budget off --output=json\n"
-             "  qcommit merge snap2.qcow2 --rebase snap3.qcow2 --delete --dry-run   # what it would do, nothing written\n"
-             "  qcommit merge --domain vm1 --disk vda           # shut-off domain: merge and redefine\n"
-             "  qcommit merge --pool default --vol vm1-snap.qcow2\n"
-             "\nAfter a crash or kill, run the same command again: it resumes from its checkpoint.\n"))
+  if (!parse(
+          args, opts, pos, vm,
+          "qcommit merge TOP [--base BASE] [--rebase CHILD...] [--delete] [--budget DURATION|off]\n"
+          "              [--config FILE] [--connect URI] [--cotenants on|off] [--probe on|off] "
+          "[--trace FILE.csv]\n"
+          "              [--dry-run]",
+          "examples:\n"
+          "  qcommit merge snap1.qcow2                      # into snap1's backing file\n"
+          "  qcommit merge snap2.qcow2 --base base.qcow2 --rebase snap3.qcow2\n"
+          "  qcommit merge snap.qcow2 --budget off --output=json\n"
+          "  qcommit merge snap2.qcow2 --rebase snap3.qcow2 --delete --dry-run   # what it would "
+          "do, nothing written\n"
+          "  qcommit merge --domain vm1 --disk vda           # shut-off domain: merge and "
+          "redefine\n"
+          "  qcommit merge --pool default --vol vm1-snap.qcow2\n"
+          "\nAfter a crash or kill, run the same command again: it resumes from its checkpoint.\n"))
     return kExitOk;
   const Output out = parse_output(output);
-  if (dry_run && !trace.empty()) throw UsageError("--trace records a merge as it runs; a dry run runs none (drop --trace)");
+  if (dry_run && !trace.empty())
+    throw UsageError("--trace records a merge as it runs; a dry run runs none (drop --trace)");
   const bool via_libvirt = !domain.empty() || !pool.empty();
-  if (!via_libvirt && top.empty()) throw UsageError("give TOP, or --domain DOM --disk DEV, or --pool P --vol V");
+  if (!via_libvirt && top.empty())
+    throw UsageError("give TOP, or --domain DOM --disk DEV, or --pool P --vol V");
   if (!domain.empty() && disk.empty()) throw UsageError("--domain needs --disk");
   if (!pool.empty() != !vol.empty()) throw UsageError("--pool and --vol go together");
   engine::MergeOptions mo;
@@ -170,7 +201,8 @@ int cmd_merge(const Args& args) {
   mo.rebase = rebase;
   if (!top.empty()) mo.allowed_backing_dirs = backing_policy(top, allow_dirs);
   mo.delete_merged = del;
-  mo.lock_wait = lock_wait == "0" ? std::chrono::nanoseconds::zero() : parse_duration(lock_wait, "--wait");
+  mo.lock_wait =
+      lock_wait == "0" ? std::chrono::nanoseconds::zero() : parse_duration(lock_wait, "--wait");
   mo.on_lock_wait = [out](const std::string& message) {
     if (out == Output::kJson)
       std::printf("{\"event\": \"wait\", \"message\": %s}\n", json_string(message).c_str());
@@ -183,8 +215,8 @@ int cmd_merge(const Args& args) {
   // page cache), small ones buffered with writeback started at once, which lets the kernel merge
   // and queue small random writes deeper than our threads do (see scripts/bench-merge).
   if (no_direct && force_direct) throw UsageError("--direct and --no-direct exclude each other");
-  mo.write_mode = force_direct ? engine::WriteMode::kDirect
-                  : no_direct  ? engine::WriteMode::kBuffered
+  mo.write_mode = force_direct      ? engine::WriteMode::kDirect
+                  : no_direct       ? engine::WriteMode::kBuffered
                   : budget != "off" ? engine::WriteMode::kDirect
                                     : engine::WriteMode::kAuto;
   const bool governed = budget != "off";
@@ -192,7 +224,8 @@ int cmd_merge(const Args& args) {
   if (governed) {
     if (!budget.empty()) popts.budget = parse_duration(budget);
     if (probe != "on" && probe != "off") throw UsageError("--probe must be 'on' or 'off'");
-    if (cotenants != "on" && cotenants != "off") throw UsageError("--cotenants must be 'on' or 'off'");
+    if (cotenants != "on" && cotenants != "off")
+      throw UsageError("--cotenants must be 'on' or 'off'");
     popts.config_path = config_path;
     popts.config_given = vm.count("config") > 0;
     popts.uri = uri;
@@ -212,12 +245,15 @@ int cmd_merge(const Args& args) {
     if (out == Output::kJson) {
       std::printf("{\"event\": \"policy\", %s}\n", policy->json_fields().c_str());
       if (policy->cotenant_state != "on")
-        std::printf("{\"event\": \"note\", \"message\": %s}\n", json_string(policy->cotenant_line()).c_str());
-      for (const auto& n : policy->notes) std::printf("{\"event\": \"note\", \"message\": %s}\n", json_string(n).c_str());
+        std::printf("{\"event\": \"note\", \"message\": %s}\n",
+                    json_string(policy->cotenant_line()).c_str());
+      for (const auto& n : policy->notes)
+        std::printf("{\"event\": \"note\", \"message\": %s}\n", json_string(n).c_str());
       std::fflush(stdout);
     } else {
       std::printf("%s\n", policy->budget_line().c_str());
-      if (verbose || !policy->cotenant_disks.empty()) std::printf("%s\n", policy->cotenant_line().c_str());
+      if (verbose || !policy->cotenant_disks.empty())
+        std::printf("%s\n", policy->cotenant_line().c_str());
       std::fflush(stdout);
       for (const auto& n : policy->notes) std::fprintf(stderr, "%s\n", n.c_str());
     }
@@ -234,12 +270,13 @@ int cmd_merge(const Args& args) {
     print_dry_run(out, plan, del, {});
     return kExitOk;
   }
-  if (governed && !via_libvirt) mo.governor = governor_for(merge_base_of(top, mo.base, mo.allowed_backing_dirs));
+  if (governed && !via_libvirt)
+    mo.governor = governor_for(merge_base_of(top, mo.base, mo.allowed_backing_dirs));
   const bool tty = isatty(2) && out == Output::kHuman;
   mo.on_progress = [&](const engine::Progress& p) {
     if (out == Output::kJson) {
-      std::printf("{\"event\": \"progress\", \"phase\": \"%s\", \"done\": %" PRIu64 ", \"total\": %" PRIu64
-                  ", \"rate\": %.0f, \"elapsed\": %.3f}\n",
+      std::printf("{\"event\": \"progress\", \"phase\": \"%s\", \"done\": %" PRIu64
+                  ", \"total\": %" PRIu64 ", \"rate\": %.0f, \"elapsed\": %.3f}\n",
                   p.phase.c_str(), p.done_bytes, p.total_bytes, p.rate_bps, p.elapsed_s);
       std::fflush(stdout);
     } else if (tty && p.phase == "copy") {
@@ -258,8 +295,11 @@ int cmd_merge(const Args& args) {
     if (!base.empty()) req.base = base;
     req.dry_run = dry_run;
     req.merge = mo;
-    if (!top.empty()) req.merge.allowed_backing_dirs = backing_policy(top, allow_dirs);
-    else req.merge.allowed_backing_dirs = allow_dirs.empty() ? std::vector<std::string>{"/"} : allow_dirs;
+    if (!top.empty())
+      req.merge.allowed_backing_dirs = backing_policy(top, allow_dirs);
+    else
+      req.merge.allowed_backing_dirs =
+          allow_dirs.empty() ? std::vector<std::string>{"/"} : allow_dirs;
     if (governed && !dry_run) {
       // --domain hands over BASE; --pool/--vol hands over TOP (the volume).
       req.make_governor = [&, dirs = req.merge.allowed_backing_dirs](const std::string& target) {
@@ -281,8 +321,9 @@ int cmd_merge(const Args& args) {
       }
       if (governed && !dr.base.empty()) announce_policy(dr.base);
       DryRunExtras extra;
-      extra.definition = dr.would_update_definition ? "disk " + disk + " of domain " + domain + " would use " + dr.base
-                                                    : std::string();
+      extra.definition = dr.would_update_definition
+                             ? "disk " + disk + " of domain " + domain + " would use " + dr.base
+                             : std::string();
       extra.journal = dr.finished_earlier_run;
       if (dr.plan) {
         print_dry_run(out, *dr.plan, dr.would_delete, extra);
@@ -295,7 +336,8 @@ int cmd_merge(const Args& args) {
       return kExitOk;
     }
     for (auto& s : dr.snapshot_metadata_removed) note("removed metadata of snapshot '" + s + "'");
-    if (dr.definition_updated) note("domain definition updated: disk " + disk + " now uses " + dr.base);
+    if (dr.definition_updated)
+      note("domain definition updated: disk " + disk + " now uses " + dr.base);
     for (auto& p : dr.pools_refreshed) note("refreshed storage pool " + p);
     r = dr.merge;
     if (r.top.empty()) {
@@ -307,8 +349,10 @@ int cmd_merge(const Args& args) {
   }
   if (tty) std::fputs("\n", stderr);
   if (out == Output::kJson) {
-    std::string js = "{\"event\": \"result\", \"top\": " + json_string(r.top) + ", \"base\": " + json_string(r.base);
-    js += ", \"copied\": " + std::to_string(r.copied_bytes) + ", \"zeroed\": " + std::to_string(r.zeroed_bytes);
+    std::string js = "{\"event\": \"result\", \"top\": " + json_string(r.top) +
+                     ", \"base\": " + json_string(r.base);
+    js += ", \"copied\": " + std::to_string(r.copied_bytes) +
+          ", \"zeroed\": " + std::to_string(r.zeroed_bytes);
     js += std::string(", \"resumed\": ") + json_bool(r.resumed);
     js += ", \"resumed-from\": " + std::to_string(r.resumed_from);
     js += ", \"leaks-repaired\": " + std::to_string(r.leaks_repaired);
@@ -317,19 +361,21 @@ int cmd_merge(const Args& args) {
     if (policy) {
       const engine::CotenantStats cs = governor->cotenant_stats();
       char c[200];
-      std::snprintf(c, sizeof c,
-                    ", \"budget-ms\": %g, \"budget-source\": %s, \"cotenant-samples\": %llu, "
-                    "\"cotenant-disks-max\": %zu, \"cotenant-max-ms\": %.3f",
-                    std::chrono::duration<double, std::milli>(policy->resolution.policy.budget).count(),
-                    json_string(plugin::to_string(policy->resolution.source)).c_str(),
-                    static_cast<unsigned long long>(cs.samples), cs.max_disks,
-                    std::chrono::duration<double, std::milli>(cs.max_latency).count());
+      std::snprintf(
+          c, sizeof c,
+          ", \"budget-ms\": %g, \"budget-source\": %s, \"cotenant-samples\": %llu, "
+          "\"cotenant-disks-max\": %zu, \"cotenant-max-ms\": %.3f",
+          std::chrono::duration<double, std::milli>(policy->resolution.policy.budget).count(),
+          json_string(plugin::to_string(policy->resolution.source)).c_str(),
+          static_cast<unsigned long long>(cs.samples), cs.max_disks,
+          std::chrono::duration<double, std::milli>(cs.max_latency).count());
       js += c;
     } else {
       js += ", \"budget-ms\": null, \"budget-source\": \"off\"";
     }
     char t[160];
-    std::snprintf(t, sizeof t, ", \"copy-seconds\": %.3f, \"switch-seconds\": %.6f, \"total-seconds\": %.3f",
+    std::snprintf(t, sizeof t,
+                  ", \"copy-seconds\": %.3f, \"switch-seconds\": %.6f, \"total-seconds\": %.3f",
                   r.copy_seconds, r.switch_seconds, r.total_seconds);
     js += t;
     js += ", \"rebased\": [";
@@ -339,15 +385,22 @@ int cmd_merge(const Args& args) {
     js += "]}\n";
     std::fputs(js.c_str(), stdout);
   } else {
-    std::printf("merged %s into %s: %s copied, %s zeroed in %.2fs (%s)\n", r.top.c_str(), r.base.c_str(),
-                format_size(r.copied_bytes).c_str(), format_size(r.zeroed_bytes).c_str(), r.copy_seconds,
+    std::printf("merged %s into %s: %s copied, %s zeroed in %.2fs (%s)\n", r.top.c_str(),
+                r.base.c_str(), format_size(r.copied_bytes).c_str(),
+                format_size(r.zeroed_bytes).c_str(), r.copy_seconds,
                 !r.direct_io ? "buffered, bounded dirty data"
-                : mo.write_mode == engine::WriteMode::kAuto ? "O_DIRECT for large requests, buffered for small"
-                                                           : "O_DIRECT");
+                : mo.write_mode == engine::WriteMode::kAuto
+                    ? "O_DIRECT for large requests, buffered for small"
+                    : "O_DIRECT");
     if (r.resumed)
-      std::printf("resumed an interrupted run (from offset %s)\n", format_size(r.resumed_from).c_str());
-    if (r.leaks_repaired) std::printf("repaired %" PRIu64 " leaked clusters left by the interrupted run\n", r.leaks_repaired);
-    if (r.bitmaps_removed) std::printf("removed %zu persistent bitmaps from the base (they would be stale)\n", r.bitmaps_removed);
+      std::printf("resumed an interrupted run (from offset %s)\n",
+                  format_size(r.resumed_from).c_str());
+    if (r.leaks_repaired)
+      std::printf("repaired %" PRIu64 " leaked clusters left by the interrupted run\n",
+                  r.leaks_repaired);
+    if (r.bitmaps_removed)
+      std::printf("removed %zu persistent bitmaps from the base (they would be stale)\n",
+                  r.bitmaps_removed);
     for (auto& c : r.rebased) std::printf("rebased %s onto %s\n", c.c_str(), r.base.c_str());
     for (auto& d : r.deleted) std::printf("deleted %s\n", d.c_str());
     std::printf("switch-over took %.3f ms\n", r.switch_seconds * 1000);

@@ -29,7 +29,8 @@ double measure_write_bandwidth(const std::string& dir) {
   const std::string path = dir + "/.qcommit-measure-" + std::to_string(getpid());
   int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_DIRECT | O_CLOEXEC, 0600);
   if (fd < 0) fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_DSYNC | O_CLOEXEC, 0600);
-  if (fd < 0) throw std::runtime_error(path + ": cannot create measurement file: " + std::strerror(errno));
+  if (fd < 0)
+    throw std::runtime_error(path + ": cannot create measurement file: " + std::strerror(errno));
   ::unlink(path.c_str());
   void* mem = nullptr;
   if (posix_memalign(&mem, 4096, kMeasureChunk) != 0) {
@@ -65,22 +66,28 @@ int cmd_plan(const Args& args) {
   std::vector<std::string> rebase, allow_dirs;
   bool measure = false;
   opts.add_options()("top", po::value(&top)->required(), "the image to merge (TOP)")(
-      "base", po::value(&base), "merge into this image of TOP's chain (default: TOP's backing file)")(
+      "base", po::value(&base),
+      "merge into this image of TOP's chain (default: TOP's backing file)")(
       "rebase", po::value(&rebase)->multitoken(), "children of TOP that would be rebased")(
       "rate", po::value(&rate), "expected copy rate for the ETA, e.g. 80M (per second)")(
       "measure", po::bool_switch(&measure),
       "measure the target's sequential write bandwidth for the ETA (writes 32 MiB beside BASE)")(
-      "budget", po::value(&budget), "the budget the merge would be given on the command line (20ms, off)")(
-      "config", po::value(&config_path), "qcommitd configuration with the per-pool policies (default /etc/qcommit/qcommitd.conf)")(
-      "connect,c", po::value(&uri), "libvirt connection URI for the pool of BASE and its co-tenants (default qemu:///system)")(
-      "uri", po::value(&uri), "the same as --connect")(
-      "output", po::value(&output), "human or json");
+      "budget", po::value(&budget),
+      "the budget the merge would be given on the command line (20ms, off)")(
+      "config", po::value(&config_path),
+      "qcommitd configuration with the per-pool policies (default /etc/qcommit/qcommitd.conf)")(
+      "connect,c", po::value(&uri),
+      "libvirt connection URI for the pool of BASE and its co-tenants (default qemu:///system)")(
+      "uri", po::value(&uri), "the same as --connect")("output", po::value(&output),
+                                                       "human or json");
   add_backing_policy(opts, allow_dirs);
   po::positional_options_description pos;
   pos.add("top", 1);
   po::variables_map vm;
-  if (!parse(args, opts, pos, vm, "qcommit plan TOP [--base BASE] [--rebase CHILD...] [--rate R | --measure]",
-             "examples:\n  qcommit plan snap.qcow2\n  qcommit plan snap2.qcow2 --base base.qcow2 --measure\n"))
+  if (!parse(args, opts, pos, vm,
+             "qcommit plan TOP [--base BASE] [--rebase CHILD...] [--rate R | --measure]",
+             "examples:\n  qcommit plan snap.qcow2\n  qcommit plan snap2.qcow2 --base base.qcow2 "
+             "--measure\n"))
     return kExitOk;
   const Output out = parse_output(output);
   engine::MergeOptions mo;
@@ -129,8 +136,10 @@ int cmd_plan(const Args& args) {
     for (size_t i = 0; i < p.rebase.size(); ++i) js += (i ? ", " : "") + json_string(p.rebase[i]);
     js += "]";
     if (p.resume_from) js += ", \"resume-from\": " + std::to_string(*p.resume_from);
-    if (policy) js += ", " + policy->json_fields();
-    else js += ", \"budget-ms\": null, \"budget-source\": \"off\"";
+    if (policy)
+      js += ", " + policy->json_fields();
+    else
+      js += ", \"budget-ms\": null, \"budget-source\": \"off\"";
     if (bw > 0) {
       char b[96];
       std::snprintf(b, sizeof b, ", \"rate\": %.0f, \"eta-seconds\": %.1f", bw, eta);
@@ -149,21 +158,28 @@ int cmd_plan(const Args& args) {
     std::printf("  %-8s %s\n", i == 0 ? "top" : "through", shown(p.layers[i]).c_str());
   std::printf("  %-8s %s (%s)\n", "into", shown(p.base).c_str(), p.base_format.c_str());
   if (p.top_size > p.base_size)
-    std::printf("  base grows from %s to %s first\n", format_size(p.base_size).c_str(), format_size(p.top_size).c_str());
-  std::printf("data to copy:   %s in %zu extents%s\n", format_size(p.data_bytes).c_str(), p.extents,
-              p.compressed_bytes ? (" (" + format_size(p.compressed_bytes) + " compressed)").c_str() : "");
-  std::printf("zero ranges:    %s (zero flags on a qcow2 v3 base, holes on raw)\n", format_size(p.zero_bytes).c_str());
+    std::printf("  base grows from %s to %s first\n", format_size(p.base_size).c_str(),
+                format_size(p.top_size).c_str());
+  std::printf(
+      "data to copy:   %s in %zu extents%s\n", format_size(p.data_bytes).c_str(), p.extents,
+      p.compressed_bytes ? (" (" + format_size(p.compressed_bytes) + " compressed)").c_str() : "");
+  std::printf("zero ranges:    %s (zero flags on a qcow2 v3 base, holes on raw)\n",
+              format_size(p.zero_bytes).c_str());
   if (p.base_snapshots)
-    std::printf("base has %u internal snapshots: clusters they share are copied on write\n", p.base_snapshots);
-  if (p.base_bitmaps) std::printf("base has %u persistent bitmaps: they will be removed (stale after the merge)\n", p.base_bitmaps);
-  if (p.resume_from) std::printf("an interrupted merge will resume at %s\n", format_size(*p.resume_from).c_str());
+    std::printf("base has %u internal snapshots: clusters they share are copied on write\n",
+                p.base_snapshots);
+  if (p.base_bitmaps)
+    std::printf("base has %u persistent bitmaps: they will be removed (stale after the merge)\n",
+                p.base_bitmaps);
+  if (p.resume_from)
+    std::printf("an interrupted merge will resume at %s\n", format_size(*p.resume_from).c_str());
   std::printf("switch-over:    ");
   if (p.rebase.empty())
     std::printf("none (TOP is left intact and unreferenced by the merge)\n");
   else
     for (size_t i = 0; i < p.rebase.size(); ++i)
-      std::printf("%srewrite the header of %s to point at %s\n", i ? "                " : "", p.rebase[i].c_str(),
-                  p.base.c_str());
+      std::printf("%srewrite the header of %s to point at %s\n", i ? "                " : "",
+                  p.rebase[i].c_str(), p.base.c_str());
   if (policy) {
     std::printf("budget:         %s\n", policy->budget_line().substr(7).c_str());
     std::printf("                %s\n", policy->cotenant_line().c_str());
@@ -171,8 +187,10 @@ int cmd_plan(const Args& args) {
     std::printf("budget:         off (unthrottled)\n");
   }
   if (bw > 0)
-    std::printf("ETA:            %.1f s at %s/s (%s; with a latency budget the copy takes what co-tenants leave)\n",
-                eta, format_size(uint64_t(bw)).c_str(), bw_source.c_str());
+    std::printf(
+        "ETA:            %.1f s at %s/s (%s; with a latency budget the copy takes what co-tenants "
+        "leave)\n",
+        eta, format_size(uint64_t(bw)).c_str(), bw_source.c_str());
   else
     std::printf("ETA:            give --rate or --measure\n");
   return kExitOk;

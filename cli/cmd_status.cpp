@@ -1,18 +1,17 @@
 // qcommit status: asks qcommitd (control socket) which block jobs it governs.
 #include <poll.h>
 #include <sys/socket.h>
-
-#include <cctype>
-#include <chrono>
-#include <thread>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 
 #include "cli/commands.h"
@@ -122,7 +121,8 @@ int status_once(const std::string& socket_path, bool json_out) {
     return kExitOk;
   }
   const auto* conn = v->find("connected");
-  std::printf("libvirt: %s\n", conn && conn->is_bool() && conn->boolean() ? "connected" : "NOT connected");
+  std::printf("libvirt: %s\n",
+              conn && conn->is_bool() && conn->boolean() ? "connected" : "NOT connected");
   const auto* jobs = v->find("jobs");
   if (!jobs || !jobs->is_array() || jobs->array().empty()) {
     std::printf("no governed block jobs\n");
@@ -132,15 +132,16 @@ int status_once(const std::string& socket_path, bool json_out) {
     for (const auto& j : jobs->array()) {
       std::string pool = str(j, "pool");
       if (pool.empty()) pool = "-";
-      std::printf("%-16s %-5s %-13s %-12s %7s %11s %10s %8s %10s %8s  %s%s\n", str(j, "domain").c_str(),
-                  str(j, "disk").c_str(), str(j, "type").c_str(), pool.c_str(),
-                  num_or_dash(j.find("budget_ms"), "%.0fms").c_str(),
-                  num_or_dash(j.find("speed_bytes_per_s"), "%.1fMiB/s", 1048576.0).c_str(),
-                  num_or_dash(j.find("window_bytes"), "%.1fMiB", 1048576.0).c_str(),
-                  num_or_dash(j.find("latency_p99_ms"), "%.1fms").c_str(),
-                  num_or_dash(j.find("bytes_left"), "%.1fMiB", 1048576.0).c_str(),
-                  num_or_dash(j.find("eta_s"), "%.0fs").c_str(), str(j, "phase").c_str(),
-                  str(j, "policy_error").empty() ? "" : (" (" + str(j, "policy_error") + ")").c_str());
+      std::printf(
+          "%-16s %-5s %-13s %-12s %7s %11s %10s %8s %10s %8s  %s%s\n", str(j, "domain").c_str(),
+          str(j, "disk").c_str(), str(j, "type").c_str(), pool.c_str(),
+          num_or_dash(j.find("budget_ms"), "%.0fms").c_str(),
+          num_or_dash(j.find("speed_bytes_per_s"), "%.1fMiB/s", 1048576.0).c_str(),
+          num_or_dash(j.find("window_bytes"), "%.1fMiB", 1048576.0).c_str(),
+          num_or_dash(j.find("latency_p99_ms"), "%.1fms").c_str(),
+          num_or_dash(j.find("bytes_left"), "%.1fMiB", 1048576.0).c_str(),
+          num_or_dash(j.find("eta_s"), "%.0fs").c_str(), str(j, "phase").c_str(),
+          str(j, "policy_error").empty() ? "" : (" (" + str(j, "policy_error") + ")").c_str());
     }
   }
   const auto* rel = v->find("released");
@@ -152,7 +153,6 @@ int status_once(const std::string& socket_path, bool json_out) {
   }
   return kExitOk;
 }
-
 
 }  // namespace
 
@@ -182,19 +182,22 @@ int cmd_status(const Args& args) {
       domain_event = std::make_pair(args[i + 1], args[i + 2]);
       i += 2;
     } else if (a == "-h" || a == "--help") {
-      std::puts("usage: qcommit status [--output=json] [--socket PATH] [--watch [SECONDS]]\n"
-                "       qcommit status [--socket PATH] --domain-event DOMAIN EVENT\n"
-                "  block jobs governed by qcommitd (default socket /run/qcommit/qcommitd.sock)\n"
-                "  --watch: redraw every SECONDS (default 1) until interrupted\n"
-                "  --domain-event: tell qcommitd that DOMAIN started/stopped/reconnect/release\n"
-                "    (what the libvirt hook does; qcommitd then looks at that domain at once)\n"
-                "examples:\n  qcommit status\n  qcommit status --watch 0.5\n  qcommit status --output=json | jq .");
+      std::puts(
+          "usage: qcommit status [--output=json] [--socket PATH] [--watch [SECONDS]]\n"
+          "       qcommit status [--socket PATH] --domain-event DOMAIN EVENT\n"
+          "  block jobs governed by qcommitd (default socket /run/qcommit/qcommitd.sock)\n"
+          "  --watch: redraw every SECONDS (default 1) until interrupted\n"
+          "  --domain-event: tell qcommitd that DOMAIN started/stopped/reconnect/release\n"
+          "    (what the libvirt hook does; qcommitd then looks at that domain at once)\n"
+          "examples:\n  qcommit status\n  qcommit status --watch 0.5\n  qcommit status "
+          "--output=json | jq .");
       return kExitOk;
     } else {
       throw UsageError("unknown argument '" + a + "'");
     }
   }
-  if (domain_event) return send_domain_event(socket_path, domain_event->first, domain_event->second);
+  if (domain_event)
+    return send_domain_event(socket_path, domain_event->first, domain_event->second);
   if (watch <= 0) return status_once(socket_path, json_out);
   for (;;) {
     if (!json_out) std::fputs("\033[H\033[2J", stdout);  // home + clear: a live view

@@ -26,11 +26,16 @@ std::string ms_text(std::chrono::nanoseconds d) {
 
 std::string source_text(const plugin::PolicyResolution& r) {
   switch (r.source) {
-    case plugin::PolicySource::Option: return "from --budget";
-    case plugin::PolicySource::DomainMetadata: return "from the metadata of " + r.detail;
-    case plugin::PolicySource::PoolPolicy: return "from pool policy " + r.detail;
-    case plugin::PolicySource::DefaultPolicy: return "from the default policy " + r.detail;
-    case plugin::PolicySource::BuiltIn: return "(" + r.detail + ")";
+    case plugin::PolicySource::Option:
+      return "from --budget";
+    case plugin::PolicySource::DomainMetadata:
+      return "from the metadata of " + r.detail;
+    case plugin::PolicySource::PoolPolicy:
+      return "from pool policy " + r.detail;
+    case plugin::PolicySource::DefaultPolicy:
+      return "from the default policy " + r.detail;
+    case plugin::PolicySource::BuiltIn:
+      return "(" + r.detail + ")";
   }
   return "";
 }
@@ -74,7 +79,7 @@ MergePolicy resolve_merge_policy(const MergePolicyOptions& o, const std::string&
     }
   }
   std::optional<std::uint64_t> dev;
-  struct stat sb{};
+  struct stat sb {};
   if (::stat(p.base.c_str(), &sb) == 0) dev = static_cast<std::uint64_t>(sb.st_dev);
   auto src = std::make_shared<plugin::CotenantSource>(std::move(hv), p.base, dev);
   if (p.libvirt_reachable && !src->scan()) {
@@ -89,7 +94,8 @@ MergePolicy resolve_merge_policy(const MergePolicyOptions& o, const std::string&
     }
   }
   p.resolution = plugin::resolve_policy(cfg, q);
-  if (p.resolution.source == plugin::PolicySource::DomainMetadata) p.resolution.detail = "domain " + o.domain;
+  if (p.resolution.source == plugin::PolicySource::DomainMetadata)
+    p.resolution.detail = "domain " + o.domain;
   if (p.resolution.metadata_error)
     p.notes.push_back("domain " + o.domain + ": " + *p.resolution.metadata_error + " (ignored)");
   if (!o.cotenants) {
@@ -116,8 +122,10 @@ std::string MergePolicy::budget_line() const {
 std::string MergePolicy::cotenant_line() const {
   if (cotenant_state == "off") return "co-tenants: off (--cotenants off)";
   if (cotenant_state == "unavailable")
-    return "co-tenants: off, libvirt unreachable (" + (libvirt_error.empty() ? "cannot connect" : libvirt_error) + ")";
-  if (cotenant_disks.empty()) return "co-tenants: none running on BASE's storage now (a merge re-checks every second)";
+    return "co-tenants: off, libvirt unreachable (" +
+           (libvirt_error.empty() ? "cannot connect" : libvirt_error) + ")";
+  if (cotenant_disks.empty())
+    return "co-tenants: none running on BASE's storage now (a merge re-checks every second)";
   std::string s = "co-tenants:";
   for (size_t i = 0; i < cotenant_disks.size(); ++i) s += (i ? ", " : " ") + cotenant_disks[i];
   return s + " (their block stats join the probe)";
@@ -129,17 +137,22 @@ std::string MergePolicy::json_fields() const {
   s += ", \"budget-source\": " + json_string(plugin::to_string(resolution.source));
   s += ", \"budget-detail\": " + json_string(resolution.detail);
   char b[96];
-  std::snprintf(b, sizeof b, ", \"floor\": %.0f, \"ceiling\": %.0f", pol.floor_bytes_per_s, pol.ceiling_bytes_per_s);
+  std::snprintf(b, sizeof b, ", \"floor\": %.0f, \"ceiling\": %.0f", pol.floor_bytes_per_s,
+                pol.ceiling_bytes_per_s);
   s += b;
   s += ", \"pool\": " + (pool ? json_string(pool->name) : std::string("null"));
   s += ", \"config\": " + json_string(config_path);
-  s += ", \"libvirt\": " + json_string(libvirt_reachable ? "connected" : libvirt_error.empty() ? "unreachable" : libvirt_error);
+  s += ", \"libvirt\": " + json_string(libvirt_reachable       ? "connected"
+                                       : libvirt_error.empty() ? "unreachable"
+                                                               : libvirt_error);
   s += ", \"cotenants\": " + json_string(cotenant_state) + ", \"cotenant-disks\": [";
-  for (size_t i = 0; i < cotenant_disks.size(); ++i) s += (i ? ", " : "") + json_string(cotenant_disks[i]);
+  for (size_t i = 0; i < cotenant_disks.size(); ++i)
+    s += (i ? ", " : "") + json_string(cotenant_disks[i]);
   return s + "]";
 }
 
-std::shared_ptr<engine::BudgetGovernor> make_budget_governor(const MergePolicy& p, const std::string& trace_path,
+std::shared_ptr<engine::BudgetGovernor> make_budget_governor(const MergePolicy& p,
+                                                             const std::string& trace_path,
                                                              bool probe) {
   const plugin::Policy& pol = p.resolution.policy;
   engine::BudgetGovernorConfig cfg;

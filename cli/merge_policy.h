@@ -22,8 +22,8 @@ struct MergePolicyOptions {
   std::string config_path = plugin::kDefaultConfigPath;
   bool config_given = false;  // --config: the file must exist (the default path may be missing)
   std::string uri = plugin::kDefaultUri;
-  std::string domain;         // --domain: its metadata may override the pool's policy
-  bool cotenants = true;      // --cotenants on|off
+  std::string domain;     // --domain: its metadata may override the pool's policy
+  bool cotenants = true;  // --cotenants on|off
 };
 
 struct MergePolicy {
@@ -34,31 +34,34 @@ struct MergePolicy {
   bool libvirt_reachable = false;
   std::string libvirt_error;
   std::string cotenant_state;  // "on", "off" (--cotenants off), "unavailable" (libvirt unreachable)
-  std::vector<std::string> cotenant_disks;  // at the start, "domain/target"
+  std::vector<std::string> cotenant_disks;            // at the start, "domain/target"
   std::shared_ptr<plugin::CotenantSource> cotenants;  // handed to the governor when "on"
-  std::vector<std::string> notes;  // e.g. bad domain metadata (ignored)
+  std::vector<std::string> notes;                     // e.g. bad domain metadata (ignored)
 
-  // "budget 7 ms from pool policy [pool:images] in /etc/qcommit/qcommitd.conf; rate 1 MiB/s .. 1 GiB/s"
+  // "budget 7 ms from pool policy [pool:images] in /etc/qcommit/qcommitd.conf; rate 1 MiB/s .. 1
+  // GiB/s"
   [[nodiscard]] std::string budget_line() const;
   // "co-tenants: vm1/vda, vm2/vdb (block stats every 100 ms)", or why there are none.
   [[nodiscard]] std::string cotenant_line() const;
-  // The same as JSON object members (no braces): "budget-ms": 7, "budget-source": "pool-policy", ...
+  // The same as JSON object members (no braces): "budget-ms": 7, "budget-source": "pool-policy",
+  // ...
   [[nodiscard]] std::string json_fields() const;
 };
 
 // Resolves the policy of a merge into `base`.  Throws std::runtime_error naming the
 // configuration file when it is unreadable or invalid (a missing file at the default path is
 // the built-in default).
-[[nodiscard]] MergePolicy resolve_merge_policy(const MergePolicyOptions& o, const std::string& base);
+[[nodiscard]] MergePolicy resolve_merge_policy(const MergePolicyOptions& o,
+                                               const std::string& base);
 
 // The governor of a merge into p.base: p's budget and rate bounds, the probe beside BASE, the
 // co-tenants when on.  Throws UsageError on an unusable configuration.
-[[nodiscard]] std::shared_ptr<engine::BudgetGovernor> make_budget_governor(const MergePolicy& p,
-                                                                           const std::string& trace_path,
-                                                                           bool probe);
+[[nodiscard]] std::shared_ptr<engine::BudgetGovernor> make_budget_governor(
+    const MergePolicy& p, const std::string& trace_path, bool probe);
 
 // The image a merge of TOP writes into: `base` when given, else TOP's backing file.
-[[nodiscard]] std::string merge_base_of(const std::string& top, const std::optional<std::string>& base,
+[[nodiscard]] std::string merge_base_of(const std::string& top,
+                                        const std::optional<std::string>& base,
                                         const std::vector<std::string>& allowed_backing_dirs);
 
 }  // namespace qcommit::cli

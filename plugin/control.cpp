@@ -9,10 +9,10 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <iterator>
-#include <string_view>
 #include <cstring>
+#include <iterator>
 #include <stdexcept>
+#include <string_view>
 #include <vector>
 
 namespace qcommit::plugin {
@@ -29,7 +29,9 @@ std::string num(double d) {
   return buf;
 }
 
-std::string u64(std::uint64_t v) { return std::to_string(v); }
+std::string u64(std::uint64_t v) {
+  return std::to_string(v);
+}
 
 std::string domain_event(const json::Value& req, const DomainEventSink& sink) {
   const json::Value* dom = req.find("domain");
@@ -47,7 +49,9 @@ std::string domain_event(const json::Value& req, const DomainEventSink& sink) {
   return "{\"ok\":true}";
 }
 
-double ms(Duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+double ms(Duration d) {
+  return std::chrono::duration<double, std::milli>(d).count();
+}
 
 }  // namespace
 
@@ -78,13 +82,14 @@ std::string status_json(const GovernorStatus& st, TimePoint now) {
     o += "{\"domain\":" + json::quote(j.domain) + ",\"disk\":" + json::quote(j.disk) +
          ",\"type\":" + json::quote(to_string(j.type)) + ",\"target\":" + json::quote(j.target) +
          ",\"storage\":" + json::quote(j.storage) + ",\"pool\":" + json::quote(j.pool) +
-         ",\"budget_ms\":" + num(ms(j.budget)) + ",\"speed_bytes_per_s\":" + u64(j.speed_bytes_per_s) +
+         ",\"budget_ms\":" + num(ms(j.budget)) +
+         ",\"speed_bytes_per_s\":" + u64(j.speed_bytes_per_s) +
          ",\"window_bytes\":" + u64(j.window_bytes) + ",\"backlog_bytes\":" + u64(j.backlog_bytes) +
          ",\"latency_p99_ms\":" + (j.latency_p99 ? num(ms(*j.latency_p99)) : "null") +
          ",\"bytes_left\":" + u64(j.bytes_left) +
          ",\"eta_s\":" + (j.eta_s ? num(*j.eta_s) : "null") + ",\"phase\":" + json::quote(j.phase) +
-         ",\"ready\":" + (j.ready ? "true" : "false") + ",\"settling\":" + (j.settling ? "true" : "false") +
-         ",\"settles\":" + u64(j.settles) +
+         ",\"ready\":" + (j.ready ? "true" : "false") +
+         ",\"settling\":" + (j.settling ? "true" : "false") + ",\"settles\":" + u64(j.settles) +
          ",\"policy_error\":" + json::quote(j.policy_error) + "}";
   }
   o += "],\"released\":[";
@@ -101,7 +106,9 @@ std::string status_json(const GovernorStatus& st, TimePoint now) {
 }
 
 ControlServer::ControlServer(std::string path, StatusSource status, DomainEventSink on_domain_event)
-    : path_(std::move(path)), status_(std::move(status)), on_domain_event_(std::move(on_domain_event)) {
+    : path_(std::move(path)),
+      status_(std::move(status)),
+      on_domain_event_(std::move(on_domain_event)) {
   sockaddr_un addr{};
   if (path_.empty() || path_.size() >= sizeof addr.sun_path)
     throw std::runtime_error(path_ + ": socket path empty or too long");
@@ -116,7 +123,7 @@ ControlServer::ControlServer(std::string path, StatusSource status, DomainEventS
   addr.sun_family = AF_UNIX;
   std::memcpy(addr.sun_path, path_.c_str(), path_.size() + 1);
   // A stale socket from a crashed daemon: replace it only if nobody answers on it.
-  struct stat st{};
+  struct stat st {};
   if (::lstat(path_.c_str(), &st) == 0) {
     if (!S_ISSOCK(st.st_mode)) {
       ::close(listen_fd_);
@@ -156,7 +163,9 @@ ControlServer::~ControlServer() {
     if (fd >= 0) ::close(fd);
 }
 
-void ControlServer::start() { thread_ = std::thread([this] { run(); }); }
+void ControlServer::start() {
+  thread_ = std::thread([this] { run(); });
+}
 
 void ControlServer::stop() {
   if (!thread_.joinable()) return;
@@ -243,8 +252,8 @@ void ControlServer::run() {
       if (fd >= 0) {
         ucred cred{};
         socklen_t len = sizeof cred;
-        const bool ok = ::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 &&
-                        cred.uid == ::geteuid();
+        const bool ok =
+            ::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 && cred.uid == ::geteuid();
         if (!ok) {
           send_line(fd, error_response("permission denied"));
           ::close(fd);

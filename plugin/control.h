@@ -2,7 +2,8 @@
 // One JSON request per line, one JSON response per line:
 //   {"cmd":"status"}  →  {"ok":true,"connected":...,"jobs":[...],"released":[...]}
 //   {"cmd":"domain-event","domain":NAME,"event":EV}  →  {"ok":true}   (sent by the libvirt hook;
-//       EV one of kHookEvents; the domain name is data: any bytes JSON can carry, ≤ kMaxDomainNameBytes)
+//       EV one of kHookEvents; the domain name is data: any bytes JSON can carry, ≤
+//       kMaxDomainNameBytes)
 //   malformed / unknown / oversized  →  {"ok":false,"error":"..."} (oversized: then closed)
 // The server runs its own thread and never touches the governor: the daemon publishes a status
 // snapshot (a JSON text) that the handler returns.

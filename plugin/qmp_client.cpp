@@ -84,8 +84,10 @@ bool QmpFramer::feed(std::string_view bytes, std::string* error) {
       if (c != '{') {
         char what[64];
         const auto u = static_cast<unsigned char>(c);
-        if (u >= 0x20 && u < 0x7f) std::snprintf(what, sizeof what, "'%c'", c);
-        else std::snprintf(what, sizeof what, "byte 0x%02x", u);
+        if (u >= 0x20 && u < 0x7f)
+          std::snprintf(what, sizeof what, "'%c'", c);
+        else
+          std::snprintf(what, sizeof what, "byte 0x%02x", u);
         if (error) *error = std::string("expected a JSON object, got ") + what;
         return false;
       }
@@ -99,9 +101,12 @@ bool QmpFramer::feed(std::string_view bytes, std::string* error) {
       return false;
     }
     if (in_string_) {
-      if (escape_) escape_ = false;
-      else if (c == '\\') escape_ = true;
-      else if (c == '"') in_string_ = false;
+      if (escape_)
+        escape_ = false;
+      else if (c == '\\')
+        escape_ = true;
+      else if (c == '"')
+        in_string_ = false;
       continue;
     }
     if (c == '"') {
@@ -148,8 +153,9 @@ QmpClient QmpClient::connect(const std::string& path, QmpOptions opt) {
   } while (rc != 0 && errno == EINTR);
   if (rc != 0) {
     if (errno == EAGAIN)
-      throw QmpError(path + ": cannot connect: the monitor's connection queue is full (another "
-                            "client holds the QMP monitor)");
+      throw QmpError(path +
+                     ": cannot connect: the monitor's connection queue is full (another "
+                     "client holds the QMP monitor)");
     throw QmpError(path + ": cannot connect: " + std::strerror(errno));
   }
   return QmpClient(std::move(fd), path, opt);

@@ -53,8 +53,8 @@ struct QmpOptions {
 };
 
 struct QmpEvent {
-  std::string name;    // "JOB_STATUS_CHANGE", "BLOCK_JOB_READY", ...
-  json::Value data;    // the "data" member (null when absent)
+  std::string name;               // "JOB_STATUS_CHANGE", "BLOCK_JOB_READY", ...
+  json::Value data;               // the "data" member (null when absent)
   std::int64_t timestamp_us = 0;  // QEMU's timestamp (host realtime), 0 when absent
 };
 

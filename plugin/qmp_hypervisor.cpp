@@ -40,7 +40,9 @@ json::Value obj(std::initializer_list<std::pair<const std::string, json::Value>>
   return json::Value{json::Object(members)};
 }
 
-json::Value num(std::uint64_t n) { return json::Value{static_cast<double>(n)}; }
+json::Value num(std::uint64_t n) {
+  return json::Value{static_cast<double>(n)};
+}
 
 JobType job_type_of(const std::string& qmp_type, bool ready, std::optional<bool> active) {
   if (qmp_type == "commit") {
@@ -53,7 +55,9 @@ JobType job_type_of(const std::string& qmp_type, bool ready, std::optional<bool>
   return JobType::Unknown;
 }
 
-bool finished(const QmpJob& j) { return j.status == "concluded" || j.status == "null"; }
+bool finished(const QmpJob& j) {
+  return j.status == "concluded" || j.status == "null";
+}
 
 }  // namespace
 
@@ -90,9 +94,8 @@ std::vector<QmpDisk> parse_query_block(const json::Value& ret) {
       d.formats.push_back(str_member(*img, "format"));
       d.virtual_size = u64_member(*img, "virtual-size");
       int depth = 0;
-      for (const json::Value* b = img->find("backing-image"); b && b->is_object() &&
-                                                             depth < json::kMaxDepth;
-           b = b->find("backing-image"), ++depth) {
+      for (const json::Value* b = img->find("backing-image");
+           b && b->is_object() && depth < json::kMaxDepth; b = b->find("backing-image"), ++depth) {
         d.info.backing_chain.push_back(str_member(*b, "filename"));
         d.formats.push_back(str_member(*b, "format"));
       }
@@ -109,12 +112,16 @@ std::vector<QmpDisk> parse_query_block(const json::Value& ret) {
       if (direct && direct->is_bool() && direct->boolean())
         d.info.cache = wb && wb->is_bool() && !wb->boolean() ? "directsync" : "none";
     }
-    if (!d.device.empty()) d.info.target = d.device;
-    else if (!qdev_id(d.qdev).empty()) d.info.target = qdev_id(d.qdev);
-    else if (!d.qdev.empty()) d.info.target = d.qdev;
-    else d.info.target = d.root_node;
+    if (!d.device.empty())
+      d.info.target = d.device;
+    else if (!qdev_id(d.qdev).empty())
+      d.info.target = qdev_id(d.qdev);
+    else if (!d.qdev.empty())
+      d.info.target = d.qdev;
+    else
+      d.info.target = d.root_node;
     if (d.info.target.empty()) continue;
-    struct stat sb{};
+    struct stat sb {};
     if (::stat(d.info.source.c_str(), &sb) == 0)
       d.info.device = static_cast<std::uint64_t>(sb.st_dev);
     out.push_back(std::move(d));
@@ -168,9 +175,10 @@ std::optional<BlockStats> parse_blockstats(const json::Value& ret, const QmpDisk
   for (const auto& e : ret.array()) {
     const std::string& dev = str_member(e, "device");
     const std::string& qdev = str_member(e, "qdev");
-    const bool match = !disk.device.empty()  ? dev == disk.device
-                       : !disk.qdev.empty()  ? qdev == disk.qdev
-                                             : dev.empty() && str_member(e, "node-name") == disk.root_node;
+    const bool match = !disk.device.empty() ? dev == disk.device
+                       : !disk.qdev.empty()
+                           ? qdev == disk.qdev
+                           : dev.empty() && str_member(e, "node-name") == disk.root_node;
     if (!match) continue;
     const json::Value* st = e.find("stats");
     if (!st || !st->is_object()) return std::nullopt;
@@ -224,7 +232,9 @@ std::string name_from_socket(const std::string& path) {
 // --- QmpHypervisor -----------------------------------------------------------------------------
 
 QmpHypervisor::QmpHypervisor(std::string socket_path, std::string name, QmpOptions opt)
-    : path_(std::move(socket_path)), name_(std::move(name)), name_given_(!name_.empty()),
+    : path_(std::move(socket_path)),
+      name_(std::move(name)),
+      name_given_(!name_.empty()),
       opt_(opt) {}
 
 bool QmpHypervisor::connect() {
@@ -259,7 +269,9 @@ bool QmpHypervisor::connect() {
   return true;
 }
 
-bool QmpHypervisor::connected() const { return client_ && client_->is_open(); }
+bool QmpHypervisor::connected() const {
+  return client_ && client_->is_open();
+}
 
 json::Value QmpHypervisor::call(const char* command, const json::Value& args) {
   if (!connected()) throw HypervisorDisconnected(path_ + ": not connected to QEMU");
@@ -314,7 +326,8 @@ void QmpHypervisor::note_event(const QmpEvent& e) {
     last_job_error_ = "job " + id + " was cancelled";
   } else if (e.name == "BLOCK_JOB_ERROR") {
     je.kind = JobEventKind::StatusChange;
-    je.detail = id + " error " + str_member(e.data, "operation") + " " + str_member(e.data, "action");
+    je.detail =
+        id + " error " + str_member(e.data, "operation") + " " + str_member(e.data, "action");
     last_job_error_ = "job " + id + ": I/O error on " + str_member(e.data, "operation") +
                       " (action " + str_member(e.data, "action") + ")";
   } else {
@@ -359,7 +372,8 @@ std::optional<QmpDisk> QmpHypervisor::find_disk(const std::string& name, bool ca
 }
 
 QmpDisk QmpHypervisor::require_disk(const std::string& domain, const std::string& disk) {
-  if (!ours(domain)) throw BlockJobError(domain + ": not the QEMU on " + path_ + " (" + name_ + ")");
+  if (!ours(domain))
+    throw BlockJobError(domain + ": not the QEMU on " + path_ + " (" + name_ + ")");
   std::optional<QmpDisk> d = find_disk(disk, false);
   if (!d) throw BlockJobError(domain + ": no disk '" + disk + "' in query-block of " + path_);
   return *d;
@@ -491,7 +505,8 @@ void QmpHypervisor::start_commit(const std::string& domain, const std::string& d
     throw BlockJobError(what + ": " + top + (active ? " is not" : " is") + " the active layer");
   std::vector<QmpNode> nodes;
   try {
-    nodes = parse_named_block_nodes(call("query-named-block-nodes", obj({{"flat", json::Value{true}}})));
+    nodes = parse_named_block_nodes(
+        call("query-named-block-nodes", obj({{"flat", json::Value{true}}})));
   } catch (const QmpCommandError& e) {
     throw BlockJobError(what + ": " + e.description);
   }
@@ -524,19 +539,21 @@ void QmpHypervisor::create_overlay(const std::string& domain, const std::string&
   const std::string what = domain + " " + disk + ": external overlay " + overlay_path;
   refuse_existing_overlay(what, overlay_path);
   // Node names: at most 31 characters, a letter first.
-  const std::string node = "qcommit-" + std::to_string(::getpid()) + "-" +
-                           std::to_string(++overlay_counter_);
+  const std::string node =
+      "qcommit-" + std::to_string(::getpid()) + "-" + std::to_string(++overlay_counter_);
   // Our own overlay with lazy refcounts (see create_fresh_overlay) when qemu-img can make it
   // (mode existing); else QEMU creates a plain one.
-  const bool ours = !d.info.format.empty() && d.virtual_size > 0 &&
-                    create_fresh_overlay(overlay_path, d.info.source, d.info.format,
-                                              d.virtual_size).empty();
+  const bool ours =
+      !d.info.format.empty() && d.virtual_size > 0 &&
+      create_fresh_overlay(overlay_path, d.info.source, d.info.format, d.virtual_size).empty();
   json::Object args{{"snapshot-file", json::Value{overlay_path}},
                     {"snapshot-node-name", json::Value{node}},
                     {"format", json::Value{std::string("qcow2")}},
                     {"mode", json::Value{std::string(ours ? "existing" : "absolute-paths")}}};
-  if (!d.device.empty()) args.emplace("device", json::Value{d.device});
-  else args.emplace("node-name", json::Value{d.root_node});
+  if (!d.device.empty())
+    args.emplace("device", json::Value{d.device});
+  else
+    args.emplace("node-name", json::Value{d.root_node});
   try {
     (void)call("blockdev-snapshot-sync", json::Value{std::move(args)});
   } catch (const QmpCommandError& e) {

@@ -47,7 +47,9 @@ struct QmpDisk {
   std::uint64_t virtual_size = 0;    // of the active layer (0: unknown)
   // The QMP `device` argument that names this disk's root: the BlockBackend name when it has
   // one, else the root node name.
-  [[nodiscard]] const std::string& qmp_device() const { return device.empty() ? root_node : device; }
+  [[nodiscard]] const std::string& qmp_device() const {
+    return device.empty() ? root_node : device;
+  }
   // Whether `name` selects this disk: target, drive id, qdev id or path, root node, active layer.
   [[nodiscard]] bool matches(const std::string& name) const;
 };
@@ -72,7 +74,8 @@ struct QmpJob {
 [[nodiscard]] std::vector<QmpNode> parse_named_block_nodes(const json::Value& ret);
 [[nodiscard]] std::vector<QmpJob> parse_block_jobs(const json::Value& ret);
 // The guest-side (BlockBackend) counters of `disk` in a query-blockstats answer.
-[[nodiscard]] std::optional<BlockStats> parse_blockstats(const json::Value& ret, const QmpDisk& disk);
+[[nodiscard]] std::optional<BlockStats> parse_blockstats(const json::Value& ret,
+                                                         const QmpDisk& disk);
 // "/machine/peripheral/ID/virtio-backend" → "ID"; a plain id stays as is; other paths → "".
 [[nodiscard]] std::string qdev_id(const std::string& qdev);
 // Node name of the format node of `filename` (driver `format`), "" when there is none.
@@ -158,8 +161,8 @@ class QmpHypervisor final : public Hypervisor, public BlockJobControl {
   std::unique_ptr<QmpClient> client_;
   EventSink sink_;
   std::vector<JobEvent> pending_;
-  std::vector<QmpDisk> disks_cache_;  // last query-block answer
-  std::map<std::string, OurJob> jobs_;          // by disk target
+  std::vector<QmpDisk> disks_cache_;             // last query-block answer
+  std::map<std::string, OurJob> jobs_;           // by disk target
   std::map<std::string, std::string> job_disk_;  // job id → disk target (ours and seen)
   std::string last_error_;
   std::optional<std::uint64_t> qemu_version_;  // query-version at connect

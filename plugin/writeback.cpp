@@ -18,7 +18,8 @@
 namespace qcommit::plugin {
 
 std::optional<std::string> WritebackConfig::validate() const {
-  if (piece_bytes == 0 || piece_bytes % 4096 != 0) return "writeback piece must be a multiple of 4K";
+  if (piece_bytes == 0 || piece_bytes % 4096 != 0)
+    return "writeback piece must be a multiple of 4K";
   if (max_probes_per_tick == 0) return "writeback max_probes_per_tick must be > 0";
   return std::nullopt;
 }
@@ -100,8 +101,7 @@ WritebackPlan WritebackPlanner::plan(const WritebackInput& in, const DirtyProbe&
     if (d > 0) {
       const bool liveness = in.writeback_bytes == 0 && out.dirty_bytes_issued == 0;
       if (out.dirty_bytes_issued + d > budget && !liveness) break;  // resume here next tick
-      if (!out.ranges.empty() &&
-          out.ranges.back().offset + out.ranges.back().length == r.offset) {
+      if (!out.ranges.empty() && out.ranges.back().offset + out.ranges.back().length == r.offset) {
         out.ranges.back().length += r.length;
       } else {
         out.ranges.push_back(r);
@@ -129,8 +129,10 @@ std::optional<PageCacheState> parse_meminfo(const std::string& text) {
     std::string key;
     std::uint64_t kb = 0;
     if (!(ls >> key >> kb)) continue;
-    if (key == "Dirty:") dirty = kb * 1024;
-    else if (key == "Writeback:") wb = kb * 1024;
+    if (key == "Dirty:")
+      dirty = kb * 1024;
+    else if (key == "Writeback:")
+      wb = kb * 1024;
   }
   if (!dirty || !wb) return std::nullopt;
   return PageCacheState{*dirty, *wb, false};
@@ -192,12 +194,12 @@ class SystemTargetFile final : public TargetFile {
       : fd_(fd), no_cachestat_(source == PageCacheSource::kMeminfo) {}
 
   std::uint64_t size() override {
-    struct stat st{};
+    struct stat st {};
     if (::fstat(fd_.get(), &st) != 0) return 0;
     return static_cast<std::uint64_t>(st.st_size);
   }
   std::optional<std::uint64_t> device() override {
-    struct stat st{};
+    struct stat st {};
     if (::fstat(fd_.get(), &st) != 0) return std::nullopt;
     return static_cast<std::uint64_t>(st.st_dev);
   }
@@ -210,7 +212,8 @@ class SystemTargetFile final : public TargetFile {
     return parse_meminfo(ss.str());
   }
   std::optional<PageCacheState> page_cache_in(const ByteRange& r) override {
-    if (auto cs = cachestat(r)) return PageCacheState{cs->nr_dirty * page_, cs->nr_writeback * page_, true};
+    if (auto cs = cachestat(r))
+      return PageCacheState{cs->nr_dirty * page_, cs->nr_writeback * page_, true};
     return std::nullopt;
   }
   std::uint64_t dirty_in(const ByteRange& r) override {

@@ -58,12 +58,13 @@ void send_all(int fd, const std::string& s) {
 
 TEST_CASE("plugin.json.parse") {
   std::string err;
-  auto v = qcommit::plugin::json::parse(R"( {"a":[1,2.5e3,-0.5,true,false,null],"b":"x\"\u00e9\ud83d\ude00"} )", &err);
+  auto v = qcommit::plugin::json::parse(
+      R"( {"a":[1,2.5e3,-0.5,true,false,null],"b":"x\"\u00e9\ud83d\ude00"} )", &err);
   REQUIRE(v);
   CHECK(v->find("a")->array().at(1).number() == 2500);
   CHECK(v->find("b")->string() == "x\"\xc3\xa9\xf0\x9f\x98\x80");
-  for (const char* bad : {"{", "{\"a\":}", "[1,]", "{\"a\":1}x", "\"\x01\"", "01x", "{\"a\":1,\"a\":2}",
-                          "\"\\ud800\"", "nul"}) {
+  for (const char* bad : {"{", "{\"a\":}", "[1,]", "{\"a\":1}x", "\"\x01\"", "01x",
+                          "{\"a\":1,\"a\":2}", "\"\\ud800\"", "nul"}) {
     CHECK_FALSE(qcommit::plugin::json::parse(bad, &err));
     CHECK_FALSE(err.empty());
   }
@@ -108,7 +109,7 @@ TEST_CASE("plugin.control.socket_round_trip") {
   {
     ControlServer server(path, [&] { return snapshot; });
     server.start();
-    struct stat sb{};
+    struct stat sb {};
     REQUIRE(::stat(path.c_str(), &sb) == 0);
     CHECK((sb.st_mode & 0777) == 0600);
     CHECK((::stat(dir, &sb) == 0));
@@ -141,7 +142,7 @@ TEST_CASE("plugin.control.socket_round_trip") {
     CHECK_THROWS_AS(ControlServer(path, [] { return std::string(); }), std::runtime_error);
   }
   // The socket is removed on shutdown; a stale one is replaced.
-  struct stat sb{};
+  struct stat sb {};
   CHECK(::stat(path.c_str(), &sb) != 0);
   {
     const int s = ::socket(AF_UNIX, SOCK_STREAM, 0);

@@ -19,22 +19,24 @@ using namespace std::chrono_literals;
 TEST_CASE("plugin.control.domain_event") {
   auto status = [] { return std::string("{\"ok\":true,\"jobs\":[]}"); };
   std::vector<std::pair<std::string, std::string>> got;
-  DomainEventSink sink = [&](const std::string& d, const std::string& e) { got.emplace_back(d, e); };
+  DomainEventSink sink = [&](const std::string& d, const std::string& e) {
+    got.emplace_back(d, e);
+  };
   const std::string hostile = "vm \"q\" 'x' $(touch /tmp/p) `id`; rm -rf /\nsecond line\t\x01";
-  const std::string req = "{\"cmd\":\"domain-event\",\"domain\":" + json::quote(hostile) +
-                          ",\"event\":\"stopped\"}";
+  const std::string req =
+      "{\"cmd\":\"domain-event\",\"domain\":" + json::quote(hostile) + ",\"event\":\"stopped\"}";
   CHECK(answer_request(req, status, sink) == "{\"ok\":true}");
   REQUIRE(got.size() == 1);
   CHECK(got[0].first == hostile);  // byte for byte, never interpreted
   CHECK(got[0].second == "stopped");
-  for (const std::string& bad : {
-           std::string(R"({"cmd":"domain-event","domain":"vm1","event":"prepare"})"),
-           std::string(R"({"cmd":"domain-event","domain":"vm1"})"),
-           std::string(R"({"cmd":"domain-event","domain":"","event":"started"})"),
-           std::string(R"({"cmd":"domain-event","domain":7,"event":"started"})"),
-           std::string(R"({"cmd":"domain-event","domain":"vm1","event":"started","x":1})"),
-           "{\"cmd\":\"domain-event\",\"domain\":\"" + std::string(kMaxDomainNameBytes + 1, 'a') +
-               "\",\"event\":\"started\"}"}) {
+  for (const std::string& bad :
+       {std::string(R"({"cmd":"domain-event","domain":"vm1","event":"prepare"})"),
+        std::string(R"({"cmd":"domain-event","domain":"vm1"})"),
+        std::string(R"({"cmd":"domain-event","domain":"","event":"started"})"),
+        std::string(R"({"cmd":"domain-event","domain":7,"event":"started"})"),
+        std::string(R"({"cmd":"domain-event","domain":"vm1","event":"started","x":1})"),
+        "{\"cmd\":\"domain-event\",\"domain\":\"" + std::string(kMaxDomainNameBytes + 1, 'a') +
+            "\",\"event\":\"started\"}"}) {
     auto v = json::parse(answer_request(bad, status, sink), nullptr);
     REQUIRE(v);
     CHECK(v->find("ok")->boolean() == false);
@@ -50,8 +52,8 @@ TEST_CASE("plugin.governor.hook_event_scans_domain_now") {
   World w;
   Governed gv(w);
   gv.run(1s);
-  gv.run(20ms);           // just after a poll: the next one is ~0.5 s away
-  w.start_job();          // no libvirt event: the hook's "started"/"reconnect" is the news
+  gv.run(20ms);   // just after a poll: the next one is ~0.5 s away
+  w.start_job();  // no libvirt event: the hook's "started"/"reconnect" is the news
   gv.g.domain_event("vm1", "reconnect");
   (void)gv.g.step(w.now);
   CHECK(gv.g.job_count() == 1);

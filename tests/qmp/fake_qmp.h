@@ -35,8 +35,8 @@ inline std::string reply(const json::Value& cmd, const std::string& ret = "{}") 
 inline std::string error_reply(const json::Value& cmd, const std::string& cls,
                                const std::string& desc) {
   const json::Value* id = cmd.find("id");
-  return "{\"error\": {\"class\": " + json::quote(cls) + ", \"desc\": " + json::quote(desc) +
-         "}" + (id ? ", \"id\": " + json::serialize(*id) : "") + "}\r\n";
+  return "{\"error\": {\"class\": " + json::quote(cls) + ", \"desc\": " + json::quote(desc) + "}" +
+         (id ? ", \"id\": " + json::serialize(*id) : "") + "}\r\n";
 }
 inline std::string event(const std::string& name, const std::string& data) {
   return R"({"timestamp": {"seconds": 1700000000, "microseconds": 5}, "event": ")" + name +
@@ -57,7 +57,8 @@ class FakeQmp {
   // nothing).
   explicit FakeQmp(std::function<std::string(const json::Value&)> handler,
                    std::string greeting = kGreeting, bool handle_capabilities = false)
-      : handler_(std::move(handler)), greeting_(std::move(greeting)),
+      : handler_(std::move(handler)),
+        greeting_(std::move(greeting)),
         handle_capabilities_(handle_capabilities) {
     char tmpl[] = "/tmp/qcommit-qmp-XXXXXX";
     if (!::mkdtemp(tmpl)) throw std::runtime_error("mkdtemp");
@@ -67,7 +68,8 @@ class FakeQmp {
     sockaddr_un a{};
     a.sun_family = AF_UNIX;
     std::strncpy(a.sun_path, path_.c_str(), sizeof a.sun_path - 1);
-    if (::bind(listen_, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 || ::listen(listen_, 4) != 0)
+    if (::bind(listen_, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
+        ::listen(listen_, 4) != 0)
       throw std::runtime_error("bind/listen " + path_);
     if (::pipe(stop_) != 0) throw std::runtime_error("pipe");
     thread_ = std::thread([this] { serve(); });
@@ -151,16 +153,17 @@ class FakeQmp {
           buf.erase(0, nl + 1);
           std::optional<json::Value> cmd = json::parse(line, nullptr);
           if (!cmd) {
-            send_all(client, "{\"error\": {\"class\": \"GenericError\", \"desc\": \"bad JSON\"}}\r\n");
+            send_all(client,
+                     "{\"error\": {\"class\": \"GenericError\", \"desc\": \"bad JSON\"}}\r\n");
             continue;
           }
           {
             std::lock_guard<std::mutex> g(m_);
             received_.push_back(*cmd);
           }
-          const std::string out =
-              command_name(*cmd) == "qmp_capabilities" && !handle_capabilities_ ? reply(*cmd)
-                                                                               : handler_(*cmd);
+          const std::string out = command_name(*cmd) == "qmp_capabilities" && !handle_capabilities_
+                                      ? reply(*cmd)
+                                      : handler_(*cmd);
           if (out == kClose) {
             ::close(client);
             client = -1;

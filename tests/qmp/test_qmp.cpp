@@ -42,7 +42,8 @@ bool contains(const std::string& s, const std::string& what) {
 }  // namespace
 
 TEST_CASE("qmp.json.integers_serialize_limits") {
-  auto v = json::parse(R"({"a": 123456789012, "b": -4, "c": 1.5, "d": 1e300, "e": "x\n"})", nullptr);
+  auto v =
+      json::parse(R"({"a": 123456789012, "b": -4, "c": 1.5, "d": 1e300, "e": "x\n"})", nullptr);
   REQUIRE(v);
   CHECK(v->find("a")->integer() == 123456789012);
   CHECK(v->find("a")->unsigned_integer() == 123456789012u);
@@ -70,7 +71,8 @@ TEST_CASE("qmp.json.integers_serialize_limits") {
 
 TEST_CASE("qmp.framer.splits_objects") {
   const std::string stream =
-      "{\"QMP\": {\"x\": [1, {\"y\": \"}\"}]}}\r\n{\"a\": \"\\\"{\"}\n\n  {\n \"b\":\n [\n ]\n}\r\n";
+      "{\"QMP\": {\"x\": [1, {\"y\": \"}\"}]}}\r\n{\"a\": \"\\\"{\"}\n\n  {\n \"b\":\n [\n "
+      "]\n}\r\n";
   // Whole, and fed one byte at a time: the same three messages.
   for (std::size_t chunk : {stream.size(), std::size_t{1}, std::size_t{7}}) {
     QmpFramer f(4096);
@@ -101,10 +103,13 @@ TEST_CASE("qmp.client.handshake_execute_events") {
     if (command_name(cmd) == "query-name")
       // An event, a late reply to an older command, then the answer.
       return event("JOB_STATUS_CHANGE", R"({"status": "running", "id": "j1"})") +
-             R"({"return": {"name": "stale"}, "id": "qcommit-0"})" "\r\n" +
+             R"({"return": {"name": "stale"}, "id": "qcommit-0"})"
+             "\r\n" +
              reply(cmd, R"({"name": "vm-100"})");
-    if (command_name(cmd) == "echo-args") return reply(cmd, json::serialize(*cmd.find("arguments")));
-    return error_reply(cmd, "CommandNotFound", "The command " + command_name(cmd) + " has not been found");
+    if (command_name(cmd) == "echo-args")
+      return reply(cmd, json::serialize(*cmd.find("arguments")));
+    return error_reply(cmd, "CommandNotFound",
+                       "The command " + command_name(cmd) + " has not been found");
   });
   QmpClient c = QmpClient::connect(srv.path(), quick());
   CHECK(c.greeting().find("QMP"));
@@ -116,7 +121,8 @@ TEST_CASE("qmp.client.handshake_execute_events") {
   CHECK(events[0].data.find("id")->string() == "j1");
   CHECK(events[0].timestamp_us == 1700000000000005);
 
-  json::Object args{{"device", json::Value{std::string("vd\"a")}}, {"speed", json::Value{1048576.0}}};
+  json::Object args{{"device", json::Value{std::string("vd\"a")}},
+                    {"speed", json::Value{1048576.0}}};
   const json::Value echoed = c.execute("echo-args", json::Value{args});
   CHECK(echoed.find("device")->string() == "vd\"a");
   CHECK(echoed.find("speed")->integer() == 1048576);
@@ -141,11 +147,14 @@ TEST_CASE("qmp.client.handshake_execute_events") {
 
 TEST_CASE("qmp.client.pretty_printed_monitor") {
   // `-mon ...,pretty=on`: messages spread over lines.
-  const std::string greeting = "{\n    \"QMP\": {\n        \"version\": {},\n        \"capabilities\": [\n        ]\n    }\n}\n";
+  const std::string greeting =
+      "{\n    \"QMP\": {\n        \"version\": {},\n        \"capabilities\": [\n        ]\n    "
+      "}\n}\n";
   FakeQmp srv(
       [](const json::Value& cmd) {
         const std::string id = json::serialize(*cmd.find("id"));
-        return "{\n    \"return\": [\n        {\n            \"device\": \"vda\"\n        }\n    ],\n    \"id\": " +
+        return "{\n    \"return\": [\n        {\n            \"device\": \"vda\"\n        }\n    "
+               "],\n    \"id\": " +
                id + "\n}\n";
       },
       greeting);
@@ -160,7 +169,8 @@ TEST_CASE("qmp.client.not_a_monitor") {
   {
     FakeQmp srv(none, "SSH-2.0-OpenSSH_9.2p1\r\n");
     const std::string e = error_of([&] { (void)QmpClient::connect(srv.path(), quick()); });
-    CHECK(e.rfind(srv.path() + ": not a QMP monitor: protocol error: expected a JSON object", 0) == 0);
+    CHECK(e.rfind(srv.path() + ": not a QMP monitor: protocol error: expected a JSON object", 0) ==
+          0);
     CHECK(e.find('\n') == std::string::npos);
   }
   {
@@ -183,17 +193,24 @@ TEST_CASE("qmp.client.not_a_monitor") {
     CHECK(contains(e, "larger than 4096 bytes"));
   }
   {
-    FakeQmp srv([](const json::Value& cmd) {
-      return error_reply(cmd, "CommandNotFound", "Capabilities negotiation is already complete");
-    }, kGreeting, true);
+    FakeQmp srv(
+        [](const json::Value& cmd) {
+          return error_reply(cmd, "CommandNotFound",
+                             "Capabilities negotiation is already complete");
+        },
+        kGreeting, true);
     const std::string e = error_of([&] { (void)QmpClient::connect(srv.path(), quick()); });
-    CHECK(e == srv.path() + ": capability negotiation refused: Capabilities negotiation is already complete");
+    CHECK(e ==
+          srv.path() +
+              ": capability negotiation refused: Capabilities negotiation is already complete");
   }
   const std::string missing = "/nonexistent-dir/qmp.sock";
   CHECK(error_of([&] { (void)QmpClient::connect(missing, quick()); }) ==
         missing + ": cannot connect: No such file or directory");
   const std::string too_long = "/tmp/" + std::string(200, 'x');
-  CHECK(error_of([&] { (void)QmpClient::connect(too_long, quick()); }).rfind(too_long + ": not a usable", 0) == 0);
+  CHECK(error_of([&] {
+          (void)QmpClient::connect(too_long, quick());
+        }).rfind(too_long + ": not a usable", 0) == 0);
 }
 
 TEST_CASE("qmp.client.garbage_oversized_timeout_eof") {
@@ -239,7 +256,8 @@ TEST_CASE("qmp.client.events_bounded_and_waited_for") {
   FakeQmp srv([](const json::Value& cmd) {
     std::string out;
     for (int i = 0; i < 50; ++i)
-      out += event("JOB_STATUS_CHANGE", R"({"status": "running", "id": "j)" + std::to_string(i) + "\"}");
+      out += event("JOB_STATUS_CHANGE",
+                   R"({"status": "running", "id": "j)" + std::to_string(i) + "\"}");
     return out + reply(cmd);
   });
   QmpOptions o = quick();
@@ -256,7 +274,9 @@ TEST_CASE("qmp.client.events_bounded_and_waited_for") {
   CHECK(std::chrono::steady_clock::now() - t0 >= 90ms);
   std::thread later([&] {
     std::this_thread::sleep_for(50ms);
-    srv.push(event("BLOCK_JOB_READY", R"({"device": "qcommit-vda", "len": 5, "offset": 5, "speed": 0, "type": "commit"})"));
+    srv.push(
+        event("BLOCK_JOB_READY",
+              R"({"device": "qcommit-vda", "len": 5, "offset": 5, "speed": 0, "type": "commit"})"));
   });
   t0 = std::chrono::steady_clock::now();
   ev = c.take_events(5000ms);
@@ -278,9 +298,9 @@ TEST_CASE("qmp.client.hostile_event_timestamps") {
   const std::vector<Stamp> stamps{
       {"1700000000", "5", 1700000000000005},
       {"9223372036853", "999999", 9223372036853999999},  // the largest accepted
-      {"9223372036854", "999999", 0},                     // 9223372036854999999 > INT64_MAX
-      {"9300000000000", "0", 0},                          // 9.3e18 us
-      {"9007199254740992", "0", 0},                       // 2^53 s, the largest exact integer
+      {"9223372036854", "999999", 0},                    // 9223372036854999999 > INT64_MAX
+      {"9300000000000", "0", 0},                         // 9.3e18 us
+      {"9007199254740992", "0", 0},                      // 2^53 s, the largest exact integer
       {"9.3e18", "0", 0},
       {"1e300", "0", 0},
       {"-1", "-1", 0},
@@ -296,8 +316,11 @@ TEST_CASE("qmp.client.hostile_event_timestamps") {
     std::string out;
     for (const Stamp& st : stamps)
       out += std::string(R"({"timestamp": {"seconds": )") + st.seconds + R"(, "microseconds": )" +
-             st.micros + R"(}, "event": "STOP", "data": {}})" "\r\n";
-    out += R"({"event": "RESUME", "timestamp": {"seconds": 1}, "data": {}})" "\r\n";
+             st.micros +
+             R"(}, "event": "STOP", "data": {}})"
+             "\r\n";
+    out += R"({"event": "RESUME", "timestamp": {"seconds": 1}, "data": {}})"
+           "\r\n";
     return out + reply(cmd);
   });
   QmpClient c = QmpClient::connect(srv.path(), quick());
@@ -460,17 +483,22 @@ TEST_CASE("qmp.adapter.commit_speed_events_pivot") {
     }
     if (c == "block-commit") {
       job_status = "running";
-      return event("JOB_STATUS_CHANGE", R"({"status": "created", "id": "qcommit-vda"})") + reply(cmd);
+      return event("JOB_STATUS_CHANGE", R"({"status": "created", "id": "qcommit-vda"})") +
+             reply(cmd);
     }
     if (c == "block-job-set-speed") {
       if (job_status.empty()) return error_reply(cmd, "DeviceNotActive", "Block job 'x' not found");
       return reply(cmd);
     }
     if (c == "block-job-complete") {
-      if (!ready) return error_reply(cmd, "GenericError", "The active block job 'qcommit-vda' cannot be completed");
+      if (!ready)
+        return error_reply(cmd, "GenericError",
+                           "The active block job 'qcommit-vda' cannot be completed");
       job_status = "";
       active_layer = "/s/base.qcow2";
-      return event("BLOCK_JOB_COMPLETED", R"({"device": "qcommit-vda", "len": 1000, "offset": 1000, "speed": 0, "type": "commit"})") +
+      return event(
+                 "BLOCK_JOB_COMPLETED",
+                 R"({"device": "qcommit-vda", "len": 1000, "offset": 1000, "speed": 0, "type": "commit"})") +
              reply(cmd);
     }
     return error_reply(cmd, "CommandNotFound", c);
@@ -494,17 +522,20 @@ TEST_CASE("qmp.adapter.commit_speed_events_pivot") {
   CHECK_FALSE(hv.block_stats("other-vm", "vda"));
 
   // Errors name the disk and what was asked.
-  CHECK(error_of([&] { hv.start_commit("qmp", "vda", "/s/base.qcow2", "/s/top.qcow2", 1, false); }) ==
-        "qmp vda: block commit of /s/top.qcow2 into /s/base.qcow2: /s/top.qcow2 is the active layer");
-  CHECK(contains(error_of([&] { hv.start_commit("qmp", "vda", "/s/nope.qcow2", "/s/top.qcow2", 1, true); }),
-                 "/s/nope.qcow2 is not in the disk's chain"));
+  CHECK(
+      error_of([&] { hv.start_commit("qmp", "vda", "/s/base.qcow2", "/s/top.qcow2", 1, false); }) ==
+      "qmp vda: block commit of /s/top.qcow2 into /s/base.qcow2: /s/top.qcow2 is the active layer");
+  CHECK(contains(
+      error_of([&] { hv.start_commit("qmp", "vda", "/s/nope.qcow2", "/s/top.qcow2", 1, true); }),
+      "/s/nope.qcow2 is not in the disk's chain"));
 
   hv.start_commit("qmp", "vda", "/s/base.qcow2", "/s/top.qcow2", 4194304, true);
   json::Value commit;
   for (const auto& c : srv.received())
     if (command_name(c) == "block-commit") commit = *c.find("arguments");
-  CHECK(json::serialize(commit) ==
-        R"({"base-node":"#block592","device":"vda","job-id":"qcommit-vda","speed":4194304,"top-node":"#block182"})");
+  CHECK(
+      json::serialize(commit) ==
+      R"({"base-node":"#block592","device":"vda","job-id":"qcommit-vda","speed":4194304,"top-node":"#block182"})");
   auto info = hv.job_info("qmp", "vda");
   REQUIRE(info);
   CHECK(info->type == JobType::ActiveCommit);  // typed by us: QEMU says "commit"
@@ -519,7 +550,9 @@ TEST_CASE("qmp.adapter.commit_speed_events_pivot") {
   CHECK(json::serialize(speed) == R"({"device":"qcommit-vda","speed":2097152})");
 
   // Events reach the sink from pump(), mapped to the disk.
-  srv.push(event("BLOCK_JOB_READY", R"({"device": "qcommit-vda", "len": 1000, "offset": 1000, "speed": 0, "type": "commit"})"));
+  srv.push(event(
+      "BLOCK_JOB_READY",
+      R"({"device": "qcommit-vda", "len": 1000, "offset": 1000, "speed": 0, "type": "commit"})"));
   hv.pump(2000ms);
   REQUIRE(events.size() >= 2);
   CHECK(events[0].kind == JobEventKind::StatusChange);
@@ -557,8 +590,12 @@ TEST_CASE("qmp.adapter.failed_job_and_lost_connection") {
     if (c == "query-named-block-nodes") return reply(cmd, kNamedNodes);
     if (c == "query-block-jobs") return reply(cmd, "[]");
     if (c == "block-commit")
-      return reply(cmd) + event("BLOCK_JOB_ERROR", R"({"device": "qcommit-vda", "operation": "write", "action": "report"})") +
-             event("BLOCK_JOB_COMPLETED", R"({"device": "qcommit-vda", "len": 9, "offset": 3, "speed": 0, "type": "commit", "error": "No space left on device"})");
+      return reply(cmd) +
+             event("BLOCK_JOB_ERROR",
+                   R"({"device": "qcommit-vda", "operation": "write", "action": "report"})") +
+             event(
+                 "BLOCK_JOB_COMPLETED",
+                 R"({"device": "qcommit-vda", "len": 9, "offset": 3, "speed": 0, "type": "commit", "error": "No space left on device"})");
     return error_reply(cmd, "CommandNotFound", c);
   });
   QmpHypervisor hv(srv.path(), "", quick());
