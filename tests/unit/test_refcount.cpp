@@ -22,8 +22,8 @@ TEST_CASE("qcow2.refcount.widths") {
       // Clusters in the first and in later refcount blocks, with values that exercise every bit
       // of the field and the neighbours on both sides.
       std::vector<std::pair<uint64_t, uint64_t>> want;
-      const std::vector<uint64_t> clusters{10, 11, 12, 13, per_block - 1, per_block,
-                                           per_block + 1, 3 * per_block + 5};
+      const std::vector<uint64_t> clusters{
+          10, 11, 12, 13, per_block - 1, per_block, per_block + 1, 3 * per_block + 5};
       for (size_t k = 0; k < clusters.size(); ++k) {
         const uint64_t v = k % 3 == 0 ? max : k % 3 == 1 ? (max / 3) | 1 : 0;
         want.emplace_back(clusters[k], v);
@@ -50,7 +50,7 @@ TEST_CASE("qcow2.refcount.widths") {
 TEST_CASE("qcow2.refcount.bad_block") {
   ImageSpec s;
   ImageBuilder b(s);
-  b.put64(b.reftable_offset() + 8, 0x12345);  // second refcount block: unaligned
+  b.put64(b.reftable_offset() + 8, 0x12345);      // second refcount block: unaligned
   b.put64(b.reftable_offset() + 16, 1ull << 40);  // third: beyond end of file
   auto img = open_image(b);
   CHECK(img->refcount(0) == 1);
