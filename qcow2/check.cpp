@@ -324,6 +324,17 @@ class Checker {
     if (bad) problem(true, [&] { return "ERROR " + *bad; });
   }
 
+  // Refcount block `bi`, or none (no table) when the image has none there or it is unusable (not
+  // cluster aligned, beyond the end of the file): the check reports those clusters, it does not
+  // stop at them.
+  Image::RefcountBlock readable_refcount_block(uint64_t bi) {
+    try {
+      return img_.refcount_block(bi);
+    } catch (const CorruptionError&) {
+      return {};
+    }
+  }
+
   uint64_t safe_refcount(uint64_t c) {
     try {
       return img_.refcount(c);
@@ -346,15 +357,7 @@ class Checker {
       const uint64_t want = c < refs_.size() ? refs_[c] : 0;
       if (c / block_entries != seen_block) {
         seen_block = c / block_entries;
-        const auto& rt = img_.refcount_table();
-        block_missing = seen_block >= rt.size() || (rt[seen_block] & kRefTableOffsetMask) == 0;
-        if (!block_missing) {
-          try {
-            (void)img_.refcount(c);
-          } catch (const CorruptionError&) {
-            block_missing = true;
-          }
-        }
+        block_missing = !readable_refcount_block(seen_block).table;
       }
       const uint64_t have = block_missing ? 0 : safe_refcount(c);
       if (want) {
@@ -402,19 +405,17 @@ class Checker {
       changed = false;
     };
     for (auto [c, v] : fixes) {
-      const uint64_t bi = c / per_block;
-      const auto& rt = img_.refcount_table();
-      const uint64_t off = bi < rt.size() ? rt[bi] & kRefTableOffsetMask : 0;
-      if (!off || off % cs_ != 0 || off / cs_ >= nb_clusters_) {
+      const Image::RefcountBlock b = readable_refcount_block(c / per_block);
+      if (!b.table) {
         if (res_.messages.size() < kMaxCheckMessages)
           res_.messages.push_back("cannot repair cluster " + std::to_string(c) +
                                   ": its refcount block is missing");
         continue;
       }
-      if (off != cur_block) {
+      if (b.offset != cur_block) {
         flush_block();
-        cur_block = off;
-        img_.file().read(off, block);
+        cur_block = b.offset;
+        block = *b.table;
       }
       const uint64_t old = refcount_entry(block.data(), geo_.refcount_order, c % per_block);
       set_refcount_entry(block.data(), geo_.refcount_order, c % per_block, v);

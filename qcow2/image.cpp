@@ -626,12 +626,10 @@ void Image::decompress(const Run& run, std::span<uint8_t> out) {
                hex(run.guest_offset) + ") does not decompress to exactly one cluster");
 }
 
-uint64_t Image::refcount(uint64_t cluster_index) {
-  const uint64_t per_block = geo_.refcount_block_entries();
-  const uint64_t bi = cluster_index / per_block;
-  if (bi >= reftable_.size()) return 0;
+Image::RefcountBlock Image::refcount_block(uint64_t bi) {
+  if (bi >= reftable_.size()) return {};
   const uint64_t block = reftable_[bi] & kRefTableOffsetMask;
-  if (block == 0) return 0;
+  if (block == 0) return {};
   const uint64_t cs = cluster_size();
   if (block % cs != 0)
     corrupt_at("refcount block at " + hex(block) + " (refcount table index " + std::to_string(bi) +
@@ -642,7 +640,14 @@ uint64_t Image::refcount(uint64_t cluster_index) {
                  std::to_string(bi) + ") lies beyond end of file");
     file_->read(block, b);
   });
-  return refcount_entry(t->data(), geo_.refcount_order, cluster_index % per_block);
+  return {block, std::move(t)};
+}
+
+uint64_t Image::refcount(uint64_t cluster_index) {
+  const uint64_t per_block = geo_.refcount_block_entries();
+  const RefcountBlock b = refcount_block(cluster_index / per_block);
+  if (!b.table) return 0;
+  return refcount_entry(b.table->data(), geo_.refcount_order, cluster_index % per_block);
 }
 
 bool Image::metadata_preallocated() {

@@ -164,6 +164,18 @@ class Image {
   void parse_header();
   void parse_extensions(uint64_t start, uint64_t end);
   void load_tables();
+  // A refcount block as the refcount table points at it.
+  struct RefcountBlock {
+    uint64_t offset = 0;      // host offset of the block; 0 when the table has none there
+    TableCache::Table table;  // its cluster_size() bytes, through the cache; null when none
+  };
+  // The one loader of refcount blocks, for refcount(), the writer's updates and the check's
+  // repairs: block `block_index` of the refcount table, read through the cache. No block (an
+  // index past the table, or an entry of 0): offset 0 and no table, and every cluster it would
+  // describe has refcount 0. Throws CorruptionError when the block is not cluster aligned, or
+  // when it is not in the cache and does not lie wholly inside the file (a block a writer has
+  // just allocated lives in the cache until it is written).
+  [[nodiscard]] RefcountBlock refcount_block(uint64_t block_index);
   [[noreturn]] void corrupt_at(const std::string& what) const;
   // The first cluster as a header rewrite stores it: `h`, the bytes past the known fields as on
   // disk, the extensions() (a stale bitmaps extension is not among them) and the backing name.

@@ -58,11 +58,6 @@ bool Writer::has_staged_changes() const {
 // ---------------------------------------------------------------------------------------------
 // Refcounts and allocation
 
-std::shared_ptr<std::vector<uint8_t>> Writer::refblock(uint64_t offset) {
-  return image_.cache_.get(offset, cs_,
-                           [&](std::vector<uint8_t>& b) { image_.file().read(offset, b); });
-}
-
 void Writer::dirty_refblock(uint64_t off, const std::shared_ptr<std::vector<uint8_t>>& table) {
   image_.cache_.mark_dirty(off, table);
   dirty_refblocks_.insert(off);
@@ -83,10 +78,9 @@ void Writer::set_refcount(uint64_t cluster, uint64_t value) {
   const uint64_t per_block = geo_.refcount_block_entries();
   const uint64_t bi = cluster / per_block;
   ensure_refblock(bi);
-  const uint64_t block = image_.reftable_[bi] & kRefTableOffsetMask;
-  auto t = refblock(block);
-  set_refcount_entry(t->data(), geo_.refcount_order, cluster % per_block, value);
-  dirty_refblock(block, t);
+  const Image::RefcountBlock b = image_.refcount_block(bi);
+  set_refcount_entry(b.table->data(), geo_.refcount_order, cluster % per_block, value);
+  dirty_refblock(b.offset, b.table);
 }
 
 void Writer::ensure_refblock(uint64_t bi) {

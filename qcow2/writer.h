@@ -118,7 +118,6 @@ class Writer {
   void set_refcount(uint64_t cluster, uint64_t value);
   void ensure_refblock(uint64_t block_index);
   void grow_reftable(uint64_t min_entries);
-  std::shared_ptr<std::vector<uint8_t>> refblock(uint64_t offset);
   // Pin a modified table in the cache (put back if it was evicted while the caller held it).
   void dirty_refblock(uint64_t table_offset, const std::shared_ptr<std::vector<uint8_t>>& table);
   void dirty_l2(uint64_t table_offset, const std::shared_ptr<std::vector<uint8_t>>& table);

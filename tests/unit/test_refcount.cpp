@@ -1,6 +1,10 @@
-// Refcounts of every width (1 to 64 bits), across several refcount blocks.
+// Refcounts of every width (1 to 64 bits), across several refcount blocks; bad blocks.
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <span>
+
+#include "qcow2/writer.h"
 #include "tests/unit/helpers.h"
 
 using namespace qcommit;
@@ -59,4 +63,26 @@ TEST_CASE("qcow2.refcount.bad_block") {
                                        "refcount block");
   expect_error<qcow2::CorruptionError>([&] { (void)img->refcount(2 * per_block); }, "mem.qcow2",
                                        "refcount block");
+}
+
+TEST_CASE("qcow2.refcount.writer_refuses_bad_block") {
+  // The writer's refcount updates load blocks as reads do: a refcount table entry that is not
+  // cluster aligned is corruption, not a place to write refcounts to.
+  ImageSpec s;
+  s.cluster_bits = 12;
+  s.refcount_order = 6;  // 64-bit refcounts: a block describes 4096 * 8 / 64 = 512 clusters
+  s.size = 4ull << 20;
+  ImageBuilder b(s);
+  const uint64_t cs = 4096, per_block = 512;
+  b.put64(b.reftable_offset() + 8, 0x12345);  // the block for clusters 512-1023: unaligned
+  auto img = open_image(b);
+  qcow2::Writer w(*img);
+  const std::vector<uint8_t> data(cs, 0x5a);
+  auto view = [](uint64_t, std::span<uint8_t> out) { std::fill(out.begin(), out.end(), 0); };
+  // Clusters are allocated past the end of the file until one needs the second block.
+  expect_error<qcow2::CorruptionError>(
+      [&] {
+        for (uint64_t g = 0; g < per_block * cs; g += cs) w.write(g, data, view);
+      },
+      "mem.qcow2", "refcount block at 0x12200 (refcount table index 1) is not cluster aligned");
 }
