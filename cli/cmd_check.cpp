@@ -43,12 +43,15 @@ int cmd_check(const Args& in_args) {
   const uint64_t corruptions = r.corruptions - r.corruptions_fixed;
   const uint64_t leaks = r.leaks - r.leaks_fixed;
   if (out == Output::kJson) {
-    std::printf("{\"filename\": %s, \"corruptions\": %" PRIu64 ", \"leaks\": %" PRIu64
-                ", \"corruptions-fixed\": %" PRIu64 ", \"leaks-fixed\": %" PRIu64
-                ", \"allocated-clusters\": %" PRIu64 ", \"total-clusters\": %" PRIu64
-                ", \"image-end-offset\": %" PRIu64 ", \"check-errors\": 0}\n",
-                json_string(image).c_str(), corruptions, leaks, r.corruptions_fixed, r.leaks_fixed,
-                r.allocated_clusters, r.total_clusters, r.image_end_offset);
+    print_json(json::Ordered{{"filename", image},
+                             {"corruptions", corruptions},
+                             {"leaks", leaks},
+                             {"corruptions-fixed", r.corruptions_fixed},
+                             {"leaks-fixed", r.leaks_fixed},
+                             {"allocated-clusters", r.allocated_clusters},
+                             {"total-clusters", r.total_clusters},
+                             {"image-end-offset", r.image_end_offset},
+                             {"check-errors", 0}});
   } else {
     for (const auto& m : r.messages) std::fprintf(stderr, "%s\n", m.c_str());
     if (r.leaks_fixed || r.corruptions_fixed)

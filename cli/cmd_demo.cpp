@@ -21,9 +21,10 @@ using plugin::run_process;
 namespace {
 
 // `qcommit ARGS... --output=json` run as a child of this process: its JSON document (of JSON
-// lines, the last one: merge's result), checked to parse.
+// lines, the last one: merge's result), members in the child's order.
 enum class JsonForm { kDocument, kLastLine };
-std::string child_json(const std::vector<std::string>& args, JsonForm form = JsonForm::kDocument) {
+json::Ordered child_json(const std::vector<std::string>& args,
+                         JsonForm form = JsonForm::kDocument) {
   std::vector<std::string> argv{"/proc/self/exe"};
   argv.insert(argv.end(), args.begin(), args.end());
   argv.push_back("--output=json");
@@ -33,15 +34,15 @@ std::string child_json(const std::vector<std::string>& args, JsonForm form = Jso
     if (const auto nl = out.rfind('\n'); nl != std::string::npos) out.erase(0, nl + 1);
   }
   std::string err;
-  if (!plugin::json::parse(out, &err))
-    throw std::runtime_error("qcommit " + args[0] + " --output=json: not JSON (" + err +
-                             "): " + out);
-  return out;
+  std::optional<json::Ordered> doc =
+      json::parse<json::Ordered>(out, json::kChildOutputLimits, &err);
+  if (!doc)
+    throw std::runtime_error("qcommit " + args[0] + " --output=json: not JSON (" + err + ")");
+  return *doc;
 }
 
-std::string process_json(const ProcessResult& r) {
-  return "{\"exit-code\": " + std::to_string(r.exit_code) +
-         ", \"output\": " + json_string(r.output) + "}";
+json::Ordered process_json(const ProcessResult& r) {
+  return json::Ordered{{"exit-code", r.exit_code}, {"output", r.output}};
 }
 
 }  // namespace
@@ -83,9 +84,7 @@ int cmd_demo(const Args& args) {
   run_checked({"qemu-io", "-c", "write -P 0x21 4M 2M", "-c", "write -z 33M 512k", s1});
   run_checked({"qemu-img", "create", "-q", "-f", "qcow2", "-b", "snap1.qcow2", "-F", "qcow2", s2});
   run_checked({"qemu-io", "-c", "write -P 0x31 5M 64k", "-c", "discard 0 64k", s2});
-  std::string js = "{\"dir\": " + json_string(dir) + ", \"kept\": " + json_bool(keep) +
-                   ", \"images\": [" + json_string(base) + ", " + json_string(s1) + ", " +
-                   json_string(s2) + "]";
+  json::Ordered doc{{"dir", dir}, {"kept", keep}, {"images", {base, s1, s2}}};
   if (human) {
     std::cout << "base.qcow2 <- snap1.qcow2 <- snap2.qcow2\n\n== qcommit info " << s2 << "\n";
     int rc = cmd_info({s2});
@@ -94,7 +93,8 @@ int cmd_demo(const Args& args) {
     rc = cmd_map({s2});
     if (rc) return rc;
   } else {
-    js += ", \"info\": " + child_json({"info", s2}) + ", \"map\": " + child_json({"map", s2});
+    doc["info"] = child_json({"info", s2});
+    doc["map"] = child_json({"map", s2});
   }
   // Cross-check: every byte we read equals qemu-img convert's raw output.
   const std::string raw = dir + "/view.raw";
@@ -114,13 +114,16 @@ int cmd_demo(const Args& args) {
         compared += a.size();
     }
   }
-  js += ", \"cross-check\": {\"bytes-equal\": " + std::to_string(compared) +
-        ", \"mismatch-at\": " + (mismatch ? std::to_string(*mismatch) : "null") + "}";
+  doc["cross-check"] =
+      json::Ordered{{"bytes-equal", compared},
+                    {"mismatch-at", mismatch ? json::Ordered(*mismatch) : json::Ordered(nullptr)}};
   if (mismatch) {
-    if (human)
+    if (human) {
       std::cout << "\nMISMATCH at offset " << *mismatch << " between qcommit and qemu-img\n";
-    else
-      std::cout << js << ", \"passed\": false}\n";
+    } else {
+      doc["passed"] = false;
+      print_json(doc);
+    }
     return kExitError;
   }
   if (human)
@@ -132,16 +135,17 @@ int cmd_demo(const Args& args) {
     const int rc = cmd_merge({s2, "--base", base, "--budget", "off"});
     if (rc) return rc;
   } else {
-    js += ", \"merge\": " +
-          child_json({"merge", s2, "--base", base, "--budget", "off"}, JsonForm::kLastLine);
+    doc["merge"] =
+        child_json({"merge", s2, "--base", base, "--budget", "off"}, JsonForm::kLastLine);
   }
   ProcessResult cmp = run_process({"qemu-img", "compare", "-f", "raw", "-F", "qcow2", raw, base});
   ProcessResult chk = run_process({"qemu-img", "check", base});
   const bool passed = cmp.exit_code == 0 && chk.exit_code == 0;
   if (!human) {
-    std::cout << js << ", \"qemu-img-compare\": " << process_json(cmp)
-              << ", \"qemu-img-check\": " << process_json(chk)
-              << ", \"passed\": " << json_bool(passed) << "}\n";
+    doc["qemu-img-compare"] = process_json(cmp);
+    doc["qemu-img-check"] = process_json(chk);
+    doc["passed"] = passed;
+    print_json(doc);
     return passed ? kExitOk : kExitError;
   }
   std::cout << "qemu-img compare (view before merge vs base after): " << cmp.output;

@@ -197,13 +197,11 @@ int cmd_doctor(const Args& args) {
   }
 
   if (out == Output::kJson) {
-    std::string js = "{\"findings\": [";
-    for (size_t i = 0; i < f.size(); ++i)
-      js += std::string(i ? ", " : "") + "{\"level\": " + json_string(f[i].level) +
-            ", \"subject\": " + json_string(f[i].subject) +
-            ", \"finding\": " + json_string(f[i].text) +
-            ", \"reason\": " + json_string(f[i].reason) + "}";
-    std::printf("%s]}\n", js.c_str());
+    json::Ordered findings = json::Ordered::array();
+    for (const auto& x : f)
+      findings.push_back(json::Ordered{
+          {"level", x.level}, {"subject", x.subject}, {"finding", x.text}, {"reason", x.reason}});
+    print_json(json::Ordered{{"findings", findings}});
   } else {
     for (const auto& x : f)
       std::printf("[%-4s] %s: %s\n       why: %s\n", x.level.c_str(), x.subject.c_str(),

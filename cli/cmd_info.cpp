@@ -1,6 +1,5 @@
 // qcommit info: format, features and backing chain of an image.
 #include <iostream>
-#include <sstream>
 
 #include "cli/json.h"
 #include "cli/options.h"
@@ -63,6 +62,87 @@ std::vector<std::string> features(const qcow2::Header& h) {
   return f;
 }
 
+const char* compat_of(const qcow2::Header& h) {
+  return h.version == 2 ? "0.10" : "1.1";
+}
+
+const char* compression_of(const qcow2::Header& h) {
+  return h.compression_type == qcow2::CompressionType::kZstd ? "zstd" : "zlib";
+}
+
+uint64_t disk_bytes(const qcow2::Layer& L) {
+  return L.qcow2 ? L.qcow2->file().allocated_bytes() : L.raw->allocated_bytes();
+}
+
+// What a qcow2 layer adds to its entry in the JSON chain.
+void add_qcow2_json(json::Ordered& j, Image& img) {
+  const auto& h = img.header();
+  const LayerInfo li = scan_layer(img);
+  j["cluster-size"] = img.cluster_size();
+  j["version"] = h.version;
+  j["compat"] = compat_of(h);
+  j["refcount-bits"] = img.geometry().refcount_bits();
+  j["compression-type"] = compression_of(h);
+  j["extended-l2"] = img.geometry().extended_l2;
+  j["internal-snapshots"] = h.nb_snapshots;
+  j["features"] = features(h);
+  if (img.backing_name()) j["backing-filename"] = *img.backing_name();
+  if (img.backing_format()) j["backing-format"] = *img.backing_format();
+  if (img.data_file_name()) j["data-file"] = *img.data_file_name();
+  if (img.bitmaps()) j["bitmaps"] = img.bitmaps()->nb_bitmaps;
+  j["allocated-data-bytes"] = li.data_bytes;
+  j["allocated-zero-bytes"] = li.zero_bytes;
+  j["compressed-bytes"] = li.compressed_bytes;
+}
+
+json::Ordered layer_json(Chain& chain, size_t i) {
+  auto& L = chain.layer(i);
+  json::Ordered j{{"depth", i},
+                  {"filename", L.path},
+                  {"resolved", L.real_path},
+                  {"format", to_string(L.format)},
+                  {"virtual-size", L.virtual_size()},
+                  {"actual-size", disk_bytes(L)}};
+  if (!L.backing_name.empty()) j["named-as"] = L.backing_name;
+  if (L.qcow2) add_qcow2_json(j, *L.qcow2);
+  return j;
+}
+
+void print_qcow2_layer(Image& img) {
+  const auto& h = img.header();
+  const LayerInfo li = scan_layer(img);
+  const auto feats = features(h);
+  std::cout << "cluster size: " << img.cluster_size() << "\n"
+            << "version: " << h.version << " (compat " << compat_of(h) << ")\n"
+            << "refcount bits: " << img.geometry().refcount_bits() << "\n";
+  if (h.incompatible_features & qcow2::kIncompatCompression || h.version == 3)
+    std::cout << "compression type: " << compression_of(h) << "\n";
+  std::cout << "features:";
+  for (auto& f : feats) std::cout << " " << f;
+  std::cout << (feats.empty() ? " none\n" : "\n");
+  if (img.backing_name())
+    std::cout << "backing file: " << *img.backing_name()
+              << " (format: " << img.backing_format().value_or("probed") << ")\n";
+  if (img.data_file_name()) std::cout << "data file: " << *img.data_file_name() << "\n";
+  if (h.nb_snapshots) std::cout << "internal snapshots: " << h.nb_snapshots << "\n";
+  if (img.bitmaps()) std::cout << "bitmaps: " << img.bitmaps()->nb_bitmaps << "\n";
+  std::cout << "allocated data: " << human_size(li.data_bytes) << "\n"
+            << "allocated zeros: " << human_size(li.zero_bytes) << "\n";
+  if (li.compressed_bytes) std::cout << "compressed: " << human_size(li.compressed_bytes) << "\n";
+}
+
+void print_layer(Chain& chain, size_t i) {
+  auto& L = chain.layer(i);
+  std::cout << (i == 0 ? "image: " : "\nbacking image (depth " + std::to_string(i) + "): ")
+            << L.path << "\n";
+  if (L.real_path != L.path) std::cout << "resolved: " << L.real_path << "\n";
+  if (!L.backing_name.empty()) std::cout << "named as: " << L.backing_name << "\n";
+  std::cout << "file format: " << to_string(L.format) << "\n"
+            << "virtual size: " << human_size(L.virtual_size()) << "\n"
+            << "disk size: " << human_size(disk_bytes(L)) << "\n";
+  if (L.qcow2) print_qcow2_layer(*L.qcow2);
+}
+
 }  // namespace
 
 int cmd_info(const Args& args) {
@@ -82,78 +162,13 @@ int cmd_info(const Args& args) {
   qcow2::ChainOptions copts;
   copts.allowed_backing_dirs = backing_policy(image, allow_dirs);
   Chain chain = Chain::open(image, copts);
-  std::ostringstream js;
-  if (out == Output::kJson) js << "{\"filename\": " << json_string(image) << ", \"chain\": [";
-  for (size_t i = 0; i < chain.depth(); ++i) {
-    auto& L = chain.layer(i);
-    const uint64_t disk = L.qcow2 ? L.qcow2->file().allocated_bytes() : L.raw->allocated_bytes();
-    if (out == Output::kJson) {
-      if (i) js << ", ";
-      js << "{\"depth\": " << i << ", \"filename\": " << json_string(L.path)
-         << ", \"resolved\": " << json_string(L.real_path) << ", \"format\": \""
-         << to_string(L.format) << "\", \"virtual-size\": " << L.virtual_size()
-         << ", \"actual-size\": " << disk;
-      if (!L.backing_name.empty()) js << ", \"named-as\": " << json_string(L.backing_name);
-    } else {
-      std::cout << (i == 0 ? "image: " : "\nbacking image (depth " + std::to_string(i) + "): ")
-                << L.path << "\n";
-      if (L.real_path != L.path) std::cout << "resolved: " << L.real_path << "\n";
-      if (!L.backing_name.empty()) std::cout << "named as: " << L.backing_name << "\n";
-      std::cout << "file format: " << to_string(L.format) << "\n"
-                << "virtual size: " << human_size(L.virtual_size()) << "\n"
-                << "disk size: " << human_size(disk) << "\n";
-    }
-    if (!L.qcow2) {
-      if (out == Output::kJson) js << "}";
-      continue;
-    }
-    Image& img = *L.qcow2;
-    const auto& h = img.header();
-    LayerInfo li = scan_layer(img);
-    auto feats = features(h);
-    if (out == Output::kJson) {
-      js << ", \"cluster-size\": " << img.cluster_size() << ", \"version\": " << h.version
-         << ", \"compat\": \"" << (h.version == 2 ? "0.10" : "1.1") << "\""
-         << ", \"refcount-bits\": " << img.geometry().refcount_bits()
-         << ", \"compression-type\": \""
-         << (h.compression_type == qcow2::CompressionType::kZstd ? "zstd" : "zlib") << "\""
-         << ", \"extended-l2\": " << json_bool(img.geometry().extended_l2)
-         << ", \"internal-snapshots\": " << h.nb_snapshots << ", \"features\": [";
-      for (size_t k = 0; k < feats.size(); ++k) js << (k ? ", " : "") << json_string(feats[k]);
-      js << "]";
-      if (img.backing_name()) js << ", \"backing-filename\": " << json_string(*img.backing_name());
-      if (img.backing_format())
-        js << ", \"backing-format\": " << json_string(*img.backing_format());
-      if (img.data_file_name()) js << ", \"data-file\": " << json_string(*img.data_file_name());
-      if (img.bitmaps()) js << ", \"bitmaps\": " << img.bitmaps()->nb_bitmaps;
-      js << ", \"allocated-data-bytes\": " << li.data_bytes
-         << ", \"allocated-zero-bytes\": " << li.zero_bytes
-         << ", \"compressed-bytes\": " << li.compressed_bytes << "}";
-    } else {
-      std::cout << "cluster size: " << img.cluster_size() << "\n"
-                << "version: " << h.version << " (compat " << (h.version == 2 ? "0.10" : "1.1")
-                << ")\n"
-                << "refcount bits: " << img.geometry().refcount_bits() << "\n";
-      if (h.incompatible_features & qcow2::kIncompatCompression || h.version == 3)
-        std::cout << "compression type: "
-                  << (h.compression_type == qcow2::CompressionType::kZstd ? "zstd" : "zlib")
-                  << "\n";
-      std::cout << "features:";
-      for (auto& f : feats) std::cout << " " << f;
-      std::cout << (feats.empty() ? " none\n" : "\n");
-      if (img.backing_name())
-        std::cout << "backing file: " << *img.backing_name()
-                  << " (format: " << img.backing_format().value_or("probed") << ")\n";
-      if (img.data_file_name()) std::cout << "data file: " << *img.data_file_name() << "\n";
-      if (h.nb_snapshots) std::cout << "internal snapshots: " << h.nb_snapshots << "\n";
-      if (img.bitmaps()) std::cout << "bitmaps: " << img.bitmaps()->nb_bitmaps << "\n";
-      std::cout << "allocated data: " << human_size(li.data_bytes) << "\n"
-                << "allocated zeros: " << human_size(li.zero_bytes) << "\n";
-      if (li.compressed_bytes)
-        std::cout << "compressed: " << human_size(li.compressed_bytes) << "\n";
-    }
+  if (out == Output::kJson) {
+    json::Ordered layers = json::Ordered::array();
+    for (size_t i = 0; i < chain.depth(); ++i) layers.push_back(layer_json(chain, i));
+    print_json(json::Ordered{{"filename", image}, {"chain", layers}});
+    return kExitOk;
   }
-  if (out == Output::kJson) std::cout << js.str() << "]}\n";
+  for (size_t i = 0; i < chain.depth(); ++i) print_layer(chain, i);
   return kExitOk;
 }
 

@@ -116,7 +116,22 @@ struct LiveBackend {
 
 int run_live(LiveBackend& be, const plugin::LiveRequest& req,
              const std::vector<plugin::LiveStep>& steps, const plugin::DaemonConfig& cfg,
-             bool json);
+             bool json_out);
+
+// {"event": "progress", "type": ..., "bytes-left": ..., "p99-ms": ... or null, "phase": ...}
+json::Ordered progress_json(const plugin::JobStatus& j) {
+  const json::Ordered p99 =
+      j.latency_p99 ? json::Ordered(rounded(
+                          std::chrono::duration<double, std::milli>(*j.latency_p99).count(), 6))
+                    : json::Ordered(nullptr);
+  return json::Ordered{{"event", "progress"},
+                       {"type", plugin::to_string(j.type)},
+                       {"bytes-left", j.bytes_left},
+                       {"speed", j.speed_bytes_per_s},
+                       {"window", j.window_bytes},
+                       {"p99-ms", p99},
+                       {"phase", j.phase}};
+}
 
 }  // namespace
 
@@ -299,15 +314,17 @@ int cmd_live(const Args& args) {
     std::fprintf(stderr, "qcommit live: %s\n", e.what());
     return kExitError;
   }
-  const bool json = out == Output::kJson;
-  if (json) {
-    std::string js = "{\"event\": \"plan\", \"domain\": " + json_string(req.domain) +
-                     ", \"disk\": " + json_string(req.disk) + ", \"strategy\": \"" +
-                     to_string(req.strategy) + "\", \"budget\": " + json_string(budget) +
-                     ", \"dry-run\": " + json_bool(dry_run) + ", \"steps\": [";
-    for (size_t i = 0; i < steps.size(); ++i)
-      js += (i ? ", " : "") + json_string(steps[i].describe());
-    std::printf("%s]}\n", js.c_str());
+  const bool json_out = out == Output::kJson;
+  if (json_out) {
+    json::Ordered described = json::Ordered::array();
+    for (const auto& step : steps) described.push_back(step.describe());
+    print_json(json::Ordered{{"event", "plan"},
+                             {"domain", req.domain},
+                             {"disk", req.disk},
+                             {"strategy", to_string(req.strategy)},
+                             {"budget", budget},
+                             {"dry-run", dry_run},
+                             {"steps", described}});
   } else {
     std::printf("qcommit live: %s %s, strategy %s, budget %s\n", req.domain.c_str(),
                 req.disk.c_str(), to_string(req.strategy), budget.c_str());
@@ -329,7 +346,7 @@ int cmd_live(const Args& args) {
                    std::nullopt,
                    nullptr,
                    nullptr};
-    return run_live(be, req, steps, cfg, json);
+    return run_live(be, req, steps, cfg, json_out);
   }
   QmpHypervisor& q = *qm;
   LiveBackend be{
@@ -344,14 +361,14 @@ int cmd_live(const Args& args) {
       std::chrono::duration_cast<Duration>(kQmpReconnectGiveUp),
       [&q] { return "lost the QMP connection and could not reconnect: " + q.last_error(); },
       [&q] { return q.last_job_error(); }};
-  return run_live(be, req, steps, cfg, json);
+  return run_live(be, req, steps, cfg, json_out);
 }
 
 namespace {
 
 int run_live(LiveBackend& be, const plugin::LiveRequest& req,
              const std::vector<plugin::LiveStep>& steps, const plugin::DaemonConfig& cfg,
-             bool json) {
+             bool json_out) {
   using namespace qcommit::plugin;
   Hypervisor& hv = be.hv;
   GovernorOptions opt;
@@ -397,9 +414,10 @@ int run_live(LiveBackend& be, const plugin::LiveRequest& req,
     const TimePoint gov_next = gov.step(now);
     if (merge.current() != shown_step && merge.current() < merge.steps().size()) {
       shown_step = merge.current();
-      if (json)
-        std::printf("{\"event\": \"step\", \"step\": %zu, \"description\": %s}\n", shown_step + 1,
-                    json_string(merge.steps()[shown_step].describe()).c_str());
+      if (json_out)
+        print_json(json::Ordered{{"event", "step"},
+                                 {"step", shown_step + 1},
+                                 {"description", merge.steps()[shown_step].describe()}});
       else
         std::printf("step %zu: %s\n", shown_step + 1, merge.steps()[shown_step].describe().c_str());
       std::fflush(stdout);
@@ -408,19 +426,8 @@ int run_live(LiveBackend& be, const plugin::LiveRequest& req,
       next_report = now + std::chrono::seconds(1);
       const GovernorStatus st = gov.status(now);
       for (const auto& j : st.jobs) {
-        if (json) {
-          std::printf(
-              "{\"event\": \"progress\", \"type\": \"%s\", \"bytes-left\": %llu, "
-              "\"speed\": %llu, \"window\": %llu, \"p99-ms\": %s, \"phase\": %s}\n",
-              to_string(j.type), static_cast<unsigned long long>(j.bytes_left),
-              static_cast<unsigned long long>(j.speed_bytes_per_s),
-              static_cast<unsigned long long>(j.window_bytes),
-              j.latency_p99 ? std::to_string(
-                                  std::chrono::duration<double, std::milli>(*j.latency_p99).count())
-                                  .c_str()
-                            : "null",
-              json_string(j.phase).c_str());
-          std::fflush(stdout);
+        if (json_out) {
+          print_json(progress_json(j));
           continue;
         }
         std::fprintf(stderr,
@@ -473,10 +480,11 @@ int run_live(LiveBackend& be, const plugin::LiveRequest& req,
     return kExitError;
   }
   gov.release_all();
-  if (json) {
-    std::printf("{\"event\": \"result\", \"domain\": %s, \"disk\": %s, \"outcome\": \"%s\"}\n",
-                json_string(req.domain).c_str(), json_string(req.disk).c_str(),
-                merge.left_ready() ? "ready" : "done");
+  if (json_out) {
+    print_json(json::Ordered{{"event", "result"},
+                             {"domain", req.domain},
+                             {"disk", req.disk},
+                             {"outcome", merge.left_ready() ? "ready" : "done"}});
   } else if (merge.left_ready()) {
     std::printf("qcommit live: active commit ready (mirroring); pivot with %s\n",
                 be.pivot_hint.c_str());

@@ -8,6 +8,23 @@
 
 namespace qcommit::cli {
 
+namespace {
+
+// One entry with qemu-img map's keys; "offset" only where the data is in the image file.
+json::Ordered entry_json(const qcow2::MapEntry& e) {
+  json::Ordered j{{"start", e.start},     {"length", e.length}, {"depth", e.depth},
+                  {"present", e.present}, {"zero", e.zero},     {"data", e.data}};
+  if (e.offset) j["offset"] = *e.offset;
+  return j;
+}
+
+// qemu-img map --output=json opens each entry with "{ ".
+std::string qemu_img_layout(const std::string& entry) {
+  return "{ " + entry.substr(1);
+}
+
+}  // namespace
+
 int cmd_map(const Args& args) {
   po::options_description opts("options");
   std::string image, output = "human";
@@ -32,18 +49,8 @@ int cmd_map(const Args& args) {
   if (out == Output::kJson) {
     buf += "[";
     for (size_t i = 0; i < entries.size(); ++i) {
-      const auto& e = entries[i];
-      int n = std::snprintf(line, sizeof line,
-                            "%s{ \"start\": %" PRIu64 ", \"length\": %" PRIu64
-                            ", \"depth\": %u, \"present\": %s, \"zero\": %s, \"data\": %s",
-                            i ? ",\n" : "", e.start, e.length, e.depth, json_bool(e.present),
-                            json_bool(e.zero), json_bool(e.data));
-      buf.append(line, size_t(n));
-      if (e.offset) {
-        n = std::snprintf(line, sizeof line, ", \"offset\": %" PRIu64, *e.offset);
-        buf.append(line, size_t(n));
-      }
-      buf += "}";
+      if (i) buf += ",\n";
+      buf += qemu_img_layout(json::dump_spaced(entry_json(entries[i])));
     }
     buf += "]\n";
   } else {

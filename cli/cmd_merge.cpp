@@ -66,29 +66,78 @@ void check_rebase_children(const engine::MergeOptions& mo, const engine::MergePl
   }
 }
 
+// A dry run's report as JSON: {"event": "dry-run", "top": ..., "written": false}.
+json::Ordered dry_run_json(const engine::MergePlan& p, bool del, const DryRunExtras& extra) {
+  const std::string& top = p.layers.empty() ? p.base : p.layers.front();
+  return json::Ordered{
+      {"event", "dry-run"},
+      {"top", top},
+      {"base", p.base},
+      {"layers", p.layers},
+      {"data-bytes", p.data_bytes},
+      {"zero-bytes", p.zero_bytes},
+      {"grow-base", p.top_size > p.base_size},
+      {"rebase", p.rebase},
+      {"delete", del ? p.layers : std::vector<std::string>{}},
+      {"definition",
+       extra.definition.empty() ? json::Ordered(nullptr) : json::Ordered(extra.definition)},
+      {"resume-from", p.resume_from ? json::Ordered(*p.resume_from) : json::Ordered(nullptr)},
+      {"written", false}};
+}
+
+// {"event": "note", "message": ...}
+json::Ordered note_json(const std::string& message) {
+  return json::Ordered{{"event", "note"}, {"message", message}};
+}
+
+json::Ordered progress_json(const engine::Progress& p) {
+  return json::Ordered{{"event", "progress"},       {"phase", p.phase},
+                       {"done", p.done_bytes},      {"total", p.total_bytes},
+                       {"rate", whole(p.rate_bps)}, {"elapsed", rounded(p.elapsed_s, 3)}};
+}
+
+double ms(std::chrono::nanoseconds d) {
+  return std::chrono::duration<double, std::milli>(d).count();
+}
+
+// The budget and co-tenant members of the result: the policy's, or --budget off.
+json::Ordered budget_result_json(const std::optional<MergePolicy>& policy,
+                                 engine::BudgetGovernor* governor) {
+  if (!policy || !governor) return off_policy_json();
+  const engine::CotenantStats cs = governor->cotenant_stats();
+  return json::Ordered{{"budget-ms", quantity(ms(policy->resolution.policy.budget))},
+                       {"budget-source", plugin::to_string(policy->resolution.source)},
+                       {"cotenant-samples", cs.samples},
+                       {"cotenant-disks-max", cs.max_disks},
+                       {"cotenant-max-ms", rounded(ms(cs.max_latency), 3)}};
+}
+
+json::Ordered result_json(const engine::MergeResult& r, const std::optional<MergePolicy>& policy,
+                          engine::BudgetGovernor* governor) {
+  json::Ordered j{{"event", "result"},
+                  {"top", r.top},
+                  {"base", r.base},
+                  {"copied", r.copied_bytes},
+                  {"zeroed", r.zeroed_bytes},
+                  {"resumed", r.resumed},
+                  {"resumed-from", r.resumed_from},
+                  {"leaks-repaired", r.leaks_repaired},
+                  {"bitmaps-removed", r.bitmaps_removed},
+                  {"direct-io", r.direct_io}};
+  j.update(budget_result_json(policy, governor));
+  j["copy-seconds"] = rounded(r.copy_seconds, 3);
+  j["switch-seconds"] = rounded(r.switch_seconds, 6);
+  j["total-seconds"] = rounded(r.total_seconds, 3);
+  j["rebased"] = r.rebased;
+  j["deleted"] = r.deleted;
+  return j;
+}
+
 // A dry run's report: what the merge would write, change and delete. Nothing is written.
 void print_dry_run(Output out, const engine::MergePlan& p, bool del, const DryRunExtras& extra) {
   const std::string& top = p.layers.empty() ? p.base : p.layers.front();
   if (out == Output::kJson) {
-    auto list = [](const std::vector<std::string>& v) {
-      std::string s = "[";
-      for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + json_string(v[i]);
-      return s + "]";
-    };
-    std::string js = "{\"event\": \"dry-run\", \"top\": " + json_string(top) +
-                     ", \"base\": " + json_string(p.base);
-    js += ", \"layers\": " + list(p.layers);
-    js += ", \"data-bytes\": " + std::to_string(p.data_bytes) +
-          ", \"zero-bytes\": " + std::to_string(p.zero_bytes);
-    js += std::string(", \"grow-base\": ") + json_bool(p.top_size > p.base_size);
-    js += ", \"rebase\": " + list(p.rebase);
-    js += ", \"delete\": " + list(del ? p.layers : std::vector<std::string>{});
-    js += ", \"definition\": " +
-          (extra.definition.empty() ? std::string("null") : json_string(extra.definition));
-    js += ", \"resume-from\": " +
-          (p.resume_from ? std::to_string(*p.resume_from) : std::string("null"));
-    js += std::string(", \"written\": false}\n");
-    std::fputs(js.c_str(), stdout);
+    print_json(dry_run_json(p, del, extra));
     return;
   }
   std::printf("would merge %s into %s (nothing written)\n", top.c_str(), p.base.c_str());
@@ -205,10 +254,9 @@ int cmd_merge(const Args& args) {
       lock_wait == "0" ? std::chrono::nanoseconds::zero() : parse_duration(lock_wait, "--wait");
   mo.on_lock_wait = [out](const std::string& message) {
     if (out == Output::kJson)
-      std::printf("{\"event\": \"wait\", \"message\": %s}\n", json_string(message).c_str());
+      print_json(json::Ordered{{"event", "wait"}, {"message", message}});
     else
       std::fprintf(stderr, "qcommit: %s\n", message.c_str());
-    std::fflush(stdout);
   };
   // With a budget, O_DIRECT: the bytes we have queued are exactly our requests in flight, which
   // the controller bounds. Unthrottled, kAuto: large requests O_DIRECT (spliced from the source's
@@ -243,13 +291,11 @@ int cmd_merge(const Args& args) {
   auto announce_policy = [&](const std::string& merge_base) {
     policy = resolve_merge_policy(popts, merge_base);
     if (out == Output::kJson) {
-      std::printf("{\"event\": \"policy\", %s}\n", policy->json_fields().c_str());
-      if (policy->cotenant_state != "on")
-        std::printf("{\"event\": \"note\", \"message\": %s}\n",
-                    json_string(policy->cotenant_line()).c_str());
-      for (const auto& n : policy->notes)
-        std::printf("{\"event\": \"note\", \"message\": %s}\n", json_string(n).c_str());
-      std::fflush(stdout);
+      json::Ordered event{{"event", "policy"}};
+      event.update(policy->json_fields());
+      print_json(event);
+      if (policy->cotenant_state != "on") print_json(note_json(policy->cotenant_line()));
+      for (const auto& n : policy->notes) print_json(note_json(n));
     } else {
       std::printf("%s\n", policy->budget_line().c_str());
       if (verbose || !policy->cotenant_disks.empty())
@@ -275,10 +321,7 @@ int cmd_merge(const Args& args) {
   const bool tty = isatty(2) && out == Output::kHuman;
   mo.on_progress = [&](const engine::Progress& p) {
     if (out == Output::kJson) {
-      std::printf("{\"event\": \"progress\", \"phase\": \"%s\", \"done\": %" PRIu64
-                  ", \"total\": %" PRIu64 ", \"rate\": %.0f, \"elapsed\": %.3f}\n",
-                  p.phase.c_str(), p.done_bytes, p.total_bytes, p.rate_bps, p.elapsed_s);
-      std::fflush(stdout);
+      print_json(progress_json(p));
     } else if (tty && p.phase == "copy") {
       print_bar(p);
     }
@@ -308,7 +351,7 @@ int cmd_merge(const Args& args) {
     }
     auto note = [&](const std::string& m) {
       if (out == Output::kJson)
-        std::printf("{\"event\": \"note\", \"message\": %s}\n", json_string(m).c_str());
+        print_json(note_json(m));
       else
         std::fprintf(stderr, "%s\n", m.c_str());
     };
@@ -349,41 +392,7 @@ int cmd_merge(const Args& args) {
   }
   if (tty) std::fputs("\n", stderr);
   if (out == Output::kJson) {
-    std::string js = "{\"event\": \"result\", \"top\": " + json_string(r.top) +
-                     ", \"base\": " + json_string(r.base);
-    js += ", \"copied\": " + std::to_string(r.copied_bytes) +
-          ", \"zeroed\": " + std::to_string(r.zeroed_bytes);
-    js += std::string(", \"resumed\": ") + json_bool(r.resumed);
-    js += ", \"resumed-from\": " + std::to_string(r.resumed_from);
-    js += ", \"leaks-repaired\": " + std::to_string(r.leaks_repaired);
-    js += ", \"bitmaps-removed\": " + std::to_string(r.bitmaps_removed);
-    js += std::string(", \"direct-io\": ") + json_bool(r.direct_io);
-    if (policy) {
-      const engine::CotenantStats cs = governor->cotenant_stats();
-      char c[200];
-      std::snprintf(
-          c, sizeof c,
-          ", \"budget-ms\": %g, \"budget-source\": %s, \"cotenant-samples\": %llu, "
-          "\"cotenant-disks-max\": %zu, \"cotenant-max-ms\": %.3f",
-          std::chrono::duration<double, std::milli>(policy->resolution.policy.budget).count(),
-          json_string(plugin::to_string(policy->resolution.source)).c_str(),
-          static_cast<unsigned long long>(cs.samples), cs.max_disks,
-          std::chrono::duration<double, std::milli>(cs.max_latency).count());
-      js += c;
-    } else {
-      js += ", \"budget-ms\": null, \"budget-source\": \"off\"";
-    }
-    char t[160];
-    std::snprintf(t, sizeof t,
-                  ", \"copy-seconds\": %.3f, \"switch-seconds\": %.6f, \"total-seconds\": %.3f",
-                  r.copy_seconds, r.switch_seconds, r.total_seconds);
-    js += t;
-    js += ", \"rebased\": [";
-    for (size_t i = 0; i < r.rebased.size(); ++i) js += (i ? ", " : "") + json_string(r.rebased[i]);
-    js += "], \"deleted\": [";
-    for (size_t i = 0; i < r.deleted.size(); ++i) js += (i ? ", " : "") + json_string(r.deleted[i]);
-    js += "]}\n";
-    std::fputs(js.c_str(), stdout);
+    print_json(result_json(r, policy, governor.get()));
   } else {
     std::printf("merged %s into %s: %s copied, %s zeroed in %.2fs (%s)\n", r.top.c_str(),
                 r.base.c_str(), format_size(r.copied_bytes).c_str(),

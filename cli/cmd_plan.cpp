@@ -57,6 +57,34 @@ std::string resolved(const std::string& path) {
   }
 }
 
+std::vector<std::string> resolved_all(const std::vector<std::string>& paths) {
+  std::vector<std::string> out;
+  for (const auto& p : paths) out.push_back(resolved(p));
+  return out;
+}
+
+// The plan's members of `plan --output=json`, before the policy's.
+json::Ordered plan_json(const std::string& top, const engine::MergePlan& p) {
+  json::Ordered j{{"top", top},
+                  {"base", p.base},
+                  {"base-format", p.base_format},
+                  {"layers", p.layers},
+                  {"resolved-layers", resolved_all(p.layers)},
+                  {"resolved-base", resolved(p.base)},
+                  {"top-size", p.top_size},
+                  {"base-size", p.base_size},
+                  {"grow-base", p.top_size > p.base_size},
+                  {"data-bytes", p.data_bytes},
+                  {"zero-bytes", p.zero_bytes},
+                  {"compressed-bytes", p.compressed_bytes},
+                  {"extents", p.extents},
+                  {"base-internal-snapshots", p.base_snapshots},
+                  {"bitmaps-to-remove", p.base_bitmaps},
+                  {"rebase", p.rebase}};
+  if (p.resume_from) j["resume-from"] = *p.resume_from;
+  return j;
+}
+
 }  // namespace
 
 int cmd_plan(const Args& args) {
@@ -117,35 +145,13 @@ int cmd_plan(const Args& args) {
     policy = resolve_merge_policy(popts, p.base);
   }
   if (out == Output::kJson) {
-    std::string js = "{\"top\": " + json_string(top) + ", \"base\": " + json_string(p.base) +
-                     ", \"base-format\": " + json_string(p.base_format) + ", \"layers\": [";
-    for (size_t i = 0; i < p.layers.size(); ++i) js += (i ? ", " : "") + json_string(p.layers[i]);
-    js += "], \"resolved-layers\": [";
-    for (size_t i = 0; i < p.layers.size(); ++i)
-      js += (i ? ", " : "") + json_string(resolved(p.layers[i]));
-    js += "], \"resolved-base\": " + json_string(resolved(p.base)) +
-          ", \"top-size\": " + std::to_string(p.top_size) +
-          ", \"base-size\": " + std::to_string(p.base_size) +
-          ", \"grow-base\": " + json_bool(p.top_size > p.base_size) +
-          ", \"data-bytes\": " + std::to_string(p.data_bytes) +
-          ", \"zero-bytes\": " + std::to_string(p.zero_bytes) +
-          ", \"compressed-bytes\": " + std::to_string(p.compressed_bytes) +
-          ", \"extents\": " + std::to_string(p.extents) +
-          ", \"base-internal-snapshots\": " + std::to_string(p.base_snapshots) +
-          ", \"bitmaps-to-remove\": " + std::to_string(p.base_bitmaps) + ", \"rebase\": [";
-    for (size_t i = 0; i < p.rebase.size(); ++i) js += (i ? ", " : "") + json_string(p.rebase[i]);
-    js += "]";
-    if (p.resume_from) js += ", \"resume-from\": " + std::to_string(*p.resume_from);
-    if (policy)
-      js += ", " + policy->json_fields();
-    else
-      js += ", \"budget-ms\": null, \"budget-source\": \"off\"";
+    json::Ordered doc = plan_json(top, p);
+    doc.update(policy ? policy->json_fields() : off_policy_json());
     if (bw > 0) {
-      char b[96];
-      std::snprintf(b, sizeof b, ", \"rate\": %.0f, \"eta-seconds\": %.1f", bw, eta);
-      js += b;
+      doc["rate"] = whole(bw);
+      doc["eta-seconds"] = rounded(eta, 1);
     }
-    std::printf("%s}\n", js.c_str());
+    print_json(doc);
     return kExitOk;
   }
   std::printf("merge plan (nothing written)\n");

@@ -205,14 +205,15 @@ int cmd_report(const Args& args) {
     if (!f) throw std::runtime_error(out_path + ": cannot write");
   }
   if (out == Output::kJson) {
-    char b[512];
-    std::snprintf(b, sizeof b,
-                  ", \"rows\": %zu, \"duration-seconds\": %.3f, \"copied-bytes\": %.0f"
-                  ", \"mean-rate-bytes-per-second\": %.0f"
-                  ", \"probe-ms\": {\"p50\": %.3f, \"p99\": %.3f, \"max\": %.3f}}\n",
-                  rows.size(), secs, done, mean_rate, p50, p99, pmax);
-    std::printf("{\"trace\": %s, \"html\": %s%s", json_string(trace).c_str(),
-                out_path.empty() ? "null" : json_string(out_path).c_str(), b);
+    print_json(json::Ordered{
+        {"trace", trace},
+        {"html", out_path.empty() ? json::Ordered(nullptr) : json::Ordered(out_path)},
+        {"rows", rows.size()},
+        {"duration-seconds", rounded(secs, 3)},
+        {"copied-bytes", whole(done)},
+        {"mean-rate-bytes-per-second", whole(mean_rate)},
+        {"probe-ms",
+         {{"p50", rounded(p50, 3)}, {"p99", rounded(p99, 3)}, {"max", rounded(pmax, 3)}}}});
   } else {
     std::printf(
         "%s: %.1f s, %.1f MiB copied at %.1f MiB/s; probe p50 %.2f ms, p99 %.2f ms, max %.2f ms\n",

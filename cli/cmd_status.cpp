@@ -22,19 +22,26 @@ namespace qcommit::cli {
 namespace {
 
 constexpr const char* kDefaultSocket = "/run/qcommit/qcommitd.sock";
-constexpr std::size_t kMaxResponseBytes = 16 * 1024 * 1024;
 constexpr int kTimeoutMs = 5000;
 
-std::string num_or_dash(const plugin::json::Value* v, const char* fmt, double scale = 1.0) {
+// Member `key` of `o` printed with `fmt` (after dividing by `scale`), "-" when not a number.
+std::string num_or_dash(const json::Value& o, const char* key, const char* fmt,
+                        double scale = 1.0) {
+  const json::Value* v = json::member(o, key);
   if (!v || !v->is_number()) return "-";
   char buf[64];
-  std::snprintf(buf, sizeof buf, fmt, v->number() / scale);
+  std::snprintf(buf, sizeof buf, fmt, v->get<double>() / scale);
   return buf;
 }
 
-std::string str(const plugin::json::Value& o, const char* key) {
-  const auto* v = o.find(key);
-  return v && v->is_string() ? v->string() : "";
+const std::string& str(const json::Value& o, const char* key) {
+  return json::string_member(o, key);
+}
+
+// Member `key` of `o` is true.
+bool is_true(const json::Value& o, const char* key) {
+  const json::Value* v = json::member(o, key);
+  return v && v->is_boolean() && v->get<bool>();
 }
 
 }  // namespace
@@ -69,7 +76,7 @@ std::optional<std::string> ask(const std::string& socket_path, const std::string
   }
   std::string line;
   char buf[4096];
-  while (line.find('\n') == std::string::npos && line.size() < kMaxResponseBytes) {
+  while (line.find('\n') == std::string::npos && line.size() <= json::kControlMaxResponseBytes) {
     pollfd p{fd, POLLIN, 0};
     if (::poll(&p, 1, kTimeoutMs) <= 0) break;
     const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
@@ -85,34 +92,32 @@ std::optional<std::string> ask(const std::string& socket_path, const std::string
 int send_domain_event(const std::string& socket_path, const std::string& domain,
                       const std::string& event) {
   const std::optional<std::string> line =
-      ask(socket_path, "{\"cmd\":\"domain-event\",\"domain\":" + plugin::json::quote(domain) +
-                           ",\"event\":" + plugin::json::quote(event) + "}");
+      ask(socket_path,
+          json::dump(json::Ordered{{"cmd", "domain-event"}, {"domain", domain}, {"event", event}}));
   if (!line) return kExitError;
-  std::string err;
-  auto v = plugin::json::parse(*line, &err);
-  const auto* ok = v && v->is_object() ? v->find("ok") : nullptr;
-  if (!ok || !ok->is_bool() || !ok->boolean()) {
-    const auto* e = v && v->is_object() ? v->find("error") : nullptr;
+  std::optional<json::Value> v = json::parse(*line, json::kControlResponseLimits, nullptr);
+  if (!v || !is_true(*v, "ok")) {
+    const std::string e = v ? str(*v, "error") : std::string();
     std::fprintf(stderr, "qcommit status: qcommitd refused the domain event: %s\n",
-                 e && e->is_string() ? e->string().c_str() : "bad response");
+                 e.empty() ? "bad response" : e.c_str());
     return kExitError;
   }
   return kExitOk;
 }
 
 int status_once(const std::string& socket_path, bool json_out) {
-  const std::optional<std::string> got = ask(socket_path, "{\"cmd\":\"status\"}");
+  const std::optional<std::string> got =
+      ask(socket_path, json::dump(json::Ordered{{"cmd", "status"}}));
   if (!got) return kExitError;
   const std::string& line = *got;
   std::string err;
-  auto v = plugin::json::parse(line, &err);
+  std::optional<json::Value> v = json::parse(line, json::kControlResponseLimits, &err);
   if (!v || !v->is_object()) {
     std::fprintf(stderr, "qcommit status: %s: bad response from qcommitd: %s\n",
                  socket_path.c_str(), err.c_str());
     return kExitError;
   }
-  const auto* ok = v->find("ok");
-  if (!ok || !ok->is_bool() || !ok->boolean()) {
+  if (!is_true(*v, "ok")) {
     std::fprintf(stderr, "qcommit status: qcommitd: %s\n", str(*v, "error").c_str());
     return kExitError;
   }
@@ -120,36 +125,34 @@ int status_once(const std::string& socket_path, bool json_out) {
     std::printf("%s\n", line.c_str());
     return kExitOk;
   }
-  const auto* conn = v->find("connected");
-  std::printf("libvirt: %s\n",
-              conn && conn->is_bool() && conn->boolean() ? "connected" : "NOT connected");
-  const auto* jobs = v->find("jobs");
-  if (!jobs || !jobs->is_array() || jobs->array().empty()) {
+  std::printf("libvirt: %s\n", is_true(*v, "connected") ? "connected" : "NOT connected");
+  const json::Value* jobs = json::member(*v, "jobs");
+  if (!jobs || !jobs->is_array() || jobs->empty()) {
     std::printf("no governed block jobs\n");
   } else {
     std::printf("%-16s %-5s %-13s %-12s %7s %11s %10s %8s %10s %8s  %s\n", "DOMAIN", "DISK", "TYPE",
                 "POOL", "BUDGET", "SPEED", "WINDOW", "P99", "LEFT", "ETA", "PHASE");
-    for (const auto& j : jobs->array()) {
+    for (const auto& j : *jobs) {
       std::string pool = str(j, "pool");
       if (pool.empty()) pool = "-";
       std::printf(
           "%-16s %-5s %-13s %-12s %7s %11s %10s %8s %10s %8s  %s%s\n", str(j, "domain").c_str(),
           str(j, "disk").c_str(), str(j, "type").c_str(), pool.c_str(),
-          num_or_dash(j.find("budget_ms"), "%.0fms").c_str(),
-          num_or_dash(j.find("speed_bytes_per_s"), "%.1fMiB/s", 1048576.0).c_str(),
-          num_or_dash(j.find("window_bytes"), "%.1fMiB", 1048576.0).c_str(),
-          num_or_dash(j.find("latency_p99_ms"), "%.1fms").c_str(),
-          num_or_dash(j.find("bytes_left"), "%.1fMiB", 1048576.0).c_str(),
-          num_or_dash(j.find("eta_s"), "%.0fs").c_str(), str(j, "phase").c_str(),
+          num_or_dash(j, "budget_ms", "%.0fms").c_str(),
+          num_or_dash(j, "speed_bytes_per_s", "%.1fMiB/s", 1048576.0).c_str(),
+          num_or_dash(j, "window_bytes", "%.1fMiB", 1048576.0).c_str(),
+          num_or_dash(j, "latency_p99_ms", "%.1fms").c_str(),
+          num_or_dash(j, "bytes_left", "%.1fMiB", 1048576.0).c_str(),
+          num_or_dash(j, "eta_s", "%.0fs").c_str(), str(j, "phase").c_str(),
           str(j, "policy_error").empty() ? "" : (" (" + str(j, "policy_error") + ")").c_str());
     }
   }
-  const auto* rel = v->find("released");
+  const json::Value* rel = json::member(*v, "released");
   if (rel && rel->is_array()) {
-    for (const auto& r : rel->array())
+    for (const auto& r : *rel)
       std::printf("released: %s %s (%s): %s, %s s ago\n", str(r, "domain").c_str(),
                   str(r, "disk").c_str(), str(r, "type").c_str(), str(r, "reason").c_str(),
-                  num_or_dash(r.find("age_s"), "%.0f").c_str());
+                  num_or_dash(r, "age_s", "%.0f").c_str());
   }
   return kExitOk;
 }

@@ -131,24 +131,26 @@ std::string MergePolicy::cotenant_line() const {
   return s + " (their block stats join the probe)";
 }
 
-std::string MergePolicy::json_fields() const {
+json::Ordered MergePolicy::json_fields() const {
   const plugin::Policy& pol = resolution.policy;
-  std::string s = "\"budget-ms\": " + ms_text(pol.budget);
-  s += ", \"budget-source\": " + json_string(plugin::to_string(resolution.source));
-  s += ", \"budget-detail\": " + json_string(resolution.detail);
-  char b[96];
-  std::snprintf(b, sizeof b, ", \"floor\": %.0f, \"ceiling\": %.0f", pol.floor_bytes_per_s,
-                pol.ceiling_bytes_per_s);
-  s += b;
-  s += ", \"pool\": " + (pool ? json_string(pool->name) : std::string("null"));
-  s += ", \"config\": " + json_string(config_path);
-  s += ", \"libvirt\": " + json_string(libvirt_reachable       ? "connected"
-                                       : libvirt_error.empty() ? "unreachable"
-                                                               : libvirt_error);
-  s += ", \"cotenants\": " + json_string(cotenant_state) + ", \"cotenant-disks\": [";
-  for (size_t i = 0; i < cotenant_disks.size(); ++i)
-    s += (i ? ", " : "") + json_string(cotenant_disks[i]);
-  return s + "]";
+  const std::string libvirt = libvirt_reachable       ? "connected"
+                              : libvirt_error.empty() ? "unreachable"
+                                                      : libvirt_error;
+  return json::Ordered{
+      {"budget-ms", quantity(std::chrono::duration<double, std::milli>(pol.budget).count())},
+      {"budget-source", plugin::to_string(resolution.source)},
+      {"budget-detail", resolution.detail},
+      {"floor", whole(pol.floor_bytes_per_s)},
+      {"ceiling", whole(pol.ceiling_bytes_per_s)},
+      {"pool", pool ? json::Ordered(pool->name) : json::Ordered(nullptr)},
+      {"config", config_path},
+      {"libvirt", libvirt},
+      {"cotenants", cotenant_state},
+      {"cotenant-disks", cotenant_disks}};
+}
+
+json::Ordered off_policy_json() {
+  return json::Ordered{{"budget-ms", nullptr}, {"budget-source", "off"}};
 }
 
 std::shared_ptr<engine::BudgetGovernor> make_budget_governor(const MergePolicy& p,

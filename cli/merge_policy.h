@@ -14,6 +14,7 @@
 #include "engine/budget_governor.h"
 #include "plugin/config.h"
 #include "plugin/cotenants.h"
+#include "plugin/json.h"
 
 namespace qcommit::cli {
 
@@ -43,10 +44,13 @@ struct MergePolicy {
   [[nodiscard]] std::string budget_line() const;
   // "co-tenants: vm1/vda, vm2/vdb (block stats every 100 ms)", or why there are none.
   [[nodiscard]] std::string cotenant_line() const;
-  // The same as JSON object members (no braces): "budget-ms": 7, "budget-source": "pool-policy",
-  // ...
-  [[nodiscard]] std::string json_fields() const;
+  // The same as a JSON object: {"budget-ms": 7, "budget-source": "pool-policy", ...}.
+  [[nodiscard]] json::Ordered json_fields() const;
 };
+
+// The policy members of a merge without a budget (--budget off): {"budget-ms": null,
+// "budget-source": "off"}.
+[[nodiscard]] json::Ordered off_policy_json();
 
 // Resolves the policy of a merge into `base`.  Throws std::runtime_error naming the
 // configuration file when it is unreadable or invalid (a missing file at the default path is

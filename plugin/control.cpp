@@ -20,89 +20,97 @@ namespace qcommit::plugin {
 namespace {
 
 std::string error_response(const std::string& msg) {
-  return "{\"ok\":false,\"error\":" + json::quote(msg) + "}";
+  return json::dump(json::Ordered{{"ok", false}, {"error", msg}});
 }
 
-std::string num(double d) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.17g", d);
-  return buf;
-}
-
-std::string u64(std::uint64_t v) {
-  return std::to_string(v);
-}
+const std::string kOk = json::dump(json::Ordered{{"ok", true}});
 
 std::string domain_event(const json::Value& req, const DomainEventSink& sink) {
-  const json::Value* dom = req.find("domain");
-  const json::Value* ev = req.find("event");
-  if (req.object().size() != 3 || !dom || !ev)
+  const json::Value* dom = json::member(req, "domain");
+  const json::Value* ev = json::member(req, "event");
+  if (req.size() != 3 || !dom || !ev)
     return error_response("malformed request: domain-event takes exactly \"domain\" and \"event\"");
-  if (!dom->is_string() || dom->string().empty() || dom->string().size() > kMaxDomainNameBytes)
+  const std::string& domain = json::string_member(req, "domain");
+  const std::string& event = json::string_member(req, "event");
+  if (domain.empty() || domain.size() > kMaxDomainNameBytes)
     return error_response("malformed request: \"domain\" must be a non-empty string of at most " +
                           std::to_string(kMaxDomainNameBytes) + " bytes");
-  if (!ev->is_string() || std::find(std::begin(kHookEvents), std::end(kHookEvents),
-                                    std::string_view(ev->string())) == std::end(kHookEvents))
+  if (std::find(std::begin(kHookEvents), std::end(kHookEvents), std::string_view(event)) ==
+      std::end(kHookEvents))
     return error_response("malformed request: unknown domain event");
   if (!sink) return error_response("domain events are not accepted here");
-  sink(dom->string(), ev->string());
-  return "{\"ok\":true}";
+  sink(domain, event);
+  return kOk;
 }
 
 double ms(Duration d) {
   return std::chrono::duration<double, std::milli>(d).count();
 }
 
+// A number, or null when absent.
+json::Ordered number_or_null(const std::optional<double>& v) {
+  return v ? json::Ordered(*v) : json::Ordered(nullptr);
+}
+
+json::Ordered ms_or_null(const std::optional<Duration>& d) {
+  return d ? json::Ordered(ms(*d)) : json::Ordered(nullptr);
+}
+
+json::Ordered job_json(const JobStatus& j) {
+  return json::Ordered{{"domain", j.domain},
+                       {"disk", j.disk},
+                       {"type", to_string(j.type)},
+                       {"target", j.target},
+                       {"storage", j.storage},
+                       {"pool", j.pool},
+                       {"budget_ms", ms(j.budget)},
+                       {"speed_bytes_per_s", j.speed_bytes_per_s},
+                       {"window_bytes", j.window_bytes},
+                       {"backlog_bytes", j.backlog_bytes},
+                       {"latency_p99_ms", ms_or_null(j.latency_p99)},
+                       {"bytes_left", j.bytes_left},
+                       {"eta_s", number_or_null(j.eta_s)},
+                       {"phase", j.phase},
+                       {"ready", j.ready},
+                       {"settling", j.settling},
+                       {"settles", j.settles},
+                       {"policy_error", j.policy_error}};
+}
+
+json::Ordered released_json(const ReleasedJob& r, TimePoint now) {
+  return json::Ordered{{"domain", r.domain},
+                       {"disk", r.disk},
+                       {"type", to_string(r.type)},
+                       {"reason", r.reason},
+                       {"age_s", std::chrono::duration<double>(now - r.at).count()}};
+}
+
 }  // namespace
 
 std::string answer_request(const std::string& line, const StatusSource& status,
                            const DomainEventSink& on_domain_event) {
-  if (line.size() > kMaxRequestBytes) return error_response("request too large");
+  if (line.size() > json::kControlMaxRequestBytes) return error_response("request too large");
   std::string err;
-  std::optional<json::Value> req = json::parse(line, &err);
+  std::optional<json::Value> req = json::parse(line, json::kControlRequestLimits, &err);
   if (!req) return error_response("malformed request: " + err);
   if (!req->is_object()) return error_response("malformed request: expected a JSON object");
-  const json::Value* cmd = req->find("cmd");
+  const json::Value* cmd = json::member(*req, "cmd");
   if (!cmd || !cmd->is_string()) return error_response("malformed request: missing \"cmd\" string");
-  if (cmd->string() == "domain-event") return domain_event(*req, on_domain_event);
-  if (req->object().size() != 1) return error_response("malformed request: unknown members");
-  if (cmd->string() == "status") return status();
-  if (cmd->string() == "ping") return "{\"ok\":true}";
-  return error_response("unknown command " + json::quote(cmd->string()));
+  const std::string& name = cmd->get_ref<const std::string&>();
+  if (name == "domain-event") return domain_event(*req, on_domain_event);
+  if (req->size() != 1) return error_response("malformed request: unknown members");
+  if (name == "status") return status();
+  if (name == "ping") return kOk;
+  return error_response("unknown command " + json::dump(*cmd));
 }
 
 std::string status_json(const GovernorStatus& st, TimePoint now) {
-  std::string o = "{\"ok\":true,\"connected\":";
-  o += st.connected ? "true" : "false";
-  o += ",\"jobs\":[";
-  bool first = true;
-  for (const auto& j : st.jobs) {
-    if (!first) o += ',';
-    first = false;
-    o += "{\"domain\":" + json::quote(j.domain) + ",\"disk\":" + json::quote(j.disk) +
-         ",\"type\":" + json::quote(to_string(j.type)) + ",\"target\":" + json::quote(j.target) +
-         ",\"storage\":" + json::quote(j.storage) + ",\"pool\":" + json::quote(j.pool) +
-         ",\"budget_ms\":" + num(ms(j.budget)) +
-         ",\"speed_bytes_per_s\":" + u64(j.speed_bytes_per_s) +
-         ",\"window_bytes\":" + u64(j.window_bytes) + ",\"backlog_bytes\":" + u64(j.backlog_bytes) +
-         ",\"latency_p99_ms\":" + (j.latency_p99 ? num(ms(*j.latency_p99)) : "null") +
-         ",\"bytes_left\":" + u64(j.bytes_left) +
-         ",\"eta_s\":" + (j.eta_s ? num(*j.eta_s) : "null") + ",\"phase\":" + json::quote(j.phase) +
-         ",\"ready\":" + (j.ready ? "true" : "false") +
-         ",\"settling\":" + (j.settling ? "true" : "false") + ",\"settles\":" + u64(j.settles) +
-         ",\"policy_error\":" + json::quote(j.policy_error) + "}";
-  }
-  o += "],\"released\":[";
-  first = true;
-  for (const auto& r : st.released) {
-    if (!first) o += ',';
-    first = false;
-    o += "{\"domain\":" + json::quote(r.domain) + ",\"disk\":" + json::quote(r.disk) +
-         ",\"type\":" + json::quote(to_string(r.type)) + ",\"reason\":" + json::quote(r.reason) +
-         ",\"age_s\":" + num(std::chrono::duration<double>(now - r.at).count()) + "}";
-  }
-  o += "]}";
-  return o;
+  json::Ordered jobs = json::Ordered::array();
+  for (const auto& j : st.jobs) jobs.push_back(job_json(j));
+  json::Ordered released = json::Ordered::array();
+  for (const auto& r : st.released) released.push_back(released_json(r, now));
+  return json::dump(json::Ordered{
+      {"ok", true}, {"connected", st.connected}, {"jobs", jobs}, {"released", released}});
 }
 
 ControlServer::ControlServer(std::string path, StatusSource status, DomainEventSink on_domain_event)
@@ -235,9 +243,9 @@ void ControlServer::run() {
         if (!line.empty() && line.back() == '\r') line.pop_back();
         send_line(c.fd, answer_request(line, status_, on_domain_event_));
       }
-      if (c.buf.size() > kMaxRequestBytes) {
+      if (c.buf.size() > json::kControlMaxRequestBytes) {
         send_line(c.fd, error_response("request too large (limit " +
-                                       std::to_string(kMaxRequestBytes) + " bytes)"));
+                                       std::to_string(json::kControlMaxRequestBytes) + " bytes)"));
         drop.push_back(c.fd);
         closed = true;
       }

@@ -5,6 +5,7 @@
 //       EV one of kHookEvents; the domain name is data: any bytes JSON can carry, ≤
 //       kMaxDomainNameBytes)
 //   malformed / unknown / oversized  →  {"ok":false,"error":"..."} (oversized: then closed)
+// Requests are parsed within json::kControlRequestLimits (plugin/json.h).
 // The server runs its own thread and never touches the governor: the daemon publishes a status
 // snapshot (a JSON text) that the handler returns.
 #pragma once
@@ -21,7 +22,7 @@
 
 namespace qcommit::plugin {
 
-inline constexpr std::size_t kMaxRequestBytes = 4096;
+// A request line is at most json::kControlMaxRequestBytes (plugin/json.h).
 inline constexpr std::size_t kMaxControlClients = 16;
 
 inline constexpr std::size_t kMaxDomainNameBytes = 1024;

@@ -26,10 +26,10 @@ constexpr std::int64_t kMaxTimestampSeconds =
 // integers with 0 <= seconds <= kMaxTimestampSeconds and 0 <= microseconds < 1 s, as QEMU sends
 // them: a monitor that sends anything else gets no timestamp rather than an overflowed one.
 std::int64_t event_timestamp_us(const json::Value& ts) {
-  const json::Value* s = ts.find("seconds");
-  const json::Value* us = ts.find("microseconds");
+  const json::Value* s = json::member(ts, "seconds");
+  const json::Value* us = json::member(ts, "microseconds");
   if (!s || !us) return 0;
-  const std::optional<std::int64_t> sec = s->integer(), micro = us->integer();
+  const std::optional<std::int64_t> sec = json::to_int64(*s), micro = json::to_int64(*us);
   if (!sec.has_value() || !micro.has_value()) return 0;
   const std::int64_t seconds = sec.value(), micros = micro.value();
   if (seconds < 0 || seconds > kMaxTimestampSeconds || micros < 0 || micros >= kMicrosPerSecond)
@@ -49,6 +49,16 @@ int remaining_ms(Clock::time_point deadline) {
   return left.count() > 1000000 ? 1000000 : static_cast<int>(left.count());
 }
 
+// {"arguments": ARGS, "execute": COMMAND, "id": ID}; no arguments unless ARGS is an object.
+json::Value command_message(std::string_view command, const json::Value& arguments,
+                            const std::string& id) {
+  json::Value msg = json::Value::object();
+  msg["execute"] = command;
+  if (arguments.is_object()) msg["arguments"] = arguments;
+  msg["id"] = id;
+  return msg;
+}
+
 void set_nonblocking(int fd) {
   const int fl = ::fcntl(fd, F_GETFL);
   if (fl >= 0) (void)::fcntl(fd, F_SETFL, fl | O_NONBLOCK);
@@ -56,9 +66,13 @@ void set_nonblocking(int fd) {
 
 }  // namespace
 
-void UniqueFd::reset() {
-  if (fd_ >= 0) ::close(fd_);
-  fd_ = -1;
+QmpCommandError QmpClient::command_error(std::string_view command, const json::Value& error) const {
+  std::string cls = json::string_member(error, "class");
+  std::string desc = json::string_member(error, "desc");
+  if (cls.empty()) cls = "Error";
+  if (desc.empty()) desc = "(no description)";
+  return QmpCommandError(label_ + ": " + std::string(command) + ": " + desc + " (" + cls + ")", cls,
+                         desc);
 }
 
 std::optional<std::string> QmpOptions::validate() const {
@@ -182,7 +196,7 @@ QmpClient::QmpClient(UniqueFd fd, std::string label, QmpOptions opt)
     if (what.rfind("no QMP greeting", 0) == 0) throw;
     throw QmpError(prefix + "not a QMP monitor: " + what);
   }
-  const json::Value* qmp = msg->find("QMP");
+  const json::Value* qmp = json::member(*msg, "QMP");
   if (!qmp || !qmp->is_object()) {
     fd_.reset();
     throw QmpError(label_ + ": not a QMP monitor: its first message has no \"QMP\" greeting");
@@ -225,22 +239,27 @@ bool QmpClient::read_some(Clock::time_point deadline) {
   }
 }
 
+json::Limits QmpClient::limits() const {
+  return json::Limits{opt_.max_message_bytes, opt_.max_message_values, json::kMaxNestingLevels};
+}
+
 std::optional<json::Value> QmpClient::next_message() {
   std::optional<std::string> text = framer_.next();
   if (!text) return std::nullopt;
   std::string err;
-  std::optional<json::Value> v = json::parse(*text, &err, opt_.max_message_values);
+  std::optional<json::Value> v = json::parse(*text, limits(), &err);
   if (!v) fail("protocol error: invalid JSON: " + err);
   return v;
 }
 
 void QmpClient::queue_event(const json::Value& msg) {
   QmpEvent e;
-  const json::Value* name = msg.find("event");
+  const json::Value* name = json::member(msg, "event");
   if (!name || !name->is_string()) fail("protocol error: event without a name");
-  e.name = name->string();
-  if (const json::Value* d = msg.find("data")) e.data = *d;
-  if (const json::Value* ts = msg.find("timestamp")) e.timestamp_us = event_timestamp_us(*ts);
+  e.name = name->get<std::string>();
+  if (const json::Value* d = json::member(msg, "data")) e.data = *d;
+  if (const json::Value* ts = json::member(msg, "timestamp"))
+    e.timestamp_us = event_timestamp_us(*ts);
   events_.push_back(std::move(e));
   while (events_.size() > opt_.max_queued_events) {
     events_.pop_front();
@@ -272,10 +291,7 @@ void QmpClient::send_line(const std::string& text) {
 json::Value QmpClient::execute(std::string_view command, const json::Value& arguments) {
   if (!fd_.valid()) throw QmpError(label_ + ": connection closed");
   const std::string id = "qcommit-" + std::to_string(next_id_++);
-  std::string line = "{\"execute\":" + json::quote(command);
-  if (arguments.is_object()) line += ",\"arguments\":" + json::serialize(arguments);
-  line += ",\"id\":" + json::quote(id) + "}\n";
-  send_line(line);
+  send_line(json::dump(command_message(command, arguments, id)) + "\n");
   const Clock::time_point deadline = Clock::now() + opt_.command_timeout;
   for (;;) {
     std::optional<json::Value> msg = next_message();
@@ -286,23 +302,19 @@ json::Value QmpClient::execute(std::string_view command, const json::Value& argu
       continue;
     }
     if (!msg->is_object()) fail("protocol error: a message is not a JSON object");
-    if (msg->find("event")) {
+    if (msg->contains("event")) {
       queue_event(*msg);
       continue;
     }
-    const json::Value* ret = msg->find("return");
-    const json::Value* err = msg->find("error");
+    const json::Value* ret = json::member(*msg, "return");
+    const json::Value* err = json::member(*msg, "error");
     if (!ret && !err) fail("protocol error: a message is neither a reply nor an event");
-    const json::Value* mid = msg->find("id");
+    const json::Value* mid = json::member(*msg, "id");
     // A reply carrying another id answers a command that timed out earlier: skip it.  One
     // without an id answers a request QEMU could not parse: ours.
-    if (mid && !(mid->is_string() && mid->string() == id)) continue;
+    if (mid && *mid != id) continue;
     if (ret) return *ret;
-    std::string cls = "Error", desc = "(no description)";
-    if (const json::Value* c = err->find("class"); c && c->is_string()) cls = c->string();
-    if (const json::Value* d = err->find("desc"); d && d->is_string()) desc = d->string();
-    throw QmpCommandError(label_ + ": " + std::string(command) + ": " + desc + " (" + cls + ")",
-                          cls, desc);
+    throw command_error(command, *err);
   }
 }
 
@@ -318,7 +330,7 @@ std::deque<QmpEvent> QmpClient::take_events(std::chrono::milliseconds wait) {
   auto drain = [this] {
     while (std::optional<json::Value> msg = next_message()) {
       if (!msg->is_object()) fail("protocol error: a message is not a JSON object");
-      if (msg->find("event")) queue_event(*msg);
+      if (msg->contains("event")) queue_event(*msg);
       // Replies outside execute() are late answers to timed-out commands: dropped.
     }
   };

@@ -4,7 +4,8 @@
 // policy, no knowledge of block jobs (plugin/qmp_hypervisor.h maps QMP to the Hypervisor).
 //
 // Framing does not rely on newlines: a message is one complete JSON object (QEMU's `pretty=on`
-// monitors spread one over many lines), bounded by QmpOptions::max_message_bytes.
+// monitors spread one over many lines), bounded by QmpOptions::max_message_bytes, and parsed
+// within the caps of plugin/json.h (nesting, values); integers are exact to 64 bits.
 //
 // Errors: QmpError is a transport or protocol failure (no greeting, not QMP, garbage, oversized,
 // timeout, connection closed); the connection is closed and unusable afterwards.  QmpCommandError
@@ -22,6 +23,7 @@
 #include <string_view>
 
 #include "plugin/json.h"
+#include "qcow2/unique_fd.h"
 
 namespace qcommit::plugin {
 
@@ -36,8 +38,6 @@ struct QmpCommandError : std::runtime_error {
   std::string description;
 };
 
-inline constexpr std::size_t kQmpMaxMessageBytes = 4u << 20;  // query-block of a big VM: ~100 KiB
-inline constexpr std::size_t kQmpMaxMessageValues = 1u << 18;
 inline constexpr std::size_t kQmpMaxQueuedEvents = 1024;
 inline constexpr std::size_t kQmpReadChunkBytes = 64 * 1024;
 
@@ -46,8 +46,8 @@ struct QmpOptions {
   // accepted by the kernel but no greeting comes.
   std::chrono::milliseconds greeting_timeout{5000};
   std::chrono::milliseconds command_timeout{30000};
-  std::size_t max_message_bytes = kQmpMaxMessageBytes;
-  std::size_t max_message_values = kQmpMaxMessageValues;
+  std::size_t max_message_bytes = json::kQmpMaxMessageBytes;
+  std::size_t max_message_values = json::kQmpMaxMessageValues;
   std::size_t max_queued_events = kQmpMaxQueuedEvents;  // oldest dropped beyond this
   [[nodiscard]] std::optional<std::string> validate() const;
 };
@@ -56,35 +56,6 @@ struct QmpEvent {
   std::string name;               // "JOB_STATUS_CHANGE", "BLOCK_JOB_READY", ...
   json::Value data;               // the "data" member (null when absent)
   std::int64_t timestamp_us = 0;  // QEMU's timestamp (host realtime), 0 when absent
-};
-
-// Owns a file descriptor; closes it once.
-class UniqueFd {
- public:
-  UniqueFd() = default;
-  explicit UniqueFd(int fd) : fd_(fd) {}
-  ~UniqueFd() { reset(); }
-  UniqueFd(UniqueFd&& o) noexcept : fd_(o.release()) {}
-  UniqueFd& operator=(UniqueFd&& o) noexcept {
-    if (this != &o) {
-      reset();
-      fd_ = o.release();
-    }
-    return *this;
-  }
-  UniqueFd(const UniqueFd&) = delete;
-  UniqueFd& operator=(const UniqueFd&) = delete;
-  [[nodiscard]] int get() const { return fd_; }
-  [[nodiscard]] bool valid() const { return fd_ >= 0; }
-  int release() {
-    const int f = fd_;
-    fd_ = -1;
-    return f;
-  }
-  void reset();
-
- private:
-  int fd_ = -1;
 };
 
 // Splits a byte stream into complete top-level JSON objects.  Pure (no I/O), exposed for tests.
@@ -122,7 +93,7 @@ class QmpClient {
 
   // Runs one command and returns its "return" value.  `arguments` must be an object or null.
   [[nodiscard]] json::Value execute(std::string_view command,
-                                    const json::Value& arguments = json::Value{});
+                                    const json::Value& arguments = json::Value());
   // Waits up to `wait` for input (0: only what is readable now) and returns the queued events,
   // oldest first.  Throws QmpError when the connection fails.
   [[nodiscard]] std::deque<QmpEvent> take_events(std::chrono::milliseconds wait);
@@ -140,6 +111,10 @@ class QmpClient {
   // Reads what arrives within `timeout` (steady clock) into the framer; false on timeout.
   [[nodiscard]] bool read_some(std::chrono::steady_clock::time_point deadline);
   [[nodiscard]] std::optional<json::Value> next_message();
+  [[nodiscard]] json::Limits limits() const;
+  // QEMU's {"error": {"class", "desc"}} of `command` as the exception to throw.
+  [[nodiscard]] QmpCommandError command_error(std::string_view command,
+                                              const json::Value& error) const;
   void queue_event(const json::Value& msg);
   void send_line(const std::string& text);
 

@@ -14,34 +14,22 @@ namespace qcommit::plugin {
 namespace {
 
 const std::string& str_member(const json::Value& v, const char* key) {
-  static const std::string empty;
-  const json::Value* m = v.find(key);
-  return m && m->is_string() ? m->string() : empty;
+  return json::string_member(v, key);
 }
 
 std::uint64_t u64_member(const json::Value& v, const char* key) {
-  const json::Value* m = v.find(key);
-  if (!m) return 0;
-  return m->unsigned_integer().value_or(0);
+  const json::Value* m = json::member(v, key);
+  return m ? json::to_uint64(*m).value_or(0) : 0;
 }
 
 std::int64_t i64_member(const json::Value& v, const char* key) {
-  const json::Value* m = v.find(key);
-  if (!m) return 0;
-  return m->integer().value_or(0);
+  const json::Value* m = json::member(v, key);
+  return m ? json::to_int64(*m).value_or(0) : 0;
 }
 
 bool bool_member(const json::Value& v, const char* key, bool dflt) {
-  const json::Value* m = v.find(key);
-  return m && m->is_bool() ? m->boolean() : dflt;
-}
-
-json::Value obj(std::initializer_list<std::pair<const std::string, json::Value>> members) {
-  return json::Value{json::Object(members)};
-}
-
-json::Value num(std::uint64_t n) {
-  return json::Value{static_cast<double>(n)};
+  const json::Value* m = json::member(v, key);
+  return m && m->is_boolean() ? m->get<bool>() : dflt;
 }
 
 JobType job_type_of(const std::string& qmp_type, bool ready, std::optional<bool> active) {
@@ -81,21 +69,20 @@ bool QmpDisk::matches(const std::string& name) const {
 std::vector<QmpDisk> parse_query_block(const json::Value& ret) {
   std::vector<QmpDisk> out;
   if (!ret.is_array()) return out;
-  for (const auto& e : ret.array()) {
-    const json::Value* ins = e.find("inserted");
+  for (const auto& e : ret) {
+    const json::Value* ins = json::member(e, "inserted");
     if (!ins || !ins->is_object()) continue;  // empty drive
     QmpDisk d;
     d.device = str_member(e, "device");
     d.qdev = str_member(e, "qdev");
     d.root_node = str_member(*ins, "node-name");
-    const json::Value* img = ins->find("image");
+    const json::Value* img = json::member(*ins, "image");
     if (img && img->is_object()) {
       d.info.source = str_member(*img, "filename");
       d.formats.push_back(str_member(*img, "format"));
       d.virtual_size = u64_member(*img, "virtual-size");
-      int depth = 0;
-      for (const json::Value* b = img->find("backing-image");
-           b && b->is_object() && depth < json::kMaxDepth; b = b->find("backing-image"), ++depth) {
+      for (const json::Value* b = json::member(*img, "backing-image"); b && b->is_object();
+           b = json::member(*b, "backing-image")) {
         d.info.backing_chain.push_back(str_member(*b, "filename"));
         d.formats.push_back(str_member(*b, "format"));
       }
@@ -106,11 +93,9 @@ std::vector<QmpDisk> parse_query_block(const json::Value& ret) {
     if (d.info.source.empty()) continue;
     d.info.format = d.formats.front();
     // libvirt's cache modes from the node's flags: none = direct + writeback, directsync = direct.
-    if (const json::Value* c = ins->find("cache"); c && c->is_object()) {
-      const json::Value* direct = c->find("direct");
-      const json::Value* wb = c->find("writeback");
-      if (direct && direct->is_bool() && direct->boolean())
-        d.info.cache = wb && wb->is_bool() && !wb->boolean() ? "directsync" : "none";
+    if (const json::Value* c = json::member(*ins, "cache"); c && c->is_object()) {
+      if (bool_member(*c, "direct", false))
+        d.info.cache = bool_member(*c, "writeback", true) ? "none" : "directsync";
     }
     if (!d.device.empty())
       d.info.target = d.device;
@@ -132,7 +117,7 @@ std::vector<QmpDisk> parse_query_block(const json::Value& ret) {
 std::vector<QmpNode> parse_named_block_nodes(const json::Value& ret) {
   std::vector<QmpNode> out;
   if (!ret.is_array()) return out;
-  for (const auto& e : ret.array()) {
+  for (const auto& e : ret) {
     QmpNode n{str_member(e, "node-name"), str_member(e, "file"), str_member(e, "drv")};
     if (!n.node_name.empty()) out.push_back(std::move(n));
   }
@@ -153,7 +138,7 @@ std::string node_of(const std::vector<QmpNode>& nodes, const std::string& filena
 std::vector<QmpJob> parse_block_jobs(const json::Value& ret) {
   std::vector<QmpJob> out;
   if (!ret.is_array()) return out;
-  for (const auto& e : ret.array()) {
+  for (const auto& e : ret) {
     QmpJob j;
     j.id = str_member(e, "device");
     if (j.id.empty()) continue;
@@ -172,7 +157,7 @@ std::vector<QmpJob> parse_block_jobs(const json::Value& ret) {
 
 std::optional<BlockStats> parse_blockstats(const json::Value& ret, const QmpDisk& disk) {
   if (!ret.is_array()) return std::nullopt;
-  for (const auto& e : ret.array()) {
+  for (const auto& e : ret) {
     const std::string& dev = str_member(e, "device");
     const std::string& qdev = str_member(e, "qdev");
     const bool match = !disk.device.empty() ? dev == disk.device
@@ -180,7 +165,7 @@ std::optional<BlockStats> parse_blockstats(const json::Value& ret, const QmpDisk
                            ? qdev == disk.qdev
                            : dev.empty() && str_member(e, "node-name") == disk.root_node;
     if (!match) continue;
-    const json::Value* st = e.find("stats");
+    const json::Value* st = json::member(e, "stats");
     if (!st || !st->is_object()) return std::nullopt;
     BlockStats s;
     s.wr_reqs = i64_member(*st, "wr_operations");
@@ -259,7 +244,7 @@ bool QmpHypervisor::connect() {
   qemu_version_.reset();
   try {
     const json::Value r = call("query-version");
-    if (const json::Value* q = r.find("qemu"))
+    if (const json::Value* q = json::member(r, "qemu"))
       qemu_version_ = u64_member(*q, "major") * 1000000 + u64_member(*q, "minor") * 1000 +
                       u64_member(*q, "micro");
   } catch (const QmpCommandError&) {
@@ -404,7 +389,7 @@ std::optional<QmpJob> QmpHypervisor::job_of(const std::string& target, const Qmp
     // that has ended is gone for the Hypervisor interface either way.
     if (!found->auto_dismiss && our != jobs_.end() && found->id == our->second.id) {
       try {
-        (void)call("job-dismiss", obj({{"id", json::Value{found->id}}}));
+        (void)call("job-dismiss", json::Value::object({{"id", found->id}}));
       } catch (const QmpCommandError&) {
       }
     }
@@ -482,7 +467,7 @@ bool QmpHypervisor::set_job_speed(const std::string& domain, const std::string& 
   if (!j) return false;
   try {
     (void)call("block-job-set-speed",
-               obj({{"device", json::Value{j->id}}, {"speed", num(bytes_per_s)}}));
+               json::Value::object({{"device", j->id}, {"speed", bytes_per_s}}));
   } catch (const QmpCommandError&) {
     return false;
   }
@@ -506,7 +491,7 @@ void QmpHypervisor::start_commit(const std::string& domain, const std::string& d
   std::vector<QmpNode> nodes;
   try {
     nodes = parse_named_block_nodes(
-        call("query-named-block-nodes", obj({{"flat", json::Value{true}}})));
+        call("query-named-block-nodes", json::Value::object({{"flat", true}})));
   } catch (const QmpCommandError& e) {
     throw BlockJobError(what + ": " + e.description);
   }
@@ -517,16 +502,16 @@ void QmpHypervisor::start_commit(const std::string& domain, const std::string& d
   if (top_node.empty()) throw BlockJobError(what + ": no unique block node for " + top);
   if (base_node.empty()) throw BlockJobError(what + ": no unique block node for " + base);
   const std::string id = qcommit_job_id(d.info.target);
-  json::Object args{{"job-id", json::Value{id}},
-                    {"device", json::Value{d.qmp_device()}},
-                    {"top-node", json::Value{top_node}},
-                    {"base-node", json::Value{base_node}}};
-  if (bandwidth_bytes_per_s > 0) args.emplace("speed", num(bandwidth_bytes_per_s));
+  json::Value args = json::Value::object({{"job-id", id},
+                                          {"device", d.qmp_device()},
+                                          {"top-node", top_node},
+                                          {"base-node", base_node}});
+  if (bandwidth_bytes_per_s > 0) args["speed"] = bandwidth_bytes_per_s;
   // Known before the command: its JOB_STATUS_CHANGE events arrive ahead of the reply.
   jobs_[d.info.target] = OurJob{id, active, top, base, false};
   job_disk_[id] = d.info.target;
   try {
-    (void)call("block-commit", json::Value{std::move(args)});
+    (void)call("block-commit", args);
   } catch (const QmpCommandError& e) {
     jobs_.erase(d.info.target);
     throw BlockJobError(what + ": " + e.description);
@@ -546,16 +531,16 @@ void QmpHypervisor::create_overlay(const std::string& domain, const std::string&
   const bool ours =
       !d.info.format.empty() && d.virtual_size > 0 &&
       create_fresh_overlay(overlay_path, d.info.source, d.info.format, d.virtual_size).empty();
-  json::Object args{{"snapshot-file", json::Value{overlay_path}},
-                    {"snapshot-node-name", json::Value{node}},
-                    {"format", json::Value{std::string("qcow2")}},
-                    {"mode", json::Value{std::string(ours ? "existing" : "absolute-paths")}}};
+  json::Value args = json::Value::object({{"snapshot-file", overlay_path},
+                                          {"snapshot-node-name", node},
+                                          {"format", "qcow2"},
+                                          {"mode", ours ? "existing" : "absolute-paths"}});
   if (!d.device.empty())
-    args.emplace("device", json::Value{d.device});
+    args["device"] = d.device;
   else
-    args.emplace("node-name", json::Value{d.root_node});
+    args["node-name"] = d.root_node;
   try {
-    (void)call("blockdev-snapshot-sync", json::Value{std::move(args)});
+    (void)call("blockdev-snapshot-sync", args);
   } catch (const QmpCommandError& e) {
     if (ours) ::unlink(overlay_path.c_str());
     throw BlockJobError(what + ": " + e.description);
@@ -576,7 +561,7 @@ bool QmpHypervisor::pivot(const std::string& domain, const std::string& disk) {
                           (last_job_error_.empty() ? "" : " (" + last_job_error_ + ")"));
     if (!j->ready) return false;
     try {
-      (void)call("block-job-complete", obj({{"device", json::Value{j->id}}}));
+      (void)call("block-job-complete", json::Value::object({{"device", j->id}}));
     } catch (const QmpCommandError& e) {
       std::optional<QmpJob> again = job_of(d.info.target, &d);
       if (again && !again->ready) return false;  // left ready again (guest writes): retry

@@ -144,7 +144,7 @@ class QmpHypervisor final : public Hypervisor, public BlockJobControl {
     bool complete_sent = false;
   };
 
-  [[nodiscard]] json::Value call(const char* command, const json::Value& args = json::Value{});
+  [[nodiscard]] json::Value call(const char* command, const json::Value& args = json::Value());
   [[nodiscard]] std::vector<QmpDisk> disks();
   // `cached`: look up the target in the last query-block answer first (per-tick calls).
   [[nodiscard]] std::optional<QmpDisk> find_disk(const std::string& name, bool cached);

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "plugin/proc_fds.h"
+#include "qcow2/unique_fd.h"
 
 namespace qcommit::plugin {
 
@@ -174,20 +175,6 @@ bool cachestat_missing(int err) {
   return err == ENOSYS || err == EOPNOTSUPP;
 }
 
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  [[nodiscard]] int get() const { return fd_; }
-
- private:
-  int fd_;
-};
-
 class SystemTargetFile final : public TargetFile {
  public:
   SystemTargetFile(int fd, PageCacheSource source)
@@ -261,7 +248,7 @@ class SystemTargetFile final : public TargetFile {
     return cs;
   }
 
-  Fd fd_;
+  UniqueFd fd_;
   std::shared_ptr<std::atomic<bool>> busy_ = std::make_shared<std::atomic<bool>>(false);
   std::uint64_t page_ = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
   bool no_cachestat_ = false;
@@ -270,8 +257,8 @@ class SystemTargetFile final : public TargetFile {
 }  // namespace
 
 bool cachestat_available() {
-  Fd fd(::open("/", O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (fd.get() < 0) return false;
+  const UniqueFd fd(::open("/", O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (!fd.valid()) return false;
   Cachestat cs{};
   // A directory has no page cache of its own: any answer but "no such call" will do.
   return call_cachestat(fd.get(), 0, 0, cs) || !cachestat_missing(errno);

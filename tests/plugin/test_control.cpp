@@ -12,6 +12,7 @@
 #include "plugin/json.h"
 
 using namespace qcommit::plugin;
+namespace json = qcommit::json;
 
 namespace {
 
@@ -58,18 +59,19 @@ void send_all(int fd, const std::string& s) {
 
 TEST_CASE("plugin.json.parse") {
   std::string err;
-  auto v = qcommit::plugin::json::parse(
-      R"( {"a":[1,2.5e3,-0.5,true,false,null],"b":"x\"\u00e9\ud83d\ude00"} )", &err);
+  auto v = json::parse(R"( {"a":[1,2.5e3,-0.5,true,false,null],"b":"x\"\u00e9\ud83d\ude00"} )",
+                       json::kControlRequestLimits, &err);
   REQUIRE(v);
-  CHECK(v->find("a")->array().at(1).number() == 2500);
-  CHECK(v->find("b")->string() == "x\"\xc3\xa9\xf0\x9f\x98\x80");
+  CHECK(v->at("a").at(1).get<double>() == 2500);
+  CHECK(json::string_member(*v, "b") == "x\"\xc3\xa9\xf0\x9f\x98\x80");
   for (const char* bad : {"{", "{\"a\":}", "[1,]", "{\"a\":1}x", "\"\x01\"", "01x",
-                          "{\"a\":1,\"a\":2}", "\"\\ud800\"", "nul"}) {
-    CHECK_FALSE(qcommit::plugin::json::parse(bad, &err));
+                          "{\"a\":1,\"a\":2}", "\"\\ud800\"", "nul", "\"\xff\"", ""}) {
+    CAPTURE(bad);
+    CHECK_FALSE(json::parse(bad, json::kControlRequestLimits, &err));
     CHECK_FALSE(err.empty());
   }
   std::string deep(100, '[');
-  CHECK_FALSE(qcommit::plugin::json::parse(deep + std::string(100, ']'), &err));
+  CHECK_FALSE(json::parse(deep + std::string(100, ']'), json::kControlRequestLimits, &err));
   CHECK(err.find("too deep") != std::string::npos);
 }
 
@@ -80,13 +82,19 @@ TEST_CASE("plugin.control.answer_request") {
   for (const char* bad : {"", "status", "[]", "{\"cmd\":1}", "{\"cmd\":\"status\",\"x\":1}",
                           "{\"cmd\":\"reboot\"}"}) {
     const std::string r = answer_request(bad, status);
-    auto v = qcommit::plugin::json::parse(r, nullptr);
+    auto v = json::parse(r, json::kControlResponseLimits, nullptr);
     REQUIRE(v);
-    CHECK(v->find("ok")->boolean() == false);
-    CHECK_FALSE(v->find("error")->string().empty());
+    CHECK(v->at("ok") == false);
+    CHECK_FALSE(json::string_member(*v, "error").empty());
   }
-  CHECK(answer_request(std::string(kMaxRequestBytes + 1, ' '), status).find("too large") !=
-        std::string::npos);
+  CHECK(answer_request(std::string(json::kControlMaxRequestBytes + 1, ' '), status)
+            .find("too large") != std::string::npos);
+  // Too deep, invalid UTF-8: refused with the reason, and the response itself is valid JSON.
+  const std::string deep = "{\"cmd\":" + std::string(40, '[') + std::string(40, ']') + "}";
+  CHECK(answer_request(deep, status).find("nesting too deep") != std::string::npos);
+  const std::string utf8 = answer_request("{\"cmd\":\"st\xffus\"}", status);
+  CHECK(utf8.find("UTF-8") != std::string::npos);
+  CHECK(json::parse(utf8, json::kControlResponseLimits, nullptr));
 }
 
 TEST_CASE("plugin.control.socket_round_trip") {
@@ -118,20 +126,21 @@ TEST_CASE("plugin.control.socket_round_trip") {
     REQUIRE(fd >= 0);
     send_all(fd, "{\"cmd\":\"status\"}\n{\"cmd\":\"ping\"}\n");
     const std::string r1 = read_line(fd);
-    auto v = qcommit::plugin::json::parse(r1, nullptr);
+    auto v = json::parse(r1, json::kControlResponseLimits, nullptr);
     REQUIRE(v);
-    CHECK(v->find("ok")->boolean());
-    const auto& job = v->find("jobs")->array().at(0);
-    CHECK(job.find("domain")->string() == "vm \"1\"");
-    CHECK(job.find("type")->string() == "active-commit");
-    CHECK(job.find("speed_bytes_per_s")->number() == 123456);
-    CHECK(job.find("latency_p99_ms")->number() == 3);
-    CHECK(job.find("eta_s")->number() == 2.5);
+    CHECK(v->at("ok") == true);
+    CHECK(r1.rfind("{\"ok\":true,\"connected\":true,\"jobs\":[{\"domain\":", 0) == 0);
+    const auto& job = v->at("jobs").at(0);
+    CHECK(json::string_member(job, "domain") == "vm \"1\"");
+    CHECK(json::string_member(job, "type") == "active-commit");
+    CHECK(json::to_uint64(job.at("speed_bytes_per_s")) == 123456u);
+    CHECK(job.at("latency_p99_ms").get<double>() == 3);
+    CHECK(job.at("eta_s").get<double>() == 2.5);
     CHECK(read_line(fd) == "{\"ok\":true}");
     send_all(fd, "this is not json\n");
     CHECK(read_line(fd).find("malformed request") != std::string::npos);
     // Oversized: error, then the server closes the connection.
-    send_all(fd, std::string(kMaxRequestBytes + 100, 'a'));
+    send_all(fd, std::string(json::kControlMaxRequestBytes + 100, 'a'));
     bool eof = false;
     CHECK(read_line(fd, &eof).find("too large") != std::string::npos);
     (void)read_line(fd, &eof);

@@ -16,6 +16,17 @@ using namespace qcommit::plugin;
 using namespace qcommit::plugin::test;
 using namespace std::chrono_literals;
 
+namespace {
+
+// The "ok" member of a response line.
+bool ok_of(const std::string& response) {
+  const auto v = qcommit::json::parse(response, qcommit::json::kControlResponseLimits, nullptr);
+  REQUIRE(v);
+  return v->at("ok").get<bool>();
+}
+
+}  // namespace
+
 TEST_CASE("plugin.control.domain_event") {
   auto status = [] { return std::string("{\"ok\":true,\"jobs\":[]}"); };
   std::vector<std::pair<std::string, std::string>> got;
@@ -23,8 +34,8 @@ TEST_CASE("plugin.control.domain_event") {
     got.emplace_back(d, e);
   };
   const std::string hostile = "vm \"q\" 'x' $(touch /tmp/p) `id`; rm -rf /\nsecond line\t\x01";
-  const std::string req =
-      "{\"cmd\":\"domain-event\",\"domain\":" + json::quote(hostile) + ",\"event\":\"stopped\"}";
+  const std::string req = qcommit::json::dump(
+      qcommit::json::Ordered{{"cmd", "domain-event"}, {"domain", hostile}, {"event", "stopped"}});
   CHECK(answer_request(req, status, sink) == "{\"ok\":true}");
   REQUIRE(got.size() == 1);
   CHECK(got[0].first == hostile);  // byte for byte, never interpreted
@@ -37,15 +48,11 @@ TEST_CASE("plugin.control.domain_event") {
         std::string(R"({"cmd":"domain-event","domain":"vm1","event":"started","x":1})"),
         "{\"cmd\":\"domain-event\",\"domain\":\"" + std::string(kMaxDomainNameBytes + 1, 'a') +
             "\",\"event\":\"started\"}"}) {
-    auto v = json::parse(answer_request(bad, status, sink), nullptr);
-    REQUIRE(v);
-    CHECK(v->find("ok")->boolean() == false);
+    CHECK_FALSE(ok_of(answer_request(bad, status, sink)));
   }
   CHECK(got.size() == 1);
   // A server without a sink refuses instead of pretending.
-  auto v = json::parse(answer_request(req, status), nullptr);
-  REQUIRE(v);
-  CHECK(v->find("ok")->boolean() == false);
+  CHECK_FALSE(ok_of(answer_request(req, status)));
 }
 
 TEST_CASE("plugin.governor.hook_event_scans_domain_now") {

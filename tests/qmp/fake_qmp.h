@@ -29,23 +29,21 @@ inline const char* kGreeting =
 
 // The reply QEMU would send to `cmd` with `ret` (JSON text) as its return value.
 inline std::string reply(const json::Value& cmd, const std::string& ret = "{}") {
-  const json::Value* id = cmd.find("id");
-  return "{\"return\": " + ret + (id ? ", \"id\": " + json::serialize(*id) : "") + "}\r\n";
+  const json::Value* id = json::member(cmd, "id");
+  return "{\"return\": " + ret + (id ? ", \"id\": " + json::dump(*id) : "") + "}\r\n";
 }
 inline std::string error_reply(const json::Value& cmd, const std::string& cls,
                                const std::string& desc) {
-  const json::Value* id = cmd.find("id");
-  return "{\"error\": {\"class\": " + json::quote(cls) + ", \"desc\": " + json::quote(desc) + "}" +
-         (id ? ", \"id\": " + json::serialize(*id) : "") + "}\r\n";
+  json::Value msg{{"error", {{"class", cls}, {"desc", desc}}}};
+  if (const json::Value* id = json::member(cmd, "id")) msg["id"] = *id;
+  return json::dump(msg) + "\r\n";
 }
 inline std::string event(const std::string& name, const std::string& data) {
   return R"({"timestamp": {"seconds": 1700000000, "microseconds": 5}, "event": ")" + name +
          R"(", "data": )" + data + "}\r\n";
 }
 inline const std::string& command_name(const json::Value& cmd) {
-  static const std::string none;
-  const json::Value* e = cmd.find("execute");
-  return e && e->is_string() ? e->string() : none;
+  return json::string_member(cmd, "execute");
 }
 
 class FakeQmp {
@@ -151,7 +149,7 @@ class FakeQmp {
         while (client >= 0 && (nl = buf.find('\n')) != std::string::npos) {
           const std::string line = buf.substr(0, nl);
           buf.erase(0, nl + 1);
-          std::optional<json::Value> cmd = json::parse(line, nullptr);
+          std::optional<json::Value> cmd = json::parse(line, json::kQmpLimits, nullptr);
           if (!cmd) {
             send_all(client,
                      "{\"error\": {\"class\": \"GenericError\", \"desc\": \"bad JSON\"}}\r\n");

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <thread>
 #include <vector>
@@ -15,6 +16,7 @@
 
 using namespace qcommit::plugin;
 using namespace qcommit::plugin::test;
+namespace json = qcommit::json;
 using namespace std::chrono_literals;
 
 namespace {
@@ -41,32 +43,94 @@ bool contains(const std::string& s, const std::string& what) {
 
 }  // namespace
 
-TEST_CASE("qmp.json.integers_serialize_limits") {
-  auto v =
-      json::parse(R"({"a": 123456789012, "b": -4, "c": 1.5, "d": 1e300, "e": "x\n"})", nullptr);
+json::Value parsed_qmp(const std::string& text) {
+  std::string err;
+  auto v = json::parse(text, json::kQmpLimits, &err);
+  INFO(err);
   REQUIRE(v);
-  CHECK(v->find("a")->integer() == 123456789012);
-  CHECK(v->find("a")->unsigned_integer() == 123456789012u);
-  CHECK(v->find("b")->integer() == -4);
-  CHECK_FALSE(v->find("b")->unsigned_integer());
-  CHECK_FALSE(v->find("c")->integer());
-  CHECK_FALSE(v->find("d")->integer());  // beyond 2^53: not exact
-  CHECK_FALSE(v->find("e")->integer());
-  const std::string text = json::serialize(*v);
+  return *v;
+}
+
+TEST_CASE("qmp.json.integers_serialize_limits") {
+  const json::Value v = parsed_qmp(
+      R"({"a": 123456789012, "b": -4, "c": 1.5, "d": 1e300, "e": "x\n",)"
+      R"( "big": 9007199254740993, "umax": 18446744073709551615, "imin": -9223372036854775808,)"
+      R"( "over": 18446744073709551616})");
+  CHECK(json::to_int64(v["a"]) == 123456789012);
+  CHECK(json::to_uint64(v["a"]) == 123456789012u);
+  CHECK(json::to_int64(v["b"]) == -4);
+  CHECK_FALSE(json::to_uint64(v["b"]));
+  CHECK_FALSE(json::to_int64(v["c"]));
+  CHECK_FALSE(json::to_int64(v["d"]));
+  CHECK_FALSE(json::to_int64(v["e"]));
+  // Exact over the whole 64-bit range, both signs; beyond it, not an integer.
+  CHECK(json::to_int64(v["big"]) == 9007199254740993);
+  CHECK(json::to_uint64(v["big"]) == 9007199254740993u);
+  CHECK(json::to_uint64(v["umax"]) == std::numeric_limits<std::uint64_t>::max());
+  CHECK_FALSE(json::to_int64(v["umax"]));
+  CHECK(json::to_int64(v["imin"]) == std::numeric_limits<std::int64_t>::min());
+  CHECK_FALSE(json::to_uint64(v["imin"]));
+  CHECK_FALSE(json::to_uint64(v["over"]));
+  const std::string text = json::dump(v);
   CHECK(contains(text, "\"a\":123456789012"));
+  CHECK(contains(text, "\"big\":9007199254740993"));
+  CHECK(contains(text, "\"umax\":18446744073709551615"));
   CHECK(contains(text, "\"c\":1.5"));
   CHECK(contains(text, "\"e\":\"x\\n\""));
-  auto again = json::parse(text, nullptr);
-  REQUIRE(again);
-  CHECK(json::serialize(*again) == text);
+  CHECK(json::dump(parsed_qmp(text)) == text);
+  CHECK(json::dump_spaced(json::Ordered{{"event", "result"}, {"n", {1, 2}}, {"o", {{"k", "v"}}}}) ==
+        R"({"event": "result", "n": [1, 2], "o": {"k": "v"}})");
   // The value cap: 1000 array elements + the array itself.
   std::string arr = "[";
   for (int i = 0; i < 1000; ++i) arr += i ? ",0" : "0";
   arr += "]";
   std::string err;
-  CHECK(json::parse(arr, &err, 1001));
-  CHECK_FALSE(json::parse(arr, &err, 1000));
-  CHECK(contains(err, "too many values"));
+  CHECK(json::parse(arr, json::Limits{1 << 20, 1001}, &err));
+  CHECK_FALSE(json::parse(arr, json::Limits{1 << 20, 1000}, &err));
+  CHECK(contains(err, "too many values (more than 1000)"));
+}
+
+TEST_CASE("qmp.json.limits_and_utf8") {
+  std::string err;
+  // Nesting: kMaxNestingLevels arrays parse, one more is refused before anything is built.
+  const std::size_t max = json::kMaxNestingLevels;
+  const std::string at_cap = std::string(max, '[') + std::string(max, ']');
+  CHECK(json::parse(at_cap, json::kQmpLimits, &err));
+  const std::string deeper = std::string(max + 1, '[') + std::string(max + 1, ']');
+  CHECK_FALSE(json::parse(deeper, json::kQmpLimits, &err));
+  CHECK(err == "nesting too deep (more than " + std::to_string(max) + " levels)");
+  CHECK_FALSE(json::parse(std::string(100000, '['), json::kQmpLimits, &err));
+  CHECK(contains(err, "nesting too deep"));
+  // Size: checked before parsing.
+  const std::string big = "\"" + std::string(json::kControlMaxRequestBytes, 'x') + "\"";
+  CHECK_FALSE(json::parse(big, json::kControlRequestLimits, &err));
+  CHECK(err == "too large (more than " + std::to_string(json::kControlMaxRequestBytes) + " bytes)");
+  // Invalid UTF-8 is not JSON; the message names it and leaves the bytes out.
+  for (const char* bad : {"\"\xff\"", "\"\xc3\"", "\"\xed\xa0\x80\"", "{\"k\xfe\": 1}"}) {
+    CAPTURE(bad);
+    CHECK_FALSE(json::parse(bad, json::kQmpLimits, &err));
+    CHECK(contains(err, "UTF-8"));
+    CHECK(err.find('\xff') == std::string::npos);
+    CHECK(err.find('\xfe') == std::string::npos);
+  }
+  CHECK(json::parse("\"\xc3\xa9\xf0\x9f\x98\x80\"", json::kQmpLimits, &err));  // é, 😀
+  // A member name twice: refused (either value could be meant).
+  CHECK_FALSE(json::parse(R"({"a": 1, "b": {"a": 2}, "a": 3})", json::kQmpLimits, &err));
+  CHECK(err == "duplicate member name");
+  CHECK(
+      json::parse(R"({"a": 1, "b": {"a": 2}, "c": [{"a": 3}, {"a": 4}]})", json::kQmpLimits, &err));
+  // Syntax errors: one line, a byte offset.
+  CHECK_FALSE(json::parse(R"({"return": })", json::kQmpLimits, &err));
+  CHECK(err.rfind("at byte 12: syntax error", 0) == 0);
+  CHECK(err.find('\n') == std::string::npos);
+  // Invalid UTF-8 in what qcommit writes (a file name) comes out as U+FFFD: valid JSON.
+  const std::string out = json::dump_spaced(json::Ordered{{"filename",
+                                                           "a\xff"
+                                                           "b"}});
+  CHECK(out ==
+        "{\"filename\": \"a\xef\xbf\xbd"
+        "b\"}");
+  CHECK(json::parse(out, json::kQmpLimits, &err));
 }
 
 TEST_CASE("qmp.framer.splits_objects") {
@@ -85,7 +149,7 @@ TEST_CASE("qmp.framer.splits_objects") {
     REQUIRE(got.size() == 3);
     CHECK(got[0] == "{\"QMP\": {\"x\": [1, {\"y\": \"}\"}]}}");
     CHECK(got[1] == "{\"a\": \"\\\"{\"}");
-    for (const auto& m : got) CHECK(json::parse(m, nullptr));
+    for (const auto& m : got) CHECK(json::parse(m, json::kQmpLimits, nullptr));
     CHECK(f.buffered() == 0);
   }
   std::string err;
@@ -106,26 +170,25 @@ TEST_CASE("qmp.client.handshake_execute_events") {
              R"({"return": {"name": "stale"}, "id": "qcommit-0"})"
              "\r\n" +
              reply(cmd, R"({"name": "vm-100"})");
-    if (command_name(cmd) == "echo-args")
-      return reply(cmd, json::serialize(*cmd.find("arguments")));
+    if (command_name(cmd) == "echo-args") return reply(cmd, json::dump(cmd.at("arguments")));
     return error_reply(cmd, "CommandNotFound",
                        "The command " + command_name(cmd) + " has not been found");
   });
   QmpClient c = QmpClient::connect(srv.path(), quick());
-  CHECK(c.greeting().find("QMP"));
+  CHECK(json::member(c.greeting(), "QMP"));
   const json::Value name = c.execute("query-name");
-  CHECK(name.find("name")->string() == "vm-100");
+  CHECK(json::string_member(name, "name") == "vm-100");
   auto events = c.take_queued_events();
   REQUIRE(events.size() == 1);
   CHECK(events[0].name == "JOB_STATUS_CHANGE");
-  CHECK(events[0].data.find("id")->string() == "j1");
+  CHECK(json::string_member(events[0].data, "id") == "j1");
   CHECK(events[0].timestamp_us == 1700000000000005);
 
-  json::Object args{{"device", json::Value{std::string("vd\"a")}},
-                    {"speed", json::Value{1048576.0}}};
-  const json::Value echoed = c.execute("echo-args", json::Value{args});
-  CHECK(echoed.find("device")->string() == "vd\"a");
-  CHECK(echoed.find("speed")->integer() == 1048576);
+  const json::Value args{{"device", "vd\"a"}, {"speed", 1048576}, {"big", 9007199254740993u}};
+  const json::Value echoed = c.execute("echo-args", args);
+  CHECK(json::string_member(echoed, "device") == "vd\"a");
+  CHECK(json::to_int64(echoed["speed"]) == 1048576);
+  CHECK(json::to_uint64(echoed["big"]) == 9007199254740993u);
 
   const std::string e = error_of([&] { (void)c.execute("no-such-command"); });
   CHECK(e.rfind(srv.path() + ": no-such-command: The command", 0) == 0);
@@ -137,12 +200,13 @@ TEST_CASE("qmp.client.handshake_execute_events") {
     CHECK(ce.error_class == "CommandNotFound");
   }
   CHECK(c.is_open());  // a command error leaves the connection usable
-  CHECK(c.execute("query-name").find("name")->string() == "vm-100");
+  CHECK(json::string_member(c.execute("query-name"), "name") == "vm-100");
 
   const auto names = srv.received_names();
   REQUIRE(names.size() >= 2);
   CHECK(names[0] == "qmp_capabilities");
-  for (const auto& cmd : srv.received()) CHECK(cmd.find("id"));  // every command carries an id
+  for (const auto& cmd : srv.received())
+    CHECK(json::member(cmd, "id"));  // every command carries an id
 }
 
 TEST_CASE("qmp.client.pretty_printed_monitor") {
@@ -152,7 +216,7 @@ TEST_CASE("qmp.client.pretty_printed_monitor") {
       "}\n}\n";
   FakeQmp srv(
       [](const json::Value& cmd) {
-        const std::string id = json::serialize(*cmd.find("id"));
+        const std::string id = json::dump(cmd.at("id"));
         return "{\n    \"return\": [\n        {\n            \"device\": \"vda\"\n        }\n    "
                "],\n    \"id\": " +
                id + "\n}\n";
@@ -161,7 +225,7 @@ TEST_CASE("qmp.client.pretty_printed_monitor") {
   QmpClient c = QmpClient::connect(srv.path(), quick());
   const json::Value r = c.execute("query-block");
   REQUIRE(r.is_array());
-  CHECK(r.array().at(0).find("device")->string() == "vda");
+  CHECK(json::string_member(r.at(0), "device") == "vda");
 }
 
 TEST_CASE("qmp.client.not_a_monitor") {
@@ -219,6 +283,8 @@ TEST_CASE("qmp.client.garbage_oversized_timeout_eof") {
     if (mode == "garbage") return "]]]\r\n";
     if (mode == "badjson") return "{\"return\": }\r\n";
     if (mode == "oversized") return "{\"return\": \"" + std::string(8192, 'x') + "\"}\r\n";
+    if (mode == "deep") return reply(cmd, std::string(40, '[') + std::string(40, ']'));
+    if (mode == "utf8") return reply(cmd, "\"\xff\"");
     if (mode == "values") {
       std::string arr = "[0";
       for (int i = 0; i < 100; ++i) arr += ",0";
@@ -233,9 +299,15 @@ TEST_CASE("qmp.client.garbage_oversized_timeout_eof") {
   o.max_message_values = 64;
   for (const auto& [m, expect] : std::vector<std::pair<std::string, std::string>>{
            {"garbage", "protocol error: expected a JSON object, got ']'"},
-           {"badjson", "protocol error: invalid JSON: unexpected character"},
+           {"badjson",
+            "protocol error: invalid JSON: at byte 12: syntax error while parsing value - "
+            "unexpected '}'"},
            {"oversized", "protocol error: message larger than 4096 bytes"},
-           {"values", "protocol error: invalid JSON: too many values"},
+           {"values", "protocol error: invalid JSON: too many values (more than 64)"},
+           {"deep", "protocol error: invalid JSON: nesting too deep (more than 32 levels)"},
+           {"utf8",
+            "protocol error: invalid JSON: at byte 13: syntax error while parsing value - "
+            "invalid string: ill-formed UTF-8 byte"},
            {"silent", "no reply to query-x within 0.3 s"},
            {"close", "connection closed by the peer (QEMU quit?)"}}) {
     CAPTURE(m);
@@ -243,6 +315,7 @@ TEST_CASE("qmp.client.garbage_oversized_timeout_eof") {
     QmpClient c = QmpClient::connect(srv.path(), o);
     mode = m;
     const std::string e = error_of([&] { (void)c.execute("query-x"); });
+    CAPTURE(e);
     CHECK(e.rfind(srv.path() + ": " + expect, 0) == 0);
     CHECK_FALSE(c.is_open());  // transport failures close the connection
     CHECK(error_of([&] { (void)c.execute("query-x"); }) == srv.path() + ": connection closed");
@@ -266,7 +339,7 @@ TEST_CASE("qmp.client.events_bounded_and_waited_for") {
   (void)c.execute("query-block-jobs");
   auto ev = c.take_events(0ms);
   REQUIRE(ev.size() == 10);
-  CHECK(ev.front().data.find("id")->string() == "j40");  // the oldest were dropped
+  CHECK(json::string_member(ev.front().data, "id") == "j40");  // the oldest were dropped
   CHECK(c.dropped_events() == 40);
   // Nothing queued: take_events waits up to its timeout, and returns early when one arrives.
   auto t0 = std::chrono::steady_clock::now();
@@ -377,9 +450,7 @@ const char* kBlockStats = R"([
 ])";
 
 json::Value parsed(const char* text) {
-  auto v = json::parse(text, nullptr);
-  REQUIRE(v);
-  return *v;
+  return parsed_qmp(text);
 }
 
 }  // namespace
@@ -532,9 +603,9 @@ TEST_CASE("qmp.adapter.commit_speed_events_pivot") {
   hv.start_commit("qmp", "vda", "/s/base.qcow2", "/s/top.qcow2", 4194304, true);
   json::Value commit;
   for (const auto& c : srv.received())
-    if (command_name(c) == "block-commit") commit = *c.find("arguments");
+    if (command_name(c) == "block-commit") commit = c.at("arguments");
   CHECK(
-      json::serialize(commit) ==
+      json::dump(commit) ==
       R"({"base-node":"#block592","device":"vda","job-id":"qcommit-vda","speed":4194304,"top-node":"#block182"})");
   auto info = hv.job_info("qmp", "vda");
   REQUIRE(info);
@@ -546,8 +617,13 @@ TEST_CASE("qmp.adapter.commit_speed_events_pivot") {
   CHECK_FALSE(hv.set_job_speed("qmp", "vda", 0));  // 0 would be unlimited: never sent
   json::Value speed;
   for (const auto& c : srv.received())
-    if (command_name(c) == "block-job-set-speed") speed = *c.find("arguments");
-  CHECK(json::serialize(speed) == R"({"device":"qcommit-vda","speed":2097152})");
+    if (command_name(c) == "block-job-set-speed") speed = c.at("arguments");
+  CHECK(json::dump(speed) == R"({"device":"qcommit-vda","speed":2097152})");
+  // A speed past 2^53 is sent exact.
+  CHECK(hv.set_job_speed("qmp", "vda", 9007199254740993u));
+  for (const auto& c : srv.received())
+    if (command_name(c) == "block-job-set-speed") speed = c.at("arguments");
+  CHECK(json::to_uint64(speed["speed"]) == 9007199254740993u);
 
   // Events reach the sink from pump(), mapped to the disk.
   srv.push(event(
