@@ -1,8 +1,8 @@
 #include "plugin/governor.h"
 
 #include <algorithm>
-#include <limits>
 #include <cmath>
+#include <limits>
 
 #include "plugin/cotenants.h"
 
@@ -10,23 +10,34 @@ namespace qcommit::plugin {
 
 const char* to_string(JobType t) {
   switch (t) {
-    case JobType::Pull: return "pull";
-    case JobType::Copy: return "copy";
-    case JobType::Commit: return "commit";
-    case JobType::ActiveCommit: return "active-commit";
-    case JobType::Backup: return "backup";
-    case JobType::Unknown: break;
+    case JobType::Pull:
+      return "pull";
+    case JobType::Copy:
+      return "copy";
+    case JobType::Commit:
+      return "commit";
+    case JobType::ActiveCommit:
+      return "active-commit";
+    case JobType::Backup:
+      return "backup";
+    case JobType::Unknown:
+      break;
   }
   return "unknown";
 }
 
 const char* to_string(JobEventKind k) {
   switch (k) {
-    case JobEventKind::StatusChange: return "status-change";
-    case JobEventKind::Completed: return "completed";
-    case JobEventKind::Failed: return "failed";
-    case JobEventKind::Canceled: return "canceled";
-    case JobEventKind::Ready: return "ready";
+    case JobEventKind::StatusChange:
+      return "status-change";
+    case JobEventKind::Completed:
+      return "completed";
+    case JobEventKind::Failed:
+      return "failed";
+    case JobEventKind::Canceled:
+      return "canceled";
+    case JobEventKind::Ready:
+      return "ready";
   }
   return "unknown";
 }
@@ -59,17 +70,98 @@ bool governed(JobType t) {
 }
 
 // QEMU's mirror job (active commit, copy): 16 x 1 MiB bursts, ready when it has caught up.
-bool mirror(JobType t) { return t == JobType::ActiveCommit || t == JobType::Copy; }
+bool mirror(JobType t) {
+  return t == JobType::ActiveCommit || t == JobType::Copy;
+}
 
 }  // namespace
+
+// The pacer's view of a target's page cache: the last whole-file reading, when, and bytes issued
+// since; the ranges it issued (re-read between whole-file readings) and what was under writeback
+// outside them at the last whole-file reading (the kernel's own writeback).
+struct Governor::PacerView {
+  std::optional<PageCacheState> pc;
+  std::optional<TimePoint> at;
+  std::uint64_t issued_since_pc = 0;
+  IssuedRanges issued;
+  std::uint64_t writeback_elsewhere = 0;
+  bool ranges_readable = true;  // false: cachestat of a range failed, count issued bytes instead
+
+  // Whole-file reading (cachestat over the target: CPU in proportion to its cached pages).
+  void read_page_cache(TargetFile& file, TimePoint now) {
+    pc = file.page_cache();
+    at = now;
+    issued_since_pc = 0;
+    writeback_elsewhere = 0;
+    if (!pc || !pc->per_file) {
+      issued.clear();
+      return;
+    }
+    const std::optional<std::uint64_t> ours = issued_writeback(file);
+    ranges_readable = ours.has_value();
+    if (!ours) issued.clear();
+    writeback_elsewhere = pc->writeback_bytes - std::min(pc->writeback_bytes, ours.value_or(0));
+  }
+  // What is under writeback in the ranges the pacer issued (cachestat of each).
+  // Ranges whose writeback completed and that stayed clean leave the page cache.
+  std::optional<std::uint64_t> issued_writeback(TargetFile& file) {
+    std::vector<ByteRange> clean;
+    const std::optional<std::uint64_t> wb = issued.under_writeback(
+        [&file](const ByteRange& r) { return file.page_cache_in(r); }, &clean);
+    for (const ByteRange& r : clean) file.drop_cached(r);
+    return wb;
+  }
+};
+
+// Settling (see GovernorOptions::settle_every): dirty without a settle since, holding since,
+// fdatasync started, settles done.
+struct Governor::SettleState {
+  std::optional<TimePoint> dirty_since;
+  std::optional<TimePoint> hold_since;
+  bool started = false;
+  std::uint32_t count = 0;
+};
+
+// Without per-file page-cache counts (no cachestat): fdatasyncs of the target while the job
+// copies; the job's progress at the last tick and whether it moved in it, the progress (as of the
+// last tick) when the running sync started and when the last completed one did.
+struct Governor::FallbackSync {
+  std::optional<std::uint64_t> tick_cur;
+  bool tick_progressed = false;
+  std::optional<std::uint64_t> sync_start_cur;
+  std::optional<std::uint64_t> synced_cur;
+  std::optional<TimePoint> sync_started_at;
+  // Progress counts start over (a new job, a reconnect); the sync gap still runs.
+  void restart() {
+    tick_cur.reset();
+    tick_progressed = false;
+    sync_start_cur.reset();
+    synced_cur.reset();
+  }
+};
+
+// Chunk gate (direct_chunks jobs): the gate, the rate it spaces the chunks for and whether it may
+// open.
+struct Governor::GateState {
+  explicit GateState(const throttle::ChunkGateConfig& cfg) : gate(cfg) {}
+  throttle::ChunkGate gate;
+  double rate = 0;
+  bool allowed = true;
+};
+
+// What status() shows over time: guests' latencies and the job's progress.
+struct Governor::History {
+  std::deque<std::pair<TimePoint, Duration>> latencies;
+  std::deque<std::pair<TimePoint, std::uint64_t>> progress;
+};
 
 struct Governor::Job {
   Job(DiskKey k, const Policy& p, JobType t, const std::string& cache)
       : key(std::move(k)),
         type(t),
         policy(p),
-        ctl(controller_config(p, t, cache)),
-        direct_io(direct_cache(cache)) {}
+        direct_io(direct_cache(cache)),
+        ctl(controller_config(p, t, cache)) {}
   // cache=none/directsync: the job's writes bypass the page cache.
   static bool direct_cache(const std::string& cache) {
     return cache == "none" || cache == "directsync";
@@ -85,6 +177,7 @@ struct Governor::Job {
     if (direct_chunks(t, cache)) c.copy_request_bytes = kQemuChunkBytes;
     return c;
   }
+  // Identity and policy.
   DiskKey key;
   JobType type = JobType::Unknown;
   std::string target;
@@ -92,87 +185,40 @@ struct Governor::Job {
   std::string pool;
   Policy policy;
   std::string policy_error;
+  bool direct_io;  // direct_cache(): its writes bypass the page cache
+  // Control: the controller, its last decision, the job as of the last tick, the speed set.
   throttle::Controller ctl;
-  std::unique_ptr<TargetFile> file;
-  WritebackPlanner planner;
+  std::optional<throttle::Decision> decision;
   JobInfo info{};
   bool has_info = false;
-  std::uint64_t backlog = 0;
-  std::uint64_t speed_set = 0;  // gated: the paced rate (the gate alternates two speeds)
-  // Chunk gate (direct_chunks jobs): the rate it spaces the chunks for and whether it may open.
-  std::optional<throttle::ChunkGate> gate;
-  double gate_rate = 0;
-  bool gate_allowed = true;
-  // The pacer's view of the target's page cache: last whole-file reading, when, and bytes
-  // issued since; the ranges it issued (re-read between whole-file readings) and what was under
-  // writeback outside them at the last whole-file reading (the kernel's own writeback).
-  std::optional<PageCacheState> pace_pc;
-  std::optional<TimePoint> pace_pc_at;
-  std::uint64_t issued_since_pc = 0;
-  IssuedRanges issued;
-  std::uint64_t writeback_elsewhere = 0;
-  bool ranges_readable = true;  // false: cachestat of a range failed, count issued bytes instead
-  // Settling (see GovernorOptions::settle_every): dirty without a settle since, holding since,
-  // fdatasync started.
-  std::optional<TimePoint> dirty_since;
-  std::optional<TimePoint> hold_since;
-  bool settle_started = false;
-  std::uint32_t settles = 0;
-  // Without per-file page-cache counts (no cachestat): fdatasyncs of the target while the job
-  // copies; the job's progress at the last tick and whether it moved in it, the progress (as of
-  // the last tick) when the running sync started and when the last completed one did.
-  bool direct_io;  // direct_cache(): its writes bypass the page cache
-  std::optional<std::uint64_t> tick_cur;
-  bool tick_progressed = false;
-  std::optional<std::uint64_t> sync_start_cur;
-  std::optional<std::uint64_t> synced_cur;
-  std::optional<TimePoint> sync_started_at;
-  void reset_sync() {
-    tick_cur.reset();
-    tick_progressed = false;
-    sync_start_cur.reset();
-    synced_cur.reset();
-  }
-
-  // Whole-file reading (cachestat over the target: CPU in proportion to its cached pages).
-  void read_page_cache(TimePoint now) {
-    pace_pc = file->page_cache();
-    pace_pc_at = now;
-    issued_since_pc = 0;
-    writeback_elsewhere = 0;
-    if (!pace_pc || !pace_pc->per_file) {
-      issued.clear();
-      return;
-    }
-    const std::optional<std::uint64_t> ours = issued_writeback();
-    ranges_readable = ours.has_value();
-    if (!ours) issued.clear();
-    writeback_elsewhere = pace_pc->writeback_bytes - std::min(pace_pc->writeback_bytes, ours.value_or(0));
-  }
-  // What is under writeback in the ranges the pacer issued (cachestat of each).
-  // Ranges whose writeback completed and that stayed clean leave the page cache.
-  std::optional<std::uint64_t> issued_writeback() {
-    std::vector<ByteRange> clean;
-    const std::optional<std::uint64_t> wb =
-        issued.under_writeback([this](const ByteRange& r) { return file->page_cache_in(r); }, &clean);
-    for (const ByteRange& r : clean) file->drop_cached(r);
-    return wb;
-  }
-  std::optional<throttle::Decision> decision;
-  std::deque<std::pair<TimePoint, Duration>> latencies;
-  std::deque<std::pair<TimePoint, std::uint64_t>> progress;
   bool ready = false;
   bool seen_in_poll = true;
-  double drain_credit = 0;  // bytes of progress not yet reported to the controller
+  std::uint64_t backlog = 0;
+  std::uint64_t speed_set = 0;  // gated: the paced rate (the gate alternates two speeds)
+  double drain_credit = 0;      // bytes of progress not yet reported to the controller
   std::optional<TimePoint> last_tick;
+  // The target's page cache and how it is pushed to storage.
+  std::unique_ptr<TargetFile> file;
+  WritebackPlanner planner;
+  PacerView pacer;
+  SettleState settle;
+  FallbackSync fallback;
+  std::optional<GateState> gate;
+  History history;
 };
 
 Governor::Governor(Hypervisor& hv, TargetFiles& files, DaemonConfig cfg, GovernorOptions opt)
-    : hv_(hv), files_(files), cfg_(std::move(cfg)), opt_(opt), reconnect_backoff_(opt.reconnect_min) {
+    : hv_(hv),
+      files_(files),
+      cfg_(std::move(cfg)),
+      opt_(opt),
+      reconnect_backoff_(opt.reconnect_min) {
   hv_.set_event_sink([this](const JobEvent& e) { pending_events_.push_back(e); });
 }
 
-Governor::~Governor() { hv_.set_event_sink(nullptr); }
+Governor::~Governor() {
+  hv_.set_event_sink(nullptr);
+}
 
 TimePoint Governor::step(TimePoint now) {
   if (connected_ && !hv_.connected()) lost_connection(now);
@@ -200,8 +246,9 @@ TimePoint Governor::step(TimePoint now) {
     if (!next_pace_) next_pace_ = now;
     if (!next_poll_) next_poll_ = now;
     if (!next_tick_) next_tick_ = now;
-    if (std::any_of(jobs_.begin(), jobs_.end(),
-                    [](const auto& kj) { return kj.second->gate && kj.second->gate->is_open(); })) {
+    if (std::any_of(jobs_.begin(), jobs_.end(), [](const auto& kj) {
+          return kj.second->gate && kj.second->gate->gate.is_open();
+        })) {
       if (pace_due)
         next_pace_ = now + opt_.pace;  // a step between two paces keeps the close's time
       return *next_pace_;
@@ -245,7 +292,7 @@ void Governor::lost_connection(TimePoint now) {
     j->drain_credit = 0;
     j->last_tick.reset();
     j->seen_in_poll = false;
-    j->reset_sync();  // it may be another job when we are back
+    j->fallback.restart();  // it may be another job when we are back
   }
   next_reconnect_ = now;  // first retry immediately, then back off
 }
@@ -269,14 +316,20 @@ void Governor::handle_events(TimePoint now) {
     }
     if (it == jobs_.end()) continue;
     switch (e.kind) {
-      case JobEventKind::Ready: it->second->ready = true; break;
-      case JobEventKind::Completed: release(it->first, "completed", now); break;
-      case JobEventKind::Canceled: release(it->first, "canceled", now); break;
-      case JobEventKind::Failed:
-        release(it->first,
-                it->second->ready ? "failed after ready (pivot failed)" : "failed", now);
+      case JobEventKind::Ready:
+        it->second->ready = true;
         break;
-      case JobEventKind::StatusChange: break;
+      case JobEventKind::Completed:
+        release(it->first, "completed", now);
+        break;
+      case JobEventKind::Canceled:
+        release(it->first, "canceled", now);
+        break;
+      case JobEventKind::Failed:
+        release(it->first, it->second->ready ? "failed after ready (pivot failed)" : "failed", now);
+        break;
+      case JobEventKind::StatusChange:
+        break;
     }
   }
 }
@@ -332,13 +385,16 @@ void Governor::poll(TimePoint now, const std::set<std::string>* only) {
       if (!only->count(d.name)) continue;
       auto it = std::find_if(domains_.begin(), domains_.end(),
                              [&](const DomainInfo& x) { return x.name == d.name; });
-      if (it == domains_.end()) domains_.push_back(d);
-      else *it = d;
+      if (it == domains_.end())
+        domains_.push_back(d);
+      else
+        *it = d;
     }
     // Scanned domains that are no longer running (stopped since): forget them.
     std::erase_if(domains_, [&](const DomainInfo& x) {
       return only->count(x.name) &&
-             std::none_of(doms.begin(), doms.end(), [&](const DomainInfo& d) { return d.name == x.name; });
+             std::none_of(doms.begin(), doms.end(),
+                          [&](const DomainInfo& d) { return d.name == x.name; });
     });
   } else {
     domains_ = std::move(doms);
@@ -356,7 +412,8 @@ void Governor::adopt(const DomainInfo& dom, const DiskInfo& disk, const JobInfo&
                      TimePoint now) {
   DiskKey k{dom.name, disk.target};
   std::string target;
-  if (disk.mirror) target = *disk.mirror;
+  if (disk.mirror)
+    target = *disk.mirror;
   else if (info.type == JobType::Commit && !disk.backing_chain.empty())
     // libvirt names no base for a non-active commit (`--base` may be an intermediate image);
     // the bottom image is the guess when the host cannot tell.
@@ -364,13 +421,14 @@ void Governor::adopt(const DomainInfo& dom, const DiskInfo& disk, const JobInfo&
         files_.commit_base(disk.source, disk.backing_chain).value_or(disk.backing_chain.back());
   else if (info.type == JobType::ActiveCommit && !disk.backing_chain.empty())
     target = disk.backing_chain.back();
-  else if (info.type == JobType::Pull) target = disk.source;
+  else if (info.type == JobType::Pull)
+    target = disk.source;
 
   std::unique_ptr<TargetFile> file = target.empty() ? nullptr : files_.open(target);
   std::optional<PoolInfo> pool;
-  std::string storage =
-      target.empty() ? storage_key(disk.source, disk.device, &pool)
-                     : storage_key(target, file ? file->device() : std::nullopt, &pool);
+  std::string storage = target.empty()
+                            ? storage_key(disk.source, disk.device, &pool)
+                            : storage_key(target, file ? file->device() : std::nullopt, &pool);
   // The same order as an offline merge's (qcommit merge): domain metadata, pool, [default].
   PolicyQuery query;
   if (pool) {
@@ -399,7 +457,7 @@ void Governor::adopt(const DomainInfo& dom, const DiskInfo& disk, const JobInfo&
   if (opt_.chunk_gate && Job::direct_chunks(info.type, disk.cache) && qemu &&
       *qemu < kChunkGateBeforeQemuVersion) {
     ref.gate.emplace(opt_.chunk_gate_config);
-    ref.gate_rate = initial;
+    ref.gate->rate = initial;
     set_gate_speed(ref, false);
   } else {
     set_speed(ref, static_cast<std::uint64_t>(initial));
@@ -421,230 +479,269 @@ void Governor::set_speed(Job& j, std::uint64_t speed) {
 
 void Governor::set_gate_speed(Job& j, bool open) {
   // Not allowed (paused, held): the floor, as for an ungated job.
-  const auto closed = j.gate_allowed
-                          ? static_cast<std::uint64_t>(j.gate_rate * kChunkGateClosedRateFraction)
+  const auto closed = j.gate->allowed
+                          ? static_cast<std::uint64_t>(j.gate->rate * kChunkGateClosedRateFraction)
                           : opt_.min_speed_bytes_per_s;
   if (hv_.set_job_speed(
           j.key.domain, j.key.disk,
           open ? kChunkGateOpenSpeedBytesPerS : std::max(closed, opt_.min_speed_bytes_per_s)))
-    j.speed_set = std::max(static_cast<std::uint64_t>(j.gate_rate), opt_.min_speed_bytes_per_s);
+    j.speed_set = std::max(static_cast<std::uint64_t>(j.gate->rate), opt_.min_speed_bytes_per_s);
 }
 
-void Governor::tick(TimePoint now) {
-  if (jobs_.empty()) return;
-  // Foreground signals, per storage key, from every running domain's disks.
+// Foreground signals, per storage key, from every running domain's disks on the storage of some
+// governed job; and which of those storages are not idle (a guest disk on it was active within
+// kIdleStorageAfter, or its activity is not known this tick).
+Governor::StorageSignals Governor::read_foreground(TimePoint now) {
   std::set<std::string> wanted;
   for (const auto& [k, j] : jobs_) wanted.insert(j->storage);
-  std::map<std::string, throttle::ForegroundSignals> sig;
-  // Storage not idle: a guest disk on it was active within kIdleStorageAfter, or its activity is
-  // not known this tick.
-  std::set<std::string> not_idle;
+  StorageSignals out;
   for (const auto& dom : domains_) {
     for (const auto& disk : dom.disks) {
       const std::string key = storage_key(disk.source, disk.device, nullptr);
       if (!wanted.count(key)) continue;
       std::optional<BlockStats> st = hv_.block_stats(dom.name, disk.target);
       if (!st) {
-        not_idle.insert(key);
+        out.not_idle.insert(key);
         continue;
       }
       throttle::IoCounterSampler& sampler = guests_[DiskKey{dom.name, disk.target}];
-      if (!sampler.primed()) not_idle.insert(key);
-      sampler.sample(now, *st, opt_.tick, sig[key]);
-      if (!sampler.quiet_for(now, kIdleStorageAfter)) not_idle.insert(key);  // active lately
+      if (!sampler.primed()) out.not_idle.insert(key);
+      sampler.sample(now, *st, opt_.tick, out.signals[key]);
+      if (!sampler.quiet_for(now, kIdleStorageAfter)) out.not_idle.insert(key);  // active lately
     }
   }
+  return out;
+}
+
+void Governor::tick(TimePoint now) {
+  if (jobs_.empty()) return;
+  StorageSignals fg = read_foreground(now);
   std::vector<DiskKey> keys;
   for (const auto& [k, j] : jobs_) keys.push_back(k);
   for (const auto& k : keys) {
     auto it = jobs_.find(k);
     if (it == jobs_.end()) continue;
-    Job& j = *it->second;
     std::optional<JobInfo> info = hv_.job_info(k.domain, k.disk);
     if (!info || !governed(info->type)) {
       release(k, "no longer listed", now);
       continue;
     }
-    const throttle::ForegroundSignals& s = sig[j.storage];
-    // Backlog: the target's dirty + writeback pages.
-    std::optional<PageCacheState> pc;
-    if (j.file) {
-      j.read_page_cache(now);  // the pacer works from this reading until the next one
-      pc = j.pace_pc;
-    }
-    // Without per-file counts the reading is host-wide: other writers' pages too.  A job whose
-    // writes bypass the page cache has none of them.  Another job's own pages are at most what
-    // it copied since the start of the last completed fdatasync of its target (pace() runs them
-    // while the job copies: everything dirtied before that start is on storage).  Progress is
-    // only known per tick and a sync's start is stamped with the last tick's, so of this tick's
-    // progress the count leaves out what the set speed allows in a tick (it went out with the
-    // syncs of this tick unless storage held it up); beyond that (QEMU's bursts: a mirror
-    // copies 16 MiB whatever its speed) it counts.
-    std::uint64_t own_bound = std::numeric_limits<std::uint64_t>::max();  // no bound: per file
-    if (pc && !pc->per_file) {
-      if (j.tick_cur && info->cur < *j.tick_cur) j.reset_sync();  // a new job: start over
-      const std::optional<std::uint64_t> before = j.tick_cur;
-      j.tick_cur = info->cur;
-      j.tick_progressed = before && info->cur > *before;
-      if (j.direct_io) {
-        own_bound = 0;
-      } else if (j.synced_cur && before) {
-        const std::uint64_t since = info->cur > *j.synced_cur ? info->cur - *j.synced_cur : 0;
-        const std::uint64_t progressed = info->cur > *before ? info->cur - *before : 0;
-        const auto allowed = static_cast<std::uint64_t>(
-            static_cast<double>(j.speed_set) * std::chrono::duration<double>(opt_.tick).count());
-        own_bound = since - std::min({since, progressed, allowed});
-      }
-    }
-    const auto pace_production = static_cast<std::uint64_t>(
-        static_cast<double>(j.speed_set) * std::chrono::duration<double>(opt_.pace).count());
-    const std::uint64_t backlog = std::min(
-        pc ? pc->writeback_bytes +
-                 (pc->dirty_bytes > pace_production ? pc->dirty_bytes - pace_production : 0)
-           : 0,
-        own_bound);
-    // QEMU reports progress in bursts (the mirror: 16 MiB at once, then it sleeps the burst off
-    // at the set speed; commit.c counts unallocated stretches without copying).  Per tick that
-    // looks like "idle" most of the time, so the controller would never see the job use its
-    // allowance and never raise the rate (cache=none: stuck at the floor).  Bursts go into a
-    // credit that is released at up to kDrainCreditRateFactor × the paced rate per tick.
-    std::uint64_t drained = 0;
-    if (j.has_info && info->cur >= j.info.cur) {
-      const auto written = static_cast<std::int64_t>(info->cur - j.info.cur);
-      const std::int64_t growth =
-          static_cast<std::int64_t>(backlog) - static_cast<std::int64_t>(j.backlog);
-      j.drain_credit += static_cast<double>(std::max<std::int64_t>(0, written - growth));
-    }
-    if (j.last_tick) {
-      const double dt = std::chrono::duration<double>(now - *j.last_tick).count();
-      const double rate = std::max({j.decision ? j.decision->rate_bytes_per_s : 0.0,
-                                    static_cast<double>(j.speed_set),
-                                    static_cast<double>(opt_.min_speed_bytes_per_s)});
-      const double release = std::min(j.drain_credit, kDrainCreditRateFactor * rate * dt);
-      drained = static_cast<std::uint64_t>(release);
-      j.drain_credit = std::min(j.drain_credit - release,
-                                rate * std::chrono::duration<double>(kMaxDrainCredit).count());
-    }
-    j.last_tick = now;
-    throttle::TickInput in;
-    in.now = now;
-    in.foreground_latencies = s.latencies;
-    in.foreground_outstanding = s.outstanding;
-    in.foreground_oldest_outstanding = s.oldest_outstanding;
-    in.foreground_idle = !not_idle.count(j.storage) && s.latencies.empty() && s.outstanding == 0;
-    in.backlog_bytes = backlog;
-    in.drained_bytes = drained;
-    // While the job is held for a settle, its progress and backlog say nothing about the storage
-    // (the hold made them): the controller is not fed and keeps its last decision.
-    const bool holding = settle(j, pc, now);
-    // After the hold, the controller's next interval starts now: taken from before the hold
-    // with one tick's progress, it read as a collapsed drain rate (window at the minimum for
-    // ~1.5 s after every settle in the lab).  What drained during the hold is not credited
-    // to the ticks after it either.
-    if (holding) {
-      j.ctl.skip_until(now);
-      j.drain_credit = 0;
-    }
-    const throttle::Decision d = holding && j.decision ? *j.decision : j.ctl.tick(in);
-    j.decision = d;
-
-    // Hold the job at the minimum while more is queued at storage than the window allows.  Dirty
-    // pages the pacer has not pushed yet are not queued anywhere: up to one QEMU request burst of
-    // them (kDirtyAllowanceBytes) lets the job copy its next burst while the pacer drains the
-    // previous one, instead of idling the storage between bursts.
-    // Near its end a mirror copies its last burst and then flushes BASE (before ready): all it
-    // left dirty is written at once (lab: 160 ms ahead of the guest).  There the allowance is 0:
-    // the job is held at the floor until the pacer has written out its dirty pages, and QEMU
-    // sleeps off its last burst at the floor speed meanwhile; raising the speed wakes it.
-    const bool mirror_unready = mirror(j.type) && !j.ready;
-    const bool near_end =
-        mirror_unready && info->end >= info->cur && info->end - info->cur <= kDirtyAllowanceBytes;
-    const std::uint64_t allowance = near_end ? 0 : kDirtyAllowanceBytes;
-    const std::uint64_t queued = std::min(
-        pc ? pc->writeback_bytes + (pc->dirty_bytes > allowance ? pc->dirty_bytes - allowance : 0)
-           : 0,
-        own_bound);
-    // Held: the job may not copy at all (the floor speed; a gated job's gate stays closed).
-    const bool held = d.paused || queued > d.window_bytes || holding;
-    std::uint64_t speed;
-    if (held) {
-      speed = opt_.min_speed_bytes_per_s;
-    } else {
-      const auto lo = static_cast<double>(opt_.min_speed_bytes_per_s);
-      speed = static_cast<std::uint64_t>(std::llround(
-          std::clamp(d.rate_bytes_per_s, lo, std::max(lo, j.policy.ceiling_bytes_per_s))));
-    }
-    // A mirror (active commit, copy) becomes ready only when nothing is left to copy; the
-    // guest keeps dirtying clusters, and at a low speed the mirror sleeps off every small copy
-    // and may never get there (seen in the lab: 1 byte left for minutes at the 1 MiB/s floor).
-    // What is left is at most kMirrorConvergeBytes, so finishing it unpaced queues at most that.
-    if (mirror_unready && info->end > info->cur && info->end - info->cur <= kMirrorConvergeBytes &&
-        !held)
-      speed = static_cast<std::uint64_t>(j.policy.ceiling_bytes_per_s);
-    if (j.gate) {  // pace() opens and closes it
-      const bool was_allowed = j.gate_allowed;
-      j.gate_allowed = !held;
-      j.gate_rate = static_cast<double>(speed);
-      // Closed already: from now on at the floor (an open gate closes at the next pace).  And a
-      // closed gate whose job still runs at the open speed (the close did not reach QEMU: a
-      // refused call, a lost connection) is closed again.
-      if (!j.gate->is_open() && ((was_allowed && !j.gate_allowed) ||
-                                 info->bandwidth_bytes_per_s == kChunkGateOpenSpeedBytesPerS))
-        set_gate_speed(j, false);
-    }
-    const double off = std::fabs(static_cast<double>(speed) - static_cast<double>(j.speed_set));
-    if (!j.gate &&
-        (j.speed_set == 0 || off > kSpeedChangeFraction * static_cast<double>(j.speed_set) ||
-         info->bandwidth_bytes_per_s != j.speed_set ||
-         (speed == opt_.min_speed_bytes_per_s && j.speed_set != speed))) {
-      set_speed(j, speed);
-    }
-
-    for (Duration l : s.latencies) j.latencies.emplace_back(now, l);
-    if (s.oldest_outstanding) j.latencies.emplace_back(now, *s.oldest_outstanding);
-    while (!j.latencies.empty() &&
-           (j.latencies.front().first < now - kLatencyHistory ||
-            j.latencies.size() > kMaxLatencySamples))
-      j.latencies.pop_front();
-    j.progress.emplace_back(now, info->cur);
-    while (!j.progress.empty() && j.progress.front().first < now - kEtaHistory)
-      j.progress.pop_front();
-    j.info = *info;
-    j.has_info = true;
-    j.backlog = backlog;
+    Job& j = *it->second;
+    tick_job(j, *info, fg.signals[j.storage], !fg.not_idle.count(j.storage), now);
   }
+}
+
+// Without per-file counts the page-cache reading is host-wide: other writers' pages too.  A job
+// whose writes bypass the page cache has none of them.  Another job's own pages are at most what
+// it copied since the start of the last completed fdatasync of its target (pace() runs them while
+// the job copies: everything dirtied before that start is on storage).  Progress is only known
+// per tick and a sync's start is stamped with the last tick's, so of this tick's progress the
+// count leaves out what the set speed allows in a tick (it went out with the syncs of this tick
+// unless storage held it up); beyond that (QEMU's bursts: a mirror copies 16 MiB whatever its
+// speed) it counts.  No bound (the maximum) with per-file counts.
+std::uint64_t Governor::own_backlog_bound(Job& j, const JobInfo& info,
+                                          const std::optional<PageCacheState>& pc) {
+  if (!pc || pc->per_file) return std::numeric_limits<std::uint64_t>::max();
+  FallbackSync& fs = j.fallback;
+  if (fs.tick_cur && info.cur < *fs.tick_cur) fs.restart();  // a new job: start over
+  const std::optional<std::uint64_t> before = fs.tick_cur;
+  fs.tick_cur = info.cur;
+  fs.tick_progressed = before && info.cur > *before;
+  if (j.direct_io) return 0;
+  if (!fs.synced_cur || !before) return std::numeric_limits<std::uint64_t>::max();
+  const std::uint64_t since = info.cur > *fs.synced_cur ? info.cur - *fs.synced_cur : 0;
+  const std::uint64_t progressed = info.cur > *before ? info.cur - *before : 0;
+  const auto allowed = static_cast<std::uint64_t>(static_cast<double>(j.speed_set) *
+                                                  std::chrono::duration<double>(opt_.tick).count());
+  return since - std::min({since, progressed, allowed});
+}
+
+// Bytes of the target queued at storage or about to be: under writeback, plus dirty pages beyond
+// `dirty_allowance`; at most `own_bound` (the job's own share where the reading is host-wide).
+std::uint64_t Governor::queued_bytes(const std::optional<PageCacheState>& pc,
+                                     std::uint64_t dirty_allowance, std::uint64_t own_bound) {
+  if (!pc) return 0;
+  const std::uint64_t dirty =
+      pc->dirty_bytes > dirty_allowance ? pc->dirty_bytes - dirty_allowance : 0;
+  return std::min(pc->writeback_bytes + dirty, own_bound);
+}
+
+// QEMU reports progress in bursts (the mirror: 16 MiB at once, then it sleeps the burst off at the
+// set speed; commit.c counts unallocated stretches without copying).  Per tick that looks like
+// "idle" most of the time, so the controller would never see the job use its allowance and never
+// raise the rate (cache=none: stuck at the floor).  Progress (less the backlog's growth) goes into
+// a credit released at up to kDrainCreditRateFactor × the paced rate per tick, carrying at most
+// kMaxDrainCredit of it.  Returns the bytes released to this tick.
+std::uint64_t Governor::release_drain(Job& j, const JobInfo& info, std::uint64_t backlog,
+                                      TimePoint now) {
+  std::uint64_t drained = 0;
+  if (j.has_info && info.cur >= j.info.cur) {
+    const auto written = static_cast<std::int64_t>(info.cur - j.info.cur);
+    const std::int64_t growth =
+        static_cast<std::int64_t>(backlog) - static_cast<std::int64_t>(j.backlog);
+    j.drain_credit += static_cast<double>(std::max<std::int64_t>(0, written - growth));
+  }
+  if (j.last_tick) {
+    const double dt = std::chrono::duration<double>(now - *j.last_tick).count();
+    const double rate =
+        std::max({j.decision ? j.decision->rate_bytes_per_s : 0.0, static_cast<double>(j.speed_set),
+                  static_cast<double>(opt_.min_speed_bytes_per_s)});
+    const double release = std::min(j.drain_credit, kDrainCreditRateFactor * rate * dt);
+    drained = static_cast<std::uint64_t>(release);
+    j.drain_credit = std::min(j.drain_credit - release,
+                              rate * std::chrono::duration<double>(kMaxDrainCredit).count());
+  }
+  j.last_tick = now;
+  return drained;
+}
+
+// The controller's decision for this tick.  While the job is held for a settle, its progress and
+// backlog say nothing about the storage (the hold made them): the controller is not fed and the
+// last decision stands; its next interval starts now (taken from before the hold with one tick's
+// progress, it read as a collapsed drain rate: window at the minimum for ~1.5 s after every
+// settle in the lab), and what drained during the hold is not credited to the ticks after it.
+throttle::Decision Governor::decide(Job& j, const throttle::TickInput& in, bool holding) {
+  if (holding) {
+    j.ctl.skip_until(in.now);
+    j.drain_credit = 0;
+  }
+  j.decision = holding && j.decision ? *j.decision : j.ctl.tick(in);
+  return *j.decision;
+}
+
+// The speed the job gets.  Held (paused, more queued than the window allows, or settling): the
+// floor.  Dirty pages the pacer has not pushed yet are not queued anywhere: up to one QEMU request
+// burst of them (kDirtyAllowanceBytes) lets the job copy its next burst while the pacer drains
+// the previous one.  Near its end a mirror copies its last burst and then flushes BASE (before
+// ready): all it left dirty is written at once (lab: 160 ms ahead of the guest), so there the
+// allowance is 0 and QEMU sleeps off its last burst at the floor meanwhile.  And a mirror with at
+// most kMirrorConvergeBytes left runs at the ceiling: the guest keeps dirtying clusters, and at
+// a low speed the mirror sleeps off every small copy and may never become ready (seen in the lab:
+// 1 byte left for minutes at the 1 MiB/s floor); finishing it unpaced queues at most that.
+Governor::JobSpeed Governor::job_speed(const Job& j, const JobInfo& info,
+                                       const throttle::Decision& d,
+                                       const std::optional<PageCacheState>& pc,
+                                       std::uint64_t own_bound, bool holding) const {
+  const bool mirror_unready = mirror(j.type) && !j.ready;
+  const bool near_end =
+      mirror_unready && info.end >= info.cur && info.end - info.cur <= kDirtyAllowanceBytes;
+  const std::uint64_t queued = queued_bytes(pc, near_end ? 0 : kDirtyAllowanceBytes, own_bound);
+  JobSpeed out;
+  out.held = d.paused || queued > d.window_bytes || holding;
+  if (out.held) {
+    out.speed = opt_.min_speed_bytes_per_s;
+    return out;
+  }
+  const auto lo = static_cast<double>(opt_.min_speed_bytes_per_s);
+  out.speed = static_cast<std::uint64_t>(
+      std::llround(std::clamp(d.rate_bytes_per_s, lo, std::max(lo, j.policy.ceiling_bytes_per_s))));
+  if (mirror_unready && info.end > info.cur && info.end - info.cur <= kMirrorConvergeBytes)
+    out.speed = static_cast<std::uint64_t>(j.policy.ceiling_bytes_per_s);
+  return out;
+}
+
+// Gives the job its speed: a gated job's gate learns the rate and whether it may open (pace_gates
+// opens and closes it); another job's speed is set when it is off by more than
+// kSpeedChangeFraction, differs from what QEMU reports, or must drop to the floor.
+void Governor::apply_speed(Job& j, const JobInfo& info, JobSpeed js) {
+  if (j.gate) {
+    GateState& g = *j.gate;
+    const bool was_allowed = g.allowed;
+    g.allowed = !js.held;
+    g.rate = static_cast<double>(js.speed);
+    // Closed already: from now on at the floor (an open gate closes at the next pace).  And a
+    // closed gate whose job still runs at the open speed (the close did not reach QEMU: a
+    // refused call, a lost connection) is closed again.
+    if (!g.gate.is_open() &&
+        ((was_allowed && !g.allowed) || info.bandwidth_bytes_per_s == kChunkGateOpenSpeedBytesPerS))
+      set_gate_speed(j, false);
+    return;
+  }
+  const double off = std::fabs(static_cast<double>(js.speed) - static_cast<double>(j.speed_set));
+  if (j.speed_set == 0 || off > kSpeedChangeFraction * static_cast<double>(j.speed_set) ||
+      info.bandwidth_bytes_per_s != j.speed_set ||
+      (js.speed == opt_.min_speed_bytes_per_s && j.speed_set != js.speed))
+    set_speed(j, js.speed);
+}
+
+// What status() reports: the guests' latencies over kLatencyHistory and the job's progress over
+// kEtaHistory; and the job's state as of this tick, for the next one.
+void Governor::record_tick(Job& j, const throttle::ForegroundSignals& s, const JobInfo& info,
+                           std::uint64_t backlog, TimePoint now) {
+  for (Duration l : s.latencies) j.history.latencies.emplace_back(now, l);
+  if (s.oldest_outstanding) j.history.latencies.emplace_back(now, *s.oldest_outstanding);
+  auto& lat = j.history.latencies;
+  while (!lat.empty() &&
+         (lat.front().first < now - kLatencyHistory || lat.size() > kMaxLatencySamples))
+    lat.pop_front();
+  auto& prog = j.history.progress;
+  prog.emplace_back(now, info.cur);
+  while (!prog.empty() && prog.front().first < now - kEtaHistory) prog.pop_front();
+  j.info = info;
+  j.has_info = true;
+  j.backlog = backlog;
+}
+
+// One governed job's tick: its backlog from the page cache, the controller's decision, the
+// job's speed, the history status() shows.
+void Governor::tick_job(Job& j, const JobInfo& info, const throttle::ForegroundSignals& s,
+                        bool storage_idle, TimePoint now) {
+  std::optional<PageCacheState> pc;
+  if (j.file) {
+    j.pacer.read_page_cache(*j.file, now);  // the pacer works from this reading until the next one
+    pc = j.pacer.pc;
+  }
+  const std::uint64_t own_bound = own_backlog_bound(j, info, pc);
+  // The pacer pushes fresh dirty pages every `pace`: only dirty pages beyond one pace interval's
+  // production at the current speed count as queued.
+  const auto pace_production = static_cast<std::uint64_t>(
+      static_cast<double>(j.speed_set) * std::chrono::duration<double>(opt_.pace).count());
+  const std::uint64_t backlog = queued_bytes(pc, pace_production, own_bound);
+  throttle::TickInput in;
+  in.now = now;
+  in.foreground_latencies = s.latencies;
+  in.foreground_outstanding = s.outstanding;
+  in.foreground_oldest_outstanding = s.oldest_outstanding;
+  in.foreground_idle = storage_idle && s.latencies.empty() && s.outstanding == 0;
+  in.backlog_bytes = backlog;
+  in.drained_bytes = release_drain(j, info, backlog, now);
+  const bool holding = settle(j, pc, now);
+  const throttle::Decision d = decide(j, in, holding);
+  apply_speed(j, info, job_speed(j, info, d, pc, own_bound, holding));
+  record_tick(j, s, info, backlog, now);
 }
 
 bool Governor::settle(Job& j, const std::optional<PageCacheState>& pc, TimePoint now) {
   if (opt_.settle_every == Duration::zero() || !j.file || !pc || !pc->per_file) return false;
-  if (!j.hold_since) {
-    if (pc->dirty_bytes > 0 && !j.dirty_since) j.dirty_since = now;
-    if (!j.dirty_since || now - *j.dirty_since < opt_.settle_every) return false;
-    j.hold_since = now;
-    j.settle_started = false;
+  SettleState& st = j.settle;
+  if (!st.hold_since) {
+    if (pc->dirty_bytes > 0 && !st.dirty_since) st.dirty_since = now;
+    if (!st.dirty_since || now - *st.dirty_since < opt_.settle_every) return false;
+    st.hold_since = now;
+    st.started = false;
   }
-  if (!j.settle_started) {
+  if (!st.started) {
     if (pc->dirty_bytes == 0 && j.file->start_settle()) {
-      j.settle_started = true;
-    } else if (now - *j.hold_since >= opt_.settle_max_hold) {
-      j.hold_since.reset();  // the job kept dirtying (or storage is slow): retry later
-      j.dirty_since = now;
+      st.started = true;
+    } else if (now - *st.hold_since >= opt_.settle_max_hold) {
+      st.hold_since.reset();  // the job kept dirtying (or storage is slow): retry later
+      st.dirty_since = now;
       return false;
     }
     return true;
   }
   if (j.file->settling()) return true;
-  j.hold_since.reset();
-  j.settle_started = false;
-  j.dirty_since.reset();
-  ++j.settles;
+  st.hold_since.reset();
+  st.started = false;
+  st.dirty_since.reset();
+  ++st.count;
   return false;
 }
 
 void Governor::pace_gates(TimePoint now) {
   for (auto& [k, j] : jobs_) {
     if (!j->gate) continue;
-    switch (j->gate->step(now, j->gate_rate, j->gate_allowed)) {
+    switch (j->gate->gate.step(now, j->gate->rate, j->gate->allowed)) {
       case throttle::ChunkGate::Action::kOpen:
         set_gate_speed(*j, true);
         break;
@@ -662,63 +759,67 @@ void Governor::pace(TimePoint now) {
     if (j->gate) continue;  // its writes bypass the page cache: nothing to push (pace_gates)
     if (!j->file || !j->decision) continue;
     bool fresh = false;
-    if (!j->pace_pc_at || now - *j->pace_pc_at >= opt_.page_cache_refresh) {
-      j->read_page_cache(now);
+    PacerView& pv = j->pacer;
+    if (!pv.at || now - *pv.at >= opt_.page_cache_refresh) {
+      pv.read_page_cache(*j->file, now);
       fresh = true;
     }
-    if (!j->pace_pc) continue;
+    if (!pv.pc) continue;
     // Without per-file counts the pacer cannot find the job's dirty pages: fdatasyncs of the
     // whole target write them out (and tell tick how much of the job's output is on storage),
     // at most one per kFallbackSyncGap, while the job copies or until one has started after
     // its last progress.  (A sync of a clean file may still flush the disk's cache.)
-    if (!j->pace_pc->per_file) {
-      if (j->direct_io || !j->tick_cur) continue;
-      if (j->sync_start_cur && !j->file->settling()) {
-        j->synced_cur = j->sync_start_cur;
-        j->sync_start_cur.reset();
+    if (!pv.pc->per_file) {
+      FallbackSync& fs = j->fallback;
+      if (j->direct_io || !fs.tick_cur) continue;
+      if (fs.sync_start_cur && !j->file->settling()) {
+        fs.synced_cur = fs.sync_start_cur;
+        fs.sync_start_cur.reset();
       }
-      const bool behind = !j->synced_cur || *j->synced_cur != *j->tick_cur;
-      const bool due = !j->sync_started_at || now - *j->sync_started_at >= kFallbackSyncGap;
-      if (!j->sync_start_cur && due && (j->tick_progressed || behind) && j->file->start_settle()) {
-        j->sync_start_cur = j->tick_cur;
-        j->sync_started_at = now;
+      const bool behind = !fs.synced_cur || *fs.synced_cur != *fs.tick_cur;
+      const bool due = !fs.sync_started_at || now - *fs.sync_started_at >= kFallbackSyncGap;
+      if (!fs.sync_start_cur && due && (fs.tick_progressed || behind) && j->file->start_settle()) {
+        fs.sync_start_cur = fs.tick_cur;
+        fs.sync_started_at = now;
       }
       continue;
     }
-    PageCacheState pc = *j->pace_pc;
+    PageCacheState pc = *pv.pc;
     // Between whole-file readings: what we issued is no longer dirty; what is under writeback is
     // the kernel's share from the last reading plus a fresh reading of the ranges we issued (few
     // and small: cheap) -- or, where ranges cannot be read, everything issued since.
-    pc.dirty_bytes -= std::min(pc.dirty_bytes, j->issued_since_pc);
+    pc.dirty_bytes -= std::min(pc.dirty_bytes, pv.issued_since_pc);
     if (!fresh) {  // a fresh reading has just read the ranges and issued nothing since
       std::optional<std::uint64_t> ours;
-      if (pc.per_file && j->ranges_readable) {
-        ours = j->issued_writeback();
+      if (pc.per_file && pv.ranges_readable) {
+        ours = pv.issued_writeback(*j->file);
         if (!ours) {
-          j->ranges_readable = false;
-          j->issued.clear();
+          pv.ranges_readable = false;
+          pv.issued.clear();
         }
       }
-      pc.writeback_bytes = ours ? j->writeback_elsewhere + *ours : pc.writeback_bytes + j->issued_since_pc;
+      pc.writeback_bytes =
+          ours ? pv.writeback_elsewhere + *ours : pc.writeback_bytes + pv.issued_since_pc;
     }
     if (pc.per_file && pc.dirty_bytes == 0) continue;  // nothing to push
     WritebackInput wi;
     wi.file_size = j->file->size();
     wi.writeback_bytes = pc.per_file ? pc.writeback_bytes : 0;
-    wi.window_bytes = static_cast<std::uint64_t>(static_cast<double>(j->decision->window_bytes) *
-                                                 (mirror(j->type) ? kMirrorPacerWindowFraction : 1.0));
+    wi.window_bytes =
+        static_cast<std::uint64_t>(static_cast<double>(j->decision->window_bytes) *
+                                   (mirror(j->type) ? kMirrorPacerWindowFraction : 1.0));
     TargetFile& f = *j->file;
     WritebackPlan plan = j->planner.plan(wi, [&f](const ByteRange& r) { return f.dirty_in(r); });
     for (const auto& r : plan.ranges) {
       f.start_writeback(r);
-      if (pc.per_file && j->ranges_readable) j->issued.add(r);
+      if (pc.per_file && pv.ranges_readable) pv.issued.add(r);
     }
-    j->issued_since_pc += plan.dirty_bytes_issued;
+    pv.issued_since_pc += plan.dirty_bytes_issued;
     // A whole lap found less than the estimate (the kernel's flusher wrote some back): until
     // the next whole-file reading nothing is left to push.  Without this every pace interval
     // swept the whole file again (cachestat over every cached page: ~30 % of a core on a
     // 2.5 GiB base in the lab).
-    if (plan.lapped && j->pace_pc) j->issued_since_pc = std::max(j->issued_since_pc, j->pace_pc->dirty_bytes);
+    if (plan.lapped && pv.pc) pv.issued_since_pc = std::max(pv.issued_since_pc, pv.pc->dirty_bytes);
   }
 }
 
@@ -734,9 +835,9 @@ void Governor::release_all() {
                               : j->policy.floor_bytes_per_s;
     rate = std::max(rate, j->policy.floor_bytes_per_s);
     try {
-      (void)hv_.set_job_speed(k.domain, k.disk,
-                              std::max<std::uint64_t>(opt_.min_speed_bytes_per_s,
-                                                      static_cast<std::uint64_t>(rate)));
+      (void)hv_.set_job_speed(
+          k.domain, k.disk,
+          std::max<std::uint64_t>(opt_.min_speed_bytes_per_s, static_cast<std::uint64_t>(rate)));
     } catch (const HypervisorDisconnected&) {
       if (!reconnected) {
         reconnected = true;
@@ -766,12 +867,12 @@ GovernorStatus Governor::status(TimePoint now) const {
     js.window_bytes = j->decision ? j->decision->window_bytes : 0;
     js.backlog_bytes = j->backlog;
     js.phase = j->decision ? throttle::to_string(j->decision->phase) : "adopted";
-    js.settling = j->hold_since.has_value();
-    js.settles = j->settles;
+    js.settling = j->settle.hold_since.has_value();
+    js.settles = j->settle.count;
     js.ready = j->ready;
     js.policy_error = j->policy_error;
     std::vector<Duration> lat;
-    for (const auto& [t, l] : j->latencies)
+    for (const auto& [t, l] : j->history.latencies)
       if (t >= now - kLatencyHistory) lat.push_back(l);
     if (!lat.empty()) {
       const size_t idx = std::min(lat.size() - 1, (lat.size() * 99) / 100);
@@ -779,9 +880,9 @@ GovernorStatus Governor::status(TimePoint now) const {
       js.latency_p99 = lat[idx];
     }
     js.bytes_left = j->info.end > j->info.cur ? j->info.end - j->info.cur : 0;
-    if (j->progress.size() >= 2) {
-      const auto& a = j->progress.front();
-      const auto& b = j->progress.back();
+    if (j->history.progress.size() >= 2) {
+      const auto& a = j->history.progress.front();
+      const auto& b = j->history.progress.back();
       const double secs = std::chrono::duration<double>(b.first - a.first).count();
       if (secs > 0 && b.second > a.second) {
         const double rate = static_cast<double>(b.second - a.second) / secs;

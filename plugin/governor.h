@@ -48,7 +48,7 @@ namespace qcommit::plugin {
 using throttle::Duration;
 using throttle::TimePoint;
 
-inline constexpr std::uint64_t kMinJobSpeedBytesPerS = 64 * 1024;  // "paused": never 0
+inline constexpr std::uint64_t kMinJobSpeedBytesPerS = 64 * 1024;      // "paused": never 0
 inline constexpr Duration kLatencyHistory = std::chrono::seconds(10);  // p99 over this
 inline constexpr Duration kEtaHistory = std::chrono::seconds(5);
 inline constexpr std::size_t kMaxReleasedHistory = 32;
@@ -158,7 +158,7 @@ struct JobStatus {
   bool ready = false;
   bool settling = false;      // held at the floor until the target is clean (not logged)
   std::uint32_t settles = 0;  // times the target was made clean (GovernorOptions::settle_every)
-  std::string policy_error;  // bad domain metadata (the pool/default policy applies)
+  std::string policy_error;   // bad domain metadata (the pool/default policy applies)
 };
 
 struct ReleasedJob {
@@ -201,13 +201,43 @@ class Governor {
     std::string domain, disk;
     auto operator<=>(const DiskKey&) const = default;
   };
+  struct PacerView;
+  struct SettleState;
+  struct FallbackSync;
+  struct GateState;
+  struct History;
   struct Job;
+  struct StorageSignals {
+    std::map<std::string, throttle::ForegroundSignals> signals;  // per storage key
+    std::set<std::string> not_idle;
+  };
+  struct JobSpeed {
+    std::uint64_t speed = 0;
+    bool held = false;  // at the floor: paused, over its window or settling
+  };
 
   void handle_events(TimePoint now);
   void poll(TimePoint now, const std::set<std::string>* only_domains);
   void adopt(const DomainInfo& dom, const DiskInfo& disk, const JobInfo& info, TimePoint now);
   void release(const DiskKey& k, const std::string& reason, TimePoint now);
   void tick(TimePoint now);
+  [[nodiscard]] StorageSignals read_foreground(TimePoint now);
+  void tick_job(Job& j, const JobInfo& info, const throttle::ForegroundSignals& s,
+                bool storage_idle, TimePoint now);
+  [[nodiscard]] std::uint64_t own_backlog_bound(Job& j, const JobInfo& info,
+                                                const std::optional<PageCacheState>& pc);
+  [[nodiscard]] static std::uint64_t queued_bytes(const std::optional<PageCacheState>& pc,
+                                                  std::uint64_t dirty_allowance,
+                                                  std::uint64_t own_bound);
+  [[nodiscard]] std::uint64_t release_drain(Job& j, const JobInfo& info, std::uint64_t backlog,
+                                            TimePoint now);
+  [[nodiscard]] throttle::Decision decide(Job& j, const throttle::TickInput& in, bool holding);
+  [[nodiscard]] JobSpeed job_speed(const Job& j, const JobInfo& info, const throttle::Decision& d,
+                                   const std::optional<PageCacheState>& pc, std::uint64_t own_bound,
+                                   bool holding) const;
+  void apply_speed(Job& j, const JobInfo& info, JobSpeed js);
+  void record_tick(Job& j, const throttle::ForegroundSignals& s, const JobInfo& info,
+                   std::uint64_t backlog, TimePoint now);
   void pace_gates(TimePoint now);  // open and close the chunk gates
   void pace(TimePoint now);        // writeback pacing of the other jobs
   // Settling state machine for one job; true while the job is held for it.
