@@ -1,0 +1,145 @@
+#!/usr/bin/env bash
+# ctest lab-trixie.governed_merges: the host-built qcommitd and qcommit against Debian 13's
+# libvirt 11 and QEMU 10 (scripts/trixie-platform, started), the lab's slow storage and probe
+# guest in the platform's shared directory.
+#
+# Case virsh: qcommitd --uri <trixie> runs; a plain `virsh blockcommit DOM vda --active --pivot
+#   --wait` of a filled overlay; qcommitd must list the job and set its speed (libvirt reports
+#   a bandwidth), the pivot must land on base.raw.
+# Case live: `qcommit live DOM vda --pivot --uri <trixie>` (no qcommitd); pivot on base.raw.
+# Both: the fill written before the merge and every probe write completed before and during it
+# read back from base.raw after the domain is shut down (tests/lab/live_verify.py); the probe's
+# max latency and the longest gap between two probe completions are reported.
+#
+# Skips (exit 77) unless QCOMMIT_TEST_TRIXIE=1 and the platform is started
+# (scripts/trixie-platform setup && scripts/trixie-platform start).
+#   trixie_test.sh [virsh|live|all]
+# Environment: QCOMMIT_LAB_CACHE (guest kernel/initramfs cache, default <build>/lab-cache),
+# TRIXIE_FILL_MIB (default 64).
+set -euo pipefail
+here=$(dirname "$0")
+src=$(cd "$here/../.." && pwd)
+platform=$src/scripts/trixie-platform
+
+skip() {
+  echo "SKIP lab-trixie: $*"
+  exit 77
+}
+[ "${QCOMMIT_TEST_TRIXIE:-0}" = 1 ] || skip "QCOMMIT_TEST_TRIXIE is not 1"
+[ "$(id -u)" -eq 0 ] || skip "needs root"
+"$platform" status >/dev/null 2>&1 || skip "the trixie platform is not started (scripts/trixie-platform setup && start)"
+
+source "$here/lab.sh"
+source "$here/live_lib.sh"
+TRIXIE_URI=$("$platform" uri)
+TRIXIE_SHARE=$("$platform" share)
+export LIBVIRT_DEFAULT_URI=$TRIXIE_URI
+LIVE_URI=$TRIXIE_URI
+LAB_CACHE=${QCOMMIT_LAB_CACHE:-$LAB_CACHE}
+kFill=${TRIXIE_FILL_MIB:-64}
+
+fail() {
+  echo "FAIL: $*" >&2
+  [ -n "${LAB_DIR:-}" ] && [ -f "$LAB_DIR/qcommitd.log" ] && tail -n 20 "$LAB_DIR/qcommitd.log" >&2
+  [ -n "${LAB_DIR:-}" ] && [ -f "$LAB_DIR/merge.log" ] && tail -n 20 "$LAB_DIR/merge.log" >&2
+  exit 1
+}
+
+# lab_init, with the run directory in the platform's shared directory (same path for the host's
+# FUSE storage and trixie's QEMU) and without the host's libvirtd.
+trixie_lab_init() {
+  LAB_ID=qcl-trixie-$1-$(date +%m%d%H%M%S)-$$-$RANDOM
+  LAB_DIR=$TRIXIE_SHARE/lab-run/$LAB_ID
+  LAB_MNT=$LAB_DIR/mnt
+  LAB_DOM=$LAB_ID
+  LAB_SLOWFS_PID=""
+  LAB_READER_PID=""
+  LAB_DOM_DEFINED=0
+  export LAB_ID LAB_DIR LAB_MNT LAB_DOM
+  mkdir -p "$LAB_DIR/backing" "$LAB_MNT"
+  chmod 755 "$TRIXIE_SHARE/lab-run" "$LAB_DIR"
+  : >"$LAB_DIR/events"
+  : >"$LAB_DIR/timeline.csv"
+  trap 'exit 130' INT TERM HUP
+  "$LAB_SOURCE_DIR/scripts/lab-guest-build" "$LAB_CACHE" "$LAB_PROBE" >/dev/null
+  lab_log "run $LAB_ID in $LAB_DIR against $TRIXIE_URI"
+}
+
+prepare_guest() {
+  lab_storage_start --bandwidth 50M
+  lab_storage_set 5G
+  lab_guest_start --cache writeback --fill "$kFill" --interval 100 --disk-size 1024M
+  lab_wait_probing 300
+  lab_storage_set 50M
+  lab_storage_wait_idle 90
+  sleep 3
+}
+
+verify_data() {
+  virsh -q domblklist "$LAB_DOM" | grep -q "vda *$LAB_BASE\$" ||
+    fail "domain does not run on base.raw after the pivot: $(virsh -q domblklist "$LAB_DOM")"
+  sleep 1
+  lab_collect "$1" 3 2
+  lab_guest_stop
+  sync
+  python3 "$here/live_verify.py" "$LAB_BASE" "$kFill" "$LAB_DIR/console.log" ||
+    fail "data written before/during the merge does not read back from base.raw"
+}
+
+run_virsh() {
+  trixie_lab_init virsh
+  trap 'live_cleanup; lab_teardown' EXIT
+  live_qcd_start --budget 20ms
+  grep -q "$TRIXIE_URI" <(ps -o args= -p "$LIVE_QCD_PID") || fail "qcommitd is not on $TRIXIE_URI"
+  prepare_guest
+  (lab_merge virsh blockcommit "$LAB_DOM" vda --active --pivot --wait --verbose; echo "$LAB_MERGE_RC" >"$LAB_DIR/merge.rc") &
+  local merge_pid=$! listed=0 bw=""
+  for _ in $(seq 200); do
+    [ -n "$(live_job_field "$LAB_DOM" vda domain)" ] && { listed=1; break; }
+    sleep 0.05
+  done
+  [ "$listed" = 1 ] || fail "qcommitd never listed the job (status: $(live_status))"
+  for _ in $(seq 50); do
+    bw=$(live_job_bandwidth "$LAB_DOM" vda)
+    [ -n "$bw" ] && [ "$bw" != 0 ] && break
+    kill -0 "$merge_pid" 2>/dev/null || break
+    sleep 0.1
+  done
+  live_status >"$LAB_DIR/status-during.json"
+  wait "$merge_pid" || true
+  [ "$(cat "$LAB_DIR/merge.rc")" = 0 ] || fail "virsh blockcommit --active --pivot failed"
+  [ -n "$bw" ] && [ "$bw" != 0 ] || fail "qcommitd listed the job but libvirt reports no speed set"
+  grep -q "$LAB_DOM" "$LAB_DIR/qcommitd.log" || fail "qcommitd's log does not mention $LAB_DOM"
+  verify_data governed
+  echo "virsh: qcommitd listed and governed the job (bandwidth $bw B/s), merge ${LAB_STATS_merge_s} s," \
+    "probe p99 ${LAB_STATS_p99} ms max ${LAB_STATS_max} ms gap ${LAB_STATS_max_gap} ms, pivot OK, data intact" |
+    tee "$LAB_DIR/result"
+  live_cleanup
+  lab_teardown
+  lab_assert_clean || fail "run $LAB_ID left resources behind"
+}
+
+run_live() {
+  trixie_lab_init live
+  trap 'lab_teardown' EXIT
+  prepare_guest
+  lab_merge "$LIVE_QCOMMIT" live "$LAB_DOM" vda --pivot --uri "$TRIXIE_URI" \
+    --daemon-socket "$LAB_DIR/no-qcommitd.sock"
+  [ "$LAB_MERGE_RC" = 0 ] || fail "qcommit live --pivot failed"
+  verify_data live
+  echo "live: qcommit live --pivot in ${LAB_STATS_merge_s} s, probe p99 ${LAB_STATS_p99} ms" \
+    "max ${LAB_STATS_max} ms gap ${LAB_STATS_max_gap} ms, pivot OK, data intact" | tee "$LAB_DIR/result"
+  lab_teardown
+  lab_assert_clean || fail "run $LAB_ID left resources behind"
+}
+
+case ${1:-all} in
+  virsh) (run_virsh) || exit 1 ;;
+  live) (run_live) || exit 1 ;;
+  all)
+    (run_virsh) || exit 1
+    (run_live) || exit 1
+    ;;
+  *) echo "usage: trixie_test.sh [virsh|live|all]" >&2; exit 2 ;;
+esac
+echo "PASS lab-trixie ($SECONDS s)"
