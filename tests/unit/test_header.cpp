@@ -51,8 +51,8 @@ TEST_CASE("qcow2.header.v3") {
   s.cluster_bits = 16;
   s.size = (3ull << 30) + 512;
   s.refcount_order = 5;
-  s.compatible = 1;  // lazy refcounts
-  s.autoclear = 2;   // data-file-raw alone (no data file: QEMU clears it, we just report it)
+  s.compatible = 1;    // lazy refcounts
+  s.autoclear = 2;     // data-file-raw alone (no data file: QEMU clears it, we just report it)
   s.incompatible = 1;  // dirty
   s.compression_type = 1;
   ImageBuilder b(s);
@@ -102,14 +102,17 @@ TEST_CASE("qcow2.header.extensions_preserved") {
   ImageSpec s;
   s.backing = "b.qcow2";
   s.backing_format = "raw";
-  s.features = {{0, 0, "dirty bit"}, {0, 1, "corrupt bit"}, {1, 0, "lazy refcounts"},
-                {2, 0, "bitmaps"}, {0, 7, "future-incompat"}};
+  s.features = {{0, 0, "dirty bit"},
+                {0, 1, "corrupt bit"},
+                {1, 0, "lazy refcounts"},
+                {2, 0, "bitmaps"},
+                {0, 7, "future-incompat"}};
   std::vector<uint8_t> unknown{0xde, 0xad, 0xbe, 0xef, 0x01};  // 5 bytes: padded on disk
   std::vector<uint8_t> unknown2(24, 0x5a);
   std::vector<uint8_t> bitmaps(24, 0);
-  put_be(bitmaps, 0, 3, 4);              // nb_bitmaps
-  put_be(bitmaps, 8, 96, 8);             // directory size
-  put_be(bitmaps, 16, 0x50000, 8);       // directory offset
+  put_be(bitmaps, 0, 3, 4);         // nb_bitmaps
+  put_be(bitmaps, 8, 96, 8);        // directory size
+  put_be(bitmaps, 16, 0x50000, 8);  // directory offset
   s.extensions = {{0x0badc0de, unknown}, {0x23852875, bitmaps}, {0x7777aaaa, unknown2}};
   s.autoclear = 1;
   ImageBuilder b(s);
