@@ -2,14 +2,31 @@
 #include <cinttypes>
 #include <cstdio>
 
+#include <array>
+#include <cstring>
+
 #include "cli/json.h"
 #include "cli/options.h"
 #include "qcow2/check.h"
 #include "qcow2/device.h"
+#include "qcow2/error.h"
+#include "qcow2/format.h"
 
 namespace qcommit::cli {
 
-int cmd_check(const Args& in_args) {
+namespace {
+
+// qcow2's magic at the start of the file (read through the opened device: the open policy holds).
+bool has_qcow2_magic(qcow2::BlockDevice& dev) {
+  std::array<uint8_t, 4> magic{};
+  if (dev.size() < magic.size()) return false;
+  dev.read(0, magic);
+  const std::array<uint8_t, 4> want{uint8_t(qcow2::kMagic >> 24), uint8_t(qcow2::kMagic >> 16),
+                                    uint8_t(qcow2::kMagic >> 8), uint8_t(qcow2::kMagic)};
+  return magic == want;
+}
+
+int run_check(const Args& in_args) {
   // A bare --repair takes no value from the next word: "check --repair IMAGE" repairs leaks of
   // IMAGE (boost would otherwise read IMAGE as the value of --repair).
   Args args = in_args;
@@ -26,7 +43,8 @@ int cmd_check(const Args& in_args) {
   pos.add("image", 1);
   po::variables_map vm;
   if (!parse(args, opts, pos, vm, "qcommit check IMAGE [--repair[=leaks|all]] [--output=json]",
-             "exit status: 0 clean, 3 corruptions, 4 leaked clusters only\n"
+             "exit status (as qemu-img check): 0 clean, 1 check not run (error), 2 corruptions,\n"
+             "3 leaked clusters only, 63 not a qcow2 image\n"
              "examples:\n  qcommit check base.qcow2\n  qcommit check --repair base.qcow2\n"))
     return kExitOk;
   const Output out = parse_output(output);
@@ -38,6 +56,10 @@ int cmd_check(const Args& in_args) {
   else if (!repair.empty())
     throw UsageError("--repair must be 'leaks' or 'all'");
   auto dev = qcow2::FileDevice::open(image, {.writable = mode != qcow2::Repair::kNone});
+  if (!has_qcow2_magic(*dev)) {
+    std::fprintf(stderr, "qcommit: %s: not a qcow2 image: this format has no checks\n", image.c_str());
+    return kCheckExitUnsupported;
+  }
   auto img = qcow2::Image::open(std::move(dev));
   auto r = qcow2::check(*img, mode);
   const uint64_t corruptions = r.corruptions - r.corruptions_fixed;
@@ -63,9 +85,31 @@ int cmd_check(const Args& in_args) {
     std::printf("%" PRIu64 "/%" PRIu64 " clusters allocated\nImage end offset: %" PRIu64 "\n",
                 r.allocated_clusters, r.total_clusters, r.image_end_offset);
   }
-  if (corruptions) return kExitCorrupt;
-  if (leaks) return kExitLeaks;
+  if (corruptions) return kCheckExitCorrupt;
+  if (leaks) return kCheckExitLeaks;
   return kExitOk;
+}
+
+}  // namespace
+
+// The check's own exit codes for every outcome, whatever other commands return for the same
+// error (a usage error is 2 elsewhere, which here would read as "corruptions found").
+int cmd_check(const Args& args) {
+  try {
+    return run_check(args);
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "qcommit check: %s\n", e.what());
+    return kCheckExitError;
+  } catch (const qcow2::CorruptionError& e) {
+    std::fprintf(stderr, "qcommit: %s (image is corrupt)\n", e.what());
+    return kCheckExitCorrupt;
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "qcommit: out of memory\n");
+    return kCheckExitError;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "qcommit: %s\n", e.what());
+    return kCheckExitError;
+  }
 }
 
 }  // namespace qcommit::cli

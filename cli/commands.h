@@ -10,8 +10,12 @@ namespace qcommit::cli {
 inline constexpr int kExitOk = 0;
 inline constexpr int kExitError = 1;      // bad input, I/O error, refused operation
 inline constexpr int kExitUsage = 2;      // bad command line
-inline constexpr int kExitCorrupt = 3;    // corrupt image / check found corruption
-inline constexpr int kExitLeaks = 4;      // check found leaked clusters only
+inline constexpr int kExitCorrupt = 3;    // corrupt image (check: see below)
+// `check` exits as `qemu-img check` does, so that scripts written for it read the same verdict:
+inline constexpr int kCheckExitError = 1;        // the check could not run (bad input, I/O error)
+inline constexpr int kCheckExitCorrupt = 2;      // corruptions found
+inline constexpr int kCheckExitLeaks = 3;        // leaked clusters only
+inline constexpr int kCheckExitUnsupported = 63;  // not a qcow2 image: this format has no checks
 
 using Args = std::vector<std::string>;
 

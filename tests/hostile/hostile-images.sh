@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Hostile images through `qcommit info`, `map`, `check` and `merge` (issue 7).
 # Every refusal must be exactly one line on stderr naming the offending file, exit 1 or 3 (never a
-# signal, never a timeout); check exits 3 for corruption; a refused merge writes nothing (sha256 of
+# signal, never a timeout); check exits 2 for corruption (as qemu-img check); a refused merge writes nothing (sha256 of
 # every file involved, before and after). Images are built with qemu-img/qemu-io and patched
 # byte-wise with qcow2_patch.py.
 # usage: hostile-images.sh QCOMMIT
@@ -107,19 +107,19 @@ meta_case() {  # meta_case NAME QEMU_IMG_OPTS...
 }
 # 3. An L2 entry pointing into the refcount table.
 meta_case l2-into-reftable; patch top.qcow2 l2-entry 0 refcount-table
-merge_only_refused l2-into-reftable top.qcow2 top.qcow2 3 top.qcow2 base.qcow2
+merge_only_refused l2-into-reftable top.qcow2 top.qcow2 2 top.qcow2 base.qcow2
 # 4. Two L2 entries sharing one cluster (16-bit refcounts: refcount 1, two references).
 meta_case shared-cluster; patch top.qcow2 l2-entry 1 copy:0
-merge_only_refused shared-cluster top.qcow2 top.qcow2 3 top.qcow2 base.qcow2
+merge_only_refused shared-cluster top.qcow2 top.qcow2 2 top.qcow2 base.qcow2
 # 5. Refcount overflow: 1-bit refcounts cannot count the second reference to a shared cluster.
 meta_case refcount-overflow -o refcount_bits=1; patch top.qcow2 l2-entry 2 copy:0
-merge_only_refused refcount-overflow top.qcow2 top.qcow2 3 top.qcow2 base.qcow2
+merge_only_refused refcount-overflow top.qcow2 top.qcow2 2 top.qcow2 base.qcow2
 # 6. An L1 entry pointing at the L1 table itself (the L1 table read as an L2 table).
 meta_case l2-loop; patch top.qcow2 l1-entry 0 l1-table
-merge_only_refused l2-loop top.qcow2 top.qcow2 3 top.qcow2 base.qcow2
+merge_only_refused l2-loop top.qcow2 top.qcow2 2 top.qcow2 base.qcow2
 # 7. An L2 table offset beyond the end of the file.
 meta_case l2-beyond-eof; patch top.qcow2 l1-entry 0 eof
-all_refused l2-beyond-eof top.qcow2 top.qcow2 3 top.qcow2 base.qcow2
+all_refused l2-beyond-eof top.qcow2 top.qcow2 2 top.qcow2 base.qcow2
 
 # 8. BASE with a data cluster in use whose refcount is 0: its allocator would hand the cluster
 #    out again for TOP's data (two guest offsets on one host cluster), so the merge is refused.
@@ -141,7 +141,7 @@ d = bytearray(open('top.qcow2', 'rb').read()[:2882])
 d[100:104] = struct.pack('>I', 16384)
 open('top.qcow2', 'wb').write(d)
 PY
-all_refused short-header top.qcow2 top.qcow2 "1 3" top.qcow2 base.qcow2
+all_refused short-header top.qcow2 top.qcow2 "1 2" top.qcow2 base.qcow2
 
 echo "compressed clusters"
 # 8. A compressed cluster whose stream inflates to two clusters (zlib, zstd).

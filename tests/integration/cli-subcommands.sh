@@ -23,11 +23,13 @@ json_doc() {  # json_doc NAME FILE
   python3 -m json.tool "$2" >/dev/null || fail "$1: not one JSON document: $(head -c 300 "$2")"
   [[ $(jq -s length "$2") == 1 ]] || fail "$1: more than one JSON value"
 }
-# A bad --output value is a usage error (exit 2) before anything runs, never ignored.
+# A bad --output value is a usage error (exit 2; check: 1, as qemu-img check) before anything
+# runs, never ignored.
 bad_output() {  # bad_output CMD ARGS...
-  local rc=0
+  local rc=0 want=2
+  [[ $1 == check ]] && want=1
   "$QCOMMIT" "$@" --output=xml >/dev/null 2>bad.err </dev/null || rc=$?
-  [[ $rc == 2 ]] || fail "$1 --output=xml: exit $rc, expected 2"
+  [[ $rc == "$want" ]] || fail "$1 --output=xml: exit $rc, expected $want"
   grep -q -- 'output' bad.err || fail "$1 --output=xml: the error does not name --output: $(cat bad.err)"
 }
 # JSON lines: every line one JSON value.
@@ -97,7 +99,15 @@ for cmd in "${cmds[@]}"; do
          [[ $(jq -r 'type' "$out") == array ]] || fail "map: array expected" ;;
     check) bad_output check base.qcow2
            "$QCOMMIT" check base.qcow2 --output=json >"$out"; json_doc "$cmd" "$out"
-           [[ $(jq -r '.corruptions' "$out") == 0 ]] || fail "check: corruptions in a fresh image" ;;
+           [[ $(jq -r '.corruptions' "$out") == 0 ]] || fail "check: corruptions in a fresh image"
+           # Exit codes as qemu-img check's: a raw file has no checks (63), a bad option is 1.
+           qemu-img create -q -f raw plain.raw 1M
+           rc=0; "$QCOMMIT" check plain.raw 2>err.txt || rc=$?
+           qrc=0; qemu-img check plain.raw >/dev/null 2>&1 || qrc=$?
+           [[ $rc == 63 && $qrc == 63 ]] || fail "check of a raw file: exit $rc (qemu-img check: $qrc), want 63"
+           grep -q "plain.raw: not a qcow2 image" err.txt || fail "check of a raw file: $(cat err.txt)"
+           rc=0; "$QCOMMIT" check --bogus base.qcow2 2>/dev/null || rc=$?
+           [[ $rc == 1 ]] || fail "check --bogus: exit $rc, want 1 (2 would read as corruptions)" ;;
     plan) bad_output plan top.qcow2
           "$QCOMMIT" plan top.qcow2 --output=json >"$out"; json_doc "$cmd" "$out"
           [[ $(jq -r '."data-bytes"' "$out") == $((2 << 20)) ]] || fail "plan: 2 MiB to copy expected" ;;
