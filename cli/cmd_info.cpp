@@ -87,7 +87,11 @@ void add_qcow2_json(json::Ordered& j, Image& img) {
   j["internal-snapshots"] = h.nb_snapshots;
   j["features"] = features(h);
   if (img.backing_name()) j["backing-filename"] = *img.backing_name();
-  if (img.backing_format()) j["backing-format"] = *img.backing_format();
+  if (img.backing_format()) {
+    j["backing-format"] = *img.backing_format();
+    j["backing-filename-format"] = *img.backing_format();  // qemu-img info's name for it
+  }
+  j["dirty-flag"] = (h.incompatible_features & qcow2::kIncompatDirty) != 0;
   if (img.data_file_name()) j["data-file"] = *img.data_file_name();
   if (img.bitmaps()) j["bitmaps"] = img.bitmaps()->nb_bitmaps;
   j["allocated-data-bytes"] = li.data_bytes;
@@ -105,6 +109,8 @@ json::Ordered layer_json(Chain& chain, size_t i) {
                   {"actual-size", disk_bytes(L)}};
   if (!L.backing_name.empty()) j["named-as"] = L.backing_name;
   if (L.qcow2) add_qcow2_json(j, *L.qcow2);
+  // As qemu-img info: the backing file's name joined to this image's directory as given.
+  if (i + 1 < chain.depth()) j["full-backing-filename"] = chain.layer(i + 1).path;
   return j;
 }
 

@@ -93,7 +93,18 @@ for cmd in "${cmds[@]}"; do
   case $cmd in
     info) bad_output info top.qcow2
           "$QCOMMIT" info top.qcow2 --output=json >"$out"; json_doc "$cmd" "$out"
-          [[ $(jq -r '.chain | length' "$out") == 2 ]] || fail "info: chain of 2 expected" ;;
+          [[ $(jq -r '.chain | length' "$out") == 2 ]] || fail "info: chain of 2 expected"
+          # qemu-img info's key names, with its values, where the meaning is the same; from
+          # another directory too (the backing name joined to the image's directory as given).
+          for img in top.qcow2 "$work/top.qcow2" ../"$(basename "$work")"/top.qcow2; do
+            "$QCOMMIT" info "$img" --output=json >"$out"
+            qemu-img info -U --output=json "$img" >qemu-info.json
+            for key in backing-filename backing-filename-format full-backing-filename virtual-size \
+                       cluster-size dirty-flag actual-size; do
+              want=$(jq -c --arg k "$key" '.[$k]' qemu-info.json) got=$(jq -c --arg k "$key" '.chain[0][$k]' "$out")
+              [[ $want != null && $got == "$want" ]] || fail "info $img: $key is $got, qemu-img info says $want"
+            done
+          done ;;
     map) bad_output map top.qcow2
          "$QCOMMIT" map top.qcow2 --output=json >"$out"; json_doc "$cmd" "$out"
          [[ $(jq -r 'type' "$out") == array ]] || fail "map: array expected" ;;
