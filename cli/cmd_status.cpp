@@ -16,6 +16,7 @@
 
 #include "cli/commands.h"
 #include "cli/options.h"
+#include "cli/units.h"
 #include "plugin/json.h"
 
 namespace qcommit::cli {
@@ -48,7 +49,8 @@ bool is_true(const json::Value& o, const char* key) {
 
 namespace {
 
-inline constexpr double kDefaultWatchSeconds = 1.0;
+inline constexpr const char* kDefaultWatch = "1s";
+inline constexpr std::chrono::milliseconds kMinWatch{100};
 
 // One request line to qcommitd, one response line back (without the newline); nullopt after
 // printing why not.
@@ -159,55 +161,79 @@ int status_once(const std::string& socket_path, bool json_out) {
 
 }  // namespace
 
-int cmd_status(const Args& args) {
-  std::string socket_path = kDefaultSocket;
+namespace {
+
+struct StatusArgs {
+  std::string socket = kDefaultSocket;
   bool json_out = false;
-  double watch = 0;
+  std::optional<std::chrono::nanoseconds> watch;  // redraw interval
   std::optional<std::pair<std::string, std::string>> domain_event;
-  for (size_t i = 0; i < args.size(); ++i) {
-    const std::string& a = args[i];
-    if (a == "--output=json" || (a == "--output" && i + 1 < args.size() && args[i + 1] == "json")) {
-      json_out = true;
-      if (a == "--output") ++i;
-    } else if (a.rfind("--socket=", 0) == 0) {
-      socket_path = a.substr(9);
-    } else if (a == "--socket" && i + 1 < args.size()) {
-      socket_path = args[++i];
-    } else if (a == "--watch") {
-      watch = kDefaultWatchSeconds;
-      if (i + 1 < args.size() && std::isdigit(static_cast<unsigned char>(args[i + 1][0])))
-        watch = std::stod(args[++i]);
-      if (!(watch >= 0.1)) throw UsageError("--watch interval must be at least 0.1 s");
-    } else if (a == "--domain-event") {
-      // Used by the libvirt hook: the next two arguments are taken verbatim (a domain name may
-      // start with '-').
-      if (i + 2 >= args.size()) throw UsageError("--domain-event needs DOMAIN and EVENT");
-      domain_event = std::make_pair(args[i + 1], args[i + 2]);
+};
+
+constexpr const char* kStatusSynopsis =
+    "qcommit status [--output=json] [--socket PATH] [--watch [INTERVAL]]\n"
+    "       qcommit status [--socket PATH] --domain-event DOMAIN EVENT";
+constexpr const char* kStatusHelp =
+    "block jobs governed by qcommitd (default socket /run/qcommit/qcommitd.sock)\n"
+    "--watch: redraw every INTERVAL (a duration: 1s by default, at least 100ms) until interrupted\n"
+    "--domain-event: tell qcommitd that DOMAIN started/stopped/reconnect/release\n"
+    "  (what the libvirt hook does; qcommitd then looks at that domain at once)\n"
+    "examples:\n  qcommit status\n  qcommit status --watch 500ms\n  qcommit status --output=json | jq .\n";
+
+// The words Program_options cannot take as they come: --domain-event's two arguments are taken
+// verbatim (a domain name may start with '-'), and --watch's optional INTERVAL is the next word
+// when that starts with a digit.
+Args take_verbatim_words(const Args& in, StatusArgs& out) {
+  Args rest;
+  for (size_t i = 0; i < in.size(); ++i) {
+    if (in[i] == "--domain-event") {
+      if (i + 2 >= in.size()) throw UsageError("--domain-event needs DOMAIN and EVENT");
+      out.domain_event = std::make_pair(in[i + 1], in[i + 2]);
       i += 2;
-    } else if (a == "-h" || a == "--help") {
-      std::puts(
-          "usage: qcommit status [--output=json] [--socket PATH] [--watch [SECONDS]]\n"
-          "       qcommit status [--socket PATH] --domain-event DOMAIN EVENT\n"
-          "  block jobs governed by qcommitd (default socket /run/qcommit/qcommitd.sock)\n"
-          "  --watch: redraw every SECONDS (default 1) until interrupted\n"
-          "  --domain-event: tell qcommitd that DOMAIN started/stopped/reconnect/release\n"
-          "    (what the libvirt hook does; qcommitd then looks at that domain at once)\n"
-          "examples:\n  qcommit status\n  qcommit status --watch 0.5\n  qcommit status "
-          "--output=json | jq .");
-      return kExitOk;
+    } else if (in[i] == "--watch" && i + 1 < in.size() &&
+               std::isdigit(static_cast<unsigned char>(in[i + 1][0]))) {
+      rest.push_back("--watch=" + in[++i]);
     } else {
-      throw UsageError("unknown argument '" + a + "'");
+      rest.push_back(in[i]);
     }
   }
-  if (domain_event)
-    return send_domain_event(socket_path, domain_event->first, domain_event->second);
-  if (watch <= 0) return status_once(socket_path, json_out);
+  return rest;
+}
+
+// Returns nullopt after printing --help.
+std::optional<StatusArgs> parse_status_args(const Args& args) {
+  StatusArgs sa;
+  const Args rest = take_verbatim_words(args, sa);
+  std::string output = "human", watch;
+  po::options_description opts("options");
+  opts.add_options()("output", po::value(&output), "human or json")(
+      "socket", po::value(&sa.socket), "qcommitd's control socket")(
+      "watch", po::value(&watch)->implicit_value(kDefaultWatch), "redraw every INTERVAL");
+  po::positional_options_description pos;
+  po::variables_map vm;
+  if (!parse(rest, opts, pos, vm, kStatusSynopsis, kStatusHelp)) return std::nullopt;
+  sa.json_out = parse_output(output) == Output::kJson;
+  if (vm.count("watch")) {
+    sa.watch = parse_duration(watch, "--watch");
+    if (*sa.watch < kMinWatch) throw UsageError("--watch interval must be at least 100ms");
+  }
+  return sa;
+}
+
+}  // namespace
+
+int cmd_status(const Args& args) {
+  const std::optional<StatusArgs> sa = parse_status_args(args);
+  if (!sa) return kExitOk;
+  if (sa->domain_event)
+    return send_domain_event(sa->socket, sa->domain_event->first, sa->domain_event->second);
+  if (!sa->watch) return status_once(sa->socket, sa->json_out);
   for (;;) {
-    if (!json_out) std::fputs("\033[H\033[2J", stdout);  // home + clear: a live view
-    const int rc = status_once(socket_path, json_out);
+    if (!sa->json_out) std::fputs("\033[H\033[2J", stdout);  // home + clear: a live view
+    const int rc = status_once(sa->socket, sa->json_out);
     std::fflush(stdout);
     if (rc != kExitOk) return rc;
-    std::this_thread::sleep_for(std::chrono::duration<double>(watch));
+    std::this_thread::sleep_for(*sa->watch);
   }
 }
 

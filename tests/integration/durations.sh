@@ -80,4 +80,9 @@ for spelling in '20 ms' 0.02s 20ms; do
   [[ $("$QCOMMIT" plan top2.qcow2 --config ok.conf --connect "$uri" --output=json | jq -r '."budget-ms"') == 20 ]] ||
     fail "budget=$spelling in the configuration is not 20 ms"
 done
+# status --watch takes the same grammar: a bare number is refused with the fix, and the
+# interval has a floor; with a unit it redraws until stopped (here: no daemon, exit 1).
+refused 2 "--watch 0.5: a duration needs a unit: 0.5ms or 0.5s" "$QCOMMIT" status --watch 0.5 --socket "$work/none.sock"
+refused 2 "--watch interval must be at least 100ms" "$QCOMMIT" status --watch 20ms --socket "$work/none.sock"
+refused 1 "none.sock: cannot connect to qcommitd" "$QCOMMIT" status --watch 500ms --socket "$work/none.sock"
 echo "cli.durations: OK"
