@@ -134,11 +134,14 @@ int cmd_doctor(const Args& args) {
 
   // Kernel: per-file page cache counts for qcommitd's writeback pacing.
   if (!plugin::cachestat_available())
-    f.push_back({"warn", "kernel", "no cachestat(2) (added in Linux 6.5)",
-                 "qcommitd cannot count a merge's own dirty pages: it writes a cache=writeback "
-                 "merge's target out with back-to-back fdatasync, a coarser queue at storage "
-                 "(lab: p99 311 ms instead of 24 ms); a kernel >= 6.5 (Debian 12: "
-                 "bookworm-backports) or cache=none avoids it"});
+    f.push_back({"info", "kernel", "no cachestat(2) (added in Linux 6.5)",
+                 "page cache source " +
+                     plugin::describe_page_cache_source(plugin::PageCacheSource::kAuto) +
+                     "; a kernel >= 6.5 (Debian 12: bookworm-backports) counts a merge's own "
+                     "pages exactly"});
+  else
+    f.push_back({"ok", "kernel", "page cache source",
+                 plugin::describe_page_cache_source(plugin::PageCacheSource::kAuto)});
 
   // NFS mounts.
   std::ifstream mounts("/proc/mounts");

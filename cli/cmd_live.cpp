@@ -46,7 +46,7 @@ plugin::TimePoint mono_now() {
 constexpr const char* kUsage =
     "usage: qcommit live DOMAIN DISK [--top T] [--base B] [--budget 20ms] [--pivot]\n"
     "                    [--strategy two-phase|direct] [--overlay-dir DIR] [--uri URI]\n"
-    "                    [--dry-run] [--output=json]\n"
+    "                    [--dry-run] [--output=json] [--page-cache auto|no-cachestat|meminfo]\n"
     "       qcommit live --qmp SOCKET DISK [--top T] [--base B] [--budget 20ms] [--pivot] ...\n"
     "  Merges TOP (default: the disk's active layer) into BASE (default: the bottom of the chain)\n"
     "  on the running DOMAIN with libvirt block jobs, paced by the qcommitd governor so that the\n"
@@ -61,6 +61,9 @@ constexpr const char* kUsage =
     "             its latest writes there (an HA restart elsewhere cannot open the disk).\n"
     "  --pivot    switch the disk to BASE when the active commit is ready (else it is left ready)\n"
     "  --dry-run  print the steps, change nothing\n"
+    "  --page-cache S  where the target's dirty pages are read: auto (cachestat(2) where the\n"
+    "             kernel has it, else no-cachestat), no-cachestat (forced: what a kernel before\n"
+    "             6.5 gets), no-cachestat-shadow (also logs cachestat's truth) or meminfo\n"
     "  --output=json  JSON lines on stdout: plan, step, progress (1/s) and result events\n"
     "  --qmp SOCKET   a QEMU that libvirt does not manage (e.g. Proxmox VE's\n"
     "             /var/run/qemu-server/ID.qmp), driven over its QMP monitor. DISK: a drive id,\n"
@@ -116,7 +119,7 @@ struct LiveBackend {
 
 int run_live(LiveBackend& be, const plugin::LiveRequest& req,
              const std::vector<plugin::LiveStep>& steps, const plugin::DaemonConfig& cfg,
-             bool json_out);
+             bool json_out, plugin::PageCacheSource page_cache);
 
 // {"event": "progress", "type": ..., "bytes-left": ..., "p99-ms": ... or null, "phase": ...}
 json::Ordered progress_json(const plugin::JobStatus& j) {
@@ -145,6 +148,7 @@ int cmd_live(const Args& args) {
   std::string qmp;
   std::string overlay_dir;
   bool uri_given = false;
+  plugin::PageCacheSource page_cache = plugin::PageCacheSource::kAuto;
   Output out = Output::kHuman;
   std::vector<std::string> pos;
   for (size_t i = 0; i < args.size(); ++i) {
@@ -190,6 +194,13 @@ int cmd_live(const Args& args) {
       out = parse_output(value("--output"));
     } else if (is("--daemon-socket")) {
       daemon_socket = value("--daemon-socket");
+    } else if (is("--page-cache")) {
+      const std::string v = value("--page-cache");
+      const auto src = plugin::parse_page_cache_source(v);
+      if (!src)
+        throw UsageError("--page-cache must be auto, no-cachestat, no-cachestat-shadow or meminfo, "
+                         "not '" + v + "'");
+      page_cache = *src;
     } else if (!a.empty() && a[0] == '-') {
       throw UsageError("unknown option '" + a + "'");
     } else {
@@ -346,7 +357,7 @@ int cmd_live(const Args& args) {
                    std::nullopt,
                    nullptr,
                    nullptr};
-    return run_live(be, req, steps, cfg, json_out);
+    return run_live(be, req, steps, cfg, json_out, page_cache);
   }
   QmpHypervisor& q = *qm;
   LiveBackend be{
@@ -361,14 +372,14 @@ int cmd_live(const Args& args) {
       std::chrono::duration_cast<Duration>(kQmpReconnectGiveUp),
       [&q] { return "lost the QMP connection and could not reconnect: " + q.last_error(); },
       [&q] { return q.last_job_error(); }};
-  return run_live(be, req, steps, cfg, json_out);
+  return run_live(be, req, steps, cfg, json_out, page_cache);
 }
 
 namespace {
 
 int run_live(LiveBackend& be, const plugin::LiveRequest& req,
              const std::vector<plugin::LiveStep>& steps, const plugin::DaemonConfig& cfg,
-             bool json_out) {
+             bool json_out, plugin::PageCacheSource page_cache) {
   using namespace qcommit::plugin;
   Hypervisor& hv = be.hv;
   GovernorOptions opt;
@@ -378,7 +389,11 @@ int run_live(LiveBackend& be, const plugin::LiveRequest& req,
     std::fprintf(stderr, "qcommit live: %s\n", e->c_str());
     return kExitError;
   }
-  SystemTargetFiles files;
+  if (!json_out)
+    std::fprintf(stderr, "qcommit live: page cache: %s\n", describe_page_cache_source(page_cache).c_str());
+  SystemTargetFiles files(page_cache, [json_out](const std::string& m) {
+    if (!json_out) std::fprintf(stderr, "qcommit live: %s\n", m.c_str());
+  });
   Governor gov(hv, files, cfg, opt);
   LiveMerge merge(be.ctl, hv, steps, req);
 

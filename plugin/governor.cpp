@@ -712,7 +712,10 @@ void Governor::tick_job(Job& j, const JobInfo& info, const throttle::ForegroundS
 }
 
 bool Governor::settle(Job& j, const std::optional<PageCacheState>& pc, TimePoint now) {
-  if (opt_.settle_every == Duration::zero() || !j.file || !pc || !pc->per_file) return false;
+  // An upper bound of the dirty bytes (memory cgroup) never reliably reaches zero: no settle.
+  if (opt_.settle_every == Duration::zero() || !j.file || !pc || !pc->per_file ||
+      pc->dirty_upper_bound)
+    return false;
   SettleState& st = j.settle;
   if (!st.hold_since) {
     if (pc->dirty_bytes > 0 && !st.dirty_since) st.dirty_since = now;

@@ -30,14 +30,16 @@ void on_signal(int) { g_stop = true; }
 void usage(FILE* f) {
   std::fputs(
       "usage: qcommitd [--config PATH] [--uri URI] [--socket PATH] [--trace FILE]\n"
-      "                [--page-cache auto|meminfo] [--version]\n"
+      "                [--page-cache auto|no-cachestat|meminfo] [--version]\n"
       "  --config PATH   policy file (default /etc/qcommit/qcommitd.conf; missing = defaults)\n"
       "  --uri URI       libvirt connection (default qemu:///system)\n"
       "  --socket PATH   control socket (default /run/qcommit/qcommitd.sock)\n"
       "  --trace FILE    append governed jobs' speed/window/backlog/p99 every 100 ms (CSV)\n"
       "  --page-cache S  where a target's dirty pages are read: auto (cachestat(2) where the\n"
-      "                  kernel has it, else /proc/meminfo) or meminfo (forced: what a kernel\n"
-      "                  before 6.5 gets; diagnostics)\n"
+      "                  kernel has it, else no-cachestat), no-cachestat (forced: what a kernel\n"
+      "                  before 6.5 gets: completion-clocked writeback, QEMU's memory cgroup),\n"
+      "                  no-cachestat-shadow (also logs cachestat's truth; tests) or meminfo\n"
+      "                  (host-wide count, fdatasync pacing; diagnostics)\n"
       "Logs one line per connection change, job adopted, decision change and job released on\n"
       "stderr (see qcommitd(8)).\n"
       "examples:\n"
@@ -98,7 +100,8 @@ int main(int argc, char** argv) {
       const std::string v = value("--page-cache");
       const auto src = parse_page_cache_source(v);
       if (!src) {
-        log.record("--page-cache: " + log_field(v) + " is not auto or meminfo");
+        log.record("--page-cache: " + log_field(v) +
+                   " is not auto, no-cachestat, no-cachestat-shadow or meminfo");
         return 2;
       }
       page_cache = *src;
@@ -143,7 +146,7 @@ int main(int argc, char** argv) {
     }
 
     LibvirtHypervisor hv(cfg.uri);
-    SystemTargetFiles files(page_cache);
+    SystemTargetFiles files(page_cache, [&log](const std::string& m) { log.record(m); });
     Governor gov(hv, files, cfg, opt);
 
     std::mutex snap_mu;
@@ -165,13 +168,7 @@ int main(int argc, char** argv) {
     server.start();
     log.record("governing block jobs on " + log_field(cfg.uri) + ", control socket " +
                log_field(cfg.socket_path));
-    if (page_cache != PageCacheSource::kAuto || !cachestat_available())
-      log.record(std::string(page_cache == PageCacheSource::kAuto
-                                 ? "this kernel has no cachestat(2) (before 6.5)"
-                                 : "--page-cache meminfo") +
-                 ": a job's own dirty pages cannot be counted; the host-wide /proc/meminfo "
-                 "count bounds them, and cache=writeback targets are written out with "
-                 "back-to-back fdatasync (a coarser queue at storage than with cachestat)");
+    log.record("page cache: " + describe_page_cache_source(page_cache));
 
     FILE* trace = nullptr;
     if (!trace_path.empty()) {

@@ -13,6 +13,8 @@
 #include <system_error>
 #include <thread>
 
+#include "plugin/memcg.h"
+#include "plugin/memcg_target.h"
 #include "plugin/proc_fds.h"
 #include "qcow2/unique_fd.h"
 
@@ -142,7 +144,30 @@ std::optional<PageCacheState> parse_meminfo(const std::string& text) {
 std::optional<PageCacheSource> parse_page_cache_source(const std::string& s) {
   if (s == "auto") return PageCacheSource::kAuto;
   if (s == "meminfo") return PageCacheSource::kMeminfo;
+  if (s == "no-cachestat") return PageCacheSource::kNoCachestat;
+  if (s == "no-cachestat-shadow") return PageCacheSource::kNoCachestatShadow;
   return std::nullopt;
+}
+
+const char* page_cache_source_name(PageCacheSource s) {
+  switch (s) {
+    case PageCacheSource::kAuto:
+      return "auto";
+    case PageCacheSource::kMeminfo:
+      return "meminfo";
+    case PageCacheSource::kNoCachestat:
+      return "no-cachestat";
+    case PageCacheSource::kNoCachestatShadow:
+      return "no-cachestat-shadow";
+  }
+  return "auto";
+}
+
+std::optional<PageCacheState> read_meminfo() {
+  std::ifstream f("/proc/meminfo");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return parse_meminfo(ss.str());
 }
 
 namespace {
@@ -193,10 +218,7 @@ class SystemTargetFile final : public TargetFile {
   std::optional<PageCacheState> page_cache() override {
     if (auto cs = cachestat({0, 0}))
       return PageCacheState{cs->nr_dirty * page_, cs->nr_writeback * page_, true};
-    std::ifstream f("/proc/meminfo");
-    std::stringstream ss;
-    ss << f.rdbuf();
-    return parse_meminfo(ss.str());
+    return read_meminfo();
   }
   std::optional<PageCacheState> page_cache_in(const ByteRange& r) override {
     if (auto cs = cachestat(r))
@@ -256,6 +278,13 @@ class SystemTargetFile final : public TargetFile {
 
 }  // namespace
 
+std::optional<PageCacheState> cachestat_of(int fd, const ByteRange& r) {
+  Cachestat cs{};
+  if (!call_cachestat(fd, r.offset, r.length, cs)) return std::nullopt;
+  const auto page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+  return PageCacheState{cs.nr_dirty * page, cs.nr_writeback * page, true};
+}
+
 bool cachestat_available() {
   const UniqueFd fd(::open("/", O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (!fd.valid()) return false;
@@ -274,7 +303,62 @@ std::optional<std::chrono::milliseconds> dirty_expire() {
 std::unique_ptr<TargetFile> SystemTargetFiles::open(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return nullptr;
+  const bool without = source_ == PageCacheSource::kNoCachestat ||
+                       source_ == PageCacheSource::kNoCachestatShadow ||
+                       (source_ == PageCacheSource::kAuto && !cachestat_available());
+  if (without) return open_without_cachestat(fd, path);
   return std::make_unique<SystemTargetFile>(fd, source_);
+}
+
+std::unique_ptr<TargetFile> SystemTargetFiles::open_without_cachestat(int fd,
+                                                                      const std::string& path) {
+  const std::optional<pid_t> pid = writer_of(path);
+  if (!pid) {
+    tell("target " + path +
+         ": no QEMU holds it open for writing, its page cache is read host-wide from "
+         "/proc/meminfo (fdatasync pacing)");
+    return std::make_unique<SystemTargetFile>(fd, PageCacheSource::kMeminfo);
+  }
+  const std::optional<std::filesystem::path> memcg = memcg_dir_of(*pid);
+  if (!memcg) {
+    tell("target " + path + ": QEMU pid " + std::to_string(*pid) +
+         " has no memory cgroup with memory.stat, its page cache is read host-wide from "
+         "/proc/meminfo (fdatasync pacing)");
+    return std::make_unique<SystemTargetFile>(fd, PageCacheSource::kMeminfo);
+  }
+  tell("target " + path + ": page cache from the memory cgroup " + memcg->string() +
+       " of QEMU pid " + std::to_string(*pid) + " and completion-clocked writeback");
+  ShadowLog shadow;
+  if (source_ == PageCacheSource::kNoCachestatShadow) {
+    shadow = [note = note_, path](const PageCacheState& est, const PageCacheState& truth) {
+      if (note)
+        note("shadow " + path + ": estimate dirty " + std::to_string(est.dirty_bytes) +
+           " writeback " + std::to_string(est.writeback_bytes) + ", cachestat dirty " +
+           std::to_string(truth.dirty_bytes) + " writeback " +
+           std::to_string(truth.writeback_bytes));
+    };
+  }
+  return open_memcg_target(fd, *memcg, std::move(shadow));
+}
+
+std::string describe_page_cache_source(PageCacheSource source) {
+  switch (source) {
+    case PageCacheSource::kMeminfo:
+      return "meminfo (--page-cache meminfo): a job's own dirty pages cannot be counted; the "
+             "host-wide /proc/meminfo count bounds them, and cache=writeback targets are written "
+             "out with back-to-back fdatasync";
+    case PageCacheSource::kNoCachestat:
+    case PageCacheSource::kNoCachestatShadow:
+      return std::string(page_cache_source_name(source)) +
+             " (forced): a target's writeback is counted by completion (sync_file_range per "
+             "piece) and its dirty pages bounded by QEMU's memory cgroup";
+    case PageCacheSource::kAuto:
+      break;
+  }
+  if (cachestat_available()) return "cachestat: per-file counts (cachestat(2), Linux >= 6.5)";
+  return "no-cachestat: this kernel has no cachestat(2) (before 6.5); a target's writeback is "
+         "counted by completion (sync_file_range per piece) and its dirty pages bounded by "
+         "QEMU's memory cgroup (/proc/meminfo where neither is found)";
 }
 
 std::optional<std::string> SystemTargetFiles::commit_base(const std::string& active,

@@ -75,6 +75,9 @@ struct PageCacheState {
   std::uint64_t dirty_bytes = 0;
   std::uint64_t writeback_bytes = 0;
   bool per_file = true;  // false: the host-wide /proc/meminfo fallback (an upper bound)
+  // dirty_bytes bounds the file's from above (its memory cgroup's: memcg_target.h), it may be
+  // above zero while the file is clean.
+  bool dirty_upper_bound = false;
 };
 
 // Ranges a pacer started writeback on, merged while adjacent, at most `max_ranges` (past that
@@ -137,30 +140,55 @@ class TargetFiles {
 };
 
 // Where a target's page cache is read: auto (cachestat(2) where the kernel has it, else
-// /proc/meminfo), or meminfo forced (what a kernel before 6.5 gets; diagnostics, tests).
-enum class PageCacheSource { kAuto, kMeminfo };
+// no-cachestat), no-cachestat (what a kernel before 6.5 gets, forced: completion-clocked
+// writeback and QEMU's memory cgroup, memcg_target.h; /proc/meminfo where QEMU or its cgroup is
+// not found), no-cachestat-shadow (no-cachestat that also reads cachestat(2) at each whole-file
+// reading and logs both: tests), or meminfo forced (the host-wide count with fdatasync of the
+// target; diagnostics, tests).
+enum class PageCacheSource { kAuto, kMeminfo, kNoCachestat, kNoCachestatShadow };
 [[nodiscard]] std::optional<PageCacheSource> parse_page_cache_source(const std::string& s);
+// "auto", "meminfo", "no-cachestat", "no-cachestat-shadow".
+[[nodiscard]] const char* page_cache_source_name(PageCacheSource s);
 
 // Real files: open(O_RDONLY|O_CLOEXEC), cachestat(2) (syscall 451, kernel >= 6.5) or the
 // /proc/meminfo Dirty+Writeback fallback (host-wide: only an upper bound of the file's),
 // sync_file_range(SYNC_FILE_RANGE_WRITE).
 // commit_base: the lowest backing image that the QEMU holding `active` has open read-write
 // (proc_fds.h).
+// Without cachestat (or with no-cachestat forced) a target is read through QEMU's memory cgroup:
+// the QEMU holding the target open for writing (proc_fds.h writer_of), its cgroup from
+// /proc/PID/cgroup (memcg.h); where either is not found, /proc/meminfo as before.  `note` (when
+// set) is told, per target opened, which source reads it and why, and in shadow mode each
+// estimate next to cachestat's truth.
 class SystemTargetFiles final : public TargetFiles {
  public:
-  explicit SystemTargetFiles(PageCacheSource source = PageCacheSource::kAuto) : source_(source) {}
+  using Note = std::function<void(const std::string&)>;
+  explicit SystemTargetFiles(PageCacheSource source = PageCacheSource::kAuto, Note note = {})
+      : source_(source), note_(std::move(note)) {}
   [[nodiscard]] std::unique_ptr<TargetFile> open(const std::string& path) override;
   [[nodiscard]] std::optional<std::string> commit_base(
       const std::string& active, const std::vector<std::string>& chain) override;
 
  private:
+  [[nodiscard]] std::unique_ptr<TargetFile> open_without_cachestat(int fd, const std::string& path);
+  void tell(const std::string& s) const {
+    if (note_) note_(s);
+  }
   PageCacheSource source_;
+  Note note_;
 };
+
+// Which source reads targets with `source` on this kernel, and why (start logs, doctor).
+[[nodiscard]] std::string describe_page_cache_source(PageCacheSource source);
 
 // Whether this kernel has cachestat(2) (>= 6.5).  Without it the page cache of a job's target is
 // read host-wide from /proc/meminfo, an upper bound of the job's (see Governor::tick).
 [[nodiscard]] bool cachestat_available();
 // Parses /proc/meminfo text: Dirty + Writeback in bytes.  nullopt when absent.
 [[nodiscard]] std::optional<PageCacheState> parse_meminfo(const std::string& text);
+// parse_meminfo of /proc/meminfo.
+[[nodiscard]] std::optional<PageCacheState> read_meminfo();
+// cachestat(2) of a range of `fd` (length 0: to the end); nullopt when it fails.
+[[nodiscard]] std::optional<PageCacheState> cachestat_of(int fd, const ByteRange& r);
 
 }  // namespace qcommit::plugin
