@@ -64,9 +64,10 @@ class Checker {
     if (repair_ != Repair::kNone && img_.dirty() && res_.clean()) {
       Header hd = img_.header_;
       hd.incompatible_features &= ~kIncompatDirty;
-      uint8_t b[8];
-      boost::endian::store_big_u64(b, hd.incompatible_features);
-      img_.file().write(72, b);
+      // Only the feature bits change: the rest of the header stays as it is on disk.
+      const big_uint64_buf_t features(hd.incompatible_features);
+      img_.file().write(offsetof(RawHeader, incompatible_features),
+                        std::span<const uint8_t>(features.data(), sizeof features));
       img_.file().flush();
       img_.header_ = hd;
       res_.dirty_cleared = true;

@@ -56,6 +56,9 @@ struct RawHeader {
 static_assert(sizeof(RawHeader) == kHeaderV3MinBytes);
 static_assert(offsetof(RawHeader, incompatible_features) == kHeaderV2Bytes);
 inline constexpr uint32_t kCompressionTypeOffset = 104;  // one byte, if header_length > 104
+static_assert(kCompressionTypeOffset == sizeof(RawHeader));
+// A version 2 header has no refcount_order field: its refcounts are 16 bits wide.
+inline constexpr uint32_t kVersion2RefcountOrder = 4;
 
 // Incompatible feature bits.
 inline constexpr uint64_t kIncompatDirty = 1ull << 0;
@@ -86,9 +89,15 @@ inline constexpr uint32_t kExtDataFile = 0x44415441;
 
 struct RawExtensionHeader {
   big_uint32_buf_t type;
-  big_uint32_buf_t length;
+  big_uint32_buf_t length;  // bytes of data, not counting the padding
 };
 static_assert(sizeof(RawExtensionHeader) == 8);
+// Each extension's data is padded with zeros to a multiple of this many bytes.
+inline constexpr uint32_t kExtensionAlignBytes = 8;
+// Bytes that `data_bytes` of an extension's data take on disk, padding included.
+[[nodiscard]] constexpr uint64_t padded_extension_bytes(uint64_t data_bytes) {
+  return (data_bytes + kExtensionAlignBytes - 1) & ~uint64_t(kExtensionAlignBytes - 1);
+}
 
 struct RawFeatureName {
   big_uint8_buf_t type;  // 0 incompatible, 1 compatible, 2 autoclear

@@ -10,10 +10,7 @@
 
 namespace qcommit::qcow2 {
 
-using boost::endian::load_big_u32;
 using boost::endian::load_big_u64;
-using boost::endian::store_big_u32;
-using boost::endian::store_big_u64;
 
 namespace {
 
@@ -32,6 +29,68 @@ std::string bits_list(uint64_t mask, const std::vector<FeatureName>& names, uint
       if (f.type == type && f.bit == bit && !f.name.empty()) out += " (" + f.name + ")";
   }
   return out;
+}
+
+// The fixed fields of a header as read: the fields every version has and, for version 3 and
+// later, the feature bits, refcount order and header length. A version 2 header has none of
+// those: no feature bits, 16-bit refcounts, kHeaderV2Bytes long. No validation; the compression
+// type, past the fixed fields, is read on its own.
+[[nodiscard]] Header header_from_raw(const RawHeader& raw) {
+  Header h;
+  h.version = raw.version.value();
+  h.backing_file_offset = raw.backing_file_offset.value();
+  h.backing_file_size = raw.backing_file_size.value();
+  h.cluster_bits = raw.cluster_bits.value();
+  h.size = raw.size.value();
+  h.crypt_method = raw.crypt_method.value();
+  h.l1_size = raw.l1_size.value();
+  h.l1_table_offset = raw.l1_table_offset.value();
+  h.refcount_table_offset = raw.refcount_table_offset.value();
+  h.refcount_table_clusters = raw.refcount_table_clusters.value();
+  h.nb_snapshots = raw.nb_snapshots.value();
+  h.snapshots_offset = raw.snapshots_offset.value();
+  if (h.version < kVersion3) {
+    h.incompatible_features = h.compatible_features = h.autoclear_features = 0;
+    h.refcount_order = kVersion2RefcountOrder;
+    h.header_length = kHeaderV2Bytes;
+    return h;
+  }
+  h.incompatible_features = raw.incompatible_features.value();
+  h.compatible_features = raw.compatible_features.value();
+  h.autoclear_features = raw.autoclear_features.value();
+  h.refcount_order = raw.refcount_order.value();
+  h.header_length = raw.header_length.value();
+  return h;
+}
+
+// The fixed fields of `h` as stored: the inverse of header_from_raw. Only the first
+// fixed_header_bytes(h) of it are written (a version 2 header ends before the feature bits).
+[[nodiscard]] RawHeader raw_from_header(const Header& h) {
+  RawHeader raw{};
+  raw.magic = kMagic;
+  raw.version = h.version;
+  raw.backing_file_offset = h.backing_file_offset;
+  raw.backing_file_size = h.backing_file_size;
+  raw.cluster_bits = h.cluster_bits;
+  raw.size = h.size;
+  raw.crypt_method = h.crypt_method;
+  raw.l1_size = h.l1_size;
+  raw.l1_table_offset = h.l1_table_offset;
+  raw.refcount_table_offset = h.refcount_table_offset;
+  raw.refcount_table_clusters = h.refcount_table_clusters;
+  raw.nb_snapshots = h.nb_snapshots;
+  raw.snapshots_offset = h.snapshots_offset;
+  raw.incompatible_features = h.incompatible_features;
+  raw.compatible_features = h.compatible_features;
+  raw.autoclear_features = h.autoclear_features;
+  raw.refcount_order = h.refcount_order;
+  raw.header_length = h.header_length;
+  return raw;
+}
+
+// Bytes of RawHeader a header of h's version has on disk.
+[[nodiscard]] size_t fixed_header_bytes(const Header& h) {
+  return h.version >= kVersion3 ? sizeof(RawHeader) : kHeaderV2Bytes;
 }
 
 }  // namespace
@@ -81,35 +140,15 @@ void Image::parse_header() {
   std::memcpy(&raw, buf.data(), sizeof raw);
   if (raw.magic.value() != kMagic) throw Error(nm, "not a qcow2 image (bad magic)");
   Header& h = header_;
-  h.version = raw.version.value();
+  h = header_from_raw(raw);
   if (h.version != kVersion2 && h.version != kVersion3)
     throw UnsupportedError(nm, "unsupported qcow2 version " + std::to_string(h.version));
-  h.backing_file_offset = raw.backing_file_offset.value();
-  h.backing_file_size = raw.backing_file_size.value();
-  h.cluster_bits = raw.cluster_bits.value();
-  h.size = raw.size.value();
-  h.crypt_method = raw.crypt_method.value();
-  h.l1_size = raw.l1_size.value();
-  h.l1_table_offset = raw.l1_table_offset.value();
-  h.refcount_table_offset = raw.refcount_table_offset.value();
-  h.refcount_table_clusters = raw.refcount_table_clusters.value();
-  h.nb_snapshots = raw.nb_snapshots.value();
-  h.snapshots_offset = raw.snapshots_offset.value();
   if (h.cluster_bits < kMinClusterBits || h.cluster_bits > kMaxClusterBits)
     throw Error(nm, "unsupported cluster size 2^" + std::to_string(h.cluster_bits) +
                         " (must be 512 B to 2 MiB)");
   const uint64_t cs = 1ull << h.cluster_bits;
-  if (h.version == kVersion2) {
-    h.incompatible_features = h.compatible_features = h.autoclear_features = 0;
-    h.refcount_order = 4;
-    h.header_length = kHeaderV2Bytes;
-  } else {
+  if (h.version != kVersion2) {
     if (file_size < kHeaderV3MinBytes) throw Error(nm, "file too small for a qcow2 v3 header");
-    h.incompatible_features = raw.incompatible_features.value();
-    h.compatible_features = raw.compatible_features.value();
-    h.autoclear_features = raw.autoclear_features.value();
-    h.refcount_order = raw.refcount_order.value();
-    h.header_length = raw.header_length.value();
     if (h.header_length < kHeaderV3MinBytes)
       throw CorruptionError(
           nm, "header_length " + std::to_string(h.header_length) + " is smaller than 104 bytes");
@@ -231,9 +270,10 @@ void Image::parse_extensions(uint64_t start, uint64_t end) {
       // QEMU treats a header area without room for an end marker as the end.
       return;
     }
-    const uint32_t type = load_big_u32(area.data() + pos);
-    const uint32_t len = load_big_u32(area.data() + pos + 4);
-    pos += sizeof(RawExtensionHeader);
+    RawExtensionHeader eh{};
+    std::memcpy(&eh, area.data() + pos, sizeof eh);
+    const uint32_t type = eh.type.value(), len = eh.length.value();
+    pos += sizeof eh;
     if (type == kExtEnd) return;
     if (len > area.size() - pos)
       throw CorruptionError(nm, "header extension " + hex(type) + " of " + std::to_string(len) +
@@ -286,7 +326,7 @@ void Image::parse_extensions(uint64_t start, uint64_t end) {
         break;  // kept as-is in extensions_
     }
     if (keep) extensions_.push_back(std::move(ext));
-    pos += (len + 7) & ~size_t(7);
+    pos += size_t(padded_extension_bytes(len));
     if (pos > area.size()) return;
   }
 }
@@ -361,50 +401,37 @@ std::vector<uint8_t> Image::encode_header(const Header& h) {
   // as they are on disk.
   file_->read(0, std::span<uint8_t>(buf.data(), size_t(std::min<uint64_t>(h.header_length, cs))));
   uint8_t* p = buf.data();
-  store_big_u32(p + 0, kMagic);
-  store_big_u32(p + 4, h.version);
-  store_big_u32(p + 20, h.cluster_bits);
-  store_big_u64(p + 24, h.size);
-  store_big_u32(p + 32, h.crypt_method);
-  store_big_u32(p + 36, h.l1_size);
-  store_big_u64(p + 40, h.l1_table_offset);
-  store_big_u64(p + 48, h.refcount_table_offset);
-  store_big_u32(p + 56, h.refcount_table_clusters);
-  store_big_u32(p + 60, h.nb_snapshots);
-  store_big_u64(p + 64, h.snapshots_offset);
-  size_t pos = kHeaderV2Bytes;
-  if (h.version >= kVersion3) {
-    store_big_u64(p + 72, h.incompatible_features);
-    store_big_u64(p + 80, h.compatible_features);
-    store_big_u64(p + 88, h.autoclear_features);
-    store_big_u32(p + 96, h.refcount_order);
-    store_big_u32(p + 100, h.header_length);
-    pos = h.header_length;
-  }
+  RawHeader raw = raw_from_header(h);
+  // Extensions start after the header: at header_length in version 3 (the bytes from
+  // sizeof(RawHeader) to there are the ones kept as on disk).
+  size_t pos = h.version >= kVersion3 ? h.header_length : kHeaderV2Bytes;
   auto room = [&](size_t n) {
     if (pos + n > cs)
       throw Error(name(), "header, extensions and backing file name do not fit in one cluster");
   };
   for (const auto& e : extensions_) {
-    const size_t padded = (e.data.size() + 7) & ~size_t(7);
-    room(8 + padded);
-    store_big_u32(p + pos, e.type);
-    store_big_u32(p + pos + 4, uint32_t(e.data.size()));
-    if (!e.data.empty()) std::memcpy(p + pos + 8, e.data.data(), e.data.size());
-    pos += 8 + padded;
+    const size_t padded = size_t(padded_extension_bytes(e.data.size()));
+    room(sizeof(RawExtensionHeader) + padded);
+    RawExtensionHeader eh{};
+    eh.type = e.type;
+    eh.length = uint32_t(e.data.size());
+    std::memcpy(p + pos, &eh, sizeof eh);
+    pos += sizeof eh;
+    if (!e.data.empty()) std::memcpy(p + pos, e.data.data(), e.data.size());
+    pos += padded;
   }
-  room(8);
-  pos += 8;  // end-of-extensions marker (zeros)
+  room(sizeof(RawExtensionHeader));
+  pos += sizeof(RawExtensionHeader);  // end-of-extensions marker (kExtEnd, length 0: zeros)
+  raw.backing_file_offset = 0;
+  raw.backing_file_size = 0;
   if (backing_name_) {
     const auto& b = *backing_name_;
     room(b.size());
     std::memcpy(p + pos, b.data(), b.size());
-    store_big_u64(p + 8, pos);
-    store_big_u32(p + 16, uint32_t(b.size()));
-  } else {
-    store_big_u64(p + 8, 0);
-    store_big_u32(p + 16, 0);
+    raw.backing_file_offset = pos;
+    raw.backing_file_size = uint32_t(b.size());
   }
+  std::memcpy(p, &raw, fixed_header_bytes(h));
   return buf;
 }
 

@@ -1,6 +1,8 @@
-// Header parsing: v2, v3, long headers, extensions (known and unknown), feature name table.
+// Header parsing: v2, v3, long headers, extensions (known and unknown), feature name table; a
+// header rewrite lays the header out as the specification does.
 #include <doctest/doctest.h>
 
+#include "qcow2/writer.h"
 #include "tests/unit/helpers.h"
 
 using namespace qcommit;
@@ -179,4 +181,44 @@ TEST_CASE("qcow2.header.no_end_marker_room") {
   auto img = open_image(b);
   REQUIRE(img->extensions().size() == 1);
   CHECK(img->extensions()[0].data == fill);
+}
+
+TEST_CASE("qcow2.header.rewrite_is_the_spec_layout") {
+  // The builder lays a header out byte by byte from the specification. An image grown and given
+  // another backing file must get exactly the header the builder makes for the new size and name:
+  // fixed fields big-endian at their offsets, version 3 fields only in version 3, the bytes past
+  // them (the compression type) as they were, extensions padded to 8 bytes, the end marker, then
+  // the backing name.
+  struct Variant {
+    uint32_t version;
+    std::optional<uint8_t> compression_type;
+  };
+  for (const Variant v : {Variant{2, std::nullopt}, Variant{3, std::nullopt}, Variant{3, 1}}) {
+    CAPTURE(v.version);
+    CAPTURE(v.compression_type.has_value());
+    auto spec = [&](uint64_t size, const std::string& backing) {
+      ImageSpec s;
+      s.version = v.version;
+      s.compression_type = v.compression_type;
+      s.size = size;  // both sizes need one L1 entry: the same layout
+      s.backing = backing;
+      s.backing_format = "qcow2";
+      if (v.version == 3) s.features = {{0, 0, "dirty bit"}, {1, 0, "lazy refcounts"}};
+      s.extensions = {{0x0badc0de, {0xde, 0xad, 0xbe, 0xef, 0x01}}};  // 5 bytes: 3 of padding
+      return s;
+    };
+    const ImageSpec before = spec(64ull << 20, "an older, longer backing name.qcow2");
+    const ImageSpec after = spec(128ull << 20, "base.qcow2");
+    ImageBuilder b(before);
+    auto img = open_image(b);
+    qcow2::Writer w(*img);
+    w.set_backing(after.backing, after.backing_format);
+    w.grow(after.size);
+    w.commit();
+    ImageBuilder want(after);
+    const uint64_t cs = want.cluster_size();
+    std::vector<uint8_t> first(cs);
+    img->file().read(0, first);
+    CHECK(first == std::vector<uint8_t>(want.bytes().begin(), want.bytes().begin() + long(cs)));
+  }
 }
