@@ -89,13 +89,17 @@ class MemcgTargetFile final : public TargetFile {
     return static_cast<std::uint64_t>(st.st_dev);
   }
   std::optional<PageCacheState> page_cache() override {
+    // In this order: bytes in flight only fall and a cgroup's dirty pages only grow while nothing
+    // is issued, so in shadow mode the truth read between them is compared with a consistent
+    // estimate.
+    const std::uint64_t in_flight = waiter_.in_flight_bytes();
+    const std::optional<PageCacheState> truth =
+        shadow_ ? cachestat_of(fd_.get(), ByteRange{0, 0}) : std::nullopt;
     const std::optional<MemcgPageCache> m = read_memcg_page_cache(memcg_);
     if (!m) return read_meminfo();  // the cgroup went away: host-wide, as without this source
-    PageCacheState est{m->dirty_bytes, waiter_.in_flight_bytes(), true};
+    PageCacheState est{m->dirty_bytes, in_flight, true};
     est.dirty_upper_bound = true;
-    if (shadow_) {
-      if (auto truth = cachestat_of(fd_.get(), ByteRange{0, 0})) shadow_(est, *truth);
-    }
+    if (truth) shadow_(est, *truth);
     return est;
   }
   std::optional<PageCacheState> page_cache_in(const ByteRange& r) override {
