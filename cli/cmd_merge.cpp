@@ -10,6 +10,7 @@
 #include "cli/domain_merge.h"
 #include "cli/json.h"
 #include "cli/merge_policy.h"
+#include "cli/merge_progress.h"
 #include "cli/options.h"
 #include "cli/units.h"
 #include "engine/merge.h"
@@ -22,19 +23,6 @@ namespace qcommit::cli {
 inline constexpr const char* kDefaultLockWait = "10s";
 
 namespace {
-
-void print_bar(const engine::Progress& p) {
-  const double frac = p.total_bytes ? double(p.done_bytes) / double(p.total_bytes) : 1.0;
-  const int width = 30;
-  const int fill = int(frac * width);
-  std::string bar(size_t(fill), '#');
-  bar.append(size_t(width - fill), '-');
-  double eta = p.rate_bps > 0 ? double(p.total_bytes - p.done_bytes) / p.rate_bps : 0;
-  std::fprintf(stderr, "\r[%s] %5.1f%% %s / %s  %s/s  ETA %.0fs   ", bar.c_str(), frac * 100,
-               format_size(p.done_bytes).c_str(), format_size(p.total_bytes).c_str(),
-               format_size(uint64_t(p.rate_bps)).c_str(), eta);
-  std::fflush(stderr);
-}
 
 // What a dry run adds to the engine's plan for a merge through libvirt.
 struct DryRunExtras {
@@ -88,12 +76,6 @@ json::Ordered dry_run_json(const engine::MergePlan& p, bool del, const DryRunExt
 // {"event": "note", "message": ...}
 json::Ordered note_json(const std::string& message) {
   return json::Ordered{{"event", "note"}, {"message", message}};
-}
-
-json::Ordered progress_json(const engine::Progress& p) {
-  return json::Ordered{{"event", "progress"},       {"phase", p.phase},
-                       {"done", p.done_bytes},      {"total", p.total_bytes},
-                       {"rate", whole(p.rate_bps)}, {"elapsed", rounded(p.elapsed_s, 3)}};
 }
 
 double ms(std::chrono::nanoseconds d) {
@@ -252,12 +234,7 @@ int cmd_merge(const Args& args) {
   mo.delete_merged = del;
   mo.lock_wait =
       lock_wait == "0" ? std::chrono::nanoseconds::zero() : parse_duration(lock_wait, "--wait");
-  mo.on_lock_wait = [out](const std::string& message) {
-    if (out == Output::kJson)
-      print_json(json::Ordered{{"event", "wait"}, {"message", message}});
-    else
-      std::fprintf(stderr, "qcommit: %s\n", message.c_str());
-  };
+
   // With a budget, O_DIRECT: the bytes we have queued are exactly our requests in flight, which
   // the controller bounds. Unthrottled, kAuto: large requests O_DIRECT (spliced from the source's
   // page cache), small ones buffered with writeback started at once, which lets the kernel merge
@@ -318,14 +295,9 @@ int cmd_merge(const Args& args) {
   }
   if (governed && !via_libvirt)
     mo.governor = governor_for(merge_base_of(top, mo.base, mo.allowed_backing_dirs));
-  const bool tty = isatty(2) && out == Output::kHuman;
-  mo.on_progress = [&](const engine::Progress& p) {
-    if (out == Output::kJson) {
-      print_json(progress_json(p));
-    } else if (tty && p.phase == "copy") {
-      print_bar(p);
-    }
-  };
+  MergeProgress shown(out, isatty(2) && out == Output::kHuman, !dry_run);
+  mo.on_progress = [&shown](const engine::Progress& p) { shown.on_progress(p); };
+  mo.on_lock_wait = [&shown](const std::string& message) { shown.on_lock_wait(message); };
   engine::MergeResult r;
   if (via_libvirt) {
     DomainMergeRequest req;
@@ -390,7 +362,7 @@ int cmd_merge(const Args& args) {
   } else {
     r = engine::merge(mo);
   }
-  if (tty) std::fputs("\n", stderr);
+  shown.stop();
   if (out == Output::kJson) {
     print_json(result_json(r, policy, governor.get()));
   } else {

@@ -625,6 +625,7 @@ class MergeJob {
     find_checkpoint();
     prepare_children();
     plan_and_check();
+    report_resume();
     open_base_writer();
     begin_checkpoint();
     remove_base_bitmaps();  // first: bitmap metadata found inconsistent refuses before BASE grows
@@ -754,6 +755,13 @@ class MergeJob {
       throw;
     }
     checked.get();  // throws if a layer is corrupt: nothing written yet
+  }
+
+  void report_resume() {
+    if (!resuming) return;
+    Progress p{0, total, seconds_since(t_start), 0, "resume"};
+    p.resume_offset = resume_from;
+    progress(p);
   }
 
   // BASE's writer, after repairing what an interrupted run or lazy refcounts left.

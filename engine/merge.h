@@ -68,7 +68,8 @@ struct Progress {
   uint64_t total_bytes = 0;
   double elapsed_s = 0;
   double rate_bps = 0;
-  std::string phase;  // "plan", "copy", "switch", "done"
+  std::string phase;  // "plan", "resume", "copy", "switch", "done"
+  uint64_t resume_offset = 0;  // "resume": the guest offset the interrupted run had committed
 };
 
 struct MergeResult;

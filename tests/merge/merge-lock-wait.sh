@@ -4,7 +4,8 @@
 #      then merges (BASE shows TOP's view, qemu-img check clean) soon after the release;
 #  (2) with --wait 1s and a 3 s holder: exit 1, one line naming the holder, nothing written;
 #  (3) --wait 0: refused at once, as before;
-#  (4) the same wait as a JSON event with --output=json.
+#  (4) the same wait as a JSON event with --output=json, and progress events at least once a
+#      second while it lasts.
 #
 # usage: merge-lock-wait.sh QCOMMIT
 set -euo pipefail
@@ -62,11 +63,14 @@ grep -q 'waiting' err3.txt && fail "(3) --wait 0 announced a wait"
 grep -q 'image is in use' err3.txt || fail "(3) no in-use error: $(cat err3.txt)"
 wait
 
-# (4)
+# (4) The same wait as JSON events: the wait, and while it lasts (3 s) a progress event at least
+# once a second, its elapsed time moving on.
 make_chain
-hold 1000
+hold 3000
 "$QCOMMIT" merge top.qcow2 --budget off --output=json >out4.json 2>err4.txt || fail "(4) merge failed: $(cat err4.txt)"
 jq -se 'map(select(.event == "wait")) | length == 1 and (.[0].message | test("qemu-io"))' out4.json >/dev/null || fail "(4) no wait event in the JSON: $(head -c 300 out4.json)"
+jq -se '[.[] | select(.event == "progress" and .phase == "start") | .elapsed] | length >= 2 and . == sort and (.[0] >= 0.9)' out4.json >/dev/null ||
+  fail "(4) no progress event each second while waiting: $(jq -c 'select(.event == "progress")' out4.json | head -5)"
 jq -se 'map(select(.event == "result")) | length == 1' out4.json >/dev/null || fail "(4) no result"
 wait
 

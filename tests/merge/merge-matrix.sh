@@ -247,7 +247,7 @@ args=()
 for ((i = 0; i < 1500; i++)); do args+=(-c "write -P $((i % 250)) $(((i * 2654435761) % 8192 * 65536)) 64k"); done
 qemu-io -f qcow2 "${args[@]}" top.qcow2 >/dev/null
 qemu-img convert -O raw top.qcow2 top.raw
-agreed=0
+agreed=0 resumed_runs=0
 for attempt in 1 2 3; do
   cp -a --sparse=always base.qcow2 b.qcow2
   qemu-img create -q -f qcow2 -b b.qcow2 -F qcow2 t.qcow2 512M
@@ -274,7 +274,13 @@ for attempt in 1 2 3; do
   # Same verdict in the same code (0 clean, 2 corruptions, 3 leaks only).
   [[ $crc == "$qrc" ]] || fail "verdicts differ: qemu-img check exit $qrc, qcommit check exit $crc"
   # The resumed merge finishes and repairs the leaks.
-  "$QCOMMIT" merge t.qcow2 --budget off >/dev/null 2>resume.err || fail "resume after kill failed: $(cat resume.err)"
+  "$QCOMMIT" merge t.qcow2 --budget off --output=json >resume.json 2>resume.err || fail "resume after kill failed: $(cat resume.err)"
+  # A run that resumes says so, and from where, before it copies (the kill may also have come
+  # after the first run had finished: then there is nothing to resume and no such event).
+  jq -se '(map(select(.event == "result"))[0].resumed) as $r
+          | map(select(.event == "progress" and .phase == "resume" and ."resume-offset" > 0)) | length == (if $r then 1 else 0 end)' \
+    resume.json >/dev/null || fail "re-run after kill: resume event and result disagree: $(grep -E 'resume|result' resume.json | head -c 400)"
+  [[ $(jq -s 'map(select(.event == "result"))[0].resumed' resume.json) == true ]] && resumed_runs=$((resumed_runs + 1))
   qemu-img compare -f raw -F qcow2 top.raw b.qcow2 >/dev/null || fail "resumed merge: BASE differs"
   qemu-img check -q b.qcow2 >/dev/null 2>&1 || fail "resumed merge: qemu-img check not clean"
   if [[ $ql != 0 ]]; then
@@ -282,7 +288,7 @@ for attempt in 1 2 3; do
     [[ $agreed -ge 2 ]] && break
   fi
 done
-echo "killed merges that left leaks: $agreed"
+echo "killed merges that left leaks: $agreed; re-runs that resumed: $resumed_runs"
 
 # A deterministic leaky image as well (refcounts raised by hand on clusters nothing references):
 # both checks must report exactly these leaks, and qcommit check --repair must fix them.

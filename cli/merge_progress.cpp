@@ -1,0 +1,128 @@
+#include "cli/merge_progress.h"
+
+#include <cstdio>
+#include <string>
+
+#include "cli/json.h"
+#include "cli/units.h"
+
+namespace qcommit::cli {
+namespace {
+
+constexpr int kBarWidth = 30;
+constexpr auto kHeartbeatPoll = std::chrono::milliseconds(100);
+
+double seconds(std::chrono::steady_clock::duration d) {
+  return std::chrono::duration<double>(d).count();
+}
+
+// Seconds left at `rate`; nullopt when unknown.
+std::optional<double> eta_s(const engine::Progress& p) {
+  if (!(p.rate_bps > 0) || p.total_bytes < p.done_bytes) return std::nullopt;
+  return double(p.total_bytes - p.done_bytes) / p.rate_bps;
+}
+
+json::Ordered progress_json(const engine::Progress& p) {
+  json::Ordered j{{"event", "progress"},       {"phase", p.phase},
+                  {"done", p.done_bytes},      {"total", p.total_bytes},
+                  {"rate", whole(p.rate_bps)}, {"elapsed", rounded(p.elapsed_s, 3)}};
+  if (const auto eta = eta_s(p)) j["eta"] = rounded(*eta, 1);
+  if (p.phase == "resume") j["resume-offset"] = p.resume_offset;
+  return j;
+}
+
+void print_bar(const engine::Progress& p) {
+  const double frac = p.total_bytes ? double(p.done_bytes) / double(p.total_bytes) : 1.0;
+  const int fill = int(frac * kBarWidth);
+  std::string bar(size_t(fill), '#');
+  bar.append(size_t(kBarWidth - fill), '-');
+  const auto eta = eta_s(p);
+  const std::string eta_text = eta ? std::to_string(int64_t(*eta + 0.5)) + "s" : "-";
+  std::fprintf(stderr, "\r[%s] %5.1f%% %s / %s  %s/s  ETA %s   ", bar.c_str(), frac * 100,
+               format_size(p.done_bytes).c_str(), format_size(p.total_bytes).c_str(),
+               format_size(uint64_t(p.rate_bps)).c_str(), eta_text.c_str());
+  std::fflush(stderr);
+}
+
+}  // namespace
+
+MergeProgress::MergeProgress(Output out, bool bar, bool heartbeat) : out_(out), bar_(bar) {
+  if (heartbeat) thread_ = std::thread([this] { this->heartbeat(); });
+}
+
+MergeProgress::~MergeProgress() {
+  stop();
+}
+
+void MergeProgress::stop() {
+  {
+    std::lock_guard lk(mu_);
+    if (stopping_) return;
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  if (bar_ && last_ && last_->phase == "copy") std::fputc('\n', stderr);
+}
+
+void MergeProgress::on_progress(const engine::Progress& p) {
+  std::lock_guard lk(mu_);
+  last_ = p;
+  last_at_ = Clock::now();
+  show(p);
+}
+
+void MergeProgress::on_lock_wait(const std::string& message) {
+  std::lock_guard lk(mu_);
+  if (out_ == Output::kJson)
+    print_json(json::Ordered{{"event", "wait"}, {"message", message}});
+  else
+    std::fprintf(stderr, "qcommit: %s\n", message.c_str());
+  shown_at_ = Clock::now();
+}
+
+void MergeProgress::show(const engine::Progress& p) {
+  shown_at_ = Clock::now();
+  if (out_ == Output::kJson) {
+    print_json(progress_json(p));
+  } else if (p.phase == "resume") {
+    std::fprintf(stderr, "qcommit: resuming an interrupted merge from guest offset %s\n",
+                 format_size(p.resume_offset).c_str());
+  } else if (bar_ && p.phase == "copy") {
+    print_bar(p);
+  }
+}
+
+engine::Progress MergeProgress::advanced(const engine::Progress& p, double since) {
+  engine::Progress q = p;
+  q.elapsed_s += since;
+  // The engine's rate is the average over the copy so far: the copy has run done / rate seconds.
+  if (p.phase == "copy" && p.rate_bps > 0) {
+    const double copy_s = double(p.done_bytes) / p.rate_bps;
+    q.rate_bps = double(p.done_bytes) / (copy_s + since);
+  }
+  return q;
+}
+
+// Once a second without anything shown: the last state again, or before any state a "start"
+// event (JSON only: the terminal has nothing to draw yet).
+void MergeProgress::heartbeat() {
+  const Clock::time_point started = Clock::now();
+  std::unique_lock lk(mu_);
+  shown_at_ = started;
+  while (!cv_.wait_for(lk, kHeartbeatPoll, [this] { return stopping_; })) {
+    const Clock::time_point now = Clock::now();
+    if (now - shown_at_ < kProgressHeartbeat) continue;
+    if (last_ && last_->phase == "done") continue;
+    if (last_) {
+      show(advanced(*last_, seconds(now - last_at_)));
+    } else {
+      engine::Progress p;
+      p.phase = "start";
+      p.elapsed_s = seconds(now - started);
+      show(p);
+    }
+  }
+}
+
+}  // namespace qcommit::cli
