@@ -129,9 +129,30 @@ void Image::corrupt_at(const std::string& what) const {
   throw CorruptionError(name(), what);
 }
 
+// Reads and validates the header in steps, each relying on the ones before it. Errors name the
+// file: Error for what is not a qcow2 image, UnsupportedError for what is valid but not
+// implemented, CorruptionError for inconsistent fields.
 void Image::parse_header() {
-  const std::string& nm = name();
   const uint64_t file_size = file_->size();
+  read_fixed_fields(file_size);
+  if (header_.version >= kVersion3) {
+    check_version3_fields(file_size);
+    read_compression_type();
+  }
+  const Header& h = header_;
+  geo_ = Geometry{h.cluster_bits, (h.incompatible_features & kIncompatExtendedL2) != 0,
+                  h.refcount_order};
+  // Extensions before the feature checks: the feature name table helps name unknown bits.
+  read_extension_area(file_size);
+  check_features();
+  read_backing_name(file_size);
+  check_table_locations(file_size);
+}
+
+// Step 1: header_ from the fixed fields. Requires a file of at least a version 2 header; ensures
+// the magic, a version this library reads (2 or 3) and a cluster size within the spec's range.
+void Image::read_fixed_fields(uint64_t file_size) {
+  const std::string& nm = name();
   if (file_size < kHeaderV2Bytes)
     throw Error(nm, "file too small to be a qcow2 image (" + std::to_string(file_size) + " bytes)");
   RawHeader raw{};
@@ -146,49 +167,69 @@ void Image::parse_header() {
   if (h.cluster_bits < kMinClusterBits || h.cluster_bits > kMaxClusterBits)
     throw Error(nm, "unsupported cluster size 2^" + std::to_string(h.cluster_bits) +
                         " (must be 512 B to 2 MiB)");
-  const uint64_t cs = 1ull << h.cluster_bits;
-  if (h.version != kVersion2) {
-    if (file_size < kHeaderV3MinBytes) throw Error(nm, "file too small for a qcow2 v3 header");
-    if (h.header_length < kHeaderV3MinBytes)
-      throw CorruptionError(
-          nm, "header_length " + std::to_string(h.header_length) + " is smaller than 104 bytes");
-    if (h.header_length > cs)
-      throw CorruptionError(
-          nm, "header_length " + std::to_string(h.header_length) + " exceeds the cluster size");
-    if (h.header_length % 8 != 0)
-      throw CorruptionError(
-          nm, "header_length " + std::to_string(h.header_length) + " is not a multiple of 8");
-    if (h.refcount_order > kMaxRefcountOrder)
-      throw CorruptionError(
-          nm, "refcount_order " + std::to_string(h.refcount_order) + " is larger than 6");
-    if (h.header_length > kCompressionTypeOffset) {
-      uint8_t ct = 0;
-      file_->read(kCompressionTypeOffset, std::span<uint8_t>(&ct, 1));
-      if (ct > uint8_t(CompressionType::kZstd))
-        throw UnsupportedError(nm, "unknown compression type " + std::to_string(ct));
-      h.compression_type = CompressionType(ct);
-    }
-    if (h.compression_type != CompressionType::kZlib &&
-        !(h.incompatible_features & kIncompatCompression))
-      throw CorruptionError(nm, "compression type set without the compression-type feature bit");
-    if ((h.incompatible_features & kIncompatCompression) &&
-        h.header_length <= kCompressionTypeOffset)
-      throw CorruptionError(nm,
-                            "compression-type feature bit set but the header has no field for it");
-  }
-  geo_ = Geometry{h.cluster_bits, (h.incompatible_features & kIncompatExtendedL2) != 0,
-                  h.refcount_order};
+}
 
-  // Extensions first: the feature name table helps name unknown bits.
+// Step 2, version 3 only: the file holds the whole version 3 header, and header_length and
+// refcount_order are within the spec's limits (header_length at most one cluster).
+void Image::check_version3_fields(uint64_t file_size) const {
+  const std::string& nm = name();
+  const Header& h = header_;
+  if (file_size < kHeaderV3MinBytes) throw Error(nm, "file too small for a qcow2 v3 header");
+  if (h.header_length < kHeaderV3MinBytes)
+    throw CorruptionError(
+        nm, "header_length " + std::to_string(h.header_length) + " is smaller than 104 bytes");
+  if (h.header_length > (1ull << h.cluster_bits))
+    throw CorruptionError(
+        nm, "header_length " + std::to_string(h.header_length) + " exceeds the cluster size");
+  if (h.header_length % 8 != 0)
+    throw CorruptionError(
+        nm, "header_length " + std::to_string(h.header_length) + " is not a multiple of 8");
+  if (h.refcount_order > kMaxRefcountOrder)
+    throw CorruptionError(
+        nm, "refcount_order " + std::to_string(h.refcount_order) + " is larger than 6");
+}
+
+// Step 3, version 3 only: the compression type byte, present when header_length goes past it
+// (zlib otherwise); a type other than zlib needs the compression-type feature bit, and the bit
+// needs the byte.
+void Image::read_compression_type() {
+  const std::string& nm = name();
+  Header& h = header_;
+  if (h.header_length > kCompressionTypeOffset) {
+    uint8_t ct = 0;
+    file_->read(kCompressionTypeOffset, std::span<uint8_t>(&ct, 1));
+    if (ct > uint8_t(CompressionType::kZstd))
+      throw UnsupportedError(nm, "unknown compression type " + std::to_string(ct));
+    h.compression_type = CompressionType(ct);
+  }
+  if (h.compression_type != CompressionType::kZlib &&
+      !(h.incompatible_features & kIncompatCompression))
+    throw CorruptionError(nm, "compression type set without the compression-type feature bit");
+  if ((h.incompatible_features & kIncompatCompression) && h.header_length <= kCompressionTypeOffset)
+    throw CorruptionError(nm,
+                          "compression-type feature bit set but the header has no field for it");
+}
+
+// Step 4: the header extensions, between header_length and the first of the end of the first
+// cluster, the backing file name and the end of the file (parse_extensions).
+void Image::read_extension_area(uint64_t file_size) {
+  const Header& h = header_;
   const uint64_t ext_start = h.header_length;
-  uint64_t ext_end = cs;
+  uint64_t ext_end = cluster_size();
   if (h.backing_file_offset != 0 && h.backing_file_offset < ext_end)
     ext_end = h.backing_file_offset;
   // The end is clamped to the file first: a header_length beyond the end of a short file left
   // start > end, and the extension area's size wrapped (std::length_error, no file named).
   ext_end = std::min(ext_end, file_size);
   if (ext_start < ext_end) parse_extensions(ext_start, ext_end);
+}
 
+// Step 5: nothing the header asks for is beyond this library (encryption, unknown incompatible
+// features, named from the feature name table) and the features agree with the geometry and
+// the extensions.
+void Image::check_features() const {
+  const std::string& nm = name();
+  const Header& h = header_;
   if (h.crypt_method != 0)
     throw UnsupportedError(nm, std::string("encrypted images are not supported (") +
                                    (h.crypt_method == 1   ? "AES"
@@ -202,8 +243,15 @@ void Image::parse_header() {
     throw CorruptionError(nm, "extended L2 entries need a cluster size of at least 16 KiB");
   if (!(h.incompatible_features & kIncompatDataFile) && data_file_name_)
     throw CorruptionError(nm, "data file name extension present without the data-file feature bit");
+}
 
-  // Backing file name.
+// Step 6: backing_name_, when the header names one (inside the first cluster and the file, at
+// most kMaxBackingNameBytes, no NUL byte); a backing format without a backing file is dropped.
+void Image::read_backing_name(uint64_t file_size) {
+  const std::string& nm = name();
+  const Header& h = header_;
+  const uint64_t cs = cluster_size();
+  // With an offset of 0 there is no backing file, whatever the size says (as in QEMU).
   if (h.backing_file_offset != 0) {
     if (h.backing_file_size > kMaxBackingNameBytes || h.backing_file_offset >= cs ||
         h.backing_file_size > cs - h.backing_file_offset)
@@ -218,13 +266,18 @@ void Image::parse_header() {
     if (s.find('\0') != std::string::npos)
       throw CorruptionError(nm, "backing file name contains a NUL byte");
     if (!s.empty()) backing_name_ = s;
-  } else if (h.backing_file_size != 0) {
-    // QEMU ignores the size when the offset is 0.
   }
   if (backing_format_ && !backing_name_)
     backing_format_.reset();  // a format without a file means nothing
+}
 
-  // Tables: sanity before any allocation proportional to a header field.
+// Step 7: the L1 table, refcount table and snapshot table lie where they may (cluster aligned,
+// past the header, inside the file) and are no larger than QEMU allows, before anything reads
+// them or allocates memory in proportion to a header field.
+void Image::check_table_locations(uint64_t file_size) const {
+  const std::string& nm = name();
+  const Header& h = header_;
+  const uint64_t cs = cluster_size();
   const uint64_t needed_l1 = geo_.l1_entries_for(h.size);
   if (uint64_t(h.l1_size) * 8 > kMaxL1TableBytes)
     throw CorruptionError(

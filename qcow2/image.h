@@ -161,8 +161,16 @@ class Image {
   friend class Writer;   // qcow2/writer.h: allocation and metadata updates
   friend class Checker;  // qcow2/check.cpp: consistency check and repair
   Image(std::unique_ptr<BlockDevice> file, ImageOptions options);
+  // Header parsing (parse_header), step by step; each step's contract is at its definition.
   void parse_header();
+  void read_fixed_fields(uint64_t file_size);
+  void check_version3_fields(uint64_t file_size) const;
+  void read_compression_type();
+  void read_extension_area(uint64_t file_size);
   void parse_extensions(uint64_t start, uint64_t end);
+  void check_features() const;
+  void read_backing_name(uint64_t file_size);
+  void check_table_locations(uint64_t file_size) const;
   void load_tables();
   // A refcount block as the refcount table points at it.
   struct RefcountBlock {
