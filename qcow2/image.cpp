@@ -31,35 +31,41 @@ std::string bits_list(uint64_t mask, const std::vector<FeatureName>& names, uint
   return out;
 }
 
-// The fixed fields of a header as read: the fields every version has and, for version 3 and
-// later, the feature bits, refcount order and header length. A version 2 header has none of
-// those: no feature bits, 16-bit refcounts, kHeaderV2Bytes long. No validation; the compression
-// type, past the fixed fields, is read on its own.
+// The one list of the header's fixed fields, pairing each Header member with its RawHeader
+// field: f(header field, raw field) for every field version 2 has (all but the magic) and, when
+// `version3`, for those version 3 adds. Reading and writing the header both go through it.
+template <typename H, typename R, typename F>
+void for_each_fixed_field(H& h, R& raw, bool version3, F&& f) {
+  f(h.version, raw.version);
+  f(h.backing_file_offset, raw.backing_file_offset);
+  f(h.backing_file_size, raw.backing_file_size);
+  f(h.cluster_bits, raw.cluster_bits);
+  f(h.size, raw.size);
+  f(h.crypt_method, raw.crypt_method);
+  f(h.l1_size, raw.l1_size);
+  f(h.l1_table_offset, raw.l1_table_offset);
+  f(h.refcount_table_offset, raw.refcount_table_offset);
+  f(h.refcount_table_clusters, raw.refcount_table_clusters);
+  f(h.nb_snapshots, raw.nb_snapshots);
+  f(h.snapshots_offset, raw.snapshots_offset);
+  if (!version3) return;
+  f(h.incompatible_features, raw.incompatible_features);
+  f(h.compatible_features, raw.compatible_features);
+  f(h.autoclear_features, raw.autoclear_features);
+  f(h.refcount_order, raw.refcount_order);
+  f(h.header_length, raw.header_length);
+}
+
+// The fixed fields of a header as read. A version 2 header has none of version 3's: no feature
+// bits, 16-bit refcounts, kHeaderV2Bytes long. No validation; the compression type, past the
+// fixed fields, is read on its own.
 [[nodiscard]] Header header_from_raw(const RawHeader& raw) {
   Header h;
-  h.version = raw.version.value();
-  h.backing_file_offset = raw.backing_file_offset.value();
-  h.backing_file_size = raw.backing_file_size.value();
-  h.cluster_bits = raw.cluster_bits.value();
-  h.size = raw.size.value();
-  h.crypt_method = raw.crypt_method.value();
-  h.l1_size = raw.l1_size.value();
-  h.l1_table_offset = raw.l1_table_offset.value();
-  h.refcount_table_offset = raw.refcount_table_offset.value();
-  h.refcount_table_clusters = raw.refcount_table_clusters.value();
-  h.nb_snapshots = raw.nb_snapshots.value();
-  h.snapshots_offset = raw.snapshots_offset.value();
-  if (h.version < kVersion3) {
-    h.incompatible_features = h.compatible_features = h.autoclear_features = 0;
-    h.refcount_order = kVersion2RefcountOrder;
-    h.header_length = kHeaderV2Bytes;
-    return h;
-  }
-  h.incompatible_features = raw.incompatible_features.value();
-  h.compatible_features = raw.compatible_features.value();
-  h.autoclear_features = raw.autoclear_features.value();
-  h.refcount_order = raw.refcount_order.value();
-  h.header_length = raw.header_length.value();
+  h.incompatible_features = h.compatible_features = h.autoclear_features = 0;
+  h.refcount_order = kVersion2RefcountOrder;
+  h.header_length = kHeaderV2Bytes;
+  for_each_fixed_field(h, raw, raw.version.value() >= kVersion3,
+                       [](auto& field, const auto& stored) { field = stored.value(); });
   return h;
 }
 
@@ -68,23 +74,7 @@ std::string bits_list(uint64_t mask, const std::vector<FeatureName>& names, uint
 [[nodiscard]] RawHeader raw_from_header(const Header& h) {
   RawHeader raw{};
   raw.magic = kMagic;
-  raw.version = h.version;
-  raw.backing_file_offset = h.backing_file_offset;
-  raw.backing_file_size = h.backing_file_size;
-  raw.cluster_bits = h.cluster_bits;
-  raw.size = h.size;
-  raw.crypt_method = h.crypt_method;
-  raw.l1_size = h.l1_size;
-  raw.l1_table_offset = h.l1_table_offset;
-  raw.refcount_table_offset = h.refcount_table_offset;
-  raw.refcount_table_clusters = h.refcount_table_clusters;
-  raw.nb_snapshots = h.nb_snapshots;
-  raw.snapshots_offset = h.snapshots_offset;
-  raw.incompatible_features = h.incompatible_features;
-  raw.compatible_features = h.compatible_features;
-  raw.autoclear_features = h.autoclear_features;
-  raw.refcount_order = h.refcount_order;
-  raw.header_length = h.header_length;
+  for_each_fixed_field(h, raw, true, [](const auto& field, auto& stored) { stored = field; });
   return raw;
 }
 
