@@ -95,21 +95,7 @@ int run_check(const Args& in_args) {
 // The check's own exit codes for every outcome, whatever other commands return for the same
 // error (a usage error is 2 elsewhere, which here would read as "corruptions found").
 int cmd_check(const Args& args) {
-  try {
-    return run_check(args);
-  } catch (const UsageError& e) {
-    std::fprintf(stderr, "qcommit check: %s\n", e.what());
-    return kCheckExitError;
-  } catch (const qcow2::CorruptionError& e) {
-    std::fprintf(stderr, "qcommit: %s (image is corrupt)\n", e.what());
-    return kCheckExitCorrupt;
-  } catch (const std::bad_alloc&) {
-    std::fprintf(stderr, "qcommit: out of memory\n");
-    return kCheckExitError;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "qcommit: %s\n", e.what());
-    return kCheckExitError;
-  }
+  return run_reporting_failures("check", [&] { return run_check(args); }, kCheckFailureExits);
 }
 
 }  // namespace qcommit::cli

@@ -42,7 +42,7 @@ int main(int argc, char** argv) {
   }
   const std::string cmd = argv[1];
   Args args(argv + 2, argv + argc);
-  try {
+  return run_reporting_failures(cmd, [&]() -> int {
     if (cmd == "info") return cmd_info(args);
     if (cmd == "map") return cmd_map(args);
     if (cmd == "demo") return cmd_demo(args);
@@ -64,17 +64,5 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "qcommit: unknown command '%s'\n", cmd.c_str());
     usage(stderr);
     return kExitUsage;
-  } catch (const UsageError& e) {
-    std::fprintf(stderr, "qcommit %s: %s\n", cmd.c_str(), e.what());
-    return kExitUsage;
-  } catch (const qcommit::qcow2::CorruptionError& e) {
-    std::fprintf(stderr, "qcommit: %s (image is corrupt)\n", e.what());
-    return kExitCorrupt;
-  } catch (const std::bad_alloc&) {
-    std::fprintf(stderr, "qcommit: out of memory\n");
-    return kExitError;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "qcommit: %s\n", e.what());
-    return kExitError;
-  }
+  });
 }

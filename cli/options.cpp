@@ -1,7 +1,11 @@
 #include "cli/options.h"
 
+#include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <new>
+
+#include "qcow2/error.h"
 
 namespace qcommit::cli {
 
@@ -21,6 +25,25 @@ bool parse(const Args& args, po::options_description& opts, po::positional_optio
   return true;
 }
 
+int run_reporting_failures(const std::string& cmd, const std::function<int()>& body,
+                           FailureExits exits) {
+  try {
+    return body();
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "qcommit %s: %s\n", cmd.c_str(), e.what());
+    return exits.usage;
+  } catch (const qcow2::CorruptionError& e) {
+    std::fprintf(stderr, "qcommit: %s (image is corrupt)\n", e.what());
+    return exits.corrupt;
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "qcommit: out of memory\n");
+    return exits.error;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "qcommit: %s\n", e.what());
+    return exits.error;
+  }
+}
+
 Output parse_output(const std::string& s) {
   if (s == "json") return Output::kJson;
   if (s == "human") return Output::kHuman;
@@ -28,12 +51,14 @@ Output parse_output(const std::string& s) {
 }
 
 void add_backing_policy(po::options_description& opts, std::vector<std::string>& dirs) {
-  opts.add_options()("allow-backing-dir", po::value(&dirs)->composing(),
-                     "also follow backing files inside this directory tree (repeatable; default: only "
-                     "the image's own directory)");
+  opts.add_options()(
+      "allow-backing-dir", po::value(&dirs)->composing(),
+      "also follow backing files inside this directory tree (repeatable; default: only "
+      "the image's own directory)");
 }
 
-std::vector<std::string> backing_policy(const std::string& image, const std::vector<std::string>& extra) {
+std::vector<std::string> backing_policy(const std::string& image,
+                                        const std::vector<std::string>& extra) {
   std::vector<std::string> dirs = extra;
   dirs.push_back(std::filesystem::absolute(image).parent_path().string());
   return dirs;

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <boost/program_options.hpp>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -24,10 +25,24 @@ bool parse(const Args& args, po::options_description& opts, po::positional_optio
 
 Output parse_output(const std::string& s);
 
+// The exit codes of a command's failures; `check` has qemu-img check's.
+struct FailureExits {
+  int usage = kExitUsage;
+  int corrupt = kExitCorrupt;
+  int error = kExitError;
+};
+inline constexpr FailureExits kCheckFailureExits{kCheckExitError, kCheckExitCorrupt,
+                                                 kCheckExitError};
+
+// Runs `body` (a command) and turns what it throws into one line on stderr and an exit code.
+int run_reporting_failures(const std::string& cmd, const std::function<int()>& body,
+                           FailureExits exits = {});
+
 // The backing-file policy option shared by every command that follows a chain:
 // backing files must lie inside the image's own directory tree, or one given with
 // --allow-backing-dir (repeatable; "/" allows everything).
 void add_backing_policy(po::options_description& opts, std::vector<std::string>& dirs);
-std::vector<std::string> backing_policy(const std::string& image, const std::vector<std::string>& extra);
+std::vector<std::string> backing_policy(const std::string& image,
+                                        const std::vector<std::string>& extra);
 
 }  // namespace qcommit::cli

@@ -71,9 +71,19 @@ engine::MergeOptions options_for(const Scenario& s, const std::string& dir) {
   return o;
 }
 
-// Stops the merge right before write point `k` in a child process. Returns the name of the point
-// it stopped at, or "" if the merge finished first.
-std::string run_stopped_at(const Scenario& s, const std::string& dir, int k) {
+// How a merge run in a child process ended: the name of the write point `k` it reached ("" if it
+// finished first) and its exit status.
+struct ChildRun {
+  std::string point;
+  int status = 0;
+};
+
+// Runs the merge in a child process. Its on_write_point hook tells the parent the name of the
+// k-th write point, then calls at_point (which may end the process); the merge's own outcome is
+// mapped to an exit status by on_error (an exception) or is 0 (finished).
+template <class AtPoint, class OnError>
+ChildRun run_in_child(const Scenario& s, const std::string& dir, int k, AtPoint at_point,
+                      OnError on_error) {
   int pipefd[2];
   REQUIRE(::pipe(pipefd) == 0);
   const pid_t pid = ::fork();
@@ -83,15 +93,14 @@ std::string run_stopped_at(const Scenario& s, const std::string& dir, int k) {
     engine::MergeOptions o = options_for(s, dir);
     int seen = 0;
     o.on_write_point = [&](std::string_view name) {
-      if (++seen < k) return;
+      if (++seen != k) return;
       (void)!::write(pipefd[1], name.data(), name.size());
-      ::_exit(kStoppedExit);
+      at_point();
     };
     try {
       (void)engine::merge(o);
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "merge failed: %s\n", e.what());
-      ::_exit(2);
+      ::_exit(on_error(std::string(e.what())));
     }
     ::_exit(0);
   }
@@ -102,9 +111,21 @@ std::string run_stopped_at(const Scenario& s, const std::string& dir, int k) {
   int status = 0;
   REQUIRE(::waitpid(pid, &status, 0) == pid);
   REQUIRE(WIFEXITED(status));
-  if (WEXITSTATUS(status) == 0) return "";
-  REQUIRE_MESSAGE(WEXITSTATUS(status) == kStoppedExit, "the stopped merge failed on its own");
-  return std::string(buf, size_t(std::max<ssize_t>(n, 0)));
+  return {std::string(buf, size_t(std::max<ssize_t>(n, 0))), WEXITSTATUS(status)};
+}
+
+// Stops the merge right before write point `k` in a child process. Returns the name of the point
+// it stopped at, or "" if the merge finished first.
+std::string run_stopped_at(const Scenario& s, const std::string& dir, int k) {
+  const ChildRun r = run_in_child(
+      s, dir, k, [] { ::_exit(kStoppedExit); },
+      [](const std::string& msg) {
+        std::fprintf(stderr, "merge failed: %s\n", msg.c_str());
+        return 2;
+      });
+  if (r.status == 0) return "";
+  REQUIRE_MESSAGE(r.status == kStoppedExit, "the stopped merge failed on its own");
+  return r.point;
 }
 
 // Saves the guest views (raw) of TOP and the children before any merge.
@@ -520,39 +541,16 @@ enum FaultExit : int { kFinished = 0, kFailedCleanly = 3, kBadMessage = 4, kOthe
 std::pair<std::string, int> run_faulted_at(const Scenario& s, const std::string& dir,
                                            const SlowFs& storage, int k,
                                            const std::string& error_text) {
-  int pipefd[2];
-  REQUIRE(::pipe(pipefd) == 0);
-  const pid_t pid = ::fork();
-  REQUIRE(pid >= 0);
-  if (pid == 0) {
-    ::close(pipefd[0]);
-    engine::MergeOptions o = options_for(s, dir);
-    int seen = 0;
-    o.on_write_point = [&](std::string_view name) {
-      if (++seen != k) return;
-      (void)!::write(pipefd[1], name.data(), name.size());
-      storage.fail(true);
-    };
-    try {
-      (void)engine::merge(o);
-    } catch (const std::exception& e) {
-      const std::string msg = e.what();
-      std::fprintf(stderr, "merge stopped: %s\n", msg.c_str());
-      const bool one_line = msg.find('\n') == std::string::npos;
-      const bool names_file = msg.find(dir + "/") != std::string::npos;
-      const bool says_why = msg.find(error_text) != std::string::npos;
-      ::_exit(one_line && names_file && says_why ? kFailedCleanly : kBadMessage);
-    }
-    ::_exit(kFinished);
-  }
-  ::close(pipefd[1]);
-  char buf[64] = {};
-  const ssize_t n = ::read(pipefd[0], buf, sizeof buf - 1);
-  ::close(pipefd[0]);
-  int status = 0;
-  REQUIRE(::waitpid(pid, &status, 0) == pid);
-  REQUIRE(WIFEXITED(status));
-  return {std::string(buf, size_t(std::max<ssize_t>(n, 0))), WEXITSTATUS(status)};
+  const ChildRun r = run_in_child(
+      s, dir, k, [&storage] { storage.fail(true); },
+      [&](const std::string& msg) {
+        std::fprintf(stderr, "merge stopped: %s\n", msg.c_str());
+        const bool one_line = msg.find('\n') == std::string::npos;
+        const bool names_file = msg.find(dir + "/") != std::string::npos;
+        const bool says_why = msg.find(error_text) != std::string::npos;
+        return one_line && names_file && says_why ? int(kFailedCleanly) : int(kBadMessage);
+      });
+  return {r.point, r.status};
 }
 
 struct FaultCounts {
