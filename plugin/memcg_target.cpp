@@ -78,16 +78,8 @@ class MemcgTargetFile final : public TargetFile {
     drop_cache_at_adoption();
   }
 
-  std::uint64_t size() override {
-    struct stat st {};
-    if (::fstat(fd_.get(), &st) != 0) return 0;
-    return static_cast<std::uint64_t>(st.st_size);
-  }
-  std::optional<std::uint64_t> device() override {
-    struct stat st {};
-    if (::fstat(fd_.get(), &st) != 0) return std::nullopt;
-    return static_cast<std::uint64_t>(st.st_dev);
-  }
+  std::uint64_t size() override { return target_size(fd_.get()); }
+  std::optional<std::uint64_t> device() override { return target_device(fd_.get()); }
   std::optional<PageCacheState> page_cache() override {
     // In this order: bytes in flight only fall and a cgroup's dirty pages only grow while nothing
     // is issued, so in shadow mode the truth read between them is compared with a consistent

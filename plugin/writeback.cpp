@@ -170,6 +170,18 @@ std::optional<PageCacheState> read_meminfo() {
   return parse_meminfo(ss.str());
 }
 
+std::uint64_t target_size(int fd) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return 0;
+  return static_cast<std::uint64_t>(st.st_size);
+}
+
+std::optional<std::uint64_t> target_device(int fd) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return std::nullopt;
+  return static_cast<std::uint64_t>(st.st_dev);
+}
+
 namespace {
 
 #ifndef __NR_cachestat
@@ -205,16 +217,8 @@ class SystemTargetFile final : public TargetFile {
   SystemTargetFile(int fd, PageCacheSource source)
       : fd_(fd), no_cachestat_(source == PageCacheSource::kMeminfo) {}
 
-  std::uint64_t size() override {
-    struct stat st {};
-    if (::fstat(fd_.get(), &st) != 0) return 0;
-    return static_cast<std::uint64_t>(st.st_size);
-  }
-  std::optional<std::uint64_t> device() override {
-    struct stat st {};
-    if (::fstat(fd_.get(), &st) != 0) return std::nullopt;
-    return static_cast<std::uint64_t>(st.st_dev);
-  }
+  std::uint64_t size() override { return target_size(fd_.get()); }
+  std::optional<std::uint64_t> device() override { return target_device(fd_.get()); }
   std::optional<PageCacheState> page_cache() override {
     if (auto cs = cachestat({0, 0}))
       return PageCacheState{cs->nr_dirty * page_, cs->nr_writeback * page_, true};

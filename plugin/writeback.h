@@ -28,7 +28,7 @@ struct ByteRange {
 // with 256 KiB pieces only one piece fitted and storage sat idle ~80 % of a governed merge.
 inline constexpr std::uint64_t kWritebackPieceBytes = 64 * 1024;
 inline constexpr std::uint32_t kMaxWritebackProbesPerTick = 16384;  // 1 GiB of file per tick
-inline constexpr std::uint64_t kWritebackSkipPieces = 64;  // clean spans skipped per probe
+inline constexpr std::uint64_t kWritebackSkipPieces = 64;           // clean spans skipped per probe
 // Issued ranges the pacer re-reads between whole-file readings (one cachestat each).
 inline constexpr std::size_t kMaxTrackedWritebackRanges = 32;
 
@@ -45,7 +45,7 @@ struct WritebackInput {
 };
 
 struct WritebackPlan {
-  std::vector<ByteRange> ranges;      // start writeback of these (merged, ascending per lap)
+  std::vector<ByteRange> ranges;  // start writeback of these (merged, ascending per lap)
   std::uint64_t dirty_bytes_issued = 0;
   // The whole file was probed: nothing else is dirty (as of this plan).  A caller whose dirty
   // estimate is higher (the kernel's flusher took some) can stop sweeping until it re-reads.
@@ -100,6 +100,10 @@ class IssuedRanges {
   std::vector<ByteRange> ranges_;
 };
 
+// The size and st_dev of an open target file (0 and nullopt when fstat fails): what every
+// TargetFile reports as size() and device().
+[[nodiscard]] std::uint64_t target_size(int fd);
+[[nodiscard]] std::optional<std::uint64_t> target_device(int fd);
 
 // The job's target file as the governor sees it.
 class TargetFile {
