@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <span>
 
 namespace qcommit::qcow2 {
 
@@ -343,6 +344,18 @@ inline constexpr uint64_t kAllSubclustersZero =
     default:
       return boost::endian::load_big_u64(block + 8 * i);
   }
+}
+
+// One past the last non-zero entry of a refcount block of `entries` 2^order-bit entries (0 when
+// all are zero), found from the last non-zero byte: for sub-byte widths it may name a zero
+// neighbour of the same byte, never less than the truth.
+[[nodiscard]] inline uint64_t refcount_entries_in_use(std::span<const uint8_t> block,
+                                                      uint32_t order, uint64_t entries) {
+  size_t b = block.size();
+  while (b > 0 && block[b - 1] == 0) --b;
+  if (b == 0) return 0;
+  const uint64_t bits = uint64_t(1) << order;
+  return std::min(entries, (uint64_t(b) * 8 + bits - 1) / bits);
 }
 
 inline void set_refcount_entry(uint8_t* block, uint32_t order, uint64_t i, uint64_t v) {

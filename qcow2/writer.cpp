@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 
 #include "qcow2/error.h"
 
@@ -47,6 +48,29 @@ Writer::Writer(Image& image)
     // v2 with internal snapshots is handled like v3: refcounts tell what is shared.
   }
   file_end_cluster_ = (image_.file().size() + cs_ - 1) / cs_;
+  skip_refcounted_tail();
+}
+
+// Clusters past the end of the file that still have a refcount (a file cut short after its
+// tables were written; check reports the references to them) are not free: allocation at the
+// end starts past the last of them, so nothing allocated here lands on a cluster that a table
+// may still point to. A block named by several table entries is read once.
+void Writer::skip_refcounted_tail() {
+  const uint64_t per_block = geo_.refcount_block_entries();
+  const auto& reftable = image_.reftable_;
+  std::map<uint64_t, uint64_t> in_use_by_block;  // block offset -> entries in use
+  for (uint64_t bi = reftable.size(); bi-- > file_end_cluster_ / per_block;) {
+    const uint64_t off = reftable[bi] & kRefTableOffsetMask;
+    if (!off) continue;
+    auto [it, fresh] = in_use_by_block.try_emplace(off, 0);
+    if (fresh) {
+      const Image::RefcountBlock b = image_.refcount_block(bi);
+      it->second = refcount_entries_in_use(*b.table, geo_.refcount_order, per_block);
+    }
+    if (it->second == 0) continue;
+    file_end_cluster_ = std::max(file_end_cluster_, bi * per_block + it->second);
+    return;  // the highest block in use decides
+  }
 }
 
 bool Writer::has_staged_changes() const {

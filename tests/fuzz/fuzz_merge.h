@@ -17,6 +17,7 @@
 
 #include "engine/merge.h"
 #include "qcow2/chain.h"
+#include "qcow2/check.h"
 #include "qcow2/error.h"
 #include "tests/fuzz/fuzz_util.h"
 
@@ -119,6 +120,20 @@ inline int merge_top_into_base(std::span<const uint8_t> top_bytes,
     std::abort();
   }
   require_same(*before, *after, "merged BASE");
+  // And its metadata is consistent: the merge checked BASE before writing into it.
+  try {
+    auto img = qcow2::Image::open(qcow2::FileDevice::open(base));
+    const auto r = qcow2::check(*img, qcow2::Repair::kNone);
+    if (r.corruptions > 0) {
+      std::fprintf(stderr, "merged BASE: check found %llu corruptions (%s)\n",
+                   (unsigned long long)r.corruptions,
+                   r.messages.empty() ? "" : r.messages.front().c_str());
+      std::abort();
+    }
+  } catch (const qcow2::Error& e) {
+    std::fprintf(stderr, "merged BASE cannot be checked: %s\n", e.what());
+    std::abort();
+  }
   // Beyond TOP's size (BASE larger than TOP) BASE keeps its old bytes: not compared here.
   return 0;
 }

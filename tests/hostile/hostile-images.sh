@@ -131,6 +131,23 @@ qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2 4M
 qemu-io -f qcow2 -c 'write -P 0x11 1M 64k' top.qcow2 >/dev/null
 merge_refused base-refcount-zero top.qcow2 base.qcow2 top.qcow2 base.qcow2
 
+# 8b. BASE cut short after its tables were written: an L2 entry and its refcount name a data
+#     cluster past the end of the file. check counts the reference as qemu-img check does; the
+#     merge is refused (its allocator, extending the file, would have placed TOP's data on that
+#     very cluster: guest offset 128k would then show TOP's bytes from 2M). Found by
+#     fuzz_merge_chain.
+new_case base-cut-short
+qemu-img create -q -f qcow2 base.qcow2 4M
+qemu-io -f qcow2 -c 'write -P 0xaa 0 192k' base.qcow2 >/dev/null
+truncate -s -64k base.qcow2
+qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2 4M
+qemu-io -f qcow2 -c 'write -P 0x11 2M 64k' top.qcow2 >/dev/null
+expect base-cut-short check base.qcow2 2 -- base.qcow2
+ours=$(grep -E 'errors? (were )?found' "$work/base-cut-short.check.out")
+theirs=$(qemu-img check base.qcow2 2>/dev/null | grep -E 'errors? (were )?found')
+[ -n "$theirs" ] && [ "$ours" = "$theirs" ] || fail "base-cut-short: check says '$ours', qemu-img check '$theirs'"
+merge_refused base-cut-short top.qcow2 base.qcow2 top.qcow2 base.qcow2
+
 echo "header"
 # 9. header_length beyond the end of a short file (the extension area's size wrapped: the error
 #    was std::length_error's text, naming no file). Found by fuzz_chain.

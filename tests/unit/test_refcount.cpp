@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <span>
 
+#include "qcow2/check.h"
 #include "qcow2/writer.h"
 #include "tests/unit/helpers.h"
 
@@ -76,13 +77,48 @@ TEST_CASE("qcow2.refcount.writer_refuses_bad_block") {
   const uint64_t cs = 4096, per_block = 512;
   b.put64(b.reftable_offset() + 8, 0x12345);  // the block for clusters 512-1023: unaligned
   auto img = open_image(b);
-  qcow2::Writer w(*img);
   const std::vector<uint8_t> data(cs, 0x5a);
   auto view = [](uint64_t, std::span<uint8_t> out) { std::fill(out.begin(), out.end(), 0); };
-  // Clusters are allocated past the end of the file until one needs the second block.
+  // Clusters are allocated past the end of the file until one needs the second block (or the
+  // writer, looking for refcounts past the end of the file, reads that block first).
   expect_error<qcow2::CorruptionError>(
       [&] {
+        qcow2::Writer w(*img);
         for (uint64_t g = 0; g < per_block * cs; g += cs) w.write(g, data, view);
       },
       "mem.qcow2", "refcount block at 0x12200 (refcount table index 1) is not cluster aligned");
+}
+
+TEST_CASE("qcow2.refcount.clusters_past_a_cut_file_are_not_free") {
+  // A file cut short after its tables were written: the L2 entry of guest cluster 1 and its
+  // refcount still name a cluster past the end of the file. check reports the reference, as
+  // qemu-img check does; a writer must not hand that cluster out again (it would show the new
+  // data at guest cluster 1 too).
+  ImageSpec s;
+  s.cluster_bits = 12;
+  s.size = 4ull << 20;
+  ImageBuilder b(s);
+  const uint64_t cs = 4096;
+  (void)b.write_cluster(0, 0x11);
+  const uint64_t cut = b.write_cluster(cs, 0x22);
+  REQUIRE(cut + cs == b.bytes().size());
+  b.bytes().resize(cut);
+  auto img = open_image(b);
+
+  const qcow2::CheckResult r = qcow2::check(*img, qcow2::Repair::kNone);
+  CHECK(r.corruptions == 1);
+  const bool named = std::any_of(r.messages.begin(), r.messages.end(), [&](const std::string& m) {
+    return m.find("data cluster at " + qcow2::hex(cut)) != std::string::npos &&
+           m.find("beyond end of file") != std::string::npos;
+  });
+  CHECK(named);
+
+  qcow2::Writer w(*img);
+  const std::vector<uint8_t> data(cs, 0x5a);
+  auto view = [](uint64_t, std::span<uint8_t> out) { std::fill(out.begin(), out.end(), 0); };
+  w.write(5 * cs, data, view);
+  w.commit();
+  const qcow2::Run run = img->lookup(5 * cs, cs);
+  CHECK(run.host_offset > cut);
+  CHECK(img->lookup(cs, cs).host_offset == cut);
 }
