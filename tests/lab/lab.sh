@@ -25,7 +25,10 @@
 #   lab_assert_clean                  fails if anything of this run is left behind
 #
 # Environment: QCOMMIT_BUILD_DIR (default <repo>/build), LAB_KEEP=1 keeps the backing data,
-# LAB_VERBOSE=1 logs more. Needs root, /dev/fuse, qemu-system-x86, libvirt.
+# LAB_VERBOSE=1 logs more. LAB_RUN_ROOT puts the runs elsewhere than <build>/lab-run (a
+# directory another libvirtd's QEMU sees at the same path), LAB_ID_PREFIX names them (default
+# qcl), LAB_LOCAL_DAEMONS=0 leaves this host's libvirtd alone (LIBVIRT_DEFAULT_URI names
+# another). Needs root, /dev/fuse, qemu-system-x86, libvirt.
 
 LAB_SOURCE_DIR=${QCOMMIT_SOURCE_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}
 LAB_BUILD_DIR=$(realpath -m "${QCOMMIT_BUILD_DIR:-$LAB_SOURCE_DIR/build}")
@@ -60,11 +63,12 @@ lab_ensure_daemons() {
 
 lab_init() {
   local tag=${1:-run}
+  local run_root=${LAB_RUN_ROOT:-$LAB_BUILD_DIR/lab-run}
   [ "$(id -u)" -eq 0 ] || lab_die "the lab needs root (FUSE mount, libvirt system URI)"
   [ -x "$LAB_SLOWFS" ] || lab_die "$LAB_SLOWFS missing: build target qcommit-slowfs"
   [ -x "$LAB_PROBE" ] || lab_die "$LAB_PROBE missing: build target qcommit-lab-probe"
-  LAB_ID=qcl-$tag-$(date +%m%d%H%M%S)-$$-$RANDOM
-  LAB_DIR=$LAB_BUILD_DIR/lab-run/$LAB_ID
+  LAB_ID=${LAB_ID_PREFIX:-qcl}-$tag-$(date +%m%d%H%M%S)-$$-$RANDOM
+  LAB_DIR=$run_root/$LAB_ID
   LAB_MNT=$LAB_DIR/mnt
   LAB_DOM=$LAB_ID
   LAB_SLOWFS_PID=""
@@ -72,14 +76,16 @@ lab_init() {
   LAB_DOM_DEFINED=0
   export LAB_ID LAB_DIR LAB_MNT LAB_DOM
   mkdir -p "$LAB_DIR/backing" "$LAB_MNT"
-  chmod 755 "$LAB_BUILD_DIR" "$LAB_BUILD_DIR/lab-run" "$LAB_DIR"
+  # QEMU runs as its own user: every directory down to the run's must let it through.
+  [ -n "${LAB_RUN_ROOT:-}" ] || chmod 755 "$LAB_BUILD_DIR"
+  chmod 755 "$run_root" "$LAB_DIR"
   : >"$LAB_DIR/events"
   : >"$LAB_DIR/timeline.csv"
   trap 'lab_teardown' EXIT
   trap 'exit 130' INT TERM HUP
-  lab_ensure_daemons
+  [ "${LAB_LOCAL_DAEMONS:-1}" = 0 ] || lab_ensure_daemons
   "$LAB_SOURCE_DIR/scripts/lab-guest-build" "$LAB_CACHE" "$LAB_PROBE" >/dev/null
-  lab_log "run $LAB_ID in $LAB_DIR"
+  lab_log "run $LAB_ID in $LAB_DIR against $LIBVIRT_DEFAULT_URI"
 }
 
 lab_storage_start() {

@@ -45,25 +45,11 @@ fail() {
   exit 1
 }
 
-# lab_init, with the run directory in the platform's shared directory (same path for the host's
-# FUSE storage and trixie's QEMU) and without the host's libvirtd.
-trixie_lab_init() {
-  LAB_ID=qcl-trixie-$1-$(date +%m%d%H%M%S)-$$-$RANDOM
-  LAB_DIR=$TRIXIE_SHARE/lab-run/$LAB_ID
-  LAB_MNT=$LAB_DIR/mnt
-  LAB_DOM=$LAB_ID
-  LAB_SLOWFS_PID=""
-  LAB_READER_PID=""
-  LAB_DOM_DEFINED=0
-  export LAB_ID LAB_DIR LAB_MNT LAB_DOM
-  mkdir -p "$LAB_DIR/backing" "$LAB_MNT"
-  chmod 755 "$TRIXIE_SHARE/lab-run" "$LAB_DIR"
-  : >"$LAB_DIR/events"
-  : >"$LAB_DIR/timeline.csv"
-  trap 'exit 130' INT TERM HUP
-  "$LAB_SOURCE_DIR/scripts/lab-guest-build" "$LAB_CACHE" "$LAB_PROBE" >/dev/null
-  lab_log "run $LAB_ID in $LAB_DIR against $TRIXIE_URI"
-}
+# Runs live in the platform's shared directory (same path for the host's FUSE storage and
+# trixie's QEMU) and talk to trixie's libvirtd only.
+LAB_RUN_ROOT=$TRIXIE_SHARE/lab-run
+LAB_ID_PREFIX=qcl-trixie
+LAB_LOCAL_DAEMONS=0
 
 prepare_guest() {
   lab_storage_start --bandwidth 50M
@@ -87,7 +73,7 @@ verify_data() {
 }
 
 run_virsh() {
-  trixie_lab_init virsh
+  lab_init virsh
   trap 'live_cleanup; lab_teardown' EXIT
   live_qcd_start --budget 20ms
   grep -q "$TRIXIE_URI" <(ps -o args= -p "$LIVE_QCD_PID") || fail "qcommitd is not on $TRIXIE_URI"
@@ -120,7 +106,7 @@ run_virsh() {
 }
 
 run_live() {
-  trixie_lab_init live
+  lab_init live
   trap 'lab_teardown' EXIT
   prepare_guest
   lab_merge "$LIVE_QCOMMIT" live "$LAB_DOM" vda --pivot --uri "$TRIXIE_URI" \
