@@ -101,6 +101,24 @@ ImageInUse::ImageInUse(const std::string& path, const std::string& conflict,
 
 bool ImageInUse::held_by_guest() const { return any_guest(holders_); }
 
+std::vector<Holder> wait_until_closed(const std::string& path, LockClock::duration wait,
+                                      const LockWaitNotice& on_wait, const LockWaitClock& clock) {
+  const LockClock::time_point start = clock.now();
+  const LockClock::time_point deadline =
+      wait < LockClock::time_point::max() - start ? start + wait : LockClock::time_point::max();
+  bool told = false;
+  for (;;) {
+    std::vector<Holder> holders = holders_of(path, Access::any);
+    const LockClock::time_point now = clock.now();
+    if (holders.empty() || now >= deadline || any_guest(holders)) return holders;
+    if (!told && on_wait)
+      on_wait("waiting up to " + duration_text(wait) + " for " + describe(holders) + " to close " +
+              path + " before deleting it");
+    told = true;
+    clock.sleep_for(std::min<LockClock::duration>(kLockRecheckInterval, deadline - now));
+  }
+}
+
 std::string describe_holders(const std::string& path) {
   return describe(holders_of(path, Access::any));
 }

@@ -105,6 +105,16 @@ class ImageLock {
   UniqueFd fd_;  // closing the open file description drops its OFD locks
 };
 
+// Waits until no other process has `path` open (a monitoring agent's qemu-img info closes it in
+// milliseconds), looking every kLockRecheckInterval for up to `wait`; `on_wait` (may be empty) is
+// told once, when the first look finds a holder. Returns the holders left: none once the file is
+// closed; those of the last look at the deadline; at once, those of a look that finds a QEMU
+// running a guest (no transient holder).
+[[nodiscard]] std::vector<Holder> wait_until_closed(const std::string& path,
+                                                    LockClock::duration wait,
+                                                    const LockWaitNotice& on_wait,
+                                                    const LockWaitClock& clock = LockWaitClock{});
+
 // "pid 1234 (qemu-system-x86)" for every process that has `path` open, or "" if none is found.
 [[nodiscard]] std::string describe_holders(const std::string& path);
 

@@ -832,12 +832,14 @@ class MergeJob {
 
   // TOP first; the checkpoint lists them first, for finish_interrupted_delete(). A layer that
   // another process has open (TOP is only read-locked, so a reader may have opened it) is not
-  // deleted under it: the merge stops, done but for the deletions, and the same command again
-  // finishes them once the file is closed.
+  // deleted under it: such a reader (a monitoring agent's qemu-img info) is waited for within
+  // --wait; one that keeps it open stops the merge, done but for the deletions, and the same
+  // command again finishes them once the file is closed.
   void delete_merged_layers() {
     for (const auto& p : res.merged_layers)
-      if (const std::string holders = describe_holders(p); !holders.empty())
-        throw Error(p, "merged, but not deleted: it is open in " + holders +
+      if (const auto holders = wait_until_closed(p, opt.lock_wait, opt.on_lock_wait);
+          !holders.empty())
+        throw Error(p, "merged, but not deleted: it is open in " + describe(holders) +
                            "; run the same command again once it is closed");
     Checkpoint deleting{identity, top_size, {}};
     for (const auto& p : res.merged_layers) deleting.deleting.push_back(fs::absolute(p).string());
