@@ -27,6 +27,7 @@
 #include "engine/checkpoint.h"
 #include "engine/copy_pool.h"
 #include "engine/image_lock.h"
+#include "engine/node_wait.h"
 #include "qcow2/chain.h"
 #include "qcow2/check.h"
 #include "qcow2/error.h"
@@ -653,6 +654,7 @@ class MergeJob {
     {
       qcow2::ChainOptions popts;
       popts.allowed_backing_dirs = opt.allowed_backing_dirs;
+      popts.await_missing = node_waiter();
       Chain probe = Chain::open(opt.top, popts);
       base_depth = base_depth_in(probe, opt);
       for (size_t i = 0; i <= base_depth; ++i) {
@@ -674,6 +676,19 @@ class MergeJob {
     base = &chain->layer(base_depth);
     res.base = base->path;
     top_size = chain->virtual_size();
+  }
+
+  // A backing file under /dev/ that does not exist yet (udev still creating an LV's node) is
+  // waited for until the --wait budget, counted from the start of the merge, is spent.
+  [[nodiscard]] std::function<bool(const std::string&)> node_waiter() const {
+    if (opt.lock_wait <= Duration::zero()) return nullptr;
+    const LockClock::time_point now = LockClock::now();
+    const LockClock::time_point deadline = opt.lock_wait < LockClock::time_point::max() - now
+                                               ? now + opt.lock_wait
+                                               : LockClock::time_point::max();
+    return [this, deadline](const std::string& path) {
+      return wait_for_node(path, deadline, opt.on_lock_wait);
+    };
   }
 
   // 3. The checkpoint of an interrupted run of this same merge (same layers, same BASE).

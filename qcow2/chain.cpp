@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <set>
 #include <string_view>
@@ -76,13 +77,19 @@ Format parse_format(const std::string& image, const std::string& fmt) {
 // Looks up the file `image` names as `what` ("backing file", "external data file") at `path`
 // (resolve_backing's result) without opening it, then applies the policy before anything opens
 // it for I/O: it must resolve inside the allowed trees and be a regular file or block device.
+// A file that does not exist is looked up again as long as options.await_missing says so.
 PathHandle look_up_named(const std::string& image, const std::string& what, const std::string& name,
-                         const std::string& path, const std::vector<std::string>& allowed) {
+                         const std::string& path, const ChainOptions& options) {
+  const std::vector<std::string>& allowed = options.allowed_backing_dirs;
   PathHandle h = [&] {
-    try {
-      return PathHandle::lookup(path);
-    } catch (const IoError& e) {
-      throw Error(image, "cannot open " + what + " '" + name + "': " + e.problem());
+    for (;;) {
+      try {
+        return PathHandle::lookup(path);
+      } catch (const IoError& e) {
+        if (e.error_number() == ENOENT && options.await_missing && options.await_missing(path))
+          continue;
+        throw Error(image, "cannot open " + what + " '" + name + "': " + e.problem());
+      }
     }
   }();
   if (!allowed.empty() && !inside_dirs(h.real_path(), allowed)) {
@@ -123,9 +130,9 @@ Chain Chain::open(const std::string& path, ChainOptions options, std::optional<F
     const bool writable = (depth == 0 && options.writable_top) ||
                           (options.writable_depth && *options.writable_depth == depth);
     // Nothing is opened for I/O before the policy and the loop check ran on the lookup.
-    const PathHandle handle = depth == 0 ? PathHandle::lookup(current)
-                                         : look_up_named(named_by, "backing file", named_as,
-                                                         current, options.allowed_backing_dirs);
+    const PathHandle handle =
+        depth == 0 ? PathHandle::lookup(current)
+                   : look_up_named(named_by, "backing file", named_as, current, options);
     if (!seen.insert(handle.id()).second)
       throw Error(named_by.empty() ? path : named_by, "backing chain loop: '" + current + "' (" +
                                                           handle.real_path() +
@@ -150,9 +157,8 @@ Chain Chain::open(const std::string& path, ChainOptions options, std::optional<F
       if (!img.data_file_name())
         throw Error(current, "image uses an external data file but does not name it");
       const std::string& dname = *img.data_file_name();
-      const PathHandle dh =
-          look_up_named(current, "external data file", dname, resolve_backing(current, dname),
-                        options.allowed_backing_dirs);
+      const PathHandle dh = look_up_named(current, "external data file", dname,
+                                          resolve_backing(current, dname), options);
       img.attach_data_file(open_named(current, "external data file", dname, dh, writable));
     }
     std::optional<std::string> next = img.backing_name();

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -59,6 +60,9 @@ struct ChainOptions {
   std::vector<std::string> allowed_backing_dirs;
   size_t cache_bytes = kDefaultCacheBytes;
   size_t max_depth = kMaxChainDepth;
+  // Asked when a backing or external data file does not exist (ENOENT), with the path looked up:
+  // true once it may be there (it is looked up again), false to fail as without it. Empty: fail.
+  std::function<bool(const std::string& path)> await_missing;
 };
 
 // Probes a file's format: qcow2 by magic, otherwise raw.
