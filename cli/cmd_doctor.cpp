@@ -14,7 +14,7 @@
 #include "cli/json.h"
 #include "cli/options.h"
 #include "cli/units.h"
-#include "cli/xml.h"
+#include "plugin/xml.h"
 #include "plugin/libvirt_handles.h"
 #include "plugin/process.h"
 #include "plugin/writeback.h"
@@ -56,19 +56,17 @@ void check_domain(virDomainPtr dom, std::vector<Finding>& out) {
   const std::string name = virDomainGetName(dom);
   std::unique_ptr<char, decltype(&free)> xml(virDomainGetXMLDesc(dom, 0), &free);
   if (!xml) return;
-  std::unique_ptr<xmlDoc, decltype(&xmlFreeDoc)> doc(
-      xmlReadMemory(xml.get(), int(strlen(xml.get())), "d.xml", nullptr, XML_PARSE_NONET),
-      &xmlFreeDoc);
+  const plugin::xml::Doc doc = plugin::xml::parse(xml.get());
   if (!doc) return;
   xmlNodePtr root = xmlDocGetRootElement(doc.get());
-  const bool iothreads = xml_child(root, "iothreads") != nullptr;
-  xmlNodePtr devices = xml_child(root, "devices");
+  const bool iothreads = plugin::xml::child(root, "iothreads") != nullptr;
+  xmlNodePtr devices = plugin::xml::child(root, "devices");
   for (xmlNodePtr d = devices ? devices->children : nullptr; d; d = d->next) {
     if (d->type != XML_ELEMENT_NODE || xmlStrcmp(d->name, BAD_CAST "disk") != 0) continue;
-    if (xml_attr(d, "device") != "disk") continue;
-    const std::string dev = xml_attr(xml_child(d, "target"), "dev");
-    xmlNodePtr drv = xml_child(d, "driver");
-    const std::string cache = xml_attr(drv, "cache"), io = xml_attr(drv, "io");
+    if (plugin::xml::attr(d, "device") != "disk") continue;
+    const std::string dev = plugin::xml::attr(plugin::xml::child(d, "target"), "dev");
+    xmlNodePtr drv = plugin::xml::child(d, "driver");
+    const std::string cache = plugin::xml::attr(drv, "cache"), io = plugin::xml::attr(drv, "io");
     const std::string subject = "domain " + name + " disk " + dev;
     if (cache.empty() || cache == "writeback" || cache == "default")
       out.push_back(

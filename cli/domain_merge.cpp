@@ -19,7 +19,7 @@
 #include <utility>
 
 #include "qcow2/chain.h"
-#include "cli/xml.h"
+#include "plugin/xml.h"
 #include "engine/image_lock.h"
 #include "plugin/libvirt_handles.h"
 #include "qcow2/error.h"
@@ -38,8 +38,8 @@ using Snap = plugin::lv::Snapshot;
 using Pool = plugin::lv::Pool;
 using Vol = plugin::lv::Vol;
 using CStr = plugin::lv::CString;
-struct DocFree { void operator()(xmlDocPtr p) const { xmlFreeDoc(p); } };
-using Doc = std::unique_ptr<xmlDoc, DocFree>;
+namespace xml = plugin::xml;
+using Doc = xml::Doc;
 
 // Test-only seams at named points of a domain merge, in order: data-window (after the first
 // committed window of the copy), data-merged (the copy and the switch done, the images still
@@ -61,30 +61,17 @@ std::string last_libvirt_error() {
   return e && e->message ? e->message : "unknown libvirt error";
 }
 
-Doc parse_xml(const std::string& xml, const std::string& what) {
-  Doc d(xmlReadMemory(xml.data(), int(xml.size()), "in.xml", nullptr, XML_PARSE_NONET | XML_PARSE_NOBLANKS));
+Doc parse_xml(const std::string& text, const std::string& what) {
+  Doc d = xml::parse(text);
   if (!d) throw Error(what, "cannot parse libvirt XML");
   return d;
 }
 
-// The <disk> element of `doc` whose <target dev=...> is `dev` (domain XML: devices/disk;
-// snapshot XML: disks/disk with name=).
+// The <disk> element of the domain XML `doc` whose <target dev=...> is `dev`.
 xmlNodePtr find_domain_disk(xmlDocPtr doc, const std::string& dev) {
-  xmlNodePtr devices = xml_child(xmlDocGetRootElement(doc), "devices");
-  for (xmlNodePtr d = devices ? devices->children : nullptr; d; d = d->next) {
-    if (d->type != XML_ELEMENT_NODE || xmlStrcmp(d->name, BAD_CAST "disk") != 0) continue;
-    if (xml_attr(xml_child(d, "target"), "dev") == dev) return d;
-  }
+  for (xmlNodePtr d : xml::select(doc, "/domain/devices/disk"))
+    if (xml::attr(xml::child(d, "target"), "dev") == dev) return d;
   return nullptr;
-}
-
-std::string dump(xmlDocPtr doc) {
-  xmlChar* out = nullptr;
-  int len = 0;
-  xmlDocDumpFormatMemory(doc, &out, &len, 1);
-  std::string s(reinterpret_cast<char*>(out), size_t(len));
-  xmlFree(out);
-  return s;
 }
 
 std::string canonical(const std::string& p) {
@@ -113,12 +100,9 @@ std::vector<Pool> pools_holding(virConnectPtr conn, const std::string& file) {
     CStr xml(virStoragePoolGetXMLDesc(p.get(), 0));
     if (!xml) continue;
     Doc d = parse_xml(xml.get(), "pool");
-    xmlNodePtr target = xml_child(xmlDocGetRootElement(d.get()), "target");
-    xmlNodePtr path = xml_child(target, "path");
+    xmlNodePtr path = xml::first(d.get(), "/pool/target/path");
     if (!path) continue;
-    xmlChar* t = xmlNodeGetContent(path);
-    std::string dir = canonical(reinterpret_cast<char*>(t));
-    xmlFree(t);
+    std::string dir = canonical(xml::text(path));
     auto rel = fs::path(canonical(file)).lexically_relative(dir);
     if (!rel.empty() && *rel.begin() != "..") out.push_back(std::move(p));
   }
@@ -143,7 +127,7 @@ void set_source(xmlNodePtr element, xmlNodePtr source, const std::string& path) 
 // probing the files, so a chain that still names a merged layer keeps reading through it, or the
 // domain fails to start once that file is gone.
 void set_backing_store(xmlNodePtr disk, const qcow2::Chain& chain) {
-  while (xmlNodePtr bs = xml_child(disk, "backingStore")) {
+  while (xmlNodePtr bs = xml::child(disk, "backingStore")) {
     xmlUnlinkNode(bs);
     xmlFreeNode(bs);
   }
@@ -180,19 +164,14 @@ struct Journal {
     if (!xml) return false;
     Doc d = parse_xml(xml.get(), "domain-merge journal");
     xmlNodePtr root = xmlDocGetRootElement(d.get());
-    if (!root || xmlStrcmp(root->name, BAD_CAST "merge") != 0 || xml_attr(root, "version") != "2")
+    if (!root || xmlStrcmp(root->name, BAD_CAST "merge") != 0 || xml::attr(root, "version") != "2")
       throw Error(std::string("domain ") + virDomainGetName(dom),
                   "has a qcommit merge journal this version cannot read (remove it: virsh metadata DOMAIN " +
                       std::string(kJournalUri) + " --config --remove)");
-    auto text = [](xmlNodePtr n) {
-      xmlChar* t = xmlNodeGetContent(n);
-      std::string v = t ? reinterpret_cast<char*>(t) : "";
-      xmlFree(t);
-      return v;
-    };
-    disk = xml_attr(root, "disk");
-    switch_source = xml_attr(root, "switch-source") == "yes";
-    delete_merged = xml_attr(root, "delete-merged") == "yes";
+    using xml::text;
+    disk = xml::attr(root, "disk");
+    switch_source = xml::attr(root, "switch-source") == "yes";
+    delete_merged = xml::attr(root, "delete-merged") == "yes";
     for (xmlNodePtr n = root->children; n; n = n->next) {
       if (n->type != XML_ELEMENT_NODE) continue;
       const std::string name = reinterpret_cast<const char*>(n->name);
@@ -310,11 +289,11 @@ DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(
     doc = parse_xml(xml.get(), "domain " + req.domain);
     xmlNodePtr disk = find_domain_disk(doc.get(), req.disk);
     if (!disk) throw Error("domain " + req.domain, "has no disk with target '" + req.disk + "'");
-    xmlNodePtr source = xml_child(disk, "source");
-    std::string path = xml_attr(source, "file");
-    if (path.empty()) path = xml_attr(source, "dev");
-    if (path.empty() && !xml_attr(source, "volume").empty())
-      path = volume_path(conn.get(), xml_attr(source, "pool"), xml_attr(source, "volume"));
+    xmlNodePtr source = xml::child(disk, "source");
+    std::string path = xml::attr(source, "file");
+    if (path.empty()) path = xml::attr(source, "dev");
+    if (path.empty() && !xml::attr(source, "volume").empty())
+      path = volume_path(conn.get(), xml::attr(source, "pool"), xml::attr(source, "volume"));
     if (path.empty())
       throw Error("domain " + req.domain, "disk " + req.disk + " is not a file, block device or pool volume; cannot merge it offline");
     return std::pair{disk, path};
@@ -397,18 +376,18 @@ DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(
       CStr sx(virDomainSnapshotGetXMLDesc(s.get(), 0));
       if (!sx) continue;
       Doc sd = parse_xml(sx.get(), "snapshot");
-      xmlNodePtr disks = xml_child(xmlDocGetRootElement(sd.get()), "disks");
+      xmlNodePtr disks = xml::child(xmlDocGetRootElement(sd.get()), "disks");
       bool hit = false;
       for (xmlNodePtr d = disks ? disks->children : nullptr; d; d = d->next) {
-        if (d->type != XML_ELEMENT_NODE || xml_attr(d, "name") != req.disk) continue;
+        if (d->type != XML_ELEMENT_NODE || xml::attr(d, "name") != req.disk) continue;
         // The snapshot's overlay, or the state it captured (the overlay's backing file), merged.
-        if (auto k = index_of(xml_attr(xml_child(d, "source"), "file")))
+        if (auto k = index_of(xml::attr(xml::child(d, "source"), "file")))
           hit = (*k >= *t && *k < *b) || (*k + 1 >= *t && *k + 1 <= *b);
       }
       if (!hit) continue;
       const std::string name = virDomainSnapshotGetName(s.get());
-      xmlNodePtr memory = xml_child(xmlDocGetRootElement(sd.get()), "memory");
-      if (memory && xml_attr(memory, "snapshot") == "external")
+      xmlNodePtr memory = xml::child(xmlDocGetRootElement(sd.get()), "memory");
+      if (memory && xml::attr(memory, "snapshot") == "external")
         problems.push_back("snapshot '" + name + "' has saved memory state that needs the merged disk state");
       affected.push_back(name);
     }
@@ -477,12 +456,12 @@ DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(
         return o;
       }());
       if (journal.switch_source) {
-        set_source(disk, xml_child(disk, "source"), new_active);
-        if (xmlNodePtr drv = xml_child(disk, "driver"))
+        set_source(disk, xml::child(disk, "source"), new_active);
+        if (xmlNodePtr drv = xml::child(disk, "driver"))
           xmlSetProp(drv, BAD_CAST "type", BAD_CAST qcow2::to_string(after.top().format));
       }
       set_backing_store(disk, after);
-      const std::string newxml = dump(doc.get());
+      const std::string newxml = xml::dump(doc.get());
       Dom redefined(virDomainDefineXML(conn.get(), newxml.c_str()));
       if (!redefined)
         throw Error("domain " + req.domain, "merge done, but redefining the domain failed: " + last_libvirt_error() +

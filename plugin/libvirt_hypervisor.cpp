@@ -14,6 +14,7 @@
 #include "plugin/config.h"
 #include "plugin/libvirt_handles.h"
 #include "plugin/overlay_file.h"
+#include "plugin/xml.h"
 
 namespace qcommit::plugin {
 namespace {
@@ -68,89 +69,50 @@ void on_close(virConnectPtr, int, void* opaque) {
 }
 
 // --- domain XML disks ---------------------------------------------------------------------
-struct DiskParse {
-  std::vector<DiskInfo> disks;
-  std::vector<std::string> stack;
-  bool in_disk = false;
-  bool wanted = false;
-  DiskInfo cur;
-};
-
-const char* attr(const gchar** names, const gchar** values, const char* key) {
-  for (size_t i = 0; names[i]; ++i)
-    if (std::string(names[i]) == key) return values[i];
-  return nullptr;
+// A <source>'s path: file= for files, dev= for block devices ("" for network and volume disks).
+std::string source_path(xmlNodePtr source) {
+  std::string p = xml::attr(source, "file");
+  return p.empty() ? xml::attr(source, "dev") : p;
 }
 
-void disk_start(GMarkupParseContext*, const gchar* el, const gchar** names, const gchar** values,
-                gpointer user, GError**) {
-  auto* st = static_cast<DiskParse*>(user);
-  const std::string e = el;
-  const std::string parent = st->stack.empty() ? "" : st->stack.back();
-  st->stack.push_back(e);
-  if (e == "disk" && parent == "devices") {
-    st->in_disk = true;
-    const char* dev = attr(names, values, "device");
-    st->wanted = !dev || std::string(dev) == "disk";
-    st->cur = DiskInfo{};
-    return;
+DiskInfo parse_disk(xmlDocPtr doc, xmlNodePtr disk) {
+  DiskInfo d;
+  const xmlNodePtr driver = xml::child(disk, "driver");
+  d.cache = xml::attr(driver, "cache");
+  d.format = xml::attr(driver, "type");
+  d.target = xml::attr(xml::child(disk, "target"), "dev");
+  d.source = source_path(xml::child(disk, "source"));
+  // The chain nests one <backingStore> in the next, top to bottom (a mirror's own chain is not
+  // the disk's).
+  for (xmlNodePtr s :
+       xml::select(doc, "backingStore/descendant-or-self::backingStore/source", disk))
+    if (std::string p = source_path(s); !p.empty()) d.backing_chain.push_back(p);
+  if (const xmlNodePtr mirror = xml::child(disk, "mirror")) {
+    std::string p = source_path(xml::child(mirror, "source"));
+    if (p.empty()) p = xml::attr(mirror, "file");  // old-style <mirror file=...>
+    if (!p.empty()) d.mirror = p;
   }
-  if (!st->in_disk) return;
-  const char* file = attr(names, values, "file");
-  if (!file) file = attr(names, values, "dev");
-  if (e == "driver" && parent == "disk") {
-    if (const char* c = attr(names, values, "cache")) st->cur.cache = c;
-    if (const char* f = attr(names, values, "type")) st->cur.format = f;
-  } else if (e == "target" && parent == "disk") {
-    if (const char* d = attr(names, values, "dev")) st->cur.target = d;
-  } else if (e == "source" && file) {
-    if (parent == "disk") st->cur.source = file;
-    else if (parent == "backingStore") st->cur.backing_chain.push_back(file);
-    else if (parent == "mirror") st->cur.mirror = file;
-  } else if (e == "mirror" && file) {
-    st->cur.mirror = file;  // old-style <mirror file=...>
-  }
+  return d;
 }
 
-void disk_end(GMarkupParseContext*, const gchar* el, gpointer user, GError**) {
-  auto* st = static_cast<DiskParse*>(user);
-  if (!st->stack.empty()) st->stack.pop_back();
-  if (std::string(el) == "disk" && st->in_disk &&
-      (st->stack.empty() || st->stack.back() == "devices")) {
-    st->in_disk = false;
-    if (st->wanted && !st->cur.target.empty() && !st->cur.source.empty())
-      st->disks.push_back(st->cur);
-  }
-}
-
-std::string pool_target_path(const std::string& xml) {
-  const auto t = xml.find("<target>");
-  if (t == std::string::npos) return "";
-  const auto p = xml.find("<path>", t);
-  const auto q = xml.find("</path>", t);
-  if (p == std::string::npos || q == std::string::npos || q < p) return "";
-  return xml.substr(p + 6, q - p - 6);
+std::string pool_target_path(const std::string& text) {
+  const xml::Doc doc = xml::parse(text);
+  return xml::text(xml::first(doc.get(), "/pool/target/path"));
 }
 
 }  // namespace
 
-std::vector<DiskInfo> parse_domain_disks(const std::string& xml) {
-  DiskParse st;
-  GMarkupParser parser{};
-  parser.start_element = disk_start;
-  parser.end_element = disk_end;
-  GMarkupParseContext* ctx = g_markup_parse_context_new(&parser, GMarkupParseFlags{}, &st, nullptr);
-  GError* err = nullptr;
-  const bool ok = g_markup_parse_context_parse(ctx, xml.data(), static_cast<gssize>(xml.size()), &err) &&
-                  g_markup_parse_context_end_parse(ctx, &err);
-  g_markup_parse_context_free(ctx);
-  if (err) g_error_free(err);
-  if (!ok) return {};
-  for (auto& d : st.disks) {
+std::vector<DiskInfo> parse_domain_disks(const std::string& text) {
+  const xml::Doc doc = xml::parse(text);
+  std::vector<DiskInfo> disks;
+  for (xmlNodePtr n : xml::select(doc.get(), "/domain/devices/disk[not(@device) or @device='disk']")) {
+    DiskInfo d = parse_disk(doc.get(), n);
+    if (d.target.empty() || d.source.empty()) continue;
     struct stat sb{};
     if (::stat(d.source.c_str(), &sb) == 0) d.device = static_cast<std::uint64_t>(sb.st_dev);
+    disks.push_back(std::move(d));
   }
-  return st.disks;
+  return disks;
 }
 
 LibvirtHypervisor::LibvirtHypervisor(std::string uri) : uri_(std::move(uri)) {

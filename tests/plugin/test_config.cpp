@@ -93,4 +93,26 @@ TEST_CASE("plugin.libvirt.parse_domain_disks") {
       "<source file='/p/a.raw'/><target dev='vdb'/></disk></devices></domain>");
   REQUIRE(plain.size() == 1);
   CHECK(plain[0].cache.empty());
+  // A block device (dev=), a mirror with a chain of its own (not the disk's), a network disk
+  // (no path: left out) and a disk whose <target> comes first.
+  const auto more = parse_domain_disks(R"(<domain><devices>
+    <disk type='block' device='disk'><target dev='vdc'/><driver type='raw' cache='directsync'/>
+      <source dev='/dev/vg/top'/>
+      <backingStore type='block'><source dev='/dev/vg/base'/><backingStore/></backingStore>
+      <mirror type='file' job='copy'><source file='/p/copy.qcow2'/>
+        <backingStore type='file'><source file='/p/copy-base.qcow2'/></backingStore></mirror>
+    </disk>
+    <disk type='network' device='disk'><source protocol='nbd' name='x'><host name='h'/></source>
+      <target dev='vdd'/></disk>
+    </devices></domain>)");
+  REQUIRE(more.size() == 1);
+  CHECK(more[0].target == "vdc");
+  CHECK(more[0].source == "/dev/vg/top");
+  CHECK(more[0].backing_chain == std::vector<std::string>{"/dev/vg/base"});
+  CHECK(more[0].mirror == std::optional<std::string>("/p/copy.qcow2"));
+  CHECK(more[0].cache == "directsync");
+  // Not well-formed: nothing, rather than the disks before the error.
+  CHECK(parse_domain_disks("<domain><devices><disk device='disk'><source file='/p/a'/>"
+                           "<target dev='vda'/></disk><disk></devices>")
+            .empty());
 }
