@@ -11,6 +11,8 @@
 #include <memory>
 #include <vector>
 
+#include "plugin/xml.h"
+
 namespace qcommit::plugin {
 namespace {
 
@@ -246,59 +248,59 @@ Policy policy_for_pool(const DaemonConfig& cfg, const std::string* pool_name,
 
 namespace {
 
-struct OverrideParse {
-  Policy policy;
-  bool seen = false;
-  bool budget_given = false;
-  std::string error;
-};
+// The local name of an element or attribute ("policy" for qcommit:policy, also when libxml2
+// keeps an undeclared prefix in the name).
+std::string local_name(const xmlChar* name) {
+  std::string n = reinterpret_cast<const char*>(name);
+  if (auto c = n.find(':'); c != std::string::npos) n.erase(0, c + 1);
+  return n;
+}
 
-void on_start(GMarkupParseContext*, const gchar* element, const gchar** names,
-              const gchar** values, gpointer user, GError**) {
-  auto* st = static_cast<OverrideParse*>(user);
-  std::string el = element;
-  if (auto c = el.find(':'); c != std::string::npos) el = el.substr(c + 1);
-  if (el != "policy" || st->seen || !st->error.empty()) return;
-  st->seen = true;
+// The first <policy> element of the metadata, whatever its prefix.
+xmlNodePtr find_policy(xmlDocPtr doc) {
+  for (xmlNodePtr n : xml::select(doc, "descendant-or-self::*"))
+    if (local_name(n->name) == "policy") return n;
+  return nullptr;
+}
+
+// Applies one attribute of <qcommit:policy/> to `p`; an error for an attribute it does not know.
+std::optional<std::string> apply_policy_attribute(xmlAttrPtr a, Policy& p, bool& budget_given) {
+  std::string name = reinterpret_cast<const char*>(a->name);
+  if (a->ns && a->ns->prefix) name = reinterpret_cast<const char*>(a->ns->prefix) + (":" + name);
+  const std::string value = xml::text(reinterpret_cast<xmlNodePtr>(a));
+  const std::string what = "domain metadata policy " + name;
   try {
-    for (size_t i = 0; names[i]; ++i) {
-      const std::string n = names[i];
-      const std::string what = std::string("domain metadata policy ") + n;
-      if (n == "budget") {
-        st->policy.budget = parse_duration(values[i], what);
-        st->budget_given = true;
-      } else if (n == "floor") st->policy.floor_bytes_per_s = parse_size(values[i], what);
-      else if (n == "ceiling") st->policy.ceiling_bytes_per_s = parse_size(values[i], what);
-      else if (n.rfind("xmlns", 0) == 0) continue;
-      else st->error = "domain metadata policy: unknown attribute '" + n + "'";
+    if (name == "budget") {
+      p.budget = parse_duration(value, what);
+      budget_given = true;
+    } else if (name == "floor") {
+      p.floor_bytes_per_s = parse_size(value, what);
+    } else if (name == "ceiling") {
+      p.ceiling_bytes_per_s = parse_size(value, what);
+    } else {
+      return "domain metadata policy: unknown attribute '" + name + "'";
     }
   } catch (const ConfigError& e) {
-    st->error = e.what();
+    return std::string(e.what());
   }
+  return std::nullopt;
 }
 
 }  // namespace
 
-std::optional<std::string> apply_domain_override(const std::string& xml, Policy& p,
+std::optional<std::string> apply_domain_override(const std::string& text, Policy& p,
                                                  bool* budget_given) {
-  OverrideParse st;
-  st.policy = p;
-  GMarkupParser parser{};
-  parser.start_element = on_start;
-  GMarkupParseContext* ctx = g_markup_parse_context_new(&parser, GMarkupParseFlags{}, &st, nullptr);
-  GError* raw_err = nullptr;
-  bool ok = g_markup_parse_context_parse(ctx, xml.data(), static_cast<gssize>(xml.size()), &raw_err) &&
-            g_markup_parse_context_end_parse(ctx, raw_err ? nullptr : &raw_err);
-  g_markup_parse_context_free(ctx);
-  if (!ok || raw_err) {
-    std::unique_ptr<GError, ErrorDeleter> err(raw_err);
-    return std::string("domain metadata policy: bad XML: ") + (err ? err->message : "parse error");
-  }
-  if (!st.error.empty()) return st.error;
-  if (!st.seen) return std::string("domain metadata: no <qcommit:policy/> element");
-  if (auto e = st.policy.validate()) return "domain metadata policy: " + *e;
-  p = st.policy;
-  if (budget_given) *budget_given = st.budget_given;
+  const xml::Doc doc = xml::parse(text);
+  if (!doc) return std::string("domain metadata policy: bad XML (not well-formed)");
+  const xmlNodePtr policy = find_policy(doc.get());
+  if (!policy) return std::string("domain metadata: no <qcommit:policy/> element");
+  Policy candidate = p;
+  bool given = false;
+  for (xmlAttrPtr a = policy->properties; a; a = a->next)
+    if (auto e = apply_policy_attribute(a, candidate, given)) return e;
+  if (auto e = candidate.validate()) return "domain metadata policy: " + *e;
+  p = candidate;
+  if (budget_given) *budget_given = given;
   return std::nullopt;
 }
 

@@ -67,6 +67,16 @@ TEST_CASE("plugin.config.domain_override") {
   CHECK(apply_domain_override("<qcommit:policy budget=", q));
   CHECK(apply_domain_override("<qcommit:policy color=\"red\"/>", q)->find("unknown attribute") !=
         std::string::npos);
+  // As libvirt returns it: the namespace declared, the policy nested or not, no other attribute.
+  Policy r;
+  bool given = false;
+  CHECK_FALSE(apply_domain_override(
+      "<qcommit:policy xmlns:qcommit='https://qcommit.dev/xmlns/1' ceiling='50M'/>", r, &given));
+  CHECK(r.ceiling_bytes_per_s == 50.0 * 1024 * 1024);
+  CHECK_FALSE(given);
+  CHECK(apply_domain_override("<x:policy xmlns:x='u' x:budget='5ms'/>", r)->find("unknown") !=
+        std::string::npos);
+  CHECK(*apply_domain_override("<other/>", r) == "domain metadata: no <qcommit:policy/> element");
 }
 
 TEST_CASE("plugin.libvirt.parse_domain_disks") {
