@@ -26,6 +26,19 @@ bool has_qcow2_magic(qcow2::BlockDevice& dev) {
   return magic == want;
 }
 
+// The statistics lines of qemu-img check's text output, in its words and rounding (no statistics
+// line when nothing is allocated).
+void print_statistics(const qcow2::CheckResult& r) {
+  if (r.total_clusters && r.allocated_clusters)
+    std::printf("%" PRIu64 "/%" PRIu64
+                " = %0.2f%% allocated, %0.2f%% fragmented, %0.2f%% compressed clusters\n",
+                r.allocated_clusters, r.total_clusters,
+                double(r.allocated_clusters) * 100.0 / double(r.total_clusters),
+                double(r.fragmented_clusters) * 100.0 / double(r.allocated_clusters),
+                double(r.compressed_clusters) * 100.0 / double(r.allocated_clusters));
+  if (r.image_end_offset) std::printf("Image end offset: %" PRIu64 "\n", r.image_end_offset);
+}
+
 int run_check(const Args& in_args) {
   // A bare --repair takes no value from the next word: "check --repair IMAGE" repairs leaks of
   // IMAGE (boost would otherwise read IMAGE as the value of --repair).
@@ -66,11 +79,14 @@ int run_check(const Args& in_args) {
   const uint64_t leaks = r.leaks - r.leaks_fixed;
   if (out == Output::kJson) {
     print_json(json::Ordered{{"filename", image},
+                             {"format", "qcow2"},
                              {"corruptions", corruptions},
                              {"leaks", leaks},
                              {"corruptions-fixed", r.corruptions_fixed},
                              {"leaks-fixed", r.leaks_fixed},
                              {"allocated-clusters", r.allocated_clusters},
+                             {"fragmented-clusters", r.fragmented_clusters},
+                             {"compressed-clusters", r.compressed_clusters},
                              {"total-clusters", r.total_clusters},
                              {"image-end-offset", r.image_end_offset},
                              {"check-errors", 0}});
@@ -82,8 +98,7 @@ int run_check(const Args& in_args) {
     if (!corruptions && !leaks) std::printf("No errors were found on the image.\n");
     if (corruptions) std::printf("%" PRIu64 " errors were found on the image.\n", corruptions);
     if (leaks) std::printf("%" PRIu64 " leaked clusters were found on the image.\n", leaks);
-    std::printf("%" PRIu64 "/%" PRIu64 " clusters allocated\nImage end offset: %" PRIu64 "\n",
-                r.allocated_clusters, r.total_clusters, r.image_end_offset);
+    print_statistics(r);
   }
   if (corruptions) return kCheckExitCorrupt;
   if (leaks) return kCheckExitLeaks;

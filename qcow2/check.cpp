@@ -26,7 +26,7 @@ class Checker {
 
   CheckResult run() {
     const Header& h = img_.header();
-    res_.total_clusters = (h.size + cs_ - 1) / cs_;
+    res_.total_clusters = guest_clusters(h.size);
     inc(0, cs_, "header");
     // Active L1 and everything below it, with COPIED checks.
     walk_l1(h.l1_table_offset, h.l1_size);
@@ -133,6 +133,34 @@ class Checker {
     return !reaches_past_file(l2, cs_);
   }
 
+  // Clusters of a virtual disk of `size` bytes, as qemu-img check counts them (QEMU keeps the size
+  // in whole 512-byte sectors, a partial last sector dropped).
+  [[nodiscard]] uint64_t guest_clusters(uint64_t size) const {
+    return (size / 512 * 512 + cs_ - 1) / cs_;
+  }
+
+  // Whether a standard (not compressed) L2 entry allocates its guest cluster, as QEMU reads it: a
+  // host offset (a zero cluster's too), or with an external data file, where offset 0 is valid,
+  // the COPIED flag; a zero cluster without an offset allocates nothing.
+  [[nodiscard]] bool allocates(uint64_t e) const {
+    if (e & kL2OffsetMask) return true;
+    return img_.has_data_file() && (e & kOflagCopied) && (geo_.extended_l2 || !(e & kOflagZero));
+  }
+
+  // One allocated guest cluster of the active tables in qemu-img check's statistics: compressed
+  // clusters are all fragmented; another is when it does not follow the previous allocated
+  // cluster of its L2 table in the file (`next_contiguous`, 0 at the start of each table).
+  void count_guest_cluster(uint64_t host, bool compressed, uint64_t& next_contiguous) {
+    ++res_.allocated_clusters;
+    if (compressed) {
+      ++res_.compressed_clusters;
+      ++res_.fragmented_clusters;
+      return;
+    }
+    if (next_contiguous && host != next_contiguous) ++res_.fragmented_clusters;
+    next_contiguous = host + cs_;
+  }
+
   // The active L1 table.
   void walk_l1(uint64_t l1_offset, uint64_t l1_size) {
     inc(l1_offset, l1_size * 8, "L1 table");
@@ -167,9 +195,11 @@ class Checker {
     }
   }
 
-  // An L2 table referenced `weight` times (active: once, with the COPIED checks).
+  // An L2 table referenced `weight` times (active: once, with the COPIED checks and the
+  // statistics of allocated guest clusters).
   void walk_l2(uint64_t l2, bool active, uint64_t weight) {
     std::vector<uint8_t>& t = l2_buf_;  // one buffer for every table walked
+    uint64_t next_contiguous = 0;
     t.resize(cs_);
     img_.file().read(l2, t);
     const uint64_t n = geo_.l2_entries();
@@ -195,6 +225,8 @@ class Checker {
                        ": copied flag must never be set for compressed clusters";
               },
               weight);
+        if (active && !img_.has_data_file() && !entry.bitmap)
+          count_guest_cluster(cd.host_offset, true, next_contiguous);
         inc(cd.first_sector_offset(), cd.sector_bytes(), "compressed data", weight);
         continue;
       }
@@ -210,6 +242,7 @@ class Checker {
               },
               weight);
       }
+      if (active && allocates(e)) count_guest_cluster(host, false, next_contiguous);
       if (!host || img_.has_data_file()) continue;
       if (host % cs_ != 0) {
         problem(
@@ -364,10 +397,8 @@ class Checker {
         block_missing = !readable_refcount_block(seen_block).table;
       }
       const uint64_t have = block_missing ? 0 : safe_refcount(c);
-      if (want) {
-        ++res_.allocated_clusters;
-        res_.image_end_offset = (c + 1) * cs_;
-      }
+      // As qemu-img check: the end of the last cluster referenced or with a refcount (a leak).
+      if (want || have) res_.image_end_offset = (c + 1) * cs_;
       if (have == want) continue;
       if (have > want) {
         ++res_.leaks;

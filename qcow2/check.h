@@ -18,9 +18,14 @@ struct CheckResult {
   uint64_t leaks = 0;               // clusters with refcount higher than their references
   uint64_t corruptions_fixed = 0;
   uint64_t leaks_fixed = 0;
-  uint64_t allocated_clusters = 0;  // referenced clusters
+  // Statistics of the active L1/L2 tables, as qemu-img check reports them: guest clusters
+  // allocated (data, compressed, zero with an allocation), those compressed, and those fragmented
+  // (compressed, or not next in the file to the previous allocated cluster of their L2 table).
+  uint64_t allocated_clusters = 0;
+  uint64_t fragmented_clusters = 0;
+  uint64_t compressed_clusters = 0;
   uint64_t total_clusters = 0;      // clusters of the virtual disk
-  uint64_t image_end_offset = 0;
+  uint64_t image_end_offset = 0;    // end of the last cluster referenced or with a refcount
   std::vector<std::string> messages;  // first kMaxCheckMessages problems
   bool dirty_cleared = false;
   uint32_t stale_bitmaps = 0;          // bitmaps of a stale extension (ignored, see Image::bitmaps())
