@@ -8,7 +8,8 @@
 #      the state directory (QCOMMIT_STATE_DIR), never under /dev (a tmpfs a reboot empties), seen
 #      with strace;
 #  (4) a child that cannot be rebased is refused before anything is written;
-#  (5) --delete never deletes a layer another process has open.
+#  (5) --delete never deletes a layer another process has open (waited for within --wait, then
+#      refused).
 #
 # usage: merge-planted-links.sh QCOMMIT
 set -euo pipefail
@@ -98,8 +99,9 @@ fi
 grep -q 'child4.qcow2' err4.txt || fail "(4) the error does not name the child: $(cat err4.txt)"
 sha256sum --quiet -c sums4 || fail "(4) files changed although the merge was refused"
 
-# (5) merge --delete while a reader has TOP open (TOP is only read-locked): TOP is not deleted under
-#     it, the error names the reader; once it is closed the same command finishes (resumed).
+# (5) merge --delete while a reader has TOP open (TOP is only read-locked) longer than --wait: TOP
+#     is not deleted under it, the error names the reader; once it is closed the same command
+#     finishes (resumed).
 rm -f base.qcow2 top.qcow2
 qemu-img create -q -f qcow2 base.qcow2 64M
 qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2 64M
@@ -109,7 +111,7 @@ qemu-img convert -O raw top.qcow2 view.raw
 python3 -c 'import time; f = open("top.qcow2", "rb"); time.sleep(3)' &
 reader=$!
 sleep 0.5
-if "$QCOMMIT" merge top.qcow2 --budget off --delete >out5.txt 2>err5.txt; then
+if "$QCOMMIT" merge top.qcow2 --budget off --delete --wait 1s >out5.txt 2>err5.txt; then
   fail "(5) merge --delete succeeded while a reader had TOP open"
 fi
 [[ -e top.qcow2 ]] || fail "(5) TOP was deleted while a reader had it open"
