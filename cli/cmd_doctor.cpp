@@ -10,6 +10,7 @@
 #include <memory>
 #include <sstream>
 
+#include "common/defaults.h"
 #include "cli/daemon.h"
 #include "cli/json.h"
 #include "cli/options.h"
@@ -96,7 +97,7 @@ void check_domain(virDomainPtr dom, std::vector<Finding>& out) {
 
 int cmd_doctor(const Args& args) {
   po::options_description opts("options");
-  std::string domain, output = "human", uri = "qemu:///system", socket_path = kDaemonSocket;
+  std::string domain, output = "human", uri = defaults::kUri, socket_path = defaults::kSocketPath;
   opts.add_options()("domain", po::value(&domain),
                      "only this domain (default: every running domain)")("uri", po::value(&uri),
                                                                          "libvirt connection URI")(

@@ -17,6 +17,7 @@
 #include <memory>
 #include <string>
 
+#include "common/defaults.h"
 #include "cli/commands.h"
 #include "cli/daemon.h"
 #include "cli/json.h"
@@ -71,7 +72,7 @@ constexpr const char* kUsage =
     "             query-name, else the socket's file name. QEMU serves one QMP client per\n"
     "             socket: its other clients wait until qcommit live ends.\n"
     "  Refused while qcommitd answers on its socket (--daemon-socket PATH, default\n"
-    "  /run/qcommit/qcommitd.sock): it would govern the same jobs.\n"
+    "  %s): it would govern the same jobs.\n"
     "examples:\n  qcommit live vm1 vda --pivot\n  qcommit live vm1 vda --dry-run --strategy "
     "direct\n"
     "  qcommit live vm1 vda --pivot --output=json | jq -c 'select(.event != \"progress\")'\n"
@@ -141,10 +142,10 @@ json::Ordered progress_json(const plugin::JobStatus& j) {
 int cmd_live(const Args& args) {
   using namespace qcommit::plugin;
   LiveRequest req;
-  std::string uri = kDefaultUri;
-  std::string budget = "20ms";
+  std::string uri = qcommit::defaults::kUri;
+  std::string budget = qcommit::defaults::budget_text();
   bool dry_run = false;
-  std::string daemon_socket = kDaemonSocket;
+  std::string daemon_socket = qcommit::defaults::kSocketPath;
   std::string qmp;
   std::string overlay_dir;
   bool uri_given = false;
@@ -163,7 +164,7 @@ int cmd_live(const Args& args) {
       return a == name || a.rfind(std::string(name) + "=", 0) == 0;
     };
     if (a == "-h" || a == "--help") {
-      std::fputs(kUsage, stdout);
+      std::printf(kUsage, qcommit::defaults::kSocketPath);
       return kExitOk;
     } else if (is("--top")) {
       req.top = value("--top");

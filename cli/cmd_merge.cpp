@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <iostream>
 
+#include "common/defaults.h"
 #include "cli/domain_merge.h"
 #include "cli/json.h"
 #include "cli/merge_policy.h"
@@ -20,7 +21,6 @@
 namespace qcommit::cli {
 
 // How long `merge` waits for another process to release an image it must lock.
-inline constexpr const char* kDefaultLockWait = "10s";
 
 namespace {
 
@@ -149,13 +149,13 @@ void print_dry_run(Output out, const engine::MergePlan& p, bool del, const DryRu
 int cmd_merge(const Args& args) {
   po::options_description opts("options");
   std::string top, base, output = "human", budget, trace, probe = "on", cotenants = "on";
-  std::string config_path = plugin::kDefaultConfigPath;
+  std::string config_path = defaults::kConfigPath;
   bool verbose = false;
   std::vector<std::string> rebase;
   bool del = false, no_direct = false, force_direct = false;
-  std::string domain, disk, pool, vol, uri = "qemu:///system";
+  std::string domain, disk, pool, vol, uri = defaults::kUri;
   bool dry_run = false;
-  std::string lock_wait = kDefaultLockWait;
+  std::string lock_wait = defaults::lock_wait_text();
   opts.add_options()("top", po::value(&top), "the image to merge (TOP)")(
       "domain", po::value(&domain),
       "a shut-off libvirt domain whose disk chain to merge (with --disk)")(
@@ -163,7 +163,8 @@ int cmd_merge(const Args& args) {
       "the domain's disk target, e.g. vda (TOP defaults to its active layer)")(
       "pool", po::value(&pool), "storage pool of the volume to merge (with --vol)")(
       "vol", po::value(&vol), "volume name in --pool to merge into its backing file")(
-      "connect,c", po::value(&uri), "libvirt connection URI (default qemu:///system)")(
+      "connect,c", po::value(&uri),
+      (std::string("libvirt connection URI (default ") + defaults::kUri + ")").c_str())(
       "uri", po::value(&uri), "the same as --connect")(
       "dry-run", po::bool_switch(&dry_run),
       "resolve and check everything, print what the merge would do (copy, rebase, delete, "
@@ -174,15 +175,18 @@ int cmd_merge(const Args& args) {
       "images whose backing file is TOP: point them at BASE")(
       "delete", po::bool_switch(&del), "remove TOP and the intermediates afterwards")(
       "wait", po::value(&lock_wait),
-      "wait this long for another process (qemu-img info, a backup tool) to release an image, e.g. "
-      "30s; 0: refuse at "
-      "once (default 10s; a running guest is never waited for)")(
+      ("wait this long for another process (qemu-img info, a backup tool) to release an image, "
+       "e.g. 30s; 0: refuse at once (default " +
+       defaults::lock_wait_text() + "; a running guest is never waited for)")
+          .c_str())(
       "budget", po::value(&budget),
-      "added-latency budget for co-tenants, e.g. 20ms, or 'off' (default: the policy of BASE's "
-      "pool in the "
-      "qcommitd configuration, else its [default], else 20ms)")(
+      ("added-latency budget for co-tenants, e.g. 20ms, or 'off' (default: the policy of BASE's "
+       "pool in the qcommitd configuration, else its [default], else " +
+       defaults::budget_text() + ")")
+          .c_str())(
       "config", po::value(&config_path),
-      "qcommitd configuration with the per-pool policies (default /etc/qcommit/qcommitd.conf)")(
+      (std::string("qcommitd configuration with the per-pool policies (default ") +
+       defaults::kConfigPath + ")").c_str())(
       "cotenants", po::value(&cotenants),
       "on (default): the block stats of running guests on BASE's storage (libvirt) join the probe; "
       "off")("verbose,v", po::bool_switch(&verbose), "say also why co-tenants are off")(

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 
+#include "common/defaults.h"
 #include "cli/json.h"
 #include "cli/merge_policy.h"
 #include "cli/options.h"
@@ -89,8 +90,8 @@ json::Ordered plan_json(const std::string& top, const engine::MergePlan& p) {
 
 int cmd_plan(const Args& args) {
   po::options_description opts("options");
-  std::string top, base, output = "human", rate, budget, uri = plugin::kDefaultUri;
-  std::string config_path = plugin::kDefaultConfigPath;
+  std::string top, base, output = "human", rate, budget, uri = defaults::kUri;
+  std::string config_path = defaults::kConfigPath;
   std::vector<std::string> rebase, allow_dirs;
   bool measure = false;
   opts.add_options()("top", po::value(&top)->required(), "the image to merge (TOP)")(
@@ -101,11 +102,14 @@ int cmd_plan(const Args& args) {
       "measure", po::bool_switch(&measure),
       "measure the target's sequential write bandwidth for the ETA (writes 32 MiB beside BASE)")(
       "budget", po::value(&budget),
-      "the budget the merge would be given on the command line (20ms, off)")(
+      ("the budget the merge would be given on the command line (" + defaults::budget_text() +
+       ", off)").c_str())(
       "config", po::value(&config_path),
-      "qcommitd configuration with the per-pool policies (default /etc/qcommit/qcommitd.conf)")(
+      (std::string("qcommitd configuration with the per-pool policies (default ") +
+       defaults::kConfigPath + ")").c_str())(
       "connect,c", po::value(&uri),
-      "libvirt connection URI for the pool of BASE and its co-tenants (default qemu:///system)")(
+      (std::string("libvirt connection URI for the pool of BASE and its co-tenants (default ") +
+       defaults::kUri + ")").c_str())(
       "uri", po::value(&uri), "the same as --connect")("output", po::value(&output),
                                                        "human or json");
   add_backing_policy(opts, allow_dirs);

@@ -14,6 +14,7 @@
 #include <thread>
 #include <utility>
 
+#include "common/defaults.h"
 #include "cli/commands.h"
 #include "cli/options.h"
 #include "cli/units.h"
@@ -22,7 +23,6 @@
 namespace qcommit::cli {
 namespace {
 
-constexpr const char* kDefaultSocket = "/run/qcommit/qcommitd.sock";
 constexpr int kTimeoutMs = 5000;
 
 // Member `key` of `o` printed with `fmt` (after dividing by `scale`), "-" when not a number.
@@ -164,7 +164,7 @@ int status_once(const std::string& socket_path, bool json_out) {
 namespace {
 
 struct StatusArgs {
-  std::string socket = kDefaultSocket;
+  std::string socket = defaults::kSocketPath;
   bool json_out = false;
   std::optional<std::chrono::nanoseconds> watch;  // redraw interval
   std::optional<std::pair<std::string, std::string>> domain_event;
@@ -173,8 +173,9 @@ struct StatusArgs {
 constexpr const char* kStatusSynopsis =
     "qcommit status [--output=json] [--socket PATH] [--watch [INTERVAL]]\n"
     "       qcommit status [--socket PATH] --domain-event DOMAIN EVENT";
-constexpr const char* kStatusHelp =
-    "block jobs governed by qcommitd (default socket /run/qcommit/qcommitd.sock)\n"
+const std::string kStatusHelp =
+    std::string("block jobs governed by qcommitd (default socket ") + defaults::kSocketPath +
+    ")\n"
     "--watch: redraw every INTERVAL (a duration: 1s by default, at least 100ms) until interrupted\n"
     "--domain-event: tell qcommitd that DOMAIN started/stopped/reconnect/release\n"
     "  (what the libvirt hook does; qcommitd then looks at that domain at once)\n"
@@ -211,7 +212,7 @@ std::optional<StatusArgs> parse_status_args(const Args& args) {
       "watch", po::value(&watch)->implicit_value(kDefaultWatch), "redraw every INTERVAL");
   po::positional_options_description pos;
   po::variables_map vm;
-  if (!parse(rest, opts, pos, vm, kStatusSynopsis, kStatusHelp)) return std::nullopt;
+  if (!parse(rest, opts, pos, vm, kStatusSynopsis, kStatusHelp.c_str())) return std::nullopt;
   sa.json_out = parse_output(output) == Output::kJson;
   if (vm.count("watch")) {
     sa.watch = parse_duration(watch, "--watch");

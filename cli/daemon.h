@@ -5,8 +5,6 @@
 
 namespace qcommit::cli {
 
-inline constexpr const char* kDaemonSocket = "/run/qcommit/qcommitd.sock";
-
 [[nodiscard]] bool qcommitd_answers(const std::string& socket_path);
 
 }  // namespace qcommit::cli

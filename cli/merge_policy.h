@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "common/defaults.h"
 #include "engine/budget_governor.h"
 #include "plugin/config.h"
 #include "plugin/cotenants.h"
@@ -20,9 +21,9 @@ namespace qcommit::cli {
 
 struct MergePolicyOptions {
   std::optional<std::chrono::nanoseconds> budget;  // --budget DURATION
-  std::string config_path = plugin::kDefaultConfigPath;
+  std::string config_path = defaults::kConfigPath;
   bool config_given = false;  // --config: the file must exist (the default path may be missing)
-  std::string uri = plugin::kDefaultUri;
+  std::string uri = defaults::kUri;
   std::string domain;     // --domain: its metadata may override the pool's policy
   bool cotenants = true;  // --cotenants on|off
 };

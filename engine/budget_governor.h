@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "engine/foreground.h"
+#include "common/defaults.h"
 #include "engine/merge.h"
 #include "throttle/controller.h"
 #include "throttle/pacer.h"
@@ -54,7 +55,7 @@ inline constexpr auto kCotenantStateMaxAge = std::chrono::seconds(1);
 inline constexpr auto kCotenantJoinTimeout = std::chrono::seconds(1);
 
 struct BudgetGovernorConfig {
-  Duration budget = std::chrono::milliseconds(20);
+  Duration budget = defaults::kBudget;
   std::string probe_dir;  // empty: no probe
   std::string trace_path;  // CSV, one row per controller tick (empty: none)
   // Co-tenants' counters (null: none), read every cotenant_interval on the governor's own thread,

@@ -17,13 +17,11 @@
 #include <string>
 #include <string_view>
 
+#include "common/defaults.h"
 #include "throttle/controller.h"
 
 namespace qcommit::plugin {
 
-inline constexpr const char* kDefaultConfigPath = "/etc/qcommit/qcommitd.conf";
-inline constexpr const char* kDefaultUri = "qemu:///system";
-inline constexpr const char* kDefaultSocketPath = "/run/qcommit/qcommitd.sock";
 inline constexpr const char* kMetadataNamespace = "https://qcommit.dev/xmlns/1";
 inline constexpr const char* kMetadataPrefix = "qcommit";
 // The largest ceiling a policy may set (bytes/s): far above any storage, and exact as a double
@@ -35,9 +33,9 @@ struct ConfigError : std::runtime_error {
 };
 
 struct Policy {
-  std::chrono::nanoseconds budget = std::chrono::milliseconds(20);
-  double floor_bytes_per_s = 1024.0 * 1024.0;
-  double ceiling_bytes_per_s = 1024.0 * 1024.0 * 1024.0;
+  std::chrono::nanoseconds budget = defaults::kBudget;
+  double floor_bytes_per_s = defaults::kFloorBytesPerS;
+  double ceiling_bytes_per_s = defaults::kCeilingBytesPerS;
 
   [[nodiscard]] std::optional<std::string> validate() const;
   [[nodiscard]] throttle::ControllerConfig controller_config() const;
@@ -49,8 +47,8 @@ struct DaemonConfig {
   std::map<std::string, Policy> pools;  // key: pool name or UUID (UUIDs lower-case)
   std::string origin;        // the file it was read from; empty: built-in defaults
   bool has_default = false;  // the file has a [default] section
-  std::string uri = kDefaultUri;
-  std::string socket_path = kDefaultSocketPath;
+  std::string uri = defaults::kUri;
+  std::string socket_path = defaults::kSocketPath;
 
   [[nodiscard]] std::optional<std::string> validate() const;
 };

@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/defaults.h"
 #include "plugin/config.h"
 #include "plugin/control.h"
 #include "plugin/daemon_log.h"
@@ -28,12 +29,12 @@ std::atomic<bool> g_stop{false};
 void on_signal(int) { g_stop = true; }
 
 void usage(FILE* f) {
-  std::fputs(
+  std::fprintf(f,
       "usage: qcommitd [--config PATH] [--uri URI] [--socket PATH] [--trace FILE]\n"
       "                [--page-cache auto|no-cachestat|meminfo] [--version]\n"
-      "  --config PATH   policy file (default /etc/qcommit/qcommitd.conf; missing = defaults)\n"
-      "  --uri URI       libvirt connection (default qemu:///system)\n"
-      "  --socket PATH   control socket (default /run/qcommit/qcommitd.sock)\n"
+      "  --config PATH   policy file (default %s; missing = defaults)\n"
+      "  --uri URI       libvirt connection (default %s)\n"
+      "  --socket PATH   control socket (default %s)\n"
       "  --trace FILE    append governed jobs' speed/window/backlog/p99 every 100 ms (CSV)\n"
       "  --page-cache S  where a target's dirty pages are read: auto (cachestat(2) where the\n"
       "                  kernel has it, else no-cachestat), no-cachestat (forced: what a kernel\n"
@@ -45,7 +46,7 @@ void usage(FILE* f) {
       "examples:\n"
       "  qcommitd                      # as qcommitd.service runs it\n"
       "  qcommitd --uri qemu:///system --socket /tmp/q.sock --trace /var/tmp/qcommitd.csv\n",
-      f);
+      qcommit::defaults::kConfigPath, qcommit::defaults::kUri, qcommit::defaults::kSocketPath);
 }
 
 qcommit::throttle::TimePoint mono_now() {
@@ -66,7 +67,7 @@ int main(int argc, char** argv) {
   DaemonLog log([](std::string_view r) {
     std::fprintf(stderr, "qcommitd: %.*s\n", static_cast<int>(r.size()), r.data());
   });
-  std::string config_path = kDefaultConfigPath;
+  std::string config_path = qcommit::defaults::kConfigPath;
   bool config_given = false;
   std::string uri, socket_path, trace_path;
   PageCacheSource page_cache = PageCacheSource::kAuto;
