@@ -20,8 +20,6 @@
 
 namespace qcommit::cli {
 
-// How long `merge` waits for another process to release an image it must lock.
-
 namespace {
 
 // What a dry run adds to the engine's plan for a merge through libvirt.
@@ -144,64 +142,95 @@ void print_dry_run(Output out, const engine::MergePlan& p, bool del, const DryRu
     for (const auto& l : p.layers) std::printf("  would delete %s\n", l.c_str());
 }
 
-}  // namespace
-
-int cmd_merge(const Args& args) {
-  po::options_description opts("options");
+// The command line of `qcommit merge`.
+struct MergeArgs {
   std::string top, base, output = "human", budget, trace, probe = "on", cotenants = "on";
   std::string config_path = defaults::kConfigPath;
+  bool config_given = false;
   bool verbose = false;
-  std::vector<std::string> rebase;
+  std::vector<std::string> rebase, allow_dirs;
   bool del = false, no_direct = false, force_direct = false;
   std::string domain, disk, pool, vol, uri = defaults::kUri;
   bool dry_run = false;
   std::string lock_wait = defaults::lock_wait_text();
-  opts.add_options()("top", po::value(&top), "the image to merge (TOP)")(
-      "domain", po::value(&domain),
+
+  [[nodiscard]] bool via_libvirt() const { return !domain.empty() || !pool.empty(); }
+  [[nodiscard]] bool governed() const { return budget != "off"; }
+};
+
+void add_merge_options(po::options_description& opts, MergeArgs& a) {
+  opts.add_options()("top", po::value(&a.top), "the image to merge (TOP)")(
+      "domain", po::value(&a.domain),
       "a shut-off libvirt domain whose disk chain to merge (with --disk)")(
-      "disk", po::value(&disk),
+      "disk", po::value(&a.disk),
       "the domain's disk target, e.g. vda (TOP defaults to its active layer)")(
-      "pool", po::value(&pool), "storage pool of the volume to merge (with --vol)")(
-      "vol", po::value(&vol), "volume name in --pool to merge into its backing file")(
-      "connect,c", po::value(&uri),
+      "pool", po::value(&a.pool), "storage pool of the volume to merge (with --vol)")(
+      "vol", po::value(&a.vol), "volume name in --pool to merge into its backing file")(
+      "connect,c", po::value(&a.uri),
       (std::string("libvirt connection URI (default ") + defaults::kUri + ")").c_str())(
-      "uri", po::value(&uri), "the same as --connect")(
-      "dry-run", po::bool_switch(&dry_run),
+      "uri", po::value(&a.uri), "the same as --connect")(
+      "dry-run", po::bool_switch(&a.dry_run),
       "resolve and check everything, print what the merge would do (copy, rebase, delete, "
       "definition), write nothing")(
-      "base", po::value(&base),
+      "base", po::value(&a.base),
       "merge into this image of TOP's chain (default: TOP's backing file)")(
-      "rebase", po::value(&rebase)->multitoken(),
+      "rebase", po::value(&a.rebase)->multitoken(),
       "images whose backing file is TOP: point them at BASE")(
-      "delete", po::bool_switch(&del), "remove TOP and the intermediates afterwards")(
-      "wait", po::value(&lock_wait),
-      ("wait this long for another process (qemu-img info, a backup tool) to release an image, "
-       "e.g. 30s; 0: refuse at once (default " +
+      "delete", po::bool_switch(&a.del), "remove TOP and the intermediates afterwards")(
+      "wait", po::value(&a.lock_wait),
+      ("wait this long for another process (qemu-img info, a backup tool) to release an image "
+       "or to close a merged layer before --delete, and for a backing device under /dev to "
+       "appear, e.g. 30s; 0: refuse at once (default " +
        defaults::lock_wait_text() + "; a running guest is never waited for)")
           .c_str())(
-      "budget", po::value(&budget),
+      "budget", po::value(&a.budget),
       ("added-latency budget for co-tenants, e.g. 20ms, or 'off' (default: the policy of BASE's "
        "pool in the qcommitd configuration, else its [default], else " +
        defaults::budget_text() + ")")
           .c_str())(
-      "config", po::value(&config_path),
+      "config", po::value(&a.config_path),
       (std::string("qcommitd configuration with the per-pool policies (default ") +
-       defaults::kConfigPath + ")").c_str())(
-      "cotenants", po::value(&cotenants),
+       defaults::kConfigPath + ")")
+          .c_str())(
+      "cotenants", po::value(&a.cotenants),
       "on (default): the block stats of running guests on BASE's storage (libvirt) join the probe; "
-      "off")("verbose,v", po::bool_switch(&verbose), "say also why co-tenants are off")(
-      "no-direct", po::bool_switch(&no_direct),
+      "off")("verbose,v", po::bool_switch(&a.verbose), "say also why co-tenants are off")(
+      "no-direct", po::bool_switch(&a.no_direct),
       "buffered writes with bounded dirty data, large requests too (--budget off default: large "
       "O_DIRECT, small buffered)")(
-      "direct", po::bool_switch(&force_direct),
+      "direct", po::bool_switch(&a.force_direct),
       "O_DIRECT writes where the filesystem allows (default with a budget)")(
-      "trace", po::value(&trace),
+      "trace", po::value(&a.trace),
       "write one CSV row per controller tick to this file (see scripts/plot-trace)")(
-      "probe", po::value(&probe),
+      "probe", po::value(&a.probe),
       "on (default): time a 4 KiB O_DSYNC write on the target's filesystem each tick; off")(
-      "output", po::value(&output), "human or json (JSON lines: progress events and the result)");
-  std::vector<std::string> allow_dirs;
-  add_backing_policy(opts, allow_dirs);
+      "output", po::value(&a.output), "human or json (JSON lines: progress events and the result)");
+  add_backing_policy(opts, a.allow_dirs);
+}
+
+// Options that exclude or need each other.
+void validate(const MergeArgs& a) {
+  if (a.dry_run && !a.trace.empty())
+    throw UsageError("--trace records a merge as it runs; a dry run runs none (drop --trace)");
+  if (!a.via_libvirt() && a.top.empty())
+    throw UsageError("give TOP, or --domain DOM --disk DEV, or --pool P --vol V");
+  if (!a.domain.empty() && a.disk.empty()) throw UsageError("--domain needs --disk");
+  if (!a.pool.empty() != !a.vol.empty()) throw UsageError("--pool and --vol go together");
+  if (a.no_direct && a.force_direct)
+    throw UsageError("--direct and --no-direct exclude each other");
+  if (a.governed()) {
+    if (a.probe != "on" && a.probe != "off") throw UsageError("--probe must be 'on' or 'off'");
+    if (a.cotenants != "on" && a.cotenants != "off")
+      throw UsageError("--cotenants must be 'on' or 'off'");
+  } else if (!a.trace.empty()) {
+    throw UsageError("--trace needs a budget (the trace records the controller's decisions)");
+  }
+}
+
+// False when --help was asked for (and printed).
+[[nodiscard]] bool parse_merge_args(const Args& args, MergeArgs& a) {
+  po::options_description opts("options");
+  add_merge_options(opts, a);
   po::positional_options_description pos;
   pos.add("top", 1);
   po::variables_map vm;
@@ -221,55 +250,58 @@ int cmd_merge(const Args& args) {
           "redefine\n"
           "  qcommit merge --pool default --vol vm1-snap.qcow2\n"
           "\nAfter a crash or kill, run the same command again: it resumes from its checkpoint.\n"))
-    return kExitOk;
-  const Output out = parse_output(output);
-  if (dry_run && !trace.empty())
-    throw UsageError("--trace records a merge as it runs; a dry run runs none (drop --trace)");
-  const bool via_libvirt = !domain.empty() || !pool.empty();
-  if (!via_libvirt && top.empty())
-    throw UsageError("give TOP, or --domain DOM --disk DEV, or --pool P --vol V");
-  if (!domain.empty() && disk.empty()) throw UsageError("--domain needs --disk");
-  if (!pool.empty() != !vol.empty()) throw UsageError("--pool and --vol go together");
-  engine::MergeOptions mo;
-  mo.top = top;
-  if (!base.empty()) mo.base = base;
-  mo.rebase = rebase;
-  if (!top.empty()) mo.allowed_backing_dirs = backing_policy(top, allow_dirs);
-  mo.delete_merged = del;
-  mo.lock_wait =
-      lock_wait == "0" ? std::chrono::nanoseconds::zero() : parse_duration(lock_wait, "--wait");
+    return false;
+  a.config_given = vm.count("config") > 0;
+  validate(a);
+  return true;
+}
 
-  // With a budget, O_DIRECT: the bytes we have queued are exactly our requests in flight, which
-  // the controller bounds. Unthrottled, kAuto: large requests O_DIRECT (spliced from the source's
-  // page cache), small ones buffered with writeback started at once, which lets the kernel merge
-  // and queue small random writes deeper than our threads do (see scripts/bench-merge).
-  if (no_direct && force_direct) throw UsageError("--direct and --no-direct exclude each other");
-  mo.write_mode = force_direct      ? engine::WriteMode::kDirect
-                  : no_direct       ? engine::WriteMode::kBuffered
-                  : budget != "off" ? engine::WriteMode::kDirect
-                                    : engine::WriteMode::kAuto;
-  const bool governed = budget != "off";
+// The engine's options for a merge of files. With a budget, O_DIRECT: the bytes we have queued
+// are exactly our requests in flight, which the controller bounds. Unthrottled, kAuto: large
+// requests O_DIRECT (spliced from the source's page cache), small ones buffered with writeback
+// started at once, which lets the kernel merge and queue small random writes deeper than our
+// threads do (see scripts/bench-merge).
+engine::MergeOptions merge_options(const MergeArgs& a) {
+  engine::MergeOptions mo;
+  mo.top = a.top;
+  if (!a.base.empty()) mo.base = a.base;
+  mo.rebase = a.rebase;
+  if (!a.top.empty()) mo.allowed_backing_dirs = backing_policy(a.top, a.allow_dirs);
+  mo.delete_merged = a.del;
+  mo.lock_wait = a.lock_wait == "0" ? std::chrono::nanoseconds::zero()
+                                    : parse_duration(a.lock_wait, "--wait");
+  mo.write_mode = a.force_direct ? engine::WriteMode::kDirect
+                  : a.no_direct  ? engine::WriteMode::kBuffered
+                  : a.governed() ? engine::WriteMode::kDirect
+                                 : engine::WriteMode::kAuto;
+  return mo;
+}
+
+MergePolicyOptions policy_options(const MergeArgs& a) {
+  MergePolicyOptions p;
+  if (a.governed() && !a.budget.empty()) p.budget = parse_duration(a.budget);
+  p.config_path = a.config_path;
+  p.config_given = a.config_given;
+  p.uri = a.uri;
+  p.domain = a.domain;
+  p.cotenants = a.cotenants == "on";
+  return p;
+}
+
+// The budget and co-tenants of a governed merge depend on BASE (its pool, its filesystem): they
+// are decided once BASE is known and said before the copy starts. Resolving the policy reads
+// the configuration and asks libvirt, writing nothing (a dry run shows it too); the governor
+// creates its probe file and trace, so only a real merge gets one.
+struct GovernedMerge {
+  GovernedMerge(const MergeArgs& a, Output o) : args(a), out(o), popts(policy_options(a)) {}
+
+  const MergeArgs& args;
+  Output out;
   MergePolicyOptions popts;
-  if (governed) {
-    if (!budget.empty()) popts.budget = parse_duration(budget);
-    if (probe != "on" && probe != "off") throw UsageError("--probe must be 'on' or 'off'");
-    if (cotenants != "on" && cotenants != "off")
-      throw UsageError("--cotenants must be 'on' or 'off'");
-    popts.config_path = config_path;
-    popts.config_given = vm.count("config") > 0;
-    popts.uri = uri;
-    popts.domain = domain;
-    popts.cotenants = cotenants == "on";
-  } else if (!trace.empty()) {
-    throw UsageError("--trace needs a budget (the trace records the controller's decisions)");
-  }
-  // The budget and co-tenants depend on BASE (its pool, its filesystem): decided once BASE is
-  // known, said before the copy starts.
   std::optional<MergePolicy> policy;
   std::shared_ptr<engine::BudgetGovernor> governor;
-  // Resolving the policy reads the configuration and asks libvirt; it writes nothing (a dry run
-  // shows it too). The governor creates its probe file and trace: only for a real merge.
-  auto announce_policy = [&](const std::string& merge_base) {
+
+  void announce_policy(const std::string& merge_base) {
     policy = resolve_merge_policy(popts, merge_base);
     if (out == Output::kJson) {
       json::Ordered event{{"event", "policy"}};
@@ -279,124 +311,164 @@ int cmd_merge(const Args& args) {
       for (const auto& n : policy->notes) print_json(note_json(n));
     } else {
       std::printf("%s\n", policy->budget_line().c_str());
-      if (verbose || !policy->cotenant_disks.empty())
+      if (args.verbose || !policy->cotenant_disks.empty())
         std::printf("%s\n", policy->cotenant_line().c_str());
       std::fflush(stdout);
       for (const auto& n : policy->notes) std::fprintf(stderr, "%s\n", n.c_str());
     }
-  };
-  auto governor_for = [&](const std::string& merge_base) -> std::shared_ptr<engine::CopyGovernor> {
+  }
+
+  std::shared_ptr<engine::CopyGovernor> governor_for(const std::string& merge_base) {
     announce_policy(merge_base);
-    governor = make_budget_governor(*policy, trace, probe == "on");
+    governor = make_budget_governor(*policy, args.trace, args.probe == "on");
     return governor;
-  };
-  if (dry_run && !via_libvirt) {
+  }
+};
+
+// A message about the domain or pool, as a JSON note or a line on stderr.
+void print_note(Output out, const std::string& m) {
+  if (out == Output::kJson)
+    print_json(note_json(m));
+  else
+    std::fprintf(stderr, "%s\n", m.c_str());
+}
+
+DomainMergeRequest domain_request(const MergeArgs& a, const engine::MergeOptions& mo) {
+  DomainMergeRequest req;
+  req.uri = a.uri;
+  req.domain = a.domain;
+  req.disk = a.disk;
+  req.pool = a.pool;
+  req.volume = a.vol;
+  if (!a.top.empty()) req.top = a.top;
+  if (!a.base.empty()) req.base = a.base;
+  req.dry_run = a.dry_run;
+  req.merge = mo;
+  if (!a.top.empty())
+    req.merge.allowed_backing_dirs = backing_policy(a.top, a.allow_dirs);
+  else
+    req.merge.allowed_backing_dirs =
+        a.allow_dirs.empty() ? std::vector<std::string>{"/"} : a.allow_dirs;
+  return req;
+}
+
+// What a dry run through libvirt would do, printed.
+void print_domain_dry_run(const MergeArgs& a, const DomainMergeRequest& req,
+                          const DomainMergeResult& dr, GovernedMerge& gm) {
+  if (dr.plan && a.domain.empty()) {
+    engine::MergeOptions m = req.merge;
+    m.top = dr.top;
+    check_rebase_children(m, *dr.plan);
+  }
+  if (a.governed() && !dr.base.empty()) gm.announce_policy(dr.base);
+  DryRunExtras extra;
+  extra.definition = dr.would_update_definition
+                         ? "disk " + a.disk + " of domain " + a.domain + " would use " + dr.base
+                         : std::string();
+  extra.journal = dr.finished_earlier_run;
+  if (dr.plan) {
+    print_dry_run(gm.out, *dr.plan, dr.would_delete, extra);
+  } else {
+    engine::MergePlan p;  // an interrupted run whose data is merged: the rest is metadata
+    p.layers = {dr.top};
+    p.base = dr.base;
+    print_dry_run(gm.out, p, dr.would_delete, extra);
+  }
+}
+
+// A merge of a domain's disk (--domain) or of a pool's volume (--pool/--vol); nullopt after a
+// dry run (printed).
+std::optional<engine::MergeResult> merge_through_libvirt(const MergeArgs& a,
+                                                         const engine::MergeOptions& mo,
+                                                         GovernedMerge& gm) {
+  DomainMergeRequest req = domain_request(a, mo);
+  if (a.governed() && !a.dry_run) {
+    // --domain hands over BASE; --pool/--vol hands over TOP (the volume).
+    req.make_governor = [&a, &gm, &mo, dirs = req.merge.allowed_backing_dirs](
+                            const std::string& target) {
+      return gm.governor_for(a.domain.empty() ? merge_base_of(target, mo.base, dirs) : target);
+    };
+  }
+  auto note = [&gm](const std::string& m) { print_note(gm.out, m); };
+  DomainMergeResult dr = merge_domain(req, note);
+  if (a.dry_run) {
+    print_domain_dry_run(a, req, dr, gm);
+    return std::nullopt;
+  }
+  for (auto& s : dr.snapshot_metadata_removed) note("removed metadata of snapshot '" + s + "'");
+  if (dr.definition_updated)
+    note("domain definition updated: disk " + a.disk + " now uses " + dr.base);
+  for (auto& p : dr.pools_refreshed) note("refreshed storage pool " + p);
+  engine::MergeResult r = dr.merge;
+  if (r.top.empty()) {
+    r.top = dr.top;
+    r.base = dr.base;
+  }
+  return r;
+}
+
+void print_merge_result(const engine::MergeResult& r, engine::WriteMode mode,
+                        const GovernedMerge& gm) {
+  if (gm.out == Output::kJson) {
+    print_json(result_json(r, gm.policy, gm.governor.get()));
+    return;
+  }
+  std::printf("merged %s into %s: %s copied, %s zeroed in %.2fs (%s)\n", r.top.c_str(),
+              r.base.c_str(), format_size(r.copied_bytes).c_str(),
+              format_size(r.zeroed_bytes).c_str(), r.copy_seconds,
+              !r.direct_io                        ? "buffered, bounded dirty data"
+              : mode == engine::WriteMode::kAuto ? "O_DIRECT for large requests, buffered for small"
+                                                  : "O_DIRECT");
+  if (r.resumed)
+    std::printf("resumed an interrupted run (from offset %s)\n",
+                format_size(r.resumed_from).c_str());
+  if (r.leaks_repaired)
+    std::printf("repaired %" PRIu64 " leaked clusters left by the interrupted run\n",
+                r.leaks_repaired);
+  if (r.bitmaps_removed)
+    std::printf("removed %zu persistent bitmaps from the base (they would be stale)\n",
+                r.bitmaps_removed);
+  for (auto& c : r.rebased) std::printf("rebased %s onto %s\n", c.c_str(), r.base.c_str());
+  for (auto& d : r.deleted) std::printf("deleted %s\n", d.c_str());
+  std::printf("switch-over took %.3f ms\n", r.switch_seconds * 1000);
+  if (gm.governor) {
+    const engine::CotenantStats cs = gm.governor->cotenant_stats();
+    if (cs.samples)
+      std::printf("co-tenants: %llu latency samples from up to %zu disks, largest %.1f ms\n",
+                  static_cast<unsigned long long>(cs.samples), cs.max_disks,
+                  std::chrono::duration<double, std::milli>(cs.max_latency).count());
+  }
+}
+
+}  // namespace
+
+int cmd_merge(const Args& args) {
+  MergeArgs a;
+  if (!parse_merge_args(args, a)) return kExitOk;
+  GovernedMerge gm(a, parse_output(a.output));
+  engine::MergeOptions mo = merge_options(a);
+  if (a.dry_run && !a.via_libvirt()) {
     const engine::MergePlan plan = engine::plan_merge(mo);
     check_rebase_children(mo, plan);
-    if (governed) announce_policy(plan.base);
-    print_dry_run(out, plan, del, {});
+    if (a.governed()) gm.announce_policy(plan.base);
+    print_dry_run(gm.out, plan, a.del, {});
     return kExitOk;
   }
-  if (governed && !via_libvirt)
-    mo.governor = governor_for(merge_base_of(top, mo.base, mo.allowed_backing_dirs));
-  MergeProgress shown(out, isatty(2) && out == Output::kHuman, !dry_run);
+  if (a.governed() && !a.via_libvirt())
+    mo.governor = gm.governor_for(merge_base_of(a.top, mo.base, mo.allowed_backing_dirs));
+  MergeProgress shown(gm.out, isatty(2) && gm.out == Output::kHuman, !a.dry_run);
   mo.on_progress = [&shown](const engine::Progress& p) { shown.on_progress(p); };
   mo.on_lock_wait = [&shown](const std::string& message) { shown.on_lock_wait(message); };
   engine::MergeResult r;
-  if (via_libvirt) {
-    DomainMergeRequest req;
-    req.uri = uri;
-    req.domain = domain;
-    req.disk = disk;
-    req.pool = pool;
-    req.volume = vol;
-    if (!top.empty()) req.top = top;
-    if (!base.empty()) req.base = base;
-    req.dry_run = dry_run;
-    req.merge = mo;
-    if (!top.empty())
-      req.merge.allowed_backing_dirs = backing_policy(top, allow_dirs);
-    else
-      req.merge.allowed_backing_dirs =
-          allow_dirs.empty() ? std::vector<std::string>{"/"} : allow_dirs;
-    if (governed && !dry_run) {
-      // --domain hands over BASE; --pool/--vol hands over TOP (the volume).
-      req.make_governor = [&, dirs = req.merge.allowed_backing_dirs](const std::string& target) {
-        return governor_for(domain.empty() ? merge_base_of(target, mo.base, dirs) : target);
-      };
-    }
-    auto note = [&](const std::string& m) {
-      if (out == Output::kJson)
-        print_json(note_json(m));
-      else
-        std::fprintf(stderr, "%s\n", m.c_str());
-    };
-    DomainMergeResult dr = merge_domain(req, note);
-    if (dry_run) {
-      if (dr.plan && domain.empty()) {
-        engine::MergeOptions m = req.merge;
-        m.top = dr.top;
-        check_rebase_children(m, *dr.plan);
-      }
-      if (governed && !dr.base.empty()) announce_policy(dr.base);
-      DryRunExtras extra;
-      extra.definition = dr.would_update_definition
-                             ? "disk " + disk + " of domain " + domain + " would use " + dr.base
-                             : std::string();
-      extra.journal = dr.finished_earlier_run;
-      if (dr.plan) {
-        print_dry_run(out, *dr.plan, dr.would_delete, extra);
-      } else {
-        engine::MergePlan p;  // an interrupted run whose data is merged: the rest is metadata
-        p.layers = {dr.top};
-        p.base = dr.base;
-        print_dry_run(out, p, dr.would_delete, extra);
-      }
-      return kExitOk;
-    }
-    for (auto& s : dr.snapshot_metadata_removed) note("removed metadata of snapshot '" + s + "'");
-    if (dr.definition_updated)
-      note("domain definition updated: disk " + disk + " now uses " + dr.base);
-    for (auto& p : dr.pools_refreshed) note("refreshed storage pool " + p);
-    r = dr.merge;
-    if (r.top.empty()) {
-      r.top = dr.top;
-      r.base = dr.base;
-    }
+  if (a.via_libvirt()) {
+    auto merged = merge_through_libvirt(a, mo, gm);
+    if (!merged) return kExitOk;  // a dry run
+    r = std::move(*merged);
   } else {
     r = engine::merge(mo);
   }
   shown.stop();
-  if (out == Output::kJson) {
-    print_json(result_json(r, policy, governor.get()));
-  } else {
-    std::printf("merged %s into %s: %s copied, %s zeroed in %.2fs (%s)\n", r.top.c_str(),
-                r.base.c_str(), format_size(r.copied_bytes).c_str(),
-                format_size(r.zeroed_bytes).c_str(), r.copy_seconds,
-                !r.direct_io ? "buffered, bounded dirty data"
-                : mo.write_mode == engine::WriteMode::kAuto
-                    ? "O_DIRECT for large requests, buffered for small"
-                    : "O_DIRECT");
-    if (r.resumed)
-      std::printf("resumed an interrupted run (from offset %s)\n",
-                  format_size(r.resumed_from).c_str());
-    if (r.leaks_repaired)
-      std::printf("repaired %" PRIu64 " leaked clusters left by the interrupted run\n",
-                  r.leaks_repaired);
-    if (r.bitmaps_removed)
-      std::printf("removed %zu persistent bitmaps from the base (they would be stale)\n",
-                  r.bitmaps_removed);
-    for (auto& c : r.rebased) std::printf("rebased %s onto %s\n", c.c_str(), r.base.c_str());
-    for (auto& d : r.deleted) std::printf("deleted %s\n", d.c_str());
-    std::printf("switch-over took %.3f ms\n", r.switch_seconds * 1000);
-    if (governor) {
-      const engine::CotenantStats cs = governor->cotenant_stats();
-      if (cs.samples)
-        std::printf("co-tenants: %llu latency samples from up to %zu disks, largest %.1f ms\n",
-                    static_cast<unsigned long long>(cs.samples), cs.max_disks,
-                    std::chrono::duration<double, std::milli>(cs.max_latency).count());
-    }
-  }
+  print_merge_result(r, mo.write_mode, gm);
   return kExitOk;
 }
 
