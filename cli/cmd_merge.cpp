@@ -7,13 +7,13 @@
 #include <filesystem>
 #include <iostream>
 
-#include "common/defaults.h"
 #include "cli/domain_merge.h"
 #include "cli/json.h"
 #include "cli/merge_policy.h"
 #include "cli/merge_progress.h"
 #include "cli/options.h"
 #include "cli/units.h"
+#include "common/defaults.h"
 #include "engine/merge.h"
 #include "qcow2/chain.h"
 #include "qcow2/error.h"
@@ -187,11 +187,10 @@ void add_merge_options(po::options_description& opts, MergeArgs& a) {
       ("added-latency budget for co-tenants, e.g. 20ms, or 'off' (default: the policy of BASE's "
        "pool in the qcommitd configuration, else its [default], else " +
        defaults::budget_text() + ")")
-          .c_str())(
-      "config", po::value(&a.config_path),
-      (std::string("qcommitd configuration with the per-pool policies (default ") +
-       defaults::kConfigPath + ")")
-          .c_str())(
+          .c_str())("config", po::value(&a.config_path),
+                    (std::string("qcommitd configuration with the per-pool policies (default ") +
+                     defaults::kConfigPath + ")")
+                        .c_str())(
       "cotenants", po::value(&a.cotenants),
       "on (default): the block stats of running guests on BASE's storage (libvirt) join the probe; "
       "off")("verbose,v", po::bool_switch(&a.verbose), "say also why co-tenants are off")(
@@ -268,8 +267,8 @@ engine::MergeOptions merge_options(const MergeArgs& a) {
   mo.rebase = a.rebase;
   if (!a.top.empty()) mo.allowed_backing_dirs = backing_policy(a.top, a.allow_dirs);
   mo.delete_merged = a.del;
-  mo.lock_wait = a.lock_wait == "0" ? std::chrono::nanoseconds::zero()
-                                    : parse_duration(a.lock_wait, "--wait");
+  mo.lock_wait =
+      a.lock_wait == "0" ? std::chrono::nanoseconds::zero() : parse_duration(a.lock_wait, "--wait");
   mo.write_mode = a.force_direct ? engine::WriteMode::kDirect
                   : a.no_direct  ? engine::WriteMode::kBuffered
                   : a.governed() ? engine::WriteMode::kDirect
@@ -384,8 +383,8 @@ std::optional<engine::MergeResult> merge_through_libvirt(const MergeArgs& a,
   DomainMergeRequest req = domain_request(a, mo);
   if (a.governed() && !a.dry_run) {
     // --domain hands over BASE; --pool/--vol hands over TOP (the volume).
-    req.make_governor = [&a, &gm, &mo, dirs = req.merge.allowed_backing_dirs](
-                            const std::string& target) {
+    req.make_governor = [&a, &gm, &mo,
+                         dirs = req.merge.allowed_backing_dirs](const std::string& target) {
       return gm.governor_for(a.domain.empty() ? merge_base_of(target, mo.base, dirs) : target);
     };
   }
@@ -416,9 +415,9 @@ void print_merge_result(const engine::MergeResult& r, engine::WriteMode mode,
   std::printf("merged %s into %s: %s copied, %s zeroed in %.2fs (%s)\n", r.top.c_str(),
               r.base.c_str(), format_size(r.copied_bytes).c_str(),
               format_size(r.zeroed_bytes).c_str(), r.copy_seconds,
-              !r.direct_io                        ? "buffered, bounded dirty data"
+              !r.direct_io                       ? "buffered, bounded dirty data"
               : mode == engine::WriteMode::kAuto ? "O_DIRECT for large requests, buffered for small"
-                                                  : "O_DIRECT");
+                                                 : "O_DIRECT");
   if (r.resumed)
     std::printf("resumed an interrupted run (from offset %s)\n",
                 format_size(r.resumed_from).c_str());
