@@ -42,8 +42,10 @@ bool lock_shared(int fd, uint64_t byte) {
   return fcntl(fd, F_OFD_SETLK, &fl) == 0;
 }
 
-// The first conflict with what others hold, as QEMU checks before it takes its bytes ("" for
-// none). A race between the check and the taking is caught by the other side's check.
+// The first conflict with what others hold ("" for none). Checked after our own bytes are
+// taken, as QEMU does (raw_apply_lock_bytes, then raw_check_lock_bytes): of two processes that
+// start at once, the one that checks last sees the other's bytes. (Checked before taking, both
+// could check, find nothing, then both take.)
 std::string first_conflict(int fd, uint32_t perm, uint32_t shared) {
   for (int i = 0; i < 4; ++i) {
     const uint32_t bit = 1u << i;
@@ -55,14 +57,20 @@ std::string first_conflict(int fd, uint32_t perm, uint32_t shared) {
   return "";
 }
 
-// Takes our bytes; false (errno set) when the kernel refuses one.
-bool take_bytes(int fd, uint32_t perm, uint32_t shared) {
+// Takes our bytes: "" when all are ours, a conflict when another process holds one exclusively
+// (QEMU never does; another tool may). Throws for any other refusal of the kernel.
+std::string take_bytes(const std::string& path, int fd, uint32_t perm, uint32_t shared) {
   for (int i = 0; i < 4; ++i) {
     const uint32_t bit = 1u << i;
-    if ((perm & bit) && !lock_shared(fd, kLockPermBase + uint64_t(i))) return false;
-    if (!(shared & bit) && !lock_shared(fd, kLockSharedBase + uint64_t(i))) return false;
+    const bool ok = (!(perm & bit) || lock_shared(fd, kLockPermBase + uint64_t(i))) &&
+                    ((shared & bit) || lock_shared(fd, kLockSharedBase + uint64_t(i)));
+    if (ok) continue;
+    const int err = errno;
+    if (err == EAGAIN || err == EACCES)
+      return "another process holds an exclusive lock on the image";
+    throw qcow2::IoError(path, std::string("cannot lock image: ") + std::strerror(err), err);
   }
-  return true;
+  return "";
 }
 
 std::string in_use_message(const std::string& conflict, const std::vector<Holder>& holders) {
@@ -128,7 +136,8 @@ ImageLock::ImageLock(const std::string& path, uint32_t perm, uint32_t shared)
 
 ImageLock ImageLock::acquire(const std::string& path, uint32_t perm, uint32_t shared,
                              LockClock::duration wait, const LockWaitNotice& on_wait,
-                             const LockWaitClock& clock) {
+                             const LockWaitClock& clock,
+                             const std::function<void()>& between_take_and_check) {
   const LockClock::time_point start = clock.now();
   const LockClock::time_point deadline =
       wait < LockClock::time_point::max() - start ? start + wait : LockClock::time_point::max();
@@ -138,15 +147,13 @@ ImageLock ImageLock::acquire(const std::string& path, uint32_t perm, uint32_t sh
     UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
     if (!fd.valid())
       throw qcow2::IoError(path, std::string("cannot open: ") + std::strerror(errno), errno);
-    const std::string conflict = first_conflict(fd.get(), perm, shared);
+    std::string conflict = take_bytes(path, fd.get(), perm, shared);
     if (conflict.empty()) {
-      if (!take_bytes(fd.get(), perm, shared)) {
-        const int err = errno;
-        throw qcow2::IoError(path, std::string("cannot lock image: ") + std::strerror(err), err);
-      }
-      return ImageLock(path, std::move(fd));
+      if (between_take_and_check) between_take_and_check();
+      conflict = first_conflict(fd.get(), perm, shared);
+      if (conflict.empty()) return ImageLock(path, std::move(fd));
     }
-    fd.reset();  // nothing of ours stays open while others are looked for or waited for
+    fd.reset();  // our bytes go with it: nothing of ours stays while others are waited for
     const LockClock::time_point now = clock.now();
     if (!waiting || now >= deadline) {
       // The first refusal, or the one at the deadline: named with who holds the image now.

@@ -72,9 +72,13 @@ class ImageLock {
   // among the holders is refused at once (ImageInUse::held_by_guest), also when it appears during
   // the wait; holders this process cannot see (another PID namespace, another host) are waited
   // for like any other. wait <= 0: the constructor's behaviour exactly.
+  // Each try takes our bytes first and then looks for conflicting ones, as QEMU does, so that of
+  // two processes starting at once at least one sees the other. `between_take_and_check` (tests)
+  // runs in that window.
   [[nodiscard]] static ImageLock acquire(const std::string& path, uint32_t perm, uint32_t shared,
                                          LockClock::duration wait, const LockWaitNotice& on_wait,
-                                         const LockWaitClock& clock = LockWaitClock{});
+                                         const LockWaitClock& clock = LockWaitClock{},
+                                         const std::function<void()>& between_take_and_check = {});
 
   // Reading an image while nobody changes it.
   static constexpr uint32_t kReaderPerm = kPermConsistentRead;

@@ -161,6 +161,45 @@ TEST_CASE("engine.lock_wait.rechecks_until_released") {
   CHECK_NOTHROW((void)ImageLock::reader(image));  // and released with the lock
 }
 
+TEST_CASE("engine.lock_wait.two_starting_at_once") {
+  // Two writers start at once: B tries while A has taken its bytes but not yet looked for
+  // others'. B must see A's bytes and refuse; A then finds nobody and holds the image. (Had A
+  // looked before taking, both would have found nothing and both would write.)
+  TempDir d;
+  const std::string image = d / "image";
+  std::ofstream(image) << "x";
+  bool b_refused = false;
+  const auto b_tries = [&] {
+    try {
+      (void)ImageLock::writer(image);
+    } catch (const ImageInUse&) {
+      b_refused = true;
+    }
+  };
+  {
+    const ImageLock a = ImageLock::acquire(image, ImageLock::kWriterPerm, ImageLock::kWriterShared,
+                                           0s, nullptr, LockWaitClock{}, b_tries);
+    CHECK(b_refused);
+    CHECK_THROWS_AS((void)ImageLock::reader(image), ImageInUse);  // A holds it
+  }
+
+  // A QEMU that has taken its write permission byte in that window but not yet checked: A sees
+  // it and refuses (the QEMU, checking next, proceeds alone).
+  UniqueFd qemu;
+  const auto qemu_takes_write = [&] {
+    qemu = UniqueFd(::open(image.c_str(), O_RDONLY | O_CLOEXEC));
+    struct flock fl {};
+    fl.l_type = F_RDLCK;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = off_t(kLockPermBase + 1);  // the write permission
+    fl.l_len = 1;
+    REQUIRE(::fcntl(qemu.get(), F_OFD_SETLK, &fl) == 0);
+  };
+  CHECK_THROWS_AS((void)ImageLock::acquire(image, ImageLock::kWriterPerm, ImageLock::kWriterShared,
+                                           0s, nullptr, LockWaitClock{}, qemu_takes_write),
+                  ImageInUse);
+}
+
 TEST_CASE("engine.lock_wait.deadline") {
   TempDir d;
   const std::string image = d / "image";
