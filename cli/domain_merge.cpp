@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -80,10 +81,30 @@ std::string canonical(const std::string& p) {
   return ec ? p : c.string();
 }
 
-std::string volume_path(virConnectPtr conn, const std::string& pool, const std::string& vol) {
+// 32 hexadecimal digits, with or without dashes between them (as libvirt writes UUIDs).
+bool looks_like_uuid(const std::string& s) {
+  size_t digits = 0;
+  for (char c : s) {
+    if (std::isxdigit(static_cast<unsigned char>(c)))
+      ++digits;
+    else if (c != '-')
+      return false;
+  }
+  return digits == 32;
+}
+
+// The pool named `pool`, or whose UUID it is; null when there is none. The UUID is looked up
+// only for a string that is one (libvirt's error for a name otherwise says "uuidstr ... must
+// be a valid UUID").
+Pool find_pool(virConnectPtr conn, const std::string& pool) {
   Pool p(virStoragePoolLookupByName(conn, pool.c_str()));
-  if (!p) p.reset(virStoragePoolLookupByUUIDString(conn, pool.c_str()));
-  if (!p) throw Error("pool " + pool, "not found: " + last_libvirt_error());
+  if (!p && looks_like_uuid(pool)) p.reset(virStoragePoolLookupByUUIDString(conn, pool.c_str()));
+  return p;
+}
+
+std::string volume_path(virConnectPtr conn, const std::string& pool, const std::string& vol) {
+  Pool p = find_pool(conn, pool);
+  if (!p) throw Error("pool " + pool, "no such storage pool (virsh pool-list --all lists them)");
   Vol v(virStorageVolLookupByName(p.get(), vol.c_str()));
   if (!v) throw Error("pool " + pool, "volume '" + vol + "' not found: " + last_libvirt_error());
   CStr path(virStorageVolGetPath(v.get()));
@@ -266,12 +287,10 @@ DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(
     if (req.make_governor) req.merge.governor = req.make_governor(top);
     res.merge = engine::merge(req.merge);
     res.base = res.merge.base;
-    Pool p(virStoragePoolLookupByName(conn.get(), req.pool.c_str()));
-    if (!p) p.reset(virStoragePoolLookupByUUIDString(conn.get(), req.pool.c_str()));
-    if (p)
+    if (Pool p = find_pool(conn.get(), req.pool))
       refresh_pool(p.get(), res, note);
     else
-      note("could not refresh storage pool " + req.pool + ": it is gone: " + last_libvirt_error());
+      note("could not refresh storage pool " + req.pool + ": it is gone");
     // BASE may live in another pool (an overlay in a dir pool on a logical volume).
     refresh_pools_holding(conn.get(), res.base, res, note);
     return res;

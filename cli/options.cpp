@@ -1,5 +1,7 @@
 #include "cli/options.h"
 
+#include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
@@ -8,6 +10,25 @@
 #include "qcow2/error.h"
 
 namespace qcommit::cli {
+
+namespace {
+
+// A missing argument as the synopsis names it: IMAGE for a positional one, --name otherwise
+// (Program_options says "the option '--image' is required but missing" for both).
+std::string missing_argument(const po::required_option& e,
+                             const po::positional_options_description& pos) {
+  std::string name = e.get_option_name();
+  name.erase(0, name.find_first_not_of('-'));
+  constexpr unsigned kPositionsLooked = 16;
+  for (unsigned i = 0; i < std::min(pos.max_total_count(), kPositionsLooked); ++i) {
+    if (pos.name_for_position(i) != name) continue;
+    for (char& c : name) c = c == '-' ? '_' : char(std::toupper(static_cast<unsigned char>(c)));
+    return "missing " + name;
+  }
+  return "missing --" + name;
+}
+
+}  // namespace
 
 bool parse(const Args& args, po::options_description& opts, po::positional_options_description& pos,
            po::variables_map& vm, const char* synopsis, const char* examples) {
@@ -19,6 +40,8 @@ bool parse(const Args& args, po::options_description& opts, po::positional_optio
       return false;
     }
     po::notify(vm);
+  } catch (const po::required_option& e) {
+    throw UsageError(missing_argument(e, pos) + " (usage: " + synopsis + ")");
   } catch (const po::error& e) {
     throw UsageError(std::string(e.what()) + " (usage: " + synopsis + ")");
   }

@@ -88,6 +88,15 @@ for cmd in "${cmds[@]}"; do
   grep -q '^examples:' help.txt || fail "$cmd --help has no examples"
   grep -q "^  qcommit $cmd" help.txt || fail "$cmd --help examples do not show 'qcommit $cmd ...'"
   grep -q -- '--output' help.txt || fail "$cmd --help does not mention --output"
+  # Without its argument: one line that names it as the synopsis does (IMAGE, TOP), never
+  # Program_options' "the option '--image' is required but missing".
+  case $cmd in
+    info|map|check|plan|report)
+      rc=0; "$QCOMMIT" "$cmd" </dev/null >/dev/null 2>noarg.err || rc=$?
+      [[ $rc != 0 && $(wc -l <noarg.err) == 1 ]] || fail "$cmd without its argument: exit $rc: $(cat noarg.err)"
+      grep -qE "missing [A-Z_.]+ " noarg.err || fail "$cmd without its argument: $(cat noarg.err)"
+      grep -q "the option '--" noarg.err && fail "$cmd without its argument: $(cat noarg.err)" ;;
+  esac
 
   out=$cmd.json
   case $cmd in
@@ -130,7 +139,11 @@ for cmd in "${cmds[@]}"; do
              --output=json >"$out" 2>/dev/null
            json_lines "$cmd --dry-run" "$out"
            [[ $(jq -r 'select(.event == "dry-run") | .event + " " + .base' "$out") == "dry-run $work/base.qcow2" ]] ||
-             fail "merge --dry-run: $(cat "$out")" ;;
+             fail "merge --dry-run: $(cat "$out")"
+           # An unknown pool is named as such, not with libvirt's words for a malformed UUID.
+           rc=0; "$QCOMMIT" merge --pool no-such-pool --vol x.qcow2 -c "$uri" --dry-run 2>err.txt || rc=$?
+           [[ $rc == 1 ]] && grep -q "pool no-such-pool: no such storage pool" err.txt &&
+             ! grep -qi uuid err.txt || fail "merge --pool no-such-pool: rc $rc, $(cat err.txt)" ;;
     report) "$QCOMMIT" merge r-top.qcow2 --budget 20ms --trace trace.csv >/dev/null 2>&1
             bad_output report trace.csv
             "$QCOMMIT" report trace.csv -o r.html --output=json >"$out"; json_doc "$cmd" "$out"
