@@ -99,8 +99,9 @@ int cmd_doctor(const Args& args) {
   po::options_description opts("options");
   std::string domain, output = "human", uri = defaults::kUri, socket_path = defaults::kSocketPath;
   opts.add_options()("domain", po::value(&domain),
-                     "only this domain (default: every running domain)")("uri", po::value(&uri),
-                                                                         "libvirt connection URI")(
+                     "only this domain (default: every running domain)")(
+      "connect,c", po::value(&uri), "libvirt connection URI")("uri", po::value(&uri),
+                                                              "the same as --connect")(
       "socket", po::value(&socket_path), "qcommitd's socket")("output", po::value(&output),
                                                               "human or json");
   po::positional_options_description pos;

@@ -46,7 +46,7 @@ plugin::TimePoint mono_now() {
 
 constexpr const char* kUsage =
     "usage: qcommit live DOMAIN DISK [--top T] [--base B] [--budget 20ms] [--pivot]\n"
-    "                    [--strategy two-phase|direct] [--overlay-dir DIR] [--uri URI]\n"
+    "                    [--strategy two-phase|direct] [--overlay-dir DIR] [-c|--connect URI]\n"
     "                    [--dry-run] [--output=json] [--page-cache auto|no-cachestat|meminfo]\n"
     "       qcommit live --qmp SOCKET DISK [--top T] [--base B] [--budget 20ms] [--pivot] ...\n"
     "  Merges TOP (default: the disk's active layer) into BASE (default: the bottom of the chain)\n"
@@ -71,7 +71,8 @@ constexpr const char* kUsage =
     "             device id, node name or the active layer's path; the domain name comes from\n"
     "             query-name, else the socket's file name. QEMU serves one QMP client per\n"
     "             socket: its other clients wait until qcommit live ends.\n"
-    "  Refused while qcommitd answers on its socket (--daemon-socket PATH, default\n"
+    "  -c, --connect URI  libvirt connection (--uri: the same)\n"
+    "  Refused while qcommitd answers on its socket (--socket PATH, or --daemon-socket, default\n"
     "  %s): it would govern the same jobs.\n"
     "examples:\n  qcommit live vm1 vda --pivot\n  qcommit live vm1 vda --dry-run --strategy "
     "direct\n"
@@ -172,8 +173,8 @@ int cmd_live(const Args& args) {
       req.base = value("--base");
     } else if (is("--budget")) {
       budget = value("--budget");
-    } else if (is("--uri")) {
-      uri = value("--uri");
+    } else if (is("--connect") || is("--uri") || a == "-c") {
+      uri = value(a == "-c" ? "-c" : is("--uri") ? "--uri" : "--connect");
       uri_given = true;
     } else if (is("--qmp")) {
       qmp = value("--qmp");
@@ -193,8 +194,8 @@ int cmd_live(const Args& args) {
       dry_run = true;
     } else if (is("--output")) {
       out = parse_output(value("--output"));
-    } else if (is("--daemon-socket")) {
-      daemon_socket = value("--daemon-socket");
+    } else if (is("--socket") || is("--daemon-socket")) {
+      daemon_socket = value(is("--socket") ? "--socket" : "--daemon-socket");
     } else if (is("--page-cache")) {
       const std::string v = value("--page-cache");
       const auto src = plugin::parse_page_cache_source(v);
@@ -225,7 +226,7 @@ int cmd_live(const Args& args) {
     }
   }
   if (!qmp.empty()) {
-    if (uri_given) throw UsageError("--qmp and --uri exclude each other");
+    if (uri_given) throw UsageError("--qmp and --connect exclude each other");
     if (pos.size() != 1) throw UsageError("expected --qmp SOCKET DISK (see --help)");
   } else if (pos.size() != 2) {
     throw UsageError("expected DOMAIN DISK (see --help)");

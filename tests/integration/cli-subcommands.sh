@@ -88,6 +88,10 @@ for cmd in "${cmds[@]}"; do
   grep -q '^examples:' help.txt || fail "$cmd --help has no examples"
   grep -q "^  qcommit $cmd" help.txt || fail "$cmd --help examples do not show 'qcommit $cmd ...'"
   grep -q -- '--output' help.txt || fail "$cmd --help does not mention --output"
+  # One name for the libvirt connection across commands: -c/--connect (virsh's), --uri beside it.
+  if grep -q -- '--uri' help.txt; then
+    grep -qE -- '-c(, | \[ )--connect' help.txt || fail "$cmd --help has --uri but not -c/--connect"
+  fi
   # Without its argument: one line that names it as the synopsis does (IMAGE, TOP), never
   # Program_options' "the option '--image' is required but missing".
   case $cmd in
@@ -181,7 +185,7 @@ for cmd in "${cmds[@]}"; do
           # --overlay-dir: the fresh overlay goes there; a missing directory and the direct
           # strategy are refused.
           mkdir -p "$work/local"
-          "$QCOMMIT" live "vm one" vda --uri "$uri" --dry-run --overlay-dir "$work/local" --output=json >"$out"
+          "$QCOMMIT" live "vm one" vda -c "$uri" --dry-run --overlay-dir "$work/local" --output=json >"$out"
           jq -r '.steps[0]' "$out" | grep -q "create external overlay $work/local/top.qcommit-" ||
             fail "live --overlay-dir: first step $(jq -c '.steps[0]' "$out")"
           rc=0; "$QCOMMIT" live "vm one" vda --uri "$uri" --dry-run --overlay-dir "$work/nowhere" 2>err.txt || rc=$?
