@@ -90,6 +90,7 @@ class Checker {
   void inc(uint64_t offset, uint64_t size, const char* what, uint64_t weight = 1) {
     if (size == 0) return;
     if (reaches_past_file(offset, size)) {
+      references_past_file_ = true;
       // The last cluster of a file may be cut short, so a region may end up to one cluster past
       // the end; one reaching further references space nobody owns (a truncated file, a forged
       // table): a corruption, as QEMU counts it, and its clusters are not counted. Were they
@@ -427,6 +428,16 @@ class Checker {
     if (fixes.empty() &&
         (repair_ != Repair::kAll || (copied_fix_l1_.empty() && copied_fix_l2_.empty())))
       return;
+    if (references_past_file_) {
+      // A table reaching past the end of the file was not counted, so the clusters it has
+      // inside the file look leaked while it still names them: "repairing" them would hand
+      // out clusters in use. Nothing is repaired; the corruption stays reported.
+      if (res_.messages.size() < kMaxCheckMessages)
+        res_.messages.push_back(
+            "nothing repaired: references past the end of the file make the refcounts "
+            "unreliable");
+      return;
+    }
     // Apply refcount fixes block by block.
     const uint64_t per_block = geo_.refcount_block_entries();
     std::vector<uint8_t> block(cs_);
@@ -499,6 +510,7 @@ class Checker {
   uint64_t nb_clusters_ = 0;
   std::vector<uint32_t> refs_;
   bool bad_blocks_ = false;
+  bool references_past_file_ = false;  // some reference was not counted (see inc)
   std::vector<uint64_t> copied_fix_l1_;
   std::vector<std::pair<uint64_t, uint64_t>> copied_fix_l2_;
   std::vector<uint8_t> l2_buf_;

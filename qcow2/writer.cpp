@@ -52,9 +52,11 @@ Writer::Writer(Image& image)
 }
 
 // Clusters past the end of the file that still have a refcount (a file cut short after its
-// tables were written; check reports the references to them) are not free: allocation at the
-// end starts past the last of them, so nothing allocated here lands on a cluster that a table
-// may still point to. A block named by several table entries is read once.
+// tables were written; check reports the references to them) are not free: up to the last of
+// them, the search for free clusters asks the refcounts, as it does inside the file, so nothing
+// allocated here lands on a cluster that a table may still point to. (The file is not extended
+// to cover them: one stray refcount far out must not make it huge.) A block named by several
+// table entries is read once.
 void Writer::skip_refcounted_tail() {
   const uint64_t per_block = geo_.refcount_block_entries();
   const auto& reftable = image_.reftable_;
@@ -68,7 +70,7 @@ void Writer::skip_refcounted_tail() {
       it->second = refcount_entries_in_use(*b.table, geo_.refcount_order, per_block);
     }
     if (it->second == 0) continue;
-    file_end_cluster_ = std::max(file_end_cluster_, bi * per_block + it->second);
+    refcounted_end_cluster_ = bi * per_block + it->second;
     return;  // the highest block in use decides
   }
 }
@@ -152,8 +154,9 @@ void Writer::grow_reftable(uint64_t min_entries) {
 uint64_t Writer::find_free(uint64_t clusters) {
   uint64_t run = 0, start = 0;
   for (uint64_t c = std::max<uint64_t>(free_hint_, 1);; ++c) {
-    if (c >= file_end_cluster_) {
-      // Everything past the end is free: extend the current run or start one here.
+    if (c >= std::max(file_end_cluster_, refcounted_end_cluster_)) {
+      // Everything past the end (and past every refcount) is free: extend the current run or
+      // start one here.
       return run > 0 ? start : c;
     }
     const bool free = !reserved_.count(c) && get_refcount(c) == 0;

@@ -132,6 +132,7 @@ class Writer {
   const Geometry geo_;
   const uint64_t cs_;
   uint64_t file_end_cluster_ = 0;  // first cluster index past everything allocated
+  uint64_t refcounted_end_cluster_ = 0;  // past the file's last cluster with a refcount
   uint64_t free_hint_ = 0;
   std::set<uint64_t> reserved_;  // picked for a new refcount block, refcount not yet set
   Header committed_;             // the header as it is on disk

@@ -122,3 +122,46 @@ TEST_CASE("qcow2.refcount.clusters_past_a_cut_file_are_not_free") {
   CHECK(run.host_offset > cut);
   CHECK(img->lookup(cs, cs).host_offset == cut);
 }
+
+TEST_CASE("qcow2.refcount.no_leak_repair_past_a_cut_file") {
+  // A compressed stream over two clusters, the file cut inside the first: the reference ends
+  // more than a cluster past the end of the file, so it is not counted (a corruption, as QEMU
+  // says) and the first cluster, inside the file, looks leaked. A leak repair would free a
+  // cluster that the L2 entry still names; nothing is repaired.
+  ImageSpec s;
+  s.cluster_bits = 12;
+  s.size = 4ull << 20;
+  ImageBuilder b(s);
+  const uint64_t cs = 4096;
+  const uint64_t off = b.write_compressed(0, std::vector<uint8_t>(6000, 0x5a));
+  REQUIRE(off % cs == 0);
+  b.bytes().resize(off + 512);
+  auto img = open_image(b);
+  const qcow2::CheckResult r = qcow2::check(*img, qcow2::Repair::kLeaks);
+  CHECK(r.corruptions == 1);
+  CHECK(r.leaks_fixed == 0);
+  CHECK(img->refcount(off / cs) == 1);
+}
+
+TEST_CASE("qcow2.refcount.stray_refcount_far_out_does_not_grow_the_file") {
+  // One refcount far past the end of the file (no table names the cluster: not even a
+  // corruption): the writer still takes the first free cluster after the file, as QEMU's
+  // allocator does, instead of extending the file past the stray one (80 MiB here; terabytes
+  // with a larger index).
+  ImageSpec s;
+  s.cluster_bits = 12;
+  s.size = 4ull << 20;
+  ImageBuilder b(s);
+  const uint64_t cs = 4096, stray = 20000;
+  (void)b.write_cluster(0, 0x11);
+  b.set_refcount(stray, 1);
+  const uint64_t size_before = b.bytes().size();
+  auto img = open_image(b);
+  qcow2::Writer w(*img);
+  const std::vector<uint8_t> data(cs, 0x5a);
+  auto view = [](uint64_t, std::span<uint8_t> out) { std::fill(out.begin(), out.end(), 0); };
+  w.write(5 * cs, data, view);
+  w.commit();
+  CHECK(img->file().size() <= size_before + 4 * cs);
+  CHECK(img->lookup(5 * cs, cs).host_offset < stray * cs);
+}
