@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <random>
 #include <thread>
 
 namespace qcommit::engine {
@@ -71,6 +72,15 @@ std::string take_bytes(const std::string& path, int fd, uint32_t perm, uint32_t 
     throw qcow2::IoError(path, std::string("cannot lock image: ") + std::strerror(err), err);
   }
   return "";
+}
+
+// kLockRecheckInterval give or take a quarter, so that two processes that found each other's
+// bytes at the same moment do not retry in step until their deadlines.
+LockClock::duration recheck_interval() {
+  static std::minstd_rand jitter(std::random_device{}());
+  const auto base = std::chrono::duration_cast<LockClock::duration>(kLockRecheckInterval);
+  std::uniform_int_distribution<LockClock::rep> quarter(-base.count() / 4, base.count() / 4);
+  return base + LockClock::duration(quarter(jitter));
 }
 
 std::string in_use_message(const std::string& conflict, const std::vector<Holder>& holders) {
@@ -147,7 +157,11 @@ ImageLock ImageLock::acquire(const std::string& path, uint32_t perm, uint32_t sh
     UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
     if (!fd.valid())
       throw qcow2::IoError(path, std::string("cannot open: ") + std::strerror(errno), errno);
-    std::string conflict = take_bytes(path, fd.get(), perm, shared);
+    // A look first, taking nothing: while the image is held, a retry must not take our bytes
+    // even for a moment (a QEMU starting then would find them and fail for good: it does not
+    // retry). Only when it looks free are our bytes taken and the look repeated.
+    std::string conflict = first_conflict(fd.get(), perm, shared);
+    if (conflict.empty()) conflict = take_bytes(path, fd.get(), perm, shared);
     if (conflict.empty()) {
       if (between_take_and_check) between_take_and_check();
       conflict = first_conflict(fd.get(), perm, shared);
@@ -169,7 +183,7 @@ ImageLock ImageLock::acquire(const std::string& path, uint32_t perm, uint32_t sh
       if (any_guest(holders)) throw ImageInUse(path, conflict, std::move(holders));
       next_holders_walk = now + kLockHoldersRecheckInterval;
     }
-    clock.sleep_for(std::min<LockClock::duration>(kLockRecheckInterval, deadline - now));
+    clock.sleep_for(std::min<LockClock::duration>(recheck_interval(), deadline - now));
   }
 }
 

@@ -200,6 +200,28 @@ TEST_CASE("engine.lock_wait.two_starting_at_once") {
                   ImageInUse);
 }
 
+TEST_CASE("engine.lock_wait.waiting_takes_nothing") {
+  // While another process holds the image, the retries take none of our bytes, not even for a
+  // moment: a QEMU starting then would find them and fail for good. Ours are taken once, when
+  // the image looks free.
+  TempDir d;
+  const std::string image = d / "image";
+  std::ofstream(image) << "x";
+  std::optional<ImageLock> holder(ImageLock::reader(image));
+  ManualClock clock;
+  clock.on_sleep = [&](size_t count) {
+    if (count == 3) holder.reset();
+  };
+  int took = 0;
+  {
+    const ImageLock lock = ImageLock::acquire(image, ImageLock::kWriterPerm,
+                                              ImageLock::kWriterShared, 30s, nullptr, clock,
+                                              [&] { ++took; });
+    CHECK(clock.sleeps.size() == 3);
+    CHECK(took == 1);
+  }
+}
+
 TEST_CASE("engine.lock_wait.deadline") {
   TempDir d;
   const std::string image = d / "image";
