@@ -180,7 +180,7 @@ void add_merge_options(po::options_description& opts, MergeArgs& a) {
       "wait", po::value(&a.lock_wait),
       ("wait this long for another process (qemu-img info, a backup tool) to release an image "
        "or to close a merged layer before --delete, and for a backing device under /dev to "
-       "appear, e.g. 30s; 0: refuse at once (default " +
+       "appear, each wait at most this long, e.g. 30s; 0: refuse at once (default " +
        defaults::lock_wait_text() + "; a running guest is never waited for)")
           .c_str())(
       "budget", po::value(&a.budget),

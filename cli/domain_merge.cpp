@@ -81,6 +81,15 @@ std::string canonical(const std::string& p) {
   return ec ? p : c.string();
 }
 
+// Why a pool lookup found nothing: "no such storage pool" when libvirt says so, else libvirt's
+// own words (access denied, connection lost).
+std::string pool_lookup_error() {
+  const virError* e = virGetLastError();
+  if (!e || e->code == VIR_ERR_NO_STORAGE_POOL)
+    return "no such storage pool (virsh pool-list --all lists them)";
+  return last_libvirt_error();
+}
+
 // 32 hexadecimal digits, with or without dashes between them (as libvirt writes UUIDs).
 bool looks_like_uuid(const std::string& s) {
   size_t digits = 0;
@@ -104,7 +113,7 @@ Pool find_pool(virConnectPtr conn, const std::string& pool) {
 
 std::string volume_path(virConnectPtr conn, const std::string& pool, const std::string& vol) {
   Pool p = find_pool(conn, pool);
-  if (!p) throw Error("pool " + pool, "no such storage pool (virsh pool-list --all lists them)");
+  if (!p) throw Error("pool " + pool, pool_lookup_error());
   Vol v(virStorageVolLookupByName(p.get(), vol.c_str()));
   if (!v) throw Error("pool " + pool, "volume '" + vol + "' not found: " + last_libvirt_error());
   CStr path(virStorageVolGetPath(v.get()));
@@ -290,7 +299,7 @@ DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(
     if (Pool p = find_pool(conn.get(), req.pool))
       refresh_pool(p.get(), res, note);
     else
-      note("could not refresh storage pool " + req.pool + ": it is gone");
+      note("could not refresh storage pool " + req.pool + ": " + pool_lookup_error());
     // BASE may live in another pool (an overlay in a dir pool on a logical volume).
     refresh_pools_holding(conn.get(), res.base, res, note);
     return res;
