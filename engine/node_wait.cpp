@@ -1,16 +1,25 @@
 #include "engine/node_wait.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <filesystem>
 
 namespace qcommit::engine {
 
 namespace {
 
-bool exists(const std::string& path) {
-  return ::access(path.c_str(), F_OK) == 0;
+// The node exists and has a device behind it: a loop device's or a device-mapper node appears
+// a moment before its device is set up, and opening it then fails with ENXIO.
+bool ready(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd >= 0) {
+    ::close(fd);
+    return true;
+  }
+  return errno != ENOENT && errno != ENXIO;  // another error is for the open after to report
 }
 
 // "10 s", or "1500 ms" when not whole seconds; to the nearest 100 ms (what is left of the budget
@@ -33,12 +42,12 @@ bool wait_for_node(const std::string& path, LockClock::time_point deadline,
                    const LockWaitNotice& on_wait, const LockWaitClock& clock) {
   if (!may_appear_late(path)) return false;
   const LockClock::time_point start = clock.now();
-  if (start >= deadline) return exists(path);
+  if (start >= deadline) return ready(path);
   if (on_wait)
     on_wait("waiting up to " + wait_text(deadline - start) + " for " + path +
             " to appear (a device node udev may still be creating)");
   for (;;) {
-    if (exists(path)) return true;
+    if (ready(path)) return true;
     const LockClock::time_point now = clock.now();
     if (now >= deadline) return false;
     clock.sleep_for(std::min<LockClock::duration>(kNodeRecheckInterval, deadline - now));

@@ -7,6 +7,8 @@
 #  (2) the same wait as a JSON event with --output=json;
 #  (3) --wait 1s and no device: exit 1 after about 1 s, one line naming /dev/loopN;
 #  (4) a missing regular file is no race: refused at once, no wait announced.
+# The upper time bounds leave room for a loaded machine; each stays below the default --wait
+# (10 s), so a wait that ran to its deadline instead of ending with the device still fails.
 #
 # usage: merge-late-node.sh QCOMMIT   (root, losetup, python3; exit 77 to skip otherwise)
 set -euo pipefail
@@ -68,7 +70,7 @@ took=$(elapsed "$t0")
 wait
 grep -q "waiting up to 10 s for $dev to appear" err1.txt || fail "(1) no wait message: $(cat err1.txt)"
 [[ $(grep -c waiting err1.txt) -eq 1 ]] || fail "(1) the wait was announced $(grep -c waiting err1.txt) times, not once"
-awk -v t="$took" 'BEGIN { exit !(t >= 0.9 && t < 4) }' || fail "(1) took $took s (the device appeared after 1 s)"
+awk -v t="$took" 'BEGIN { exit !(t >= 0.9 && t < 8) }' || fail "(1) took $took s (the device appeared after 1 s)"
 [[ -b $dev ]] && qemu-img compare -q -f raw -F raw view.raw "$dev" || fail "(1) BASE ($dev) does not show TOP's view"
 remove_loop
 
@@ -94,7 +96,7 @@ took=$(elapsed "$t0")
 [[ $rc -eq 1 ]] || fail "(3) exit $rc, not 1"
 [[ $(grep -vc '^qcommit: waiting' err3.txt) -eq 1 ]] && grep -v '^qcommit: waiting' err3.txt | grep -q "$dev" ||
   fail "(3) not one line naming $dev: $(cat err3.txt)"
-awk -v t="$took" 'BEGIN { exit !(t >= 0.9 && t < 3) }' || fail "(3) gave up after $took s, not 1 s"
+awk -v t="$took" 'BEGIN { exit !(t >= 0.9 && t < 6) }' || fail "(3) gave up after $took s, not 1 s"
 sha256sum --quiet -c sums || fail "(3) an image changed although the merge gave up"
 
 # (4)
@@ -106,7 +108,7 @@ took=$(elapsed "$t0")
 [[ $rc -eq 1 ]] || fail "(4) exit $rc, not 1"
 grep -q waiting err4.txt && fail "(4) a missing regular file was waited for"
 grep -q gone.raw err4.txt || fail "(4) the error does not name the file: $(cat err4.txt)"
-awk -v t="$took" 'BEGIN { exit !(t < 0.8) }' || fail "(4) took $took s"
+awk -v t="$took" 'BEGIN { exit !(t < 2) }' || fail "(4) took $took s"
 
 if ((${#failures[@]})); then
   printf 'merge.late_node: %d failure(s)\n' "${#failures[@]}"
