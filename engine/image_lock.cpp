@@ -94,20 +94,25 @@ bool any_guest(const std::vector<Holder>& holders) {
 }
 
 // "30 s", or "1500 ms" when not whole seconds.
-std::string duration_text(LockClock::duration d) {
-  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(d).count();
-  if (ms % 1000 == 0) return std::to_string(ms / 1000) + " s";
-  return std::to_string(ms) + " ms";
-}
 
 std::string wait_message(const std::string& path, LockClock::duration wait,
                          const std::vector<Holder>& holders, const std::string& conflict) {
   const std::string who = holders.empty() ? "another process" : describe(holders);
-  return "waiting up to " + duration_text(wait) + " for " + who + " to release " + path + " (" +
+  return "waiting up to " + wait_duration_text(wait) + " for " + who + " to release " + path + " (" +
          conflict + ")";
 }
 
 }  // namespace
+
+LockClock::time_point deadline_after(LockClock::time_point start, LockClock::duration wait) {
+  return wait < LockClock::time_point::max() - start ? start + wait : LockClock::time_point::max();
+}
+
+std::string wait_duration_text(LockClock::duration d) {
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(d).count();
+  if (ms % 1000 == 0) return std::to_string(ms / 1000) + " s";
+  return std::to_string(ms) + " ms";
+}
 
 LockClock::time_point LockWaitClock::now() const { return LockClock::now(); }
 
@@ -122,15 +127,14 @@ bool ImageInUse::held_by_guest() const { return any_guest(holders_); }
 std::vector<Holder> wait_until_closed(const std::string& path, LockClock::duration wait,
                                       const LockWaitNotice& on_wait, const LockWaitClock& clock) {
   const LockClock::time_point start = clock.now();
-  const LockClock::time_point deadline =
-      wait < LockClock::time_point::max() - start ? start + wait : LockClock::time_point::max();
+  const LockClock::time_point deadline = deadline_after(start, wait);
   bool told = false;
   for (;;) {
     std::vector<Holder> holders = holders_of(path, Access::any);
     const LockClock::time_point now = clock.now();
     if (holders.empty() || now >= deadline || any_guest(holders)) return holders;
     if (!told && on_wait)
-      on_wait("waiting up to " + duration_text(wait) + " for " + describe(holders) + " to close " +
+      on_wait("waiting up to " + wait_duration_text(wait) + " for " + describe(holders) + " to close " +
               path + " before deleting it");
     told = true;
     clock.sleep_for(std::min<LockClock::duration>(kLockRecheckInterval, deadline - now));
@@ -149,8 +153,7 @@ ImageLock ImageLock::acquire(const std::string& path, uint32_t perm, uint32_t sh
                              const LockWaitClock& clock,
                              const std::function<void()>& between_take_and_check) {
   const LockClock::time_point start = clock.now();
-  const LockClock::time_point deadline =
-      wait < LockClock::time_point::max() - start ? start + wait : LockClock::time_point::max();
+  const LockClock::time_point deadline = deadline_after(start, wait);
   bool waiting = false;
   LockClock::time_point next_holders_walk{};
   for (;;) {

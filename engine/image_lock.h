@@ -119,6 +119,13 @@ class ImageLock {
                                                     const LockWaitNotice& on_wait,
                                                     const LockWaitClock& clock = LockWaitClock{});
 
+// `start` + `wait`, or the end of time when that does not fit.
+[[nodiscard]] LockClock::time_point deadline_after(LockClock::time_point start,
+                                                   LockClock::duration wait);
+
+// A wait's length in messages: "10 s", or "1500 ms" when not whole seconds.
+[[nodiscard]] std::string wait_duration_text(LockClock::duration d);
+
 // "pid 1234 (qemu-system-x86)" for every process that has `path` open, or "" if none is found.
 [[nodiscard]] std::string describe_holders(const std::string& path);
 

@@ -682,10 +682,7 @@ class MergeJob {
   // waited for until the --wait budget, counted from the start of the merge, is spent.
   [[nodiscard]] std::function<bool(const std::string&)> node_waiter() const {
     if (opt.lock_wait <= Duration::zero()) return nullptr;
-    const LockClock::time_point now = LockClock::now();
-    const LockClock::time_point deadline = opt.lock_wait < LockClock::time_point::max() - now
-                                               ? now + opt.lock_wait
-                                               : LockClock::time_point::max();
+    const LockClock::time_point deadline = deadline_after(LockClock::now(), opt.lock_wait);
     return [this, deadline](const std::string& path) {
       return wait_for_node(path, deadline, opt.on_lock_wait);
     };

@@ -22,13 +22,11 @@ bool ready(const std::string& path) {
   return errno != ENOENT && errno != ENXIO;  // another error is for the open after to report
 }
 
-// "10 s", or "1500 ms" when not whole seconds; to the nearest 100 ms (what is left of the budget
-// when the wait begins is a few milliseconds short of the --wait given).
-std::string wait_text(LockClock::duration d) {
-  const auto ms =
-      (std::chrono::duration_cast<std::chrono::milliseconds>(d).count() + 50) / 100 * 100;
-  if (ms % 1000 == 0) return std::to_string(ms / 1000) + " s";
-  return std::to_string(ms) + " ms";
+// To the nearest 100 ms: what is left of the budget when the wait begins is a few milliseconds
+// short of the --wait given.
+LockClock::duration nearest_100ms(LockClock::duration d) {
+  return std::chrono::milliseconds(
+      (std::chrono::duration_cast<std::chrono::milliseconds>(d).count() + 50) / 100 * 100);
 }
 
 }  // namespace
@@ -44,8 +42,8 @@ bool wait_for_node(const std::string& path, LockClock::time_point deadline,
   const LockClock::time_point start = clock.now();
   if (start >= deadline) return ready(path);
   if (on_wait)
-    on_wait("waiting up to " + wait_text(deadline - start) + " for " + path +
-            " to appear (a device node udev may still be creating)");
+    on_wait("waiting up to " + wait_duration_text(nearest_100ms(deadline - start)) + " for " +
+            path + " to appear (a device node udev may still be creating)");
   for (;;) {
     if (ready(path)) return true;
     const LockClock::time_point now = clock.now();

@@ -48,7 +48,7 @@ Writer::Writer(Image& image)
     // v2 with internal snapshots is handled like v3: refcounts tell what is shared.
   }
   file_end_cluster_ = (image_.file().size() + cs_ - 1) / cs_;
-  skip_refcounted_tail();
+  find_refcounted_end();
 }
 
 // Clusters past the end of the file that still have a refcount (a file cut short after its
@@ -57,7 +57,7 @@ Writer::Writer(Image& image)
 // allocated here lands on a cluster that a table may still point to. (The file is not extended
 // to cover them: one stray refcount far out must not make it huge.) A block named by several
 // table entries is read once.
-void Writer::skip_refcounted_tail() {
+void Writer::find_refcounted_end() {
   const uint64_t per_block = geo_.refcount_block_entries();
   const auto& reftable = image_.reftable_;
   std::map<uint64_t, uint64_t> in_use_by_block;  // block offset -> entries in use

@@ -114,7 +114,7 @@ class Writer {
 
   [[nodiscard]] uint64_t allocate(uint64_t clusters);  // contiguous, refcounts set to 1
   [[nodiscard]] uint64_t find_free(uint64_t clusters);
-  void skip_refcounted_tail();
+  void find_refcounted_end();
   [[nodiscard]] uint64_t get_refcount(uint64_t cluster);
   void set_refcount(uint64_t cluster, uint64_t value);
   void ensure_refblock(uint64_t block_index);
