@@ -134,17 +134,30 @@ double seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 
 }  // namespace
 
+// A file held by a reader lock of this process (OFD locks of two open files conflict like two
+// processes'), until release_after's sleep of the clock.
+struct HeldImage {
+  TempDir d;
+  std::string image = d / "image";
+  std::optional<ImageLock> holder;
+  HeldImage() {
+    std::ofstream(image) << "x";
+    holder.emplace(ImageLock::reader(image));
+  }
+  void release_after(size_t sleeps, ManualClock& clock) {
+    clock.on_sleep = [this, sleeps](size_t count) {
+      if (count == sleeps) holder.reset();
+    };
+  }
+};
+
 TEST_CASE("engine.lock_wait.rechecks_until_released") {
   // A conflicting lock of this process (OFD locks of two open files conflict like two
   // processes'), released after the tenth sleep: the acquisition takes it at the next check.
-  TempDir d;
-  const std::string image = d / "image";
-  std::ofstream(image) << "x";
-  std::optional<ImageLock> holder(ImageLock::reader(image));
+  HeldImage held;
+  const std::string& image = held.image;
   ManualClock clock;
-  clock.on_sleep = [&](size_t count) {
-    if (count == 10) holder.reset();
-  };
+  held.release_after(10, clock);
   std::vector<std::string> notices;
   const auto notice = [&](const std::string& m) { notices.push_back(m); };
   {
@@ -204,14 +217,10 @@ TEST_CASE("engine.lock_wait.waiting_takes_nothing") {
   // While another process holds the image, the retries take none of our bytes, not even for a
   // moment: a QEMU starting then would find them and fail for good. Ours are taken once, when
   // the image looks free.
-  TempDir d;
-  const std::string image = d / "image";
-  std::ofstream(image) << "x";
-  std::optional<ImageLock> holder(ImageLock::reader(image));
+  HeldImage held;
+  const std::string& image = held.image;
   ManualClock clock;
-  clock.on_sleep = [&](size_t count) {
-    if (count == 3) holder.reset();
-  };
+  held.release_after(3, clock);
   int took = 0;
   {
     const ImageLock lock = ImageLock::acquire(image, ImageLock::kWriterPerm,
