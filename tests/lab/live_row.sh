@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # bench-stall merge actions with qcommit (run as a row command: LAB_DOM, LAB_DIR set).
-#   live_row.sh daemon [--budget 20ms]   qcommitd running (private socket, trace in LAB_DIR),
+#   live_row.sh daemon [--budget 20ms] [--page-cache SOURCE]
+#                                        qcommitd running (private socket, trace in LAB_DIR),
 #                                        the user's `virsh blockcommit DOM vda --active --pivot`
 #   live_row.sh live [OPTIONS...]        qcommit live DOM vda --pivot OPTIONS...
 # Exits with the merge command's status.
@@ -13,7 +14,13 @@ shift
 case $mode in
   daemon)
     budget=20ms
-    [ "${1:-}" = --budget ] && budget=$2
+    while [ $# -gt 0 ]; do
+      case $1 in
+        --budget) budget=$2; shift 2 ;;
+        --page-cache) LIVE_QCOMMITD_ARGS="${LIVE_QCOMMITD_ARGS:-} --page-cache $2"; shift 2 ;;
+        *) lab_die "live_row.sh daemon: unknown option $1" ;;
+      esac
+    done
     trap live_cleanup EXIT
     live_qcd_start --budget "$budget"
     rc=0
