@@ -49,6 +49,8 @@ std::optional<std::string> ControllerConfig::validate() const {
     return "throttle config: slowdown_duration must be > 0";
   if (slowdown_interval < 4 * slowdown_duration)
     return "throttle config: slowdown_interval must be >= 4 x slowdown_duration";
+  if (!(probe_requests_per_sample >= 1))
+    return "throttle config: probe_requests_per_sample must be >= 1";
   return std::nullopt;
 }
 
@@ -66,6 +68,7 @@ Controller::Controller(ControllerConfig cfg) : cfg_(cfg) {
   if (cfg_.slowdown_duration <= Duration::zero())
     cfg_.slowdown_duration = std::chrono::milliseconds(200);
   cfg_.slowdown_interval = std::max(cfg_.slowdown_interval, 4 * cfg_.slowdown_duration);
+  if (!(cfg_.probe_requests_per_sample >= 1)) cfg_.probe_requests_per_sample = 1;
   rate_ = cfg_.initial_rate_bytes_per_s;
   drain_est_ = cfg_.initial_rate_bytes_per_s;
   drain_max_seen_ = drain_est_;
@@ -136,6 +139,7 @@ void Controller::start_slowdown(TimePoint now) {
   saved_rate_ = rate_;
   fg_base_.new_epoch();
   copy_base_.new_epoch();
+  probe_base_.new_epoch();
   ++stats_.slowdowns;
 }
 
@@ -168,15 +172,16 @@ bool Controller::measure_drain(const TickInput& in, const TickTiming& t) {
   return window_limited || used_rate;
 }
 
-// A slowdown every slowdown_interval, slotted on the caller's clock, so that the base latencies
-// are re-learned with the copy held at the floor.  Runs before this tick's samples are taken:
-// they belong to the new epoch.
-void Controller::start_periodic_slowdown(TimePoint now) {
-  const std::int64_t slot = now.time_since_epoch() / cfg_.slowdown_interval;
+// A slowdown every slowdown_interval, slotted on the shared wall clock when the caller knows it,
+// else on its own clock, so that the base latencies are re-learned with the copy held at the
+// floor.  Runs before this tick's samples are taken: they belong to the new epoch.
+void Controller::start_periodic_slowdown(const TickInput& in) {
+  const Duration slot_clock = in.wall_clock.value_or(in.now.time_since_epoch());
+  const std::int64_t slot = slot_clock / cfg_.slowdown_interval;
   if (!started_) last_slowdown_slot_ = slot;
   if (!in_slowdown_ && !paused_ && started_ && slot != last_slowdown_slot_) {
     last_slowdown_slot_ = slot;
-    start_slowdown(now);
+    start_slowdown(in.now);
   }
 }
 
@@ -184,6 +189,7 @@ void Controller::start_periodic_slowdown(TimePoint now) {
 // service time (at the best drain seen: the storage's own speed) taken out.
 std::vector<Duration> Controller::learn_base_latencies(const TickInput& in) {
   for (Duration l : in.foreground_latencies) fg_base_.add(l);
+  for (Duration l : in.probe_latencies) probe_base_.add(l);
   std::vector<Duration> copy_norm;
   copy_norm.reserve(in.copy_samples.size());
   for (const auto& s : in.copy_samples) {
@@ -198,6 +204,7 @@ std::vector<Duration> Controller::learn_base_latencies(const TickInput& in) {
 // The tick brought news: latency samples, or every foreground source read idle.
 bool Controller::is_fresh(const TickInput& in) {
   return !in.foreground_latencies.empty() || !in.copy_samples.empty() ||
+         !in.probe_latencies.empty() ||
          (in.foreground_idle && in.foreground_outstanding == 0 &&
           !in.foreground_oldest_outstanding);
 }
@@ -217,6 +224,18 @@ Duration Controller::foreground_delay(const TickInput& in, TimePoint now) {
   }
   if (age) q = std::max(q, *age - base);
   return q;
+}
+
+// Queueing delay the probe saw, per storage request: its latencies over its own base, and an
+// outstanding probe as a sample of at least its age (a probe stuck behind a queue is the first
+// sign of a stall the local guests may not show).  Before any base is known, the age counts whole.
+Duration Controller::probe_delay(const TickInput& in) const {
+  const Duration base = probe_base_.value().value_or(Duration::zero());
+  Duration q = Duration::zero();
+  if (probe_base_.value())
+    for (Duration l : in.probe_latencies) q = std::max(q, l - base);
+  if (in.probe_outstanding) q = std::max(q, *in.probe_outstanding - base);
+  return from_seconds(seconds(q) / cfg_.probe_requests_per_sample);
 }
 
 // Queueing delay the copy's own requests saw: copy samples are numerous, their median is the
@@ -272,8 +291,8 @@ bool Controller::enter_pause(TimePoint now) {
 // Leaves the pause once a fresh tick shows the delay at target, or, with no news, once nothing
 // has been outstanding for kPauseProbeAfter (a probe: nobody is there to be protected).
 void Controller::maybe_resume(const TickInput& in, Duration q, Duration target, bool fresh) {
-  const bool nothing_outstanding =
-      in.foreground_outstanding == 0 && in.backlog_bytes == 0 && !in.foreground_oldest_outstanding;
+  const bool nothing_outstanding = in.foreground_outstanding == 0 && in.backlog_bytes == 0 &&
+                                   !in.foreground_oldest_outstanding && !in.probe_outstanding;
   if ((fresh && q <= target) ||
       (!fresh && nothing_outstanding && in.now - paused_since_ >= kPauseProbeAfter))
     paused_ = false;
@@ -344,15 +363,16 @@ Decision Controller::tick(const TickInput& in) {
   const TickTiming t = timing(now);
   ++stats_.ticks;
   const bool busy = measure_drain(in, t);
-  start_periodic_slowdown(now);
+  start_periodic_slowdown(in);
 
   const bool had_fg_base = fg_base_.value().has_value();
   std::vector<Duration> copy_norm = learn_base_latencies(in);
   const std::optional<Duration> fgb = fg_base_.value();
   const std::optional<Duration> cb = copy_base_.value();
   const bool fresh = is_fresh(in);
+  const Duration pq = probe_delay(in);
   const Duration q =
-      std::max({foreground_delay(in, now), copy_delay(in, now, copy_norm), Duration::zero()});
+      std::max({foreground_delay(in, now), copy_delay(in, now, copy_norm), pq, Duration::zero()});
 
   const bool emergency_now = q > from_seconds(t.budget_s * kEmergencyFactor);
   update_slowdown(in, had_fg_base, fresh);
@@ -371,6 +391,8 @@ Decision Controller::tick(const TickInput& in) {
   d.emergency = entered_pause;
   d.foreground_base = fgb;
   d.copy_base = cb;
+  d.probe_base = probe_base_.value();
+  d.probe_delay = pq;
   started_ = true;
   last_now_ = now;
   prev_window_ = d.window_bytes;

@@ -37,8 +37,19 @@
 //    caller's monotonic clock so that several controllers on one host (CLOCK_MONOTONIC is
 //    system-wide) drain the queue together, the copy drops to the floor rate and the minimum
 //    window for slowdown_duration, a new base epoch starts, and the rate is then restored.
+//    Hosts sharing a storage have unrelated monotonic clocks: a caller that knows a clock they
+//    keep in sync (NTP-disciplined CLOCK_REALTIME) passes it (TickInput::wall_clock) and the
+//    slowdowns are aligned on it instead, so that the copies of every host drain the queue
+//    together; otherwise one host's base is learned behind the others' queues and its copy
+//    steers to the budget on top of them.
 //    A slowdown also starts as soon as foreground samples appear while no foreground base is
 //    known (guest became active).
+//  * Shared-queue probe (optional, throttle/probe.h): a small write + flush of the caller's own
+//    on the copy's target storage stands for the guests the caller cannot see (on other hosts
+//    sharing the storage).  Its latencies have a base of their own (another min filter with the
+//    same epochs: a write + flush is not a guest's single request), its delay counts per storage
+//    request (÷ probe_requests_per_sample) next to the foreground's, and a probe outstanding
+//    counts as a sample of at least its age.  Probe samples make a tick fresh.
 //
 // Using it — the offline merge engine (own O_DIRECT or buffered I/O):
 //    every tick: fill TickInput with the probe/guest latencies completed since the last tick,
@@ -134,6 +145,9 @@ struct ControllerConfig {
   // shorter, so the delay target and the emergency threshold are never set below it (once a
   // drain rate has been measured).
   std::uint64_t copy_request_bytes = 0;
+  // Storage requests one probe sample spans: a write and a flush (the probe's delay is compared
+  // per request, as the guests' per-request block stats are).  1 where the probe is one request.
+  double probe_requests_per_sample = kStorageRequestsPerGuestSyncWrite;
 
   // nullopt when valid, else one line naming the problem.
   [[nodiscard]] std::optional<std::string> validate() const;
@@ -159,6 +173,13 @@ struct TickInput {
   // (or at the floor after a slowdown) until some guest happens to do I/O; what it may queue is
   // still bounded by the window.
   bool foreground_idle = false;
+  // Shared-queue probe (throttle/probe.h): latencies of the probes completed since the previous
+  // tick, and the age of the one outstanding, if any.
+  std::span<const Duration> probe_latencies{};
+  std::optional<Duration> probe_outstanding{};
+  // Time since the epoch on a clock the hosts sharing the storage keep in sync (NTP), when
+  // known: periodic slowdowns are slotted on it instead of `now`.
+  std::optional<Duration> wall_clock{};
   // The copy's own completed I/O since the previous tick.
   std::span<const CopySample> copy_samples{};
   // Age of the copy's oldest outstanding I/O, when known.
@@ -183,6 +204,8 @@ struct Decision {
   Duration queue_delay{};  // q this tick (max of all signals)
   std::optional<Duration> foreground_base{};
   std::optional<Duration> copy_base{};
+  std::optional<Duration> probe_base{};
+  Duration probe_delay{};  // the probe's delay per storage request this tick (part of q)
   double drain_estimate_bytes_per_s = 0;
   bool fresh = false;      // this tick brought latency samples
   bool emergency = false;  // this tick entered the emergency stop
@@ -248,10 +271,11 @@ class Controller {
   [[nodiscard]] TickTiming timing(TimePoint now) const;
   [[nodiscard]] bool measure_drain(const TickInput& in, const TickTiming& t);
   void update_drain(const TickInput& in, Duration dt, bool window_limited);
-  void start_periodic_slowdown(TimePoint now);
+  void start_periodic_slowdown(const TickInput& in);
   [[nodiscard]] std::vector<Duration> learn_base_latencies(const TickInput& in);
   [[nodiscard]] static bool is_fresh(const TickInput& in);
   [[nodiscard]] Duration foreground_delay(const TickInput& in, TimePoint now);
+  [[nodiscard]] Duration probe_delay(const TickInput& in) const;
   [[nodiscard]] Duration copy_delay(const TickInput& in, TimePoint now,
                                     std::vector<Duration>& copy_norm);
   void update_slowdown(const TickInput& in, bool had_fg_base, bool fresh);
@@ -286,6 +310,7 @@ class Controller {
   std::optional<TimePoint> copy_quiet_since_;
   EpochMinFilter fg_base_;
   EpochMinFilter copy_base_;
+  EpochMinFilter probe_base_;
   // Drain accumulation and max filter.
   std::uint64_t acc_bytes_ = 0;
   Duration acc_time_{};

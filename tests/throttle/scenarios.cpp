@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <random>
 
 namespace qcommit::throttle::sim {
 
@@ -210,6 +211,126 @@ double percentile(std::vector<double> v, double p) {
   const auto lo = static_cast<std::size_t>(std::floor(rank));
   const auto hi = static_cast<std::size_t>(std::ceil(rank));
   return v[lo] + (v[hi] - v[lo]) * (rank - static_cast<double>(lo));
+}
+
+namespace {
+
+constexpr std::uint64_t kMultiHostSeed = 20261202;
+constexpr std::uint64_t kEndlessMergeBytes = 1024 * kGiB;  // still running at the end
+
+}  // namespace
+
+const char* to_string(HostLayout l) {
+  switch (l) {
+    case HostLayout::GuestsEverywhere:
+      return "guests everywhere";
+    case HostLayout::HiddenGuests:
+      return "hidden guests";
+    case HostLayout::HiddenGuestsCapacityDrop:
+      return "hidden, capacity drop";
+  }
+  return "?";
+}
+
+namespace {
+
+int merging_hosts(int hosts, HostLayout layout) {
+  return layout == HostLayout::GuestsEverywhere ? hosts : std::max(1, hosts / 2);
+}
+
+// A merge on `host` as qcommitd governs it (see run_multi_host).
+JobConfig host_merge(const Policy& p, int host, Ns start, Ns clock_offset) {
+  JobConfig j = copy_job(p, kEndlessMergeBytes, start);
+  j.host = host;
+  j.copy_latency_visible = false;
+  j.idle_signal = true;
+  j.clock_offset = clock_offset;
+  // A simulated guest's write+fsync is one FIFO request, and so is the probe.
+  j.controller.probe_requests_per_sample = 1;
+  if (p.probe) j.probe = ProbeConfig{};
+  return j;
+}
+
+}  // namespace
+
+MultiHostRun run_multi_host(int hosts, HostLayout layout, const Policy& p) {
+  MultiHostRun r;
+  r.hosts = hosts;
+  r.layout = layout;
+  r.name = std::to_string(hosts) + " hosts, " + to_string(layout);
+  const std::uint64_t seed =
+      kMultiHostSeed + static_cast<std::uint64_t>(hosts) * 4 + static_cast<std::uint64_t>(layout);
+  r.sim = std::make_unique<Simulator>(StorageConfig{}, PageCacheConfig{}, seed);
+  std::mt19937_64 offsets(seed);
+  std::uniform_int_distribution<Ns> offset(0,
+                                           default_controller_config().slowdown_interval.count());
+  std::uniform_int_distribution<Ns> ntp_error(-kWallClockError, kWallClockError);
+  const int merging = merging_hosts(hosts, layout);
+  for (int h = 0; h < hosts; ++h) {
+    const bool merges = h < merging;
+    if (!merges || layout == HostLayout::GuestsEverywhere) {
+      GuestConfig g = flush_guest();
+      g.host = h;
+      r.sim->add_guest(g);
+      r.guest_hosts.push_back(h);
+      r.guest_seen.push_back(merges);
+    }
+    if (!merges) continue;
+    JobConfig j = host_merge(p, h, h * kMergeStagger, offset(offsets));
+    const Ns error = ntp_error(offsets);
+    if (p.wall_clock) j.wall_clock_error = error;
+    r.jobs.push_back(r.sim->add_job(j));
+  }
+  const Ns last_start = (merging - 1) * kMergeStagger;
+  r.from = last_start + kSettleAfterLastStart;
+  r.to = last_start + kAllMergingFor;
+  r.end = r.to;
+  if (layout == HostLayout::HiddenGuestsCapacityDrop) {
+    r.sim->at_capacity(r.to, kDropFraction * kCapacity);
+    r.sim->at_capacity(r.to + kDropLength, kCapacity);
+    r.end = r.to + kDropLength + kAfterDrop;
+  }
+  r.sim->run(r.end);
+  return r;
+}
+
+double jain_index(const std::vector<double>& x) {
+  double sum = 0, sum2 = 0;
+  for (double v : x) {
+    sum += v;
+    sum2 += v * v;
+  }
+  return sum2 > 0 ? sum * sum / (static_cast<double>(x.size()) * sum2) : 0;
+}
+
+MultiHostSummary summarize(const MultiHostRun& r) {
+  MultiHostSummary s;
+  std::vector<std::vector<double>> per_guest(r.guest_hosts.size());
+  for (const auto& g : r.sim->guest_samples())
+    if (g.submit < r.end)
+      per_guest[static_cast<std::size_t>(g.guest)].push_back(static_cast<double>(g.added) / kMs);
+  for (std::size_t i = 0; i < per_guest.size(); ++i) {
+    const auto& v = per_guest[i];
+    GuestResult gr{r.guest_hosts[i], r.guest_seen[i], percentile(v, 99),
+                   v.empty() ? 0 : *std::max_element(v.begin(), v.end())};
+    s.worst_p99_ms = std::max(s.worst_p99_ms, gr.p99_ms);
+    s.worst_max_ms = std::max(s.worst_max_ms, gr.max_ms);
+    s.guests.push_back(gr);
+  }
+  const double leftover = kCapacity - r.sim->guest_throughput(r.from, r.to);
+  std::vector<double> rates;
+  std::uint64_t probe_bytes = 0;
+  for (int j : r.jobs) {
+    const double x = r.sim->job(j).throughput(r.from, r.to);
+    rates.push_back(x);
+    s.share_pct.push_back(100.0 * x / leftover);
+    s.total_share_pct += 100.0 * x / leftover;
+    probe_bytes += r.sim->job(j).probe_bytes;
+  }
+  s.jain = jain_index(rates);
+  s.probe_load_pct =
+      100.0 * static_cast<double>(probe_bytes) / (kCapacity * static_cast<double>(r.end) / kSec);
+  return s;
 }
 
 Summary summarize(const ScenarioRun& r) {

@@ -12,10 +12,13 @@ constexpr std::uint64_t kMinCopyIo = 64 * kKiB;
 constexpr std::uint64_t kPageBytes = 4 * kKiB;
 constexpr std::uint64_t kIosPerWindow = 8;  // copy I/O size ≈ window / 8 (pipelining)
 constexpr double kUnlimitedRate = 1e15;
+// A host whose guests completed nothing for this long and have nothing outstanding is reported
+// idle (JobConfig::idle_signal), as qcommitd's kIdleStorageAfter.
+constexpr Ns kHostIdleAfter = 1 * kSec;
 TimePoint tp(Ns t) { return TimePoint(Duration(t)); }
 }  // namespace
 
-enum class ReqKind { Guest, Copy, Writeback };
+enum class ReqKind { Guest, Copy, Writeback, Probe };
 
 struct Simulator::Req {
   std::uint64_t id = 0;
@@ -48,7 +51,11 @@ struct Simulator::Job {
   Decision decision{};
   std::vector<Duration> fg_inbox;
   std::vector<CopySample> copy_inbox;
+  std::optional<ProbeSchedule> probe;
+  std::vector<Duration> probe_inbox;
   std::uint64_t drained_since_tick = 0;
+  // The time this job's controller and probe are given (its host's clock).
+  [[nodiscard]] TimePoint host_time(Ns now) const { return tp(now + cfg.clock_offset); }
   JobStats stats;
 };
 
@@ -134,7 +141,8 @@ void Simulator::submit(Req r) {
     single_rate *= std::min(1.0, storage_.depth_min_fraction +
                                      (1.0 - storage_.depth_min_fraction) / storage_.depth_knee);
   r.nominal = base_latency_ + static_cast<Ns>(static_cast<double>(r.bytes) / single_rate * kSec);
-  if (r.kind == ReqKind::Guest) guest_outstanding_[r.id] = now_;
+  if (r.kind == ReqKind::Guest)
+    guest_outstanding_[r.id] = {now_, guests_[static_cast<std::size_t>(r.owner)]->cfg.host};
   if (r.kind == ReqKind::Copy) jobs_[static_cast<std::size_t>(r.owner)]->outstanding[r.id] = now_;
   const bool was_empty = fifo_head_ >= fifo_.size();
   fifo_.push_back(r);
@@ -147,10 +155,13 @@ void Simulator::on_complete(const Req& r) {
     case ReqKind::Guest: {
       guest_outstanding_.erase(r.id);
       const Ns lat = now_ - r.submit;
-      guest_samples_.push_back({r.submit, now_, lat, lat - r.nominal, r.bytes});
+      guest_samples_.push_back({r.submit, now_, lat, lat - r.nominal, r.bytes, r.owner});
+      const int host = guests_[static_cast<std::size_t>(r.owner)]->cfg.host;
+      host_last_completion_[host] = now_;
       std::uniform_real_distribution<double> u(0, 1);
       for (auto& j : jobs_) {
         if (!j->started || j->cancelled || j->finished || !j->ctl) continue;
+        if (j->cfg.host != host) continue;  // a guest on another host is not seen
         if (j->cfg.sample_loss > 0 && u(rng_) < j->cfg.sample_loss) continue;
         j->fg_inbox.push_back(Duration(lat));
       }
@@ -170,7 +181,7 @@ void Simulator::on_complete(const Req& r) {
       j.stats.drained_total += r.bytes;
       j.stats.drained.emplace_back(now_, j.stats.drained_total);
       j.stats.last_completion = now_;
-      if (j.ctl && !j.cancelled) {
+      if (j.ctl && !j.cancelled && j.cfg.copy_latency_visible) {
         std::uniform_real_distribution<double> u(0, 1);
         if (!(j.cfg.sample_loss > 0 && u(rng_) < j.cfg.sample_loss))
           j.copy_inbox.push_back({Duration(now_ - r.submit), r.bytes});
@@ -201,7 +212,41 @@ void Simulator::on_complete(const Req& r) {
       for (std::size_t i = 0; i < jobs_.size(); ++i) job_try_issue(static_cast<int>(i));
       break;
     }
+    case ReqKind::Probe: {
+      Job& j = *jobs_[static_cast<std::size_t>(r.owner)];
+      const Duration lat = j.probe->completed(j.host_time(now_));
+      ++j.stats.probes;
+      j.stats.probe_bytes += r.bytes;
+      if (job_active(j)) j.probe_inbox.push_back(lat);
+      probe_schedule(r.owner);
+      break;
+    }
   }
+}
+
+// ---- shared-queue probe ----------------------------------------------------------------------
+bool Simulator::job_active(const Job& j) const {
+  return j.started && !j.cancelled && !j.finished;
+}
+
+void Simulator::probe_schedule(int ji) {
+  Job& j = *jobs_[static_cast<std::size_t>(ji)];
+  if (!j.probe || !job_active(j)) return;
+  const std::optional<Duration> wait =
+      j.probe->until_next(j.host_time(now_), j.decision.drain_estimate_bytes_per_s);
+  if (!wait) return;
+  schedule(now_ + wait->count(), [this, ji] { probe_issue(ji); });
+}
+
+void Simulator::probe_issue(int ji) {
+  Job& j = *jobs_[static_cast<std::size_t>(ji)];
+  if (!job_active(j)) return;
+  j.probe->started(j.host_time(now_));
+  Req r;
+  r.kind = ReqKind::Probe;
+  r.owner = ji;
+  r.bytes = j.probe->config().bytes;
+  submit(r);
 }
 
 // ---- page cache ------------------------------------------------------------------------------
@@ -284,6 +329,7 @@ int Simulator::add_job(const JobConfig& cfg) {
   switch (cfg.policy) {
     case PolicyKind::Controller:
       j->ctl.emplace(cfg.controller);
+      if (cfg.probe && cfg.probe->enabled) j->probe.emplace(*cfg.probe);
       j->pacer = Pacer(cfg.controller.initial_rate_bytes_per_s, burst);
       break;
     case PolicyKind::FixedRate:
@@ -307,6 +353,7 @@ int Simulator::add_job(const JobConfig& cfg) {
     job.started = true;
     if (job.ctl) job_tick(ji);
     else job_try_issue(ji);
+    probe_schedule(ji);
   });
   if (cfg.cancel_at) {
     schedule(*cfg.cancel_at, [this, ji] { jobs_[static_cast<std::size_t>(ji)]->cancelled = true; });
@@ -340,22 +387,38 @@ void Simulator::job_tick(int ji) {
     j.fg_inbox.clear();
     j.copy_inbox.clear();
   }
+  if (!deliver) j.probe_inbox.clear();
   TickInput in;
-  in.now = tp(now_);
+  in.now = j.host_time(now_);
   in.foreground_latencies = j.fg_inbox;
   in.copy_samples = j.copy_inbox;
-  in.foreground_outstanding = static_cast<std::uint32_t>(guest_outstanding_.size());
-  if (!guest_outstanding_.empty())
-    in.foreground_oldest_outstanding = Duration(now_ - guest_outstanding_.begin()->second);
-  if (!j.outstanding.empty())
+  in.probe_latencies = j.probe_inbox;
+  if (j.probe) in.probe_outstanding = j.probe->outstanding_age(in.now);
+  if (j.cfg.wall_clock_error) in.wall_clock = Duration(now_ + *j.cfg.wall_clock_error);
+  // Only the guests of the job's own host: requests are in submission order, the first is the
+  // oldest.
+  for (const auto& [id, o] : guest_outstanding_) {
+    if (o.host != j.cfg.host) continue;
+    if (!in.foreground_oldest_outstanding)
+      in.foreground_oldest_outstanding = Duration(now_ - o.submit);
+    ++in.foreground_outstanding;
+  }
+  if (j.cfg.idle_signal && in.foreground_outstanding == 0) {
+    const auto last = host_last_completion_.find(j.cfg.host);
+    in.foreground_idle =
+        last == host_last_completion_.end() || now_ - last->second >= kHostIdleAfter;
+  }
+  if (!j.outstanding.empty() && j.cfg.copy_latency_visible)
     in.copy_oldest_outstanding = Duration(now_ - j.outstanding.begin()->second);
   in.backlog_bytes = job_backlog(j);
   in.drained_bytes = j.drained_since_tick;
   j.decision = j.ctl->tick(in);
   j.stats.ticks.push_back({now_, j.decision, in.backlog_bytes,
-                           !in.foreground_latencies.empty() || !in.copy_samples.empty()});
+                           !in.foreground_latencies.empty() || !in.copy_samples.empty() ||
+                               !in.probe_latencies.empty()});
   j.fg_inbox.clear();
   j.copy_inbox.clear();
+  j.probe_inbox.clear();
   j.drained_since_tick = 0;
   j.pacer.set_rate(tp(now_), j.decision.rate_bytes_per_s);
   Ns next = now_ + j.decision.next_tick.count();

@@ -15,6 +15,11 @@
 //  * Copy jobs: each with its own policy (our Controller + Pacer, or a fixed-rate limiter with
 //    a QEMU-mirror-like in-flight cap, or unlimited), its own tick loop with optional jitter
 //    and lost samples, start time, cancel time.
+//  * Hosts: every guest and job belongs to a host (default 0).  A job's controller sees only the
+//    guests of its own host (their samples, outstanding requests and idleness), and its own
+//    shared-queue probe when it has one: a synchronous 4 KiB write + flush of the job's host on
+//    the same FIFO (one request, as a guest's write+fsync), scheduled by throttle::ProbeSchedule.
+//    Its own clock may be offset (hosts' monotonic clocks are not aligned).
 #pragma once
 
 #include <cstdint>
@@ -29,6 +34,7 @@
 
 #include "throttle/controller.h"
 #include "throttle/pacer.h"
+#include "throttle/probe.h"
 
 namespace qcommit::throttle::sim {
 
@@ -68,6 +74,7 @@ struct GuestConfig {
   Ns interval = 10 * kMs;        // SyncPeriodic/Burst period; OpenLoop: derived from rate
   double rate = 0;               // OpenLoop bytes/s
   int burst_count = 16;          // Burst
+  int host = 0;                  // only jobs on this host see its samples
 };
 
 enum class PolicyKind { Controller, FixedRate, Unlimited };
@@ -80,6 +87,19 @@ struct JobConfig {
   std::uint64_t total_bytes = 1 * kGiB;
   std::uint64_t max_io = 256 * kKiB;
   bool buffered = false;   // through the page cache (needs PageCacheConfig.enabled)
+  int host = 0;            // the controller sees the guests of this host only
+  // The controller gets the copy's own I/O latencies and the age of its oldest request (the
+  // offline merge does its own I/O); false for a daemon that paces a hypervisor's job and sees
+  // only its progress.
+  bool copy_latency_visible = true;
+  // The controller is told when its host's guests did no I/O for kHostIdleAfter (the daemon's
+  // TickInput::foreground_idle).
+  bool idle_signal = false;
+  std::optional<ProbeConfig> probe;  // shared-queue probe of the job's host
+  Ns clock_offset = 0;               // added to the time the controller is given
+  // The host's synchronised wall clock (TickInput::wall_clock) = virtual time + this error;
+  // nullopt: the controller is given none.
+  std::optional<Ns> wall_clock_error;
   Ns start = 0;
   std::optional<Ns> cancel_at;
   Ns tick_jitter_max = 0;   // added uniformly to every tick interval
@@ -93,6 +113,7 @@ struct GuestSample {
   Ns latency;
   Ns added;   // latency − (base latency + nominal service time) at submission
   std::uint64_t bytes;
+  int guest = 0;
 };
 
 struct TickTrace {
@@ -110,6 +131,8 @@ struct JobStats {
   Ns finished_at = -1;
   Ns last_completion = -1;
   std::uint64_t drained_total = 0;
+  std::uint64_t probes = 0;                            // probes completed
+  std::uint64_t probe_bytes = 0;                       // bytes the probes wrote
   [[nodiscard]] std::uint64_t drained_at(Ns t) const;  // cumulative drained by time t
   [[nodiscard]] double throughput(Ns a, Ns b) const;    // bytes/s drained in [a, b)
 };
@@ -155,6 +178,9 @@ class Simulator {
   void on_complete(const Req& r);
   [[nodiscard]] double server_rate() const;
   void guest_issue(int gi);
+  void probe_schedule(int ji);
+  void probe_issue(int ji);
+  [[nodiscard]] bool job_active(const Job& j) const;
   void job_tick(int ji);
   void job_try_issue(int ji);
   void job_submit(int ji, std::uint64_t bytes);
@@ -193,7 +219,12 @@ class Simulator {
   std::vector<std::unique_ptr<Guest>> guests_;
   std::vector<std::unique_ptr<Job>> jobs_;
   std::vector<GuestSample> guest_samples_;
-  std::map<std::uint64_t, Ns> guest_outstanding_;  // req id → submit time
+  struct Outstanding {
+    Ns submit;
+    int host;
+  };
+  std::map<std::uint64_t, Outstanding> guest_outstanding_;  // req id → submit time, host
+  std::map<int, Ns> host_last_completion_;                  // host → last guest completion
   std::uint64_t max_total_backlog_ = 0;
 };
 

@@ -6,6 +6,7 @@
 #include "throttle/chunk_gate.h"
 #include "throttle/controller.h"
 #include "throttle/pacer.h"
+#include "throttle/probe.h"
 
 using namespace qcommit::throttle;
 using namespace std::chrono_literals;
@@ -295,5 +296,88 @@ TEST_CASE("throttle.chunk_gate.spacing") {
   CHECK(late.step(at(201ms), rate, true) == ChunkGate::Action::kOpen);
   ChunkGateConfig bad;
   bad.chunk_bytes = 0;
+  CHECK(bad.validate());
+}
+
+TEST_CASE("throttle.controller.probe_signal") {
+  // A copy on a host whose own guests are idle: only its shared-queue probe (a write + flush,
+  // two storage requests per sample) shows the queue that guests on other hosts wait in.
+  Controller c(ControllerConfig{});  // 20 ms per request: target 10 ms, emergency above 40 ms
+  Duration now{};
+  Decision d{};
+  auto tick = [&](std::vector<Duration> probe, std::optional<Duration> outstanding = {},
+                  std::vector<Duration> guests = {}, bool idle = true) {
+    now += 50ms;
+    TickInput in;
+    in.now = at(now);
+    in.foreground_idle = idle;
+    in.foreground_latencies = guests;
+    in.probe_latencies = probe;
+    in.probe_outstanding = outstanding;
+    in.backlog_bytes = d.window_bytes;  // window-limited
+    in.drained_bytes = 5'000'000;       // 100 MB/s
+    d = c.tick(in);
+    return d;
+  };
+  for (int i = 0; i < 100; ++i) (void)tick({10ms}, {}, {1ms}, false);
+  // The probe's base is its own: a guest request's 1 ms is no base for a write + flush of 10 ms.
+  REQUIRE(d.probe_base.has_value());
+  CHECK(*d.probe_base == 10ms);
+  CHECK(*d.foreground_base == 1ms);
+  CHECK(d.probe_delay == 0ms);
+  CHECK_FALSE(d.paused);
+  // Probe samples alone make a tick fresh (the host's guests neither idle nor sampled).
+  CHECK(tick({10ms}, {}, {}, false).fresh);
+  const double rate = d.rate_bytes_per_s;
+  // 10 + 30 ms: 15 ms per request, over the 10 ms target: the rate comes down, no pause.
+  CHECK(tick({40ms}).probe_delay == 15ms);
+  CHECK(d.rate_bytes_per_s < rate);
+  CHECK_FALSE(d.paused);
+  // 10 + 90 ms: 45 ms per request, over twice the budget: emergency stop.
+  CHECK(tick({100ms}).paused);
+  CHECK(d.emergency);
+  // A good probe resumes.
+  CHECK_FALSE(tick({10ms}).paused);
+  // A probe outstanding for 100 ms, nothing completed: (100 − 10) / 2 = 45 ms, a stall.
+  CHECK(tick({}, 100ms).paused);
+}
+
+TEST_CASE("throttle.probe.schedule") {
+  ProbeConfig cfg;  // 4 KiB every 100 ms, at most 1 % of the storage's throughput
+  cfg.period = 100ms;
+  REQUIRE_FALSE(cfg.validate());
+  ProbeSchedule p(cfg);
+  CHECK(p.until_next(at(0ms), 100e6) == 0ms);
+  p.started(at(0ms));
+  // Synchronous: nothing starts while one is outstanding; its age is known.
+  CHECK_FALSE(p.until_next(at(5ms), 100e6).has_value());
+  CHECK(p.outstanding_age(at(5ms)) == 5ms);
+  CHECK(p.completed(at(7ms)) == 7ms);
+  CHECK_FALSE(p.outstanding_age(at(7ms)).has_value());
+  CHECK(p.until_next(at(7ms), 100e6) == 93ms);
+  // A probe that took longer than the period: the next one may start at once.
+  p.started(at(100ms));
+  CHECK(p.completed(at(350ms)) == 250ms);
+  CHECK(p.until_next(at(350ms), 100e6) == 0ms);
+  // The load cap stretches the period on slow storage: 4 KiB at most 1 % of 100 kB/s.
+  CHECK(p.effective_period(100e3) == std::chrono::microseconds(4'096'000));
+  for (double bps : {1e5, 1e6, 1e7, 1e8, 1e9}) {
+    const double period_s = std::chrono::duration<double>(p.effective_period(bps)).count();
+    CHECK(4096.0 / period_s <= 0.01 * bps * 1.0001);
+    CHECK(period_s >= 0.1);
+  }
+  // Off: never.
+  ProbeConfig off;
+  off.enabled = false;
+  REQUIRE_FALSE(off.validate());
+  CHECK_FALSE(ProbeSchedule(off).until_next(at(0ms), 100e6).has_value());
+  ProbeConfig bad = cfg;
+  bad.period = 1ms;
+  CHECK(bad.validate());
+  bad = cfg;
+  bad.max_load_fraction = 0;
+  CHECK(bad.validate());
+  bad = cfg;
+  bad.bytes = 0;
   CHECK(bad.validate());
 }
