@@ -381,3 +381,38 @@ TEST_CASE("throttle.probe.schedule") {
   bad.bytes = 0;
   CHECK(bad.validate());
 }
+
+TEST_CASE("throttle.controller.wall_clock_slowdowns") {
+  // Two hosts' controllers whose monotonic clocks are 3.7 s apart, given one synchronised wall
+  // clock: their periodic slowdowns start on the same ticks, at multiples of the interval on the
+  // wall clock, so that both copies drain the shared queue together.
+  const ControllerConfig cfg;
+  const Duration offset_b = 3700ms;
+  const Duration wall0 = std::chrono::hours(480000) + 250ms;  // some date, not slot-aligned
+  const Duration tick = 50ms;
+  struct Host {
+    Controller c{ControllerConfig{}};
+    Decision d{};
+    std::vector<Duration> starts;  // wall time of each slowdown start
+  };
+  Host a, b;
+  auto step = [&](Host& h, Duration mono, Duration wall) {
+    const std::vector<Duration> fg{1ms, 1ms};
+    TickInput in;
+    in.now = at(mono);
+    in.wall_clock = wall;
+    in.foreground_latencies = fg;
+    in.backlog_bytes = h.d.window_bytes;
+    in.drained_bytes = 2'500'000;  // 50 MB/s
+    const auto before = h.c.stats().slowdowns;
+    h.d = h.c.tick(in);
+    if (h.c.stats().slowdowns > before) h.starts.push_back(wall);
+  };
+  for (Duration t = tick; t < 35s; t += tick) {
+    step(a, t, wall0 + t);
+    step(b, t + offset_b, wall0 + t);
+  }
+  REQUIRE(a.starts.size() >= 3);  // one per interval
+  CHECK(a.starts == b.starts);
+  for (Duration s : a.starts) CHECK(s % cfg.slowdown_interval < tick);
+}

@@ -265,3 +265,98 @@ TEST_CASE("throttle.scenario.12_cancel") {
                                   << " ms after cancel");
   CHECK(job.last_completion - cancel <= kBudget + chunk_time + StorageConfig{}.base_latency);
 }
+
+TEST_CASE("throttle.sim.host_visibility") {
+  // A controller sees the guests of its own host only: with the guest on another host it never
+  // gets a foreground sample (no foreground base), with the guest on its host it does.
+  auto sees_guest = [](int guest_host) {
+    auto sim = std::make_unique<Simulator>(StorageConfig{}, PageCacheConfig{}, 1);
+    GuestConfig g;
+    g.host = guest_host;
+    sim->add_guest(g);
+    JobConfig j = copy_job(kOurs, 1 * kGiB);
+    j.host = 1;
+    const int job = sim->add_job(j);
+    sim->run(5 * kSec);
+    const auto& ticks = sim->job(job).ticks;
+    return std::any_of(ticks.begin(), ticks.end(),
+                       [](const TickTrace& t) { return t.d.foreground_base.has_value(); });
+  };
+  CHECK(sees_guest(1));
+  CHECK_FALSE(sees_guest(0));
+}
+
+namespace {
+
+// The targets for several hosts: every guest p99 ≤ T and max ≤ 2T (whole run), the
+// merges together ≥ 80 % of the leftover and Jain ≥ 0.9 between them (all merges running).
+const Policy kProbeSynced{PolicyKind::Controller, 0, true, true};
+const Policy kNoProbe{PolicyKind::Controller, 0, false, false};
+
+void check_guests(const MultiHostSummary& s, double max_bound_ms) {
+  for (const auto& g : s.guests) {
+    INFO("guest on host " << g.host << (g.seen ? "" : " (seen by no controller)"));
+    CHECK(g.p99_ms <= kT);
+    CHECK(g.max_ms <= max_bound_ms);
+  }
+}
+
+void check_merges(const MultiHostSummary& s) {
+  CHECK(s.total_share_pct >= 80);
+  if (s.share_pct.size() > 1) CHECK(s.jain >= 0.9);
+  // The probes' load: at most 1 % of the capacity per host.
+  CHECK(s.probe_load_pct <= 1.0 * static_cast<double>(s.share_pct.size()));
+}
+
+void report(const MultiHostRun& r, const MultiHostSummary& s) {
+  MESSAGE(r.name << ": worst guest p99 " << s.worst_p99_ms << " ms, max " << s.worst_max_ms
+                 << " ms; merges " << s.total_share_pct << "% of leftover, Jain " << s.jain
+                 << ", probes " << s.probe_load_pct << "% of C");
+}
+
+}  // namespace
+
+TEST_CASE("throttle.multi_host.guests_everywhere") {
+  for (int n : kMultiHostCounts) {
+    const auto r = run_multi_host(n, HostLayout::GuestsEverywhere, kProbeSynced);
+    const auto s = summarize(r);
+    report(r, s);
+    INFO(r.name);
+    REQUIRE(s.share_pct.size() == static_cast<std::size_t>(n));
+    check_guests(s, 2 * kT);
+    check_merges(s);
+  }
+}
+
+TEST_CASE("throttle.multi_host.hidden_guests") {
+  // The merging hosts' own guests are idle: only the probe shows the queue the other hosts'
+  // guests wait in.  Without it (qcommitd before the probe) their p99 passes the budget.
+  for (int n : kMultiHostCounts) {
+    const auto r = run_multi_host(n, HostLayout::HiddenGuests, kProbeSynced);
+    const auto s = summarize(r);
+    report(r, s);
+    INFO(r.name);
+    check_guests(s, 2 * kT);
+    check_merges(s);
+    const auto before = summarize(run_multi_host(n, HostLayout::HiddenGuests, kNoProbe));
+    MESSAGE("without probe: worst p99 " << before.worst_p99_ms << " ms, max " << before.worst_max_ms
+                                        << " ms, Jain " << before.jain);
+    CHECK(s.worst_p99_ms < before.worst_p99_ms);
+  }
+}
+
+TEST_CASE("throttle.multi_host.capacity_drop") {
+  // The storage falls to 40 % of its capacity for 10 s (another export of the server got busy).
+  // Target missed: at the instant of the drop the queue the merges keep (≈ the budget at the old
+  // capacity) takes budget / 0.4 = 50 ms to drain, so the max is ~2.5 T for every per-host
+  // policy (single host, guest seen: scenario 3's max is 65 ms).  What holds is checked: p99,
+  // the merges' share and fairness, and the max no worse than that queue.
+  for (int n : kMultiHostCounts) {
+    const auto r = run_multi_host(n, HostLayout::HiddenGuestsCapacityDrop, kProbeSynced);
+    const auto s = summarize(r);
+    report(r, s);
+    INFO(r.name);
+    check_guests(s, 1.05 * kT / kDropFraction);
+    check_merges(s);
+  }
+}
