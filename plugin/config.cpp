@@ -125,7 +125,15 @@ std::optional<std::string> Policy::validate() const {
   if (!(floor_bytes_per_s >= 4096.0)) return "floor must be >= 4K (bytes/s)";
   if (!(ceiling_bytes_per_s >= floor_bytes_per_s)) return "ceiling must be >= floor";
   if (!(ceiling_bytes_per_s <= kMaxCeilingBytesPerS)) return "ceiling must be <= 1T (bytes/s)";
+  if (auto e = probe_config().validate()) return *e + " (or off)";
   return std::nullopt;
+}
+
+throttle::ProbeConfig Policy::probe_config() const {
+  throttle::ProbeConfig c;
+  c.enabled = probe_period > std::chrono::nanoseconds::zero();
+  c.period = probe_period;
+  return c;
 }
 
 throttle::ControllerConfig Policy::controller_config() const {
@@ -163,7 +171,12 @@ void read_policy_group(GKeyFile* kf, const char* group, const std::string& where
     if (key == "budget") p.budget = parse_duration(value, what);
     else if (key == "floor") p.floor_bytes_per_s = parse_size(value, what);
     else if (key == "ceiling") p.ceiling_bytes_per_s = parse_size(value, what);
-    else throw ConfigError(where + ": unknown key '" + key + "' (known: budget, floor, ceiling)");
+    else if (key == "probe")
+      p.probe_period =
+          value == "off" ? std::chrono::nanoseconds::zero() : parse_duration(value, what);
+    else
+      throw ConfigError(where + ": unknown key '" + key +
+                        "' (known: budget, floor, ceiling, probe)");
   }
   if (auto e = p.validate()) throw ConfigError(where + ": " + *e);
 }

@@ -4,6 +4,8 @@
 //   budget=20ms      # added guest latency the merge may cause
 //   floor=1M         # job speed never paced below this (bytes/s) unless the guests stall
 //   ceiling=1G       # never above
+//   probe=50ms       # shared-queue probe period (throttle/probe.h) on the job's target storage:
+//                    # stands for guests on other hosts sharing it; probe=off turns it off
 //   [pool:NAME] or [pool:UUID]   same keys, for disks in that libvirt storage pool
 //
 // Domain override: <metadata><qcommit:policy xmlns:qcommit="https://qcommit.dev/xmlns/1"
@@ -19,6 +21,7 @@
 
 #include "common/defaults.h"
 #include "throttle/controller.h"
+#include "throttle/probe.h"
 
 namespace qcommit::plugin {
 
@@ -36,8 +39,11 @@ struct Policy {
   std::chrono::nanoseconds budget = defaults::kBudget;
   double floor_bytes_per_s = defaults::kFloorBytesPerS;
   double ceiling_bytes_per_s = defaults::kCeilingBytesPerS;
+  // Shared-queue probe period; zero: no probe.
+  std::chrono::nanoseconds probe_period = throttle::kDefaultProbePeriod;
 
   [[nodiscard]] std::optional<std::string> validate() const;
+  [[nodiscard]] throttle::ProbeConfig probe_config() const;
   [[nodiscard]] throttle::ControllerConfig controller_config() const;
   bool operator==(const Policy&) const = default;
 };

@@ -74,6 +74,8 @@ json::Ordered job_json(const JobStatus& j) {
                        {"ready", j.ready},
                        {"settling", j.settling},
                        {"settles", j.settles},
+                       {"probe_period_ms", ms_or_null(j.probe_period)},
+                       {"probe_p99_ms", ms_or_null(j.probe_p99)},
                        {"policy_error", j.policy_error}};
 }
 

@@ -205,6 +205,13 @@ struct Governor::Job {
   FallbackSync fallback;
   std::optional<GateState> gate;
   History history;
+  // The shared-queue probe: its file, schedule, latencies since the last tick, failures in a row,
+  // and what status() shows.
+  std::unique_ptr<ProbeFile> probe_file;
+  std::optional<throttle::ProbeSchedule> probe;
+  std::vector<Duration> probe_samples;
+  std::uint32_t probe_failures = 0;
+  std::deque<std::pair<TimePoint, Duration>> probe_history;
 };
 
 Governor::Governor(Hypervisor& hv, TargetFiles& files, DaemonConfig cfg, GovernorOptions opt)
@@ -253,6 +260,7 @@ TimePoint Governor::step(TimePoint now) {
         next_pace_ = now + opt_.pace;  // a step between two paces keeps the close's time
       return *next_pace_;
     }
+    drive_probes(now);
     if (!scan_domains_.empty()) {
       std::set<std::string> only;
       only.swap(scan_domains_);
@@ -445,6 +453,9 @@ void Governor::adopt(const DomainInfo& dom, const DiskInfo& disk, const JobInfo&
   j->pool = pool ? pool->name : "";
   j->policy_error = policy_error;
   j->file = std::move(file);
+  const throttle::ProbeConfig probe = policy.probe_config();
+  if (probe.enabled && !target.empty()) j->probe_file = files_.open_probe(target);
+  if (j->probe_file) j->probe.emplace(probe);
   j->planner = WritebackPlanner(opt_.writeback);
   j->info = info;
   j->has_info = false;
@@ -705,8 +716,11 @@ void Governor::tick_job(Job& j, const JobInfo& info, const throttle::ForegroundS
   in.foreground_idle = storage_idle && s.latencies.empty() && s.outstanding == 0;
   in.backlog_bytes = backlog;
   in.drained_bytes = release_drain(j, info, backlog, now);
+  in.probe_latencies = j.probe_samples;
+  if (j.probe) in.probe_outstanding = j.probe->outstanding_age(now);
   const bool holding = settle(j, pc, now);
   const throttle::Decision d = decide(j, in, holding);
+  j.probe_samples.clear();
   apply_speed(j, info, job_speed(j, info, d, pc, own_bound, holding));
   record_tick(j, s, info, backlog, now);
 }
@@ -754,6 +768,33 @@ void Governor::pace_gates(TimePoint now) {
       case throttle::ChunkGate::Action::kNone:
         break;
     }
+  }
+}
+
+// Each job's probe: a completed one gives its latency (a failed one counts towards giving the
+// probe up), and the next starts when its schedule says (the storage's throughput known to us:
+// the drain estimate).
+void Governor::drive_probes(TimePoint now) {
+  for (auto& [k, j] : jobs_) {
+    if (!j->probe_file || !j->probe) continue;
+    if (j->probe->outstanding_age(now) && !j->probe_file->busy()) {
+      (void)j->probe->completed(now);
+      if (const std::optional<Duration> l = j->probe_file->take()) {
+        j->probe_samples.push_back(*l);
+        j->probe_history.emplace_back(now, *l);
+        j->probe_failures = 0;
+      } else if (++j->probe_failures >= kMaxProbeFailures) {
+        j->probe_file.reset();
+        j->probe.reset();
+        continue;
+      }
+    }
+    while (!j->probe_history.empty() && j->probe_history.front().first < now - kLatencyHistory)
+      j->probe_history.pop_front();
+    const double throughput = j->decision ? j->decision->drain_estimate_bytes_per_s
+                                          : j->ctl.config().initial_rate_bytes_per_s;
+    const std::optional<Duration> wait = j->probe->until_next(now, throughput);
+    if (wait && *wait == Duration::zero() && j->probe_file->start()) j->probe->started(now);
   }
 }
 
@@ -872,6 +913,16 @@ GovernorStatus Governor::status(TimePoint now) const {
     js.phase = j->decision ? throttle::to_string(j->decision->phase) : "adopted";
     js.settling = j->settle.hold_since.has_value();
     js.settles = j->settle.count;
+    if (j->probe) js.probe_period = j->probe->config().period;
+    std::vector<Duration> probe_lat;
+    for (const auto& [t, l] : j->probe_history)
+      if (t >= now - kLatencyHistory) probe_lat.push_back(l);
+    if (!probe_lat.empty()) {
+      const size_t idx = std::min(probe_lat.size() - 1, (probe_lat.size() * 99) / 100);
+      std::nth_element(probe_lat.begin(), probe_lat.begin() + static_cast<std::ptrdiff_t>(idx),
+                       probe_lat.end());
+      js.probe_p99 = probe_lat[idx];
+    }
     js.ready = j->ready;
     js.policy_error = j->policy_error;
     std::vector<Duration> lat;

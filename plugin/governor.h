@@ -15,7 +15,12 @@
 //    speed (never 0: 0 is "unlimited" in QEMU) while paused or while the queued bytes (under
 //    writeback, plus dirty beyond kDirtyAllowanceBytes) exceed the window;
 //  * every `pace` the WritebackPlanner starts writeback of the target's dirty pages within the
-//    last window.
+//    last window;
+//  * shared-queue probe (policy `probe`, throttle/probe.h): a 4 KiB write + fdatasync of a file
+//    beside the target, started when its ProbeSchedule says, at every step; its latencies and the
+//    age of the one running go to the controller (TickInput::probe_latencies/probe_outstanding),
+//    so a job holds back for guests on other hosts sharing the storage.  A probe that fails
+//    kMaxProbeFailures times in a row is given up.
 // Without cachestat(2) (Linux < 6.5) the page-cache reading is host-wide: the backlog is at most
 // what the job copied since the start of the last completed fdatasync of its target, which
 // `pace` runs while the job copies (at most one per kFallbackSyncGap) instead of the planner;
@@ -94,6 +99,7 @@ inline constexpr std::uint64_t kQemuChunkBytes = 512 * 1024;
 inline constexpr std::uint64_t kChunkGateOpenSpeedBytesPerS = 1ull << 40;
 inline constexpr double kChunkGateClosedRateFraction = 0.5;
 inline constexpr std::uint64_t kChunkGateBeforeQemuVersion = 8001000;
+inline constexpr std::uint32_t kMaxProbeFailures = 3;
 
 struct GovernorOptions {
   Duration tick = std::chrono::milliseconds(100);
@@ -158,6 +164,8 @@ struct JobStatus {
   bool ready = false;
   bool settling = false;      // held at the floor until the target is clean (not logged)
   std::uint32_t settles = 0;  // times the target was made clean (GovernorOptions::settle_every)
+  std::optional<Duration> probe_period;  // the shared-queue probe's period; nullopt: no probe
+  std::optional<Duration> probe_p99;     // its latency (write + fdatasync), last kLatencyHistory
   std::string policy_error;   // bad domain metadata (the pool/default policy applies)
 };
 
@@ -240,6 +248,7 @@ class Governor {
                    std::uint64_t backlog, TimePoint now);
   void pace_gates(TimePoint now);  // open and close the chunk gates
   void pace(TimePoint now);        // writeback pacing of the other jobs
+  void drive_probes(TimePoint now);  // collect and start the shared-queue probes
   // Settling state machine for one job; true while the job is held for it.
   bool settle(Job& j, const std::optional<PageCacheState>& pc, TimePoint now);
   [[nodiscard]] std::string storage_key(const std::string& path, std::optional<std::uint64_t> dev,

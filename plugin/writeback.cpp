@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <system_error>
@@ -280,6 +282,65 @@ class SystemTargetFile final : public TargetFile {
   bool no_cachestat_ = false;
 };
 
+constexpr std::size_t kProbeWriteBytes = 4096;  // one page, O_DIRECT-aligned
+constexpr std::int64_t kNoProbeResult = -1;
+
+// What a probe thread shares with its ProbeFile (the thread may outlive it): the file, an
+// aligned page to write, whether a probe runs, and the latency of the last one in ns.
+struct ProbeShared {
+  explicit ProbeShared(int f) : fd(f) {}
+  ~ProbeShared() { std::free(page); }
+  ProbeShared(const ProbeShared&) = delete;
+  ProbeShared& operator=(const ProbeShared&) = delete;
+  UniqueFd fd;
+  void* page = nullptr;
+  std::atomic<bool> busy{false};
+  std::atomic<std::int64_t> result_ns{kNoProbeResult};
+};
+
+class SystemProbeFile final : public ProbeFile {
+ public:
+  explicit SystemProbeFile(std::shared_ptr<ProbeShared> s) : s_(std::move(s)) {}
+  bool start() override {
+    if (s_->busy.load()) return false;
+    s_->busy.store(true);
+    try {
+      std::thread([s = s_] {
+        const auto t0 = std::chrono::steady_clock::now();
+        const bool ok = ::pwrite(s->fd.get(), s->page, kProbeWriteBytes, 0) ==
+                            static_cast<ssize_t>(kProbeWriteBytes) &&
+                        ::fdatasync(s->fd.get()) == 0;
+        const auto t1 = std::chrono::steady_clock::now();
+        s->result_ns.store(
+            ok ? std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count()
+               : kNoProbeResult);
+        s->busy.store(false);
+      }).detach();
+    } catch (const std::system_error&) {  // no thread: no probe this time
+      s_->busy.store(false);
+      return false;
+    }
+    return true;
+  }
+  bool busy() override { return s_->busy.load(); }
+  std::optional<std::chrono::nanoseconds> take() override {
+    if (s_->busy.load()) return std::nullopt;
+    const std::int64_t ns = s_->result_ns.exchange(kNoProbeResult);
+    if (ns == kNoProbeResult) return std::nullopt;
+    return std::chrono::nanoseconds(ns);
+  }
+
+ private:
+  std::shared_ptr<ProbeShared> s_;
+};
+
+// The directory of `path` ("." when it has none).
+std::string directory_of(const std::string& path) {
+  const auto slash = path.rfind('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : path.substr(0, slash);
+}
+
 }  // namespace
 
 std::optional<PageCacheState> cachestat_of(int fd, const ByteRange& r) {
@@ -312,6 +373,33 @@ std::unique_ptr<TargetFile> SystemTargetFiles::open(const std::string& path) {
                        (source_ == PageCacheSource::kAuto && !cachestat_available());
   if (without) return open_without_cachestat(fd, path);
   return std::make_unique<SystemTargetFile>(fd, source_);
+}
+
+std::unique_ptr<ProbeFile> SystemTargetFiles::open_probe(const std::string& path) {
+  // Only beside a regular file, in a directory of the same filesystem: a probe in /dev (an LV's
+  // node) or on another mount would measure some other storage.
+  struct stat target = {};
+  struct stat dir = {};
+  const std::string d = directory_of(path);
+  if (::stat(path.c_str(), &target) != 0 || !S_ISREG(target.st_mode) ||
+      ::stat(d.c_str(), &dir) != 0 || dir.st_dev != target.st_dev)
+    return nullptr;
+  static std::atomic<unsigned> serial{0};
+  const std::string name =
+      d + "/.qcommit-probe-" + std::to_string(::getpid()) + "-" + std::to_string(serial++);
+  constexpr int kFlags = O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC;
+  int fd = ::open(name.c_str(), kFlags | O_DIRECT, 0600);
+  if (fd < 0 && errno == EINVAL)  // no O_DIRECT here: the fdatasync still waits for the storage
+    fd = ::open(name.c_str(), kFlags, 0600);
+  if (fd < 0) return nullptr;
+  (void)::unlink(name.c_str());
+  auto shared = std::make_shared<ProbeShared>(fd);
+  if (::posix_memalign(&shared->page, kProbeWriteBytes, kProbeWriteBytes) != 0) {
+    shared->page = nullptr;
+    return nullptr;
+  }
+  std::memset(shared->page, 0, kProbeWriteBytes);
+  return std::make_unique<SystemProbeFile>(std::move(shared));
 }
 
 std::unique_ptr<TargetFile> SystemTargetFiles::open_without_cachestat(int fd,

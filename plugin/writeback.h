@@ -132,9 +132,29 @@ class TargetFile {
 // vm.dirty_expire_centisecs as a duration (nullopt when unreadable).
 [[nodiscard]] std::optional<std::chrono::milliseconds> dirty_expire();
 
+// The shared-queue probe's I/O (throttle/probe.h): one small write + fdatasync at a time of a
+// file of our own beside a job's target, in the background.
+class ProbeFile {
+ public:
+  virtual ~ProbeFile() = default;
+  // Starts one write + fdatasync in the background; false while the previous one runs or when
+  // it cannot be started.
+  [[nodiscard]] virtual bool start() = 0;
+  [[nodiscard]] virtual bool busy() = 0;
+  // The latency of the probe that completed last, once (nullopt: none since the last call, or
+  // it failed).
+  [[nodiscard]] virtual std::optional<std::chrono::nanoseconds> take() = 0;
+};
+
 class TargetFiles {
  public:
   virtual ~TargetFiles() = default;
+  // A probe file on the storage of the target at `path`; nullptr where there is none (the target
+  // is not a file on a filesystem we can write to).
+  [[nodiscard]] virtual std::unique_ptr<ProbeFile> open_probe(const std::string& path) {
+    (void)path;
+    return nullptr;
+  }
   // nullptr when the file cannot be opened.
   [[nodiscard]] virtual std::unique_ptr<TargetFile> open(const std::string& path) = 0;
   // The image a non-active commit writes into, of the disk whose active layer is `active` and
@@ -170,6 +190,9 @@ class SystemTargetFiles final : public TargetFiles {
   explicit SystemTargetFiles(PageCacheSource source = PageCacheSource::kAuto, Note note = {})
       : source_(source), note_(std::move(note)) {}
   [[nodiscard]] std::unique_ptr<TargetFile> open(const std::string& path) override;
+  // A file created in the target's directory (when that is the target's filesystem) and
+  // unlinked at once; 4 KiB O_DIRECT writes where the filesystem takes them.
+  [[nodiscard]] std::unique_ptr<ProbeFile> open_probe(const std::string& path) override;
   [[nodiscard]] std::optional<std::string> commit_base(
       const std::string& active, const std::vector<std::string>& chain) override;
 

@@ -152,10 +152,25 @@ struct FakeFileState {
   }
 };
 
+// A shared-queue probe on the targets' storage: each probe completes at once (by the next
+// governor step) with `latency`, or fails while it is nullopt.
+struct FakeProbeState {
+  std::optional<std::chrono::nanoseconds> latency = std::chrono::milliseconds(2);
+  int opened = 0;
+  int started = 0;
+};
+
 class FakeTargetFiles final : public TargetFiles {
  public:
   std::map<std::string, std::shared_ptr<FakeFileState>> files;
   std::optional<std::string> commit_base_answer;  // what the host tells of a commit's base
+  std::shared_ptr<FakeProbeState> probe;          // nullptr: no probe file can be opened
+
+  std::unique_ptr<ProbeFile> open_probe(const std::string& path) override {
+    if (!probe || files.find(path) == files.end()) return nullptr;
+    ++probe->opened;
+    return std::make_unique<Probe>(probe);
+  }
 
   std::unique_ptr<TargetFile> open(const std::string& path) override {
     auto it = files.find(path);
@@ -168,6 +183,26 @@ class FakeTargetFiles final : public TargetFiles {
   }
 
  private:
+  class Probe final : public ProbeFile {
+   public:
+    explicit Probe(std::shared_ptr<FakeProbeState> s) : s_(std::move(s)) {}
+    bool start() override {
+      ++s_->started;
+      pending_ = true;
+      return true;
+    }
+    bool busy() override { return false; }
+    std::optional<std::chrono::nanoseconds> take() override {
+      if (!pending_) return std::nullopt;
+      pending_ = false;
+      return s_->latency;
+    }
+
+   private:
+    std::shared_ptr<FakeProbeState> s_;
+    bool pending_ = false;
+  };
+
   class File final : public TargetFile {
    public:
     explicit File(std::shared_ptr<FakeFileState> s) : s_(std::move(s)) {}

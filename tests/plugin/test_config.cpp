@@ -53,6 +53,22 @@ TEST_CASE("plugin.config.errors") {
   CHECK(load_config("/nonexistent/qcommitd.conf", true).defaults == Policy{});
 }
 
+TEST_CASE("plugin.config.probe") {
+  // The shared-queue probe: on by default, its period per pool, or off.
+  const DaemonConfig c = parse_config(
+      "[default]\nprobe=100ms\n[pool:nfs]\nprobe=off\n[pool:san]\nbudget=5ms\n", "t.conf");
+  CHECK(Policy{}.probe_period == qcommit::throttle::kDefaultProbePeriod);
+  CHECK(Policy{}.probe_config().enabled);
+  const std::string nfs = "nfs", san = "san";
+  CHECK(c.defaults.probe_period == 100ms);
+  CHECK(policy_for_pool(c, &san, nullptr).probe_period == 100ms);  // inherited
+  CHECK(policy_for_pool(c, &nfs, nullptr).probe_period == 0ms);
+  CHECK_FALSE(policy_for_pool(c, &nfs, nullptr).probe_config().enabled);
+  CHECK_THROWS_WITH_AS((void)parse_config("[default]\nprobe=1ms\n", "q.conf"),
+                       doctest::Contains("probe period must be within [10ms, 10s]"), ConfigError);
+  CHECK_THROWS_AS((void)parse_config("[default]\nprobe=sometimes\n", "q.conf"), ConfigError);
+}
+
 TEST_CASE("plugin.config.domain_override") {
   Policy p;
   CHECK_FALSE(apply_domain_override(

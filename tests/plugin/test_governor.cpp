@@ -685,3 +685,59 @@ TEST_CASE("plugin.governor.chunk_gate_stall_holds_at_the_floor") {
                     w.hv.speed_calls.end(),
                     [](const SpeedCall& c) { return c.speed == kChunkGateOpenSpeedBytesPerS; }));
 }
+
+TEST_CASE("plugin.governor.probe_holds_back_for_hidden_guests") {
+  // The guests on the job's host are idle (the merged VM idles), so nothing local says the
+  // storage is busy; guests on other hosts share it.  The probe beside the target shows their
+  // queue: 2 ms while it is empty, then 200 ms.
+  World w;
+  w.guest_active = false;
+  w.other_active = false;
+  w.files.probe = std::make_shared<FakeProbeState>();
+  w.start_job();
+  Governed gv(w);
+  gv.run(12s);  // past the first slowdown
+  const double free = gv.progress(2s);
+  const auto js = gv.g.status(w.now).jobs.at(0);
+  CHECK(js.probe_period == 50ms);
+  REQUIRE(js.probe_p99.has_value());
+  CHECK(*js.probe_p99 == 2ms);
+  CHECK(w.files.probe->started >= 200);  // ~20 per second
+  w.files.probe->latency = 200ms;
+  gv.run(300ms);
+  const double held = gv.progress(1s);
+  MESSAGE("probe 2 ms: " << free / 1048576.0 << " MiB/s, probe 200 ms: " << held / 1048576.0);
+  CHECK(free > 20.0 * DaemonConfig{}.defaults.floor_bytes_per_s);
+  CHECK(held < 0.2 * free);
+  CHECK_FALSE(w.speed_ever_zero());
+
+  // probe=off in the pool's policy: no probe file, and the job runs free whatever it would say.
+  World off;
+  off.guest_active = false;
+  off.other_active = false;
+  off.files.probe = std::make_shared<FakeProbeState>();
+  off.files.probe->latency = 200ms;
+  off.start_job();
+  DaemonConfig cfg;
+  Policy no_probe;
+  no_probe.probe_period = Duration::zero();
+  cfg.pools["fast"] = no_probe;
+  Governed gv_off(off, cfg);
+  gv_off.run(12s);
+  CHECK(off.files.probe->opened == 0);
+  CHECK_FALSE(gv_off.g.status(off.now).jobs.at(0).probe_period.has_value());
+  CHECK(gv_off.progress(1s) > 20.0 * DaemonConfig{}.defaults.floor_bytes_per_s);
+
+  // A probe that keeps failing is given up (it must not hold the job on a probe age).
+  World failing;
+  failing.guest_active = false;
+  failing.other_active = false;
+  failing.files.probe = std::make_shared<FakeProbeState>();
+  failing.files.probe->latency.reset();
+  failing.start_job();
+  Governed gv_fail(failing);
+  gv_fail.run(12s);
+  CHECK(failing.files.probe->started == static_cast<int>(kMaxProbeFailures));
+  CHECK_FALSE(gv_fail.g.status(failing.now).jobs.at(0).probe_period.has_value());
+  CHECK(gv_fail.progress(1s) > 20.0 * DaemonConfig{}.defaults.floor_bytes_per_s);
+}

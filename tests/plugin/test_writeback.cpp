@@ -1,4 +1,5 @@
 #include <doctest/doctest.h>
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/utsname.h>
 #include <sys/wait.h>
@@ -282,4 +283,40 @@ TEST_CASE("plugin.writeback.planner_reports_a_lap") {
   const WritebackPlan dirty = p.plan(in, [](const ByteRange& r) { return r.length; });
   CHECK_FALSE(dirty.lapped);
   CHECK(dirty.dirty_bytes_issued <= (1u << 20));
+}
+
+TEST_CASE("plugin.writeback.system_probe_file") {
+  // The shared-queue probe beside a real file: a write + fdatasync in the background that leaves
+  // no file behind and reports its latency once.
+  char dir[] = "/tmp/qcommit-probe-XXXXXX";
+  REQUIRE(mkdtemp(dir) != nullptr);
+  const std::string target = std::string(dir) + "/base.qcow2";
+  const int fd = ::open(target.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  REQUIRE(fd >= 0);
+  close(fd);
+  SystemTargetFiles files;
+  auto probe = files.open_probe(target);
+  REQUIRE(probe);
+  CHECK_FALSE(probe->take().has_value());  // none started
+  REQUIRE(probe->start());
+  for (int i = 0; i < 5000 && probe->busy(); ++i) usleep(1000);
+  REQUIRE_FALSE(probe->busy());
+  const auto latency = probe->take();
+  REQUIRE(latency.has_value());
+  CHECK(*latency > std::chrono::nanoseconds::zero());
+  CHECK_FALSE(probe->take().has_value());  // reported once
+  // Nothing but the target in the directory: the probe file was unlinked when opened.
+  const std::string listing = "ls -A " + std::string(dir) + " | wc -l";
+  FILE* p = popen(listing.c_str(), "r");
+  REQUIRE(p);
+  int entries = -1;
+  CHECK(fscanf(p, "%d", &entries) == 1);
+  pclose(p);
+  CHECK(entries == 1);
+  // No probe where the target is not a regular file (a block device's node in /dev).
+  CHECK_FALSE(files.open_probe(dir));
+  CHECK_FALSE(files.open_probe("/nonexistent/base.qcow2"));
+  probe.reset();
+  unlink(target.c_str());
+  rmdir(dir);
 }
