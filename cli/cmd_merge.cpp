@@ -4,6 +4,7 @@
 
 #include <cinttypes>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <iostream>
 
@@ -439,6 +440,43 @@ void print_merge_result(const engine::MergeResult& r, engine::WriteMode mode,
   }
 }
 
+// The problem of a merge that ran out of room on BASE's storage, as one line: how much more it
+// needs there (what is left to write from its checkpoint on, less what is free) and that the
+// same command resumes it.
+std::string no_space_problem(const engine::NoSpaceError& e) {
+  const engine::SpaceNeed& n = e.need;
+  std::string m = std::strerror(e.error_number());
+  if (n.free_bytes) {
+    m += ": the merge needs about " + human_size(n.shortfall() ? n.shortfall() : n.needed()) +
+         (n.shortfall() ? " more there (" : " there (") + format_size(n.data_bytes) +
+         " of data and " + format_size(n.metadata_bytes) + " of metadata left to write";
+    if (n.reusable_bytes) m += ", " + format_size(n.reusable_bytes) + " reusable in the file";
+    m += ", " + format_size(*n.free_bytes) + " free)";
+  }
+  if (e.resume_from)
+    m += "; make room and run the same command again: it resumes from its checkpoint at " +
+         format_size(*e.resume_from);
+  else
+    m += "; nothing was merged yet: make room and run the same command again";
+  return m;
+}
+
+// The same as a JSON event, before the error line: {"event": "no-space", ...}.
+json::Ordered no_space_json(const engine::NoSpaceError& e) {
+  const engine::SpaceNeed& n = e.need;
+  auto opt = [](const std::optional<uint64_t>& v) {
+    return v ? json::Ordered(*v) : json::Ordered(nullptr);
+  };
+  return json::Ordered{{"event", "no-space"},
+                       {"base", e.file()},
+                       {"more-bytes", n.free_bytes ? opt(n.shortfall()) : json::Ordered(nullptr)},
+                       {"data-bytes", n.data_bytes},
+                       {"metadata-bytes", n.metadata_bytes},
+                       {"reusable-bytes", n.reusable_bytes},
+                       {"free-bytes", opt(n.free_bytes)},
+                       {"resume-from", opt(e.resume_from)}};
+}
+
 }  // namespace
 
 int cmd_merge(const Args& args) {
@@ -459,12 +497,18 @@ int cmd_merge(const Args& args) {
   mo.on_progress = [&shown](const engine::Progress& p) { shown.on_progress(p); };
   mo.on_lock_wait = [&shown](const std::string& message) { shown.on_lock_wait(message); };
   engine::MergeResult r;
-  if (a.via_libvirt()) {
-    auto merged = merge_through_libvirt(a, mo, gm);
-    if (!merged) return kExitOk;  // a dry run
-    r = std::move(*merged);
-  } else {
-    r = engine::merge(mo);
+  try {
+    if (a.via_libvirt()) {
+      auto merged = merge_through_libvirt(a, mo, gm);
+      if (!merged) return kExitOk;  // a dry run
+      r = std::move(*merged);
+    } else {
+      r = engine::merge(mo);
+    }
+  } catch (const engine::NoSpaceError& e) {
+    shown.stop();
+    if (gm.out == Output::kJson) print_json(no_space_json(e));
+    throw qcow2::IoError(e.file(), no_space_problem(e), e.error_number());
   }
   shown.stop();
   print_merge_result(r, mo.write_mode, gm);

@@ -83,7 +83,25 @@ json::Ordered plan_json(const std::string& top, const engine::MergePlan& p) {
                   {"bitmaps-to-remove", p.base_bitmaps},
                   {"rebase", p.rebase}};
   if (p.resume_from) j["resume-from"] = *p.resume_from;
+  // What the merge takes from BASE's filesystem and what is free there (null: a block device).
+  j["space-needed"] = p.space.needed();
+  j["space-data"] = p.space.data_bytes;
+  j["space-metadata"] = p.space.metadata_bytes;
+  j["space-reusable"] = p.space.reusable_bytes;
+  j["space-free"] =
+      p.space.free_bytes ? json::Ordered(*p.space.free_bytes) : json::Ordered(nullptr);
+  j["space-short"] = p.space.shortfall();
   return j;
+}
+
+// A warning when BASE's filesystem lacks the room the merge needs, on stderr in both outputs.
+void warn_short_space(const engine::MergePlan& p) {
+  if (!p.space.shortfall()) return;
+  std::fprintf(stderr,
+               "qcommit plan: warning: %s: its filesystem has %s free, the merge needs about %s "
+               "there: make room for %s more before merging\n",
+               p.base.c_str(), format_size(*p.space.free_bytes).c_str(),
+               format_size(p.space.needed()).c_str(), human_size(p.space.shortfall()).c_str());
 }
 
 }  // namespace
@@ -148,6 +166,7 @@ int cmd_plan(const Args& args) {
     popts.uri = uri;
     policy = resolve_merge_policy(popts, p.base);
   }
+  warn_short_space(p);
   if (out == Output::kJson) {
     json::Ordered doc = plan_json(top, p);
     doc.update(policy ? policy->json_fields() : off_policy_json());
@@ -183,6 +202,13 @@ int cmd_plan(const Args& args) {
                 p.base_bitmaps);
   if (p.resume_from)
     std::printf("an interrupted merge will resume at %s\n", format_size(*p.resume_from).c_str());
+  if (p.space.free_bytes)
+    std::printf(
+        "space needed:   about %s on BASE's filesystem (%s of data, %s of metadata), %s "
+        "free%s\n",
+        format_size(p.space.needed()).c_str(), format_size(p.space.data_bytes).c_str(),
+        format_size(p.space.metadata_bytes).c_str(), format_size(*p.space.free_bytes).c_str(),
+        p.space.shortfall() ? ": NOT ENOUGH" : "");
   std::printf("switch-over:    ");
   if (p.rebase.empty())
     std::printf("none (TOP is left intact and unreferenced by the merge)\n");

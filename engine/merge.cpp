@@ -627,13 +627,18 @@ class MergeJob {
     prepare_children();
     plan_and_check();
     report_resume();
-    open_base_writer();
-    begin_checkpoint();
-    remove_base_bitmaps();  // first: bitmap metadata found inconsistent refuses before BASE grows
-    grow_base_to_top();
-    copy();
-    switch_children();
-    finish();
+    try {
+      open_base_writer();
+      begin_checkpoint();
+      remove_base_bitmaps();  // first: bitmap metadata found inconsistent refuses before BASE grows
+      grow_base_to_top();
+      copy();
+      switch_children();
+      finish();
+    } catch (const std::exception& e) {
+      if (!out_of_space(e)) throw;
+      throw_no_space(e);
+    }
     return res;
   }
 
@@ -676,6 +681,29 @@ class MergeJob {
     base = &chain->layer(base_depth);
     res.base = base->path;
     top_size = chain->virtual_size();
+  }
+
+  // BASE's storage is full: what is left to write from the checkpoint on (BASE's tables as they
+  // are on disk, the room an interrupted run leaves in its file) and what is free now. The
+  // estimate is best effort: without it the error still names BASE and the way to resume.
+  [[noreturn]] void throw_no_space(const std::exception& e) {
+    std::optional<uint64_t> from;
+    try {
+      if (const auto cp = load_checkpoint(cp_path); cp && cp->identity == identity) from = cp->done;
+    } catch (const std::exception&) {
+    }
+    SpaceNeed need;
+    try {
+      uint64_t bytes = 0;
+      need = space_need_on_disk(*chain, base_depth,
+                                extents_above(*chain, base_depth, from.value_or(0), bytes));
+    } catch (const std::exception&) {
+    }
+    const auto* io = dynamic_cast<const IoError*>(&e);
+    const auto* err = dynamic_cast<const Error*>(&e);
+    const std::string cause =
+        err ? (err->file() == base->path ? err->problem() : err->what()) : e.what();
+    throw NoSpaceError(base->path, cause, io ? io->error_number() : ENOSPC, need, from);
   }
 
   // A backing file under /dev/ that does not exist yet (udev still creating an LV's node) is
@@ -919,6 +947,10 @@ MergePlan plan_merge(const MergeOptions& opt) {
   if (auto cp = load_checkpoint(checkpoint_path(base.path)); cp && cp->identity == identity)
     p.resume_from = cp->done;
   p.rebase = opt.rebase;
+  // From where a run would start; an interrupted run's leftovers in BASE's file are reused.
+  p.space = space_need(chain, p.base_depth,
+                       extents_above(chain, p.base_depth, p.resume_from.value_or(0), total),
+                       p.resume_from.has_value());
   return p;
 }
 

@@ -19,6 +19,9 @@
 #include <string_view>
 #include <vector>
 
+#include "engine/space.h"
+#include "qcow2/error.h"
+
 namespace qcommit::engine {
 
 using Clock = std::chrono::steady_clock;
@@ -141,10 +144,24 @@ struct MergePlan {
   uint32_t base_bitmaps = 0;      // persistent bitmaps the merge removes
   std::vector<std::string> rebase;
   std::optional<uint64_t> resume_from;  // a matching checkpoint of an interrupted run
+  SpaceNeed space;  // what the merge (from resume_from on) takes from BASE's filesystem
 };
 [[nodiscard]] MergePlan plan_merge(const MergeOptions& options);
 
-// Runs the merge; throws qcow2::Error (naming the file) on bad input, refusal or I/O failure.
+// BASE's storage ran out of room (ENOSPC, EDQUOT) while the merge wrote. Its checkpoint, when it
+// had written one, stays: the same merge run again once there is room resumes from it. Names
+// BASE; problem() is the failure as the system reported it.
+class NoSpaceError : public qcow2::IoError {
+ public:
+  NoSpaceError(std::string base, const std::string& problem, int err, SpaceNeed need_left,
+               std::optional<uint64_t> checkpointed)
+      : IoError(std::move(base), problem, err), need(need_left), resume_from(checkpointed) {}
+  SpaceNeed need;  // what is left to write from the checkpoint on, and what is free now
+  std::optional<uint64_t> resume_from;  // the checkpoint's guest offset; none: nothing written
+};
+
+// Runs the merge; throws qcow2::Error (naming the file) on bad input, refusal or I/O failure,
+// NoSpaceError when BASE's storage is full.
 MergeResult merge(const MergeOptions& options);
 
 // Where the checkpoint of a merge into `base` lives.
