@@ -718,6 +718,7 @@ void Governor::tick_job(Job& j, const JobInfo& info, const throttle::ForegroundS
   in.drained_bytes = release_drain(j, info, backlog, now);
   in.probe_latencies = j.probe_samples;
   if (j.probe) in.probe_outstanding = j.probe->outstanding_age(now);
+  if (opt_.wall_clock) in.wall_clock = opt_.wall_clock();
   const bool holding = settle(j, pc, now);
   const throttle::Decision d = decide(j, in, holding);
   j.probe_samples.clear();

@@ -33,6 +33,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -139,6 +140,11 @@ struct GovernorOptions {
   // When set, only the job on this domain's disk target is governed (`qcommit live` runs a
   // governor in-process for the job it started); the other disks still give foreground signals.
   std::optional<std::pair<std::string, std::string>> only_disk;
+  // A clock the hosts sharing a storage keep in sync (NTP-disciplined CLOCK_REALTIME, as time
+  // since the epoch), read at every tick: the controllers' periodic slowdowns are slotted on it
+  // (TickInput::wall_clock), so that the merges of every host drain the storage's queue together.
+  // Empty: slowdowns are slotted on the governor's own clock.
+  std::function<std::optional<Duration>()> wall_clock;
   [[nodiscard]] std::optional<std::string> validate() const;
 };
 

@@ -741,3 +741,30 @@ TEST_CASE("plugin.governor.probe_holds_back_for_hidden_guests") {
   CHECK_FALSE(gv_fail.g.status(failing.now).jobs.at(0).probe_period.has_value());
   CHECK(gv_fail.progress(1s) > 20.0 * DaemonConfig{}.defaults.floor_bytes_per_s);
 }
+
+TEST_CASE("plugin.governor.slowdowns_on_the_wall_clock") {
+  // The host's synchronised wall clock is 3.7 s ahead of the governor's monotonic one: the
+  // periodic slowdowns start at multiples of the interval on the wall clock (where every other
+  // host's start too), not on the monotonic one.
+  World w;
+  w.start_job();
+  GovernorOptions opt;
+  const Duration wall_ahead = 3700ms;
+  opt.wall_clock = [&w, wall_ahead]() -> std::optional<Duration> {
+    return w.now.time_since_epoch() + wall_ahead;
+  };
+  Governed gv(w, DaemonConfig{}, opt);
+  const TimePoint start = w.now;
+  std::vector<Duration> starts;  // wall time of each slowdown's first step
+  std::string phase;
+  gv.run(35s, [&] {
+    const auto jobs = gv.g.status(w.now).jobs;
+    if (jobs.empty()) return;
+    if (jobs[0].phase == "slowdown" && phase != "slowdown" && w.now - start > 2s)
+      starts.push_back(w.now.time_since_epoch() + wall_ahead);
+    phase = jobs[0].phase;
+  });
+  const Duration interval = qcommit::throttle::ControllerConfig{}.slowdown_interval;
+  REQUIRE(starts.size() >= 3);
+  for (Duration s : starts) CHECK(s % interval < GovernorOptions{}.tick + 10ms);
+}
