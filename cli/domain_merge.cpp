@@ -2,9 +2,6 @@
 
 #include <libvirt/libvirt.h>
 #include <libvirt/virterror.h>
-#include <libxml/parser.h>
-#include <libxml/tree.h>
-#include <libxml/xpath.h>
 
 #include <signal.h>
 #include <sys/stat.h>
@@ -19,10 +16,10 @@
 #include <optional>
 #include <utility>
 
-#include "qcow2/chain.h"
-#include "plugin/xml.h"
 #include "engine/image_lock.h"
 #include "plugin/libvirt_handles.h"
+#include "plugin/xml.h"
+#include "qcow2/chain.h"
 #include "qcow2/error.h"
 
 namespace qcommit::cli {
@@ -147,9 +144,9 @@ bool is_block_device(const std::string& path) {
 // Points the <source> of a <disk> or <backingStore> element at `path` (a file or a block device).
 void set_source(xmlNodePtr element, xmlNodePtr source, const std::string& path) {
   const bool block = is_block_device(path);
-  xmlSetProp(element, BAD_CAST "type", BAD_CAST(block ? "block" : "file"));
-  for (const char* a : {"file", "dev", "pool", "volume"}) xmlUnsetProp(source, BAD_CAST a);
-  xmlSetProp(source, BAD_CAST(block ? "dev" : "file"), BAD_CAST path.c_str());
+  xml::set_attr(element, "type", block ? "block" : "file");
+  for (const char* a : {"file", "dev", "pool", "volume"}) xml::unset_attr(source, a);
+  xml::set_attr(source, block ? "dev" : "file", path);
 }
 
 // Replaces the disk's <backingStore> chain with the layers below the top of `chain`, ended by an
@@ -157,20 +154,16 @@ void set_source(xmlNodePtr element, xmlNodePtr source, const std::string& path) 
 // probing the files, so a chain that still names a merged layer keeps reading through it, or the
 // domain fails to start once that file is gone.
 void set_backing_store(xmlNodePtr disk, const qcow2::Chain& chain) {
-  while (xmlNodePtr bs = xml::child(disk, "backingStore")) {
-    xmlUnlinkNode(bs);
-    xmlFreeNode(bs);
-  }
+  xml::remove_children(disk, "backingStore");
   xmlNodePtr parent = disk;
   for (size_t i = 1; i < chain.depth(); ++i) {
     const qcow2::Layer& l = chain.layer(i);
-    xmlNodePtr bs = xmlNewChild(parent, nullptr, BAD_CAST "backingStore", nullptr);
-    xmlNodePtr fmt = xmlNewChild(bs, nullptr, BAD_CAST "format", nullptr);
-    xmlSetProp(fmt, BAD_CAST "type", BAD_CAST qcow2::to_string(l.format));
-    set_source(bs, xmlNewChild(bs, nullptr, BAD_CAST "source", nullptr), l.path);
+    const xmlNodePtr bs = xml::add_child(parent, "backingStore");
+    xml::set_attr(xml::add_child(bs, "format"), "type", qcow2::to_string(l.format));
+    set_source(bs, xml::add_child(bs, "source"), l.path);
     parent = bs;
   }
-  xmlNewChild(parent, nullptr, BAD_CAST "backingStore", nullptr);
+  xml::add_child(parent, "backingStore");
 }
 
 // The journal: what a re-run needs to finish an interrupted merge, kept in the domain's own
@@ -189,60 +182,60 @@ struct Journal {
   std::vector<std::string> snapshots;  // snapshot metadata of merged states, to remove
 
   // False when the domain has none.
-  bool load(virDomainPtr dom) {
-    CStr xml(virDomainGetMetadata(dom, VIR_DOMAIN_METADATA_ELEMENT, kJournalUri, VIR_DOMAIN_AFFECT_CONFIG));
-    if (!xml) return false;
-    Doc d = parse_xml(xml.get(), "domain-merge journal");
-    xmlNodePtr root = xmlDocGetRootElement(d.get());
-    if (!root || xmlStrcmp(root->name, BAD_CAST "merge") != 0 || xml::attr(root, "version") != "2")
+  [[nodiscard]] bool load(virDomainPtr dom) {
+    CStr text(virDomainGetMetadata(dom, VIR_DOMAIN_METADATA_ELEMENT, kJournalUri,
+                                   VIR_DOMAIN_AFFECT_CONFIG));
+    if (!text) return false;
+    Doc d = parse_xml(text.get(), "domain-merge journal");
+    const xmlNodePtr root = xml::root(d.get());
+    if (xml::name(root) != "merge" || xml::attr(root, "version") != "2")
       throw Error(std::string("domain ") + virDomainGetName(dom),
-                  "has a qcommit merge journal this version cannot read (remove it: virsh metadata DOMAIN " +
+                  "has a qcommit merge journal this version cannot read (remove it: virsh "
+                  "metadata DOMAIN " +
                       std::string(kJournalUri) + " --config --remove)");
-    using xml::text;
     disk = xml::attr(root, "disk");
     switch_source = xml::attr(root, "switch-source") == "yes";
     delete_merged = xml::attr(root, "delete-merged") == "yes";
-    for (xmlNodePtr n = root->children; n; n = n->next) {
-      if (n->type != XML_ELEMENT_NODE) continue;
-      const std::string name = reinterpret_cast<const char*>(n->name);
-      if (name == "top") top = text(n);
-      else if (name == "base") base = text(n);
-      else if (name == "merged") merged.push_back(text(n));
-      else if (name == "snapshot") snapshots.push_back(text(n));
+    for (const xmlNodePtr n : xml::children(root)) {
+      const std::string name = xml::name(n);
+      if (name == "top")
+        top = xml::text(n);
+      else if (name == "base")
+        base = xml::text(n);
+      else if (name == "merged")
+        merged.push_back(xml::text(n));
+      else if (name == "snapshot")
+        snapshots.push_back(xml::text(n));
     }
     return true;
   }
 
   void save(virDomainPtr dom) const {
-    Doc d(xmlNewDoc(BAD_CAST "1.0"));
-    xmlNodePtr root = xmlNewDocNode(d.get(), nullptr, BAD_CAST "merge", nullptr);
-    xmlDocSetRootElement(d.get(), root);
-    xmlSetProp(root, BAD_CAST "version", BAD_CAST "2");
-    xmlSetProp(root, BAD_CAST "disk", BAD_CAST disk.c_str());
-    xmlSetProp(root, BAD_CAST "switch-source", BAD_CAST(switch_source ? "yes" : "no"));
-    xmlSetProp(root, BAD_CAST "delete-merged", BAD_CAST(delete_merged ? "yes" : "no"));
-    xmlNewTextChild(root, nullptr, BAD_CAST "top", BAD_CAST top.c_str());
-    xmlNewTextChild(root, nullptr, BAD_CAST "base", BAD_CAST base.c_str());
-    for (const auto& m : merged) xmlNewTextChild(root, nullptr, BAD_CAST "merged", BAD_CAST m.c_str());
-    for (const auto& n : snapshots) xmlNewTextChild(root, nullptr, BAD_CAST "snapshot", BAD_CAST n.c_str());
-    xmlChar* out = nullptr;
-    int len = 0;
-    xmlDocDumpMemory(d.get(), &out, &len);
-    // Without the XML declaration: libvirt wants one element.
-    std::string x(reinterpret_cast<char*>(out), size_t(len));
-    xmlFree(out);
-    x.erase(0, x.find("<merge"));
-    if (virDomainSetMetadata(dom, VIR_DOMAIN_METADATA_ELEMENT, x.c_str(), kJournalKey, kJournalUri,
-                             VIR_DOMAIN_AFFECT_CONFIG) != 0)
+    const Doc d = xml::new_document("merge");
+    const xmlNodePtr root = xml::root(d.get());
+    xml::set_attr(root, "version", "2");
+    xml::set_attr(root, "disk", disk);
+    xml::set_attr(root, "switch-source", switch_source ? "yes" : "no");
+    xml::set_attr(root, "delete-merged", delete_merged ? "yes" : "no");
+    xml::add_child(root, "top", top);
+    xml::add_child(root, "base", base);
+    for (const auto& m : merged) xml::add_child(root, "merged", m);
+    for (const auto& n : snapshots) xml::add_child(root, "snapshot", n);
+    // One element, without an XML declaration: what libvirt takes as metadata.
+    const std::string text = xml::dump_element(root);
+    if (virDomainSetMetadata(dom, VIR_DOMAIN_METADATA_ELEMENT, text.c_str(), kJournalKey,
+                             kJournalUri, VIR_DOMAIN_AFFECT_CONFIG) != 0)
       throw Error(std::string("domain ") + virDomainGetName(dom),
-                  "cannot record the merge journal in its definition (nothing written): " + last_libvirt_error());
+                  "cannot record the merge journal in its definition (nothing written): " +
+                      last_libvirt_error());
   }
 
   static void remove(virDomainPtr dom) {
     if (virDomainSetMetadata(dom, VIR_DOMAIN_METADATA_ELEMENT, nullptr, nullptr, kJournalUri,
                              VIR_DOMAIN_AFFECT_CONFIG) != 0)
       throw Error(std::string("domain ") + virDomainGetName(dom),
-                  "merge done, but removing its journal from the definition failed: " + last_libvirt_error());
+                  "merge done, but removing its journal from the definition failed: " +
+                      last_libvirt_error());
   }
 };
 
@@ -269,296 +262,378 @@ void refresh_pools_holding(virConnectPtr conn, const std::string& file, DomainMe
   for (auto& p : pools_holding(conn, file)) refresh_pool(p.get(), res, note);
 }
 
+using Note = std::function<void(const std::string&)>;
+
+// --- A volume of a pool as TOP (no domain) ---------------------------------------------------
+DomainMergeResult merge_pool_volume(virConnectPtr conn, DomainMergeRequest& req, const Note& note) {
+  if (req.pool.empty() || req.volume.empty())
+    throw Error("", "give --domain DOM --disk DEV, or --pool POOL --vol NAME");
+  DomainMergeResult res;
+  const std::string top = volume_path(conn, req.pool, req.volume);
+  req.merge.top = top;
+  if (req.base) req.merge.base = *req.base;
+  res.top = top;
+  if (req.dry_run) {
+    res.plan = engine::plan_merge(req.merge);
+    res.base = res.plan->base;
+    res.would_delete = req.merge.delete_merged;
+    return res;
+  }
+  if (req.make_governor) req.merge.governor = req.make_governor(top);
+  res.merge = engine::merge(req.merge);
+  res.base = res.merge.base;
+  if (Pool p = find_pool(conn, req.pool))
+    refresh_pool(p.get(), res, note);
+  else
+    note("could not refresh storage pool " + req.pool + ": " + pool_lookup_error());
+  // BASE may live in another pool (an overlay in a dir pool on a logical volume).
+  refresh_pools_holding(conn, res.base, res, note);
+  return res;
+}
+
+// --- A shut-off domain's disk ----------------------------------------------------------------
+
+// The merge of a shut-off domain's disk chain, one step per member, in the order run() calls
+// them:
+//   open_domain      the domain, shut off
+//   open_chain       the disk's chain, as its definition names it
+//   resume_journal   an interrupted run's journal, which takes precedence, or else
+//   choose_layers    TOP and BASE from the request, and the snapshot metadata to remove
+//   (journal save)   the journal, into the definition, before the first write
+//   merge_data       the engine's copy, running finish() with its locks still held; or, when an
+//   finish_locked    interrupted run merged the data already, finish() under locks of our own
+//   finish           snapshot metadata, definition, merged files (each after ensure_inactive)
+// then the pools are refreshed and the journal removed.
+class DomainMerge {
+ public:
+  DomainMerge(virConnectPtr conn, DomainMergeRequest& req, const Note& note)
+      : conn_(conn), req_(req), note_(note), where_("domain " + req.domain) {}
+
+  [[nodiscard]] DomainMergeResult run() {
+    open_domain();
+    open_chain();
+    if (!resume_journal()) choose_layers();
+    if (req_.dry_run) return dry_run();
+    if (!res_.finished_earlier_run) journal_.save(dom_.get());
+    if (t_)
+      merge_data();
+    else
+      finish_locked();
+    // Pools and journal: libvirt's view only, nothing a starting domain runs on.
+    refresh_pools_holding(conn_, res_.base, res_, note_);
+    Journal::remove(dom_.get());
+    return std::move(res_);
+  }
+
+ private:
+  void open_domain();
+  [[nodiscard]] std::pair<xmlNodePtr, std::string> read_disk_source();
+  void open_chain();
+  [[nodiscard]] std::optional<size_t> index_of(const std::string& p) const;
+  [[nodiscard]] bool resume_journal();
+  void choose_layers();
+  [[nodiscard]] std::vector<std::string> snapshots_to_remove() const;
+  [[nodiscard]] engine::MergePlan plan_of(size_t ti, size_t bi) const;
+  [[nodiscard]] DomainMergeResult dry_run();
+  void ensure_inactive() const;
+  void merge_data();
+  void finish_locked();
+  void finish(engine::MergeResult& merged);
+  void remove_snapshot_metadata();
+  void redefine_disk();
+  void delete_merged_files(engine::MergeResult& merged);
+
+  virConnectPtr conn_;
+  DomainMergeRequest& req_;
+  const Note& note_;
+  const std::string where_;  // "domain NAME", what errors name
+  Dom dom_;
+  Doc doc_;                                  // the domain's inactive definition, as last read
+  std::string active_;                       // the disk's active layer
+  std::vector<std::string> paths_, layers_;  // its chain as named; canonical, for comparisons
+  std::optional<size_t> t_, b_;  // TOP (none once an interrupted run merged it) and BASE in it
+  Journal journal_;
+  DomainMergeResult res_;
+};
+
+void DomainMerge::open_domain() {
+  dom_.reset(virDomainLookupByName(conn_, req_.domain.c_str()));
+  if (!dom_) throw Error(where_, "not found: " + last_libvirt_error());
+  if (virDomainIsActive(dom_.get()) == 1)
+    throw Error(where_, "is running; merge its disks live with 'qcommit live " + req_.domain + " " +
+                            req_.disk + "' (or shut it off first)");
+}
+
+// The <disk> of the request in the domain's inactive definition (read anew into doc_), and the
+// path of its active layer.
+std::pair<xmlNodePtr, std::string> DomainMerge::read_disk_source() {
+  CStr text(virDomainGetXMLDesc(dom_.get(), VIR_DOMAIN_XML_INACTIVE));
+  if (!text) throw Error(where_, "cannot read its definition: " + last_libvirt_error());
+  doc_ = parse_xml(text.get(), where_);
+  const xmlNodePtr disk = find_domain_disk(doc_.get(), req_.disk);
+  if (!disk) throw Error(where_, "has no disk with target '" + req_.disk + "'");
+  const xmlNodePtr source = xml::child(disk, "source");
+  std::string path = xml::attr(source, "file");
+  if (path.empty()) path = xml::attr(source, "dev");
+  if (path.empty() && !xml::attr(source, "volume").empty())
+    path = volume_path(conn_, xml::attr(source, "pool"), xml::attr(source, "volume"));
+  if (path.empty())
+    throw Error(where_, "disk " + req_.disk +
+                            " is not a file, block device or pool volume; cannot merge it offline");
+  return {disk, path};
+}
+
+void DomainMerge::open_chain() {
+  active_ = read_disk_source().second;
+  const qcow2::Chain chain =
+      qcow2::Chain::open(active_, chain_options(req_.merge.allowed_backing_dirs));
+  for (size_t i = 0; i < chain.depth(); ++i) {
+    paths_.push_back(chain.layer(i).path);
+    layers_.push_back(canonical(paths_.back()));
+  }
+}
+
+std::optional<size_t> DomainMerge::index_of(const std::string& p) const {
+  const auto it = std::find(layers_.begin(), layers_.end(), canonical(p));
+  if (it == layers_.end()) return std::nullopt;
+  return size_t(it - layers_.begin());
+}
+
+// A journal left by an interrupted run takes precedence (one per domain: finish it first). Where
+// the data stands: TOP still above BASE in the chain means the copy (or the switch of the
+// definition) has not happened; re-running the merge is safe either way (the engine resumes from
+// its checkpoint, or copies TOP's data again into a BASE that already holds it).
+bool DomainMerge::resume_journal() {
+  if (!journal_.load(dom_.get())) return false;
+  if (journal_.disk != req_.disk)
+    throw Error(where_, "has an interrupted merge of disk " + journal_.disk +
+                            " to finish first: run this command with --disk " + journal_.disk);
+  res_.finished_earlier_run = true;
+  note_("finishing an interrupted merge of " + journal_.top + " into " + journal_.base);
+  b_ = index_of(journal_.base);
+  if (!b_)
+    throw Error(where_, "its merge journal names BASE " + journal_.base +
+                            ", which is not in the chain of disk " + req_.disk +
+                            " (virsh metadata " + req_.domain + " " + kJournalUri +
+                            " --config shows it)");
+  t_ = index_of(journal_.top);
+  if (!t_ || *t_ >= *b_) t_.reset();  // data merged and TOP out of the chain
+  res_.top = journal_.top;
+  res_.base = journal_.base;
+  return true;
+}
+
+// TOP and BASE as the request names them (TOP: the active layer, BASE: TOP's backing file, by
+// default), and the journal of this merge.
+void DomainMerge::choose_layers() {
+  t_ = req_.top ? index_of(*req_.top) : std::optional<size_t>(0);
+  if (!t_)
+    throw Error(*req_.top, "is not in the chain of domain " + req_.domain + " disk " + req_.disk);
+  b_ = *t_ + 1;
+  if (req_.base) {
+    b_ = index_of(*req_.base);
+    if (!b_ || *b_ <= *t_)
+      throw Error(*req_.base,
+                  "is not below " + paths_[*t_] + " in the chain of domain " + req_.domain);
+  }
+  if (*b_ >= paths_.size()) throw Error(paths_[*t_], "has no backing file: nothing to merge into");
+  res_.top = paths_[*t_];
+  res_.base = paths_[*b_];
+  journal_.disk = req_.disk;
+  journal_.top = res_.top;
+  journal_.base = res_.base;
+  journal_.switch_source = *t_ == 0;
+  journal_.delete_merged = req_.merge.delete_merged;
+  journal_.merged.assign(paths_.begin() + long(*t_), paths_.begin() + long(*b_));
+  journal_.snapshots = snapshots_to_remove();
+}
+
+// Snapshot metadata that points at merged files would describe states that no longer exist:
+// removed the way `virsh snapshot-delete` of an external snapshot leaves things. Decided before
+// anything is written; what cannot be kept consistent is refused.
+std::vector<std::string> DomainMerge::snapshots_to_remove() const {
+  virDomainSnapshotPtr* snaps = nullptr;
+  const int ns = virDomainListAllSnapshots(dom_.get(), &snaps, 0);
+  std::vector<std::string> affected, problems;
+  for (Snap& s : plugin::lv::take_list<Snap>(snaps, ns)) {
+    CStr sx(virDomainSnapshotGetXMLDesc(s.get(), 0));
+    if (!sx) continue;
+    const Doc sd = parse_xml(sx.get(), "snapshot");
+    bool hit = false;
+    for (const xmlNodePtr d : xml::children(xml::child(xml::root(sd.get()), "disks"))) {
+      if (xml::attr(d, "name") != req_.disk) continue;
+      // The snapshot's overlay, or the state it captured (the overlay's backing file), merged.
+      if (auto k = index_of(xml::attr(xml::child(d, "source"), "file")))
+        hit = (*k >= *t_ && *k < *b_) || (*k + 1 >= *t_ && *k + 1 <= *b_);
+    }
+    if (!hit) continue;
+    const std::string name = virDomainSnapshotGetName(s.get());
+    const xmlNodePtr memory = xml::child(xml::root(sd.get()), "memory");
+    if (memory && xml::attr(memory, "snapshot") == "external")
+      problems.push_back("snapshot '" + name +
+                         "' has saved memory state that needs the merged disk state");
+    affected.push_back(name);
+  }
+  if (!problems.empty()) {
+    std::string all;
+    for (auto& p : problems) all += (all.empty() ? "" : "; ") + p;
+    throw Error(where_, "cannot keep the snapshot list consistent: " + all + " (nothing written)");
+  }
+  for (auto& s : affected) note_("snapshot metadata to remove: " + s);
+  return affected;
+}
+
+// The engine's read-only plan of the merge of layers ti..bi-1 into bi (TOP's child, if any,
+// rebased).
+engine::MergePlan DomainMerge::plan_of(size_t ti, size_t bi) const {
+  engine::MergeOptions m = req_.merge;
+  m.top = paths_[ti];
+  m.base = paths_[bi];
+  m.rebase.clear();
+  if (ti > 0) m.rebase = {paths_[ti - 1]};
+  return engine::plan_merge(m);
+}
+
+// What a dry run reports; nothing is written.
+DomainMergeResult DomainMerge::dry_run() {
+  if (t_) res_.plan = plan_of(*t_, *b_);
+  res_.would_update_definition = journal_.switch_source;
+  res_.would_delete = journal_.delete_merged;
+  return std::move(res_);
+}
+
+// The steps after the copy change what a starting domain would run on (its snapshot list, its
+// definition, the files). They run while every image of the merge is locked the way QEMU locks
+// images (a QEMU that starts now cannot open TOP, BASE or TOP's child), and each one only after
+// asking libvirt again whether the domain is still shut off: it was checked once at the start,
+// and nothing stops anyone from starting it while the data is copied.
+void DomainMerge::ensure_inactive() const {
+  const int running = virDomainIsActive(dom_.get());
+  if (running == 0) return;
+  if (running == 1)
+    throw Error(where_,
+                "was started during the merge; stopped before changing more (the data is "
+                "merged): shut it off and run the same command again to finish");
+  throw Error(where_, "cannot tell whether it was started during the merge (" +
+                          last_libvirt_error() + "); run the same command again");
+}
+
+// The data. The engine runs finish() after the copy and the switch, with its locks still held;
+// it deletes nothing itself (the definition names TOP until the definition is updated).
+void DomainMerge::merge_data() {
+  engine::MergeOptions& m = req_.merge;
+  m.top = paths_[*t_];
+  m.base = paths_[*b_];
+  m.rebase.clear();
+  if (*t_ > 0) m.rebase = {paths_[*t_ - 1]};
+  m.delete_merged = false;
+  if (req_.make_governor) m.governor = req_.make_governor(paths_[*b_]);
+  m.on_checkpoint = [inner = m.on_checkpoint](uint64_t done) {
+    if (inner) inner(done);
+    test_kill_point("data-window");
+  };
+  m.while_locked = [this](engine::MergeResult& merged) { finish(merged); };
+  res_.merge = engine::merge(m);
+}
+
+// The data was merged by an interrupted run: TOP's child (or the definition) is on BASE already.
+// The same locks as the engine's for the rest: BASE and the disk's active layer for writing, and
+// the merged files that are still there (about to be deleted).
+void DomainMerge::finish_locked() {
+  std::vector<engine::ImageLock> locks;
+  std::vector<std::string> locked;  // canonical: one lock per file (OFD locks of one process conflict)
+  auto lock = [&](const std::string& p) {
+    struct stat st {};
+    if (::stat(p.c_str(), &st) != 0) return;
+    const std::string c = canonical(p);
+    if (std::find(locked.begin(), locked.end(), c) != locked.end()) return;
+    locks.push_back(engine::ImageLock::writer(p));
+    locked.push_back(c);
+  };
+  lock(journal_.base);
+  lock(active_);
+  for (const auto& p : journal_.merged) lock(p);
+  finish(res_.merge);
+  // A kill between the engine's last step and its cleanup leaves its checkpoint: removed last.
+  std::error_code ec;
+  fs::remove(engine::checkpoint_path(journal_.base), ec);
+}
+
+void DomainMerge::finish(engine::MergeResult& merged) {
+  test_kill_point("data-merged");
+  remove_snapshot_metadata();
+  test_kill_point("snapshots-removed");
+  redefine_disk();
+  test_kill_point("defined");
+  if (journal_.delete_merged) delete_merged_files(merged);
+}
+
+// Snapshot metadata of merged states (those an interrupted run removed are gone already).
+void DomainMerge::remove_snapshot_metadata() {
+  ensure_inactive();
+  for (const auto& name : journal_.snapshots) {
+    Snap s(virDomainSnapshotLookupByName(dom_.get(), name.c_str(), 0));
+    if (!s) continue;
+    if (virDomainSnapshotDelete(s.get(), VIR_DOMAIN_SNAPSHOT_DELETE_METADATA_ONLY) == 0)
+      res_.snapshot_metadata_removed.push_back(name);
+    else
+      note_("could not remove metadata of snapshot '" + name + "': " + last_libvirt_error());
+  }
+}
+
+// The definition: the disk runs on BASE when TOP was the active layer, and its <backingStore>
+// chain is the files' chain after the merge.
+void DomainMerge::redefine_disk() {
+  ensure_inactive();
+  auto [disk, source_path] = read_disk_source();
+  const std::string new_active = journal_.switch_source ? journal_.base : source_path;
+  qcow2::ChainOptions o = chain_options(req_.merge.allowed_backing_dirs);
+  o.allowed_backing_dirs.push_back(fs::path(new_active).parent_path().string());
+  qcow2::Chain after = qcow2::Chain::open(new_active, o);
+  if (journal_.switch_source) {
+    set_source(disk, xml::child(disk, "source"), new_active);
+    if (const xmlNodePtr drv = xml::child(disk, "driver"))
+      xml::set_attr(drv, "type", qcow2::to_string(after.top().format));
+  }
+  set_backing_store(disk, after);
+  const std::string definition = xml::dump(doc_.get());
+  Dom redefined(virDomainDefineXML(conn_, definition.c_str()));
+  if (!redefined)
+    throw Error(where_, "merge done, but redefining the domain failed: " + last_libvirt_error() +
+                            "; run the same command again");
+  res_.definition_updated = true;
+}
+
+// Merged files, now that the definition no longer names them. The engine locks TOP and the
+// intermediates for reading only, and lets others read them too: a process that opened one so
+// meanwhile (another domain's QEMU reading it as a backing file, a backup) would be left on a
+// deleted file. Nothing is deleted while any other process has one open.
+void DomainMerge::delete_merged_files(engine::MergeResult& merged) {
+  ensure_inactive();
+  for (const auto& p : journal_.merged) {
+    const std::string holders = engine::describe_holders(p);
+    if (!holders.empty())
+      throw Error(p, "is open in " + holders +
+                         "; not deleted (the merge is done): close it and run the same command "
+                         "again to delete it");
+  }
+  for (const auto& p : journal_.merged) {
+    std::error_code ec;
+    if (fs::remove(p, ec)) merged.deleted.push_back(p);
+  }
+}
+
 }  // namespace
 
-DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(const std::string&)>& note) {
-  DomainMergeResult res;
+DomainMergeResult merge_domain(DomainMergeRequest req, const Note& note) {
   // libvirt's default handler prints every error to stderr, also those that are expected (no
   // merge journal in the definition); errors that matter reach the user through
-  // last_libvirt_error() in the messages below.
+  // last_libvirt_error() in the messages.
   virSetErrorFunc(nullptr, [](void*, virErrorPtr) {});
   Conn conn(virConnectOpen(req.uri.c_str()));
   if (!conn) throw Error(req.uri, "cannot connect to libvirt: " + last_libvirt_error());
-
-  // --- A volume of a pool as TOP (no domain) -------------------------------------------------
-  if (req.domain.empty()) {
-    if (req.pool.empty() || req.volume.empty()) throw Error("", "give --domain DOM --disk DEV, or --pool POOL --vol NAME");
-    std::string top = volume_path(conn.get(), req.pool, req.volume);
-    req.merge.top = top;
-    if (req.base) req.merge.base = *req.base;
-    res.top = top;
-    if (req.dry_run) {
-      res.plan = engine::plan_merge(req.merge);
-      res.base = res.plan->base;
-      res.would_delete = req.merge.delete_merged;
-      return res;
-    }
-    if (req.make_governor) req.merge.governor = req.make_governor(top);
-    res.merge = engine::merge(req.merge);
-    res.base = res.merge.base;
-    if (Pool p = find_pool(conn.get(), req.pool))
-      refresh_pool(p.get(), res, note);
-    else
-      note("could not refresh storage pool " + req.pool + ": " + pool_lookup_error());
-    // BASE may live in another pool (an overlay in a dir pool on a logical volume).
-    refresh_pools_holding(conn.get(), res.base, res, note);
-    return res;
-  }
-
-  // --- A shut-off domain's disk --------------------------------------------------------------
-  Dom dom(virDomainLookupByName(conn.get(), req.domain.c_str()));
-  if (!dom) throw Error("domain " + req.domain, "not found: " + last_libvirt_error());
-  if (virDomainIsActive(dom.get()) == 1)
-    throw Error("domain " + req.domain, "is running; merge its disks live with 'qcommit live " + req.domain +
-                                            " " + req.disk + "' (or shut it off first)");
-  auto read_disk_source = [&](Doc& doc) {
-    CStr xml(virDomainGetXMLDesc(dom.get(), VIR_DOMAIN_XML_INACTIVE));
-    if (!xml) throw Error("domain " + req.domain, "cannot read its definition: " + last_libvirt_error());
-    doc = parse_xml(xml.get(), "domain " + req.domain);
-    xmlNodePtr disk = find_domain_disk(doc.get(), req.disk);
-    if (!disk) throw Error("domain " + req.domain, "has no disk with target '" + req.disk + "'");
-    xmlNodePtr source = xml::child(disk, "source");
-    std::string path = xml::attr(source, "file");
-    if (path.empty()) path = xml::attr(source, "dev");
-    if (path.empty() && !xml::attr(source, "volume").empty())
-      path = volume_path(conn.get(), xml::attr(source, "pool"), xml::attr(source, "volume"));
-    if (path.empty())
-      throw Error("domain " + req.domain, "disk " + req.disk + " is not a file, block device or pool volume; cannot merge it offline");
-    return std::pair{disk, path};
-  };
-  Doc doc;
-  const std::string active = read_disk_source(doc).second;
-
-  qcow2::Chain chain = qcow2::Chain::open(active, chain_options(req.merge.allowed_backing_dirs));
-  std::vector<std::string> paths, layers;  // as the chain names them; canonical, for comparisons
-  for (size_t i = 0; i < chain.depth(); ++i) {
-    paths.push_back(chain.layer(i).path);
-    layers.push_back(canonical(paths.back()));
-  }
-  auto index_of = [&](const std::string& p) -> std::optional<size_t> {
-    auto it = std::find(layers.begin(), layers.end(), canonical(p));
-    if (it == layers.end()) return std::nullopt;
-    return size_t(it - layers.begin());
-  };
-
-  // What a dry run reports: the engine's read-only plan of the merge of layers ti..bi-1 into bi
-  // (TOP's child, if any, rebased).
-  auto plan_of = [&](size_t ti, size_t bi) {
-    engine::MergeOptions m = req.merge;
-    m.top = paths[ti];
-    m.base = paths[bi];
-    m.rebase.clear();
-    if (ti > 0) m.rebase = {paths[ti - 1]};
-    return engine::plan_merge(m);
-  };
-
-  // A journal left by an interrupted run takes precedence (one per domain: finish it first).
-  Journal journal;
-  if (journal.load(dom.get())) {
-    if (journal.disk != req.disk)
-      throw Error("domain " + req.domain, "has an interrupted merge of disk " + journal.disk +
-                                              " to finish first: run this command with --disk " + journal.disk);
-    res.finished_earlier_run = true;
-    note("finishing an interrupted merge of " + journal.top + " into " + journal.base);
-  }
-
-  // Where the data stands: TOP still above BASE in the chain means the copy (or the switch of
-  // the definition) has not happened; re-running the merge is safe either way (the engine
-  // resumes from its checkpoint, or copies TOP's data again into a BASE that already holds it).
-  std::optional<size_t> t, b;
-  if (res.finished_earlier_run) {
-    b = index_of(journal.base);
-    if (!b)
-      throw Error("domain " + req.domain, "its merge journal names BASE " + journal.base +
-                                              ", which is not in the chain of disk " + req.disk + " (virsh metadata " +
-                                              req.domain + " " + kJournalUri + " --config shows it)");
-    t = index_of(journal.top);
-    if (!t || *t >= *b) t.reset();  // data merged and TOP out of the chain
-    res.top = journal.top;
-    res.base = journal.base;
-    if (req.dry_run) {
-      if (t) res.plan = plan_of(*t, *b);
-      res.would_update_definition = journal.switch_source;
-      res.would_delete = journal.delete_merged;
-      return res;
-    }
-  } else {
-    t = req.top ? index_of(*req.top) : std::optional<size_t>(0);
-    if (!t) throw Error(*req.top, "is not in the chain of domain " + req.domain + " disk " + req.disk);
-    b = *t + 1;
-    if (req.base) {
-      b = index_of(*req.base);
-      if (!b || *b <= *t) throw Error(*req.base, "is not below " + paths[*t] + " in the chain of domain " + req.domain);
-    }
-    if (*b >= paths.size()) throw Error(paths[*t], "has no backing file: nothing to merge into");
-    res.top = paths[*t];
-    res.base = paths[*b];
-
-    // Snapshot metadata that points at merged files would describe states that no longer
-    // exist: remove it the way `virsh snapshot-delete` of an external snapshot leaves things.
-    // Decide before writing anything; refuse what cannot be kept consistent.
-    virDomainSnapshotPtr* snaps = nullptr;
-    const int ns = virDomainListAllSnapshots(dom.get(), &snaps, 0);
-    std::vector<std::string> affected, problems;
-    for (Snap& s : plugin::lv::take_list<Snap>(snaps, ns)) {
-      CStr sx(virDomainSnapshotGetXMLDesc(s.get(), 0));
-      if (!sx) continue;
-      Doc sd = parse_xml(sx.get(), "snapshot");
-      xmlNodePtr disks = xml::child(xmlDocGetRootElement(sd.get()), "disks");
-      bool hit = false;
-      for (xmlNodePtr d = disks ? disks->children : nullptr; d; d = d->next) {
-        if (d->type != XML_ELEMENT_NODE || xml::attr(d, "name") != req.disk) continue;
-        // The snapshot's overlay, or the state it captured (the overlay's backing file), merged.
-        if (auto k = index_of(xml::attr(xml::child(d, "source"), "file")))
-          hit = (*k >= *t && *k < *b) || (*k + 1 >= *t && *k + 1 <= *b);
-      }
-      if (!hit) continue;
-      const std::string name = virDomainSnapshotGetName(s.get());
-      xmlNodePtr memory = xml::child(xmlDocGetRootElement(sd.get()), "memory");
-      if (memory && xml::attr(memory, "snapshot") == "external")
-        problems.push_back("snapshot '" + name + "' has saved memory state that needs the merged disk state");
-      affected.push_back(name);
-    }
-    if (!problems.empty()) {
-      std::string all;
-      for (auto& p : problems) all += (all.empty() ? "" : "; ") + p;
-      throw Error("domain " + req.domain, "cannot keep the snapshot list consistent: " + all + " (nothing written)");
-    }
-    for (auto& s : affected) note("snapshot metadata to remove: " + s);
-
-    if (req.dry_run) {
-      res.plan = plan_of(*t, *b);
-      res.would_update_definition = *t == 0;
-      res.would_delete = req.merge.delete_merged;
-      return res;
-    }
-    journal.disk = req.disk;
-    journal.top = res.top;
-    journal.base = res.base;
-    journal.switch_source = *t == 0;
-    journal.delete_merged = req.merge.delete_merged;
-    journal.merged.assign(paths.begin() + long(*t), paths.begin() + long(*b));
-    journal.snapshots = affected;
-    journal.save(dom.get());
-  }
-
-  // Steps 2 to 4 change what a starting domain would run on (its snapshot list, its definition,
-  // the files). They run while every image of the merge is locked the way QEMU locks images (a
-  // QEMU that starts now cannot open TOP, BASE or TOP's child), and each one only after asking
-  // libvirt again whether the domain is still shut off: it was checked once at the start, and
-  // nothing stops anyone from starting it while the data is copied.
-  auto ensure_inactive = [&] {
-    const int running = virDomainIsActive(dom.get());
-    if (running == 0) return;
-    if (running == 1)
-      throw Error("domain " + req.domain,
-                  "was started during the merge; stopped before changing more (the data is merged): shut it "
-                  "off and run the same command again to finish");
-    throw Error("domain " + req.domain, "cannot tell whether it was started during the merge (" +
-                                            last_libvirt_error() + "); run the same command again");
-  };
-  auto finish = [&](engine::MergeResult& merged) {
-    test_kill_point("data-merged");
-
-    // 2. Snapshot metadata of merged states (those an interrupted run removed are gone already).
-    ensure_inactive();
-    for (const auto& name : journal.snapshots) {
-      Snap s(virDomainSnapshotLookupByName(dom.get(), name.c_str(), 0));
-      if (!s) continue;
-      if (virDomainSnapshotDelete(s.get(), VIR_DOMAIN_SNAPSHOT_DELETE_METADATA_ONLY) == 0)
-        res.snapshot_metadata_removed.push_back(name);
-      else
-        note("could not remove metadata of snapshot '" + name + "': " + last_libvirt_error());
-    }
-    test_kill_point("snapshots-removed");
-
-    // 3. The definition: the disk runs on BASE when TOP was the active layer, and its
-    // <backingStore> chain is the files' chain after the merge.
-    ensure_inactive();
-    {
-      auto [disk, source_path] = read_disk_source(doc);
-      const std::string new_active = journal.switch_source ? journal.base : source_path;
-      qcow2::Chain after = qcow2::Chain::open(new_active, [&] {
-        qcow2::ChainOptions o = chain_options(req.merge.allowed_backing_dirs);
-        o.allowed_backing_dirs.push_back(fs::path(new_active).parent_path().string());
-        return o;
-      }());
-      if (journal.switch_source) {
-        set_source(disk, xml::child(disk, "source"), new_active);
-        if (xmlNodePtr drv = xml::child(disk, "driver"))
-          xmlSetProp(drv, BAD_CAST "type", BAD_CAST qcow2::to_string(after.top().format));
-      }
-      set_backing_store(disk, after);
-      const std::string newxml = xml::dump(doc.get());
-      Dom redefined(virDomainDefineXML(conn.get(), newxml.c_str()));
-      if (!redefined)
-        throw Error("domain " + req.domain, "merge done, but redefining the domain failed: " + last_libvirt_error() +
-                                                "; run the same command again");
-      res.definition_updated = true;
-    }
-    test_kill_point("defined");
-
-    // 4. Merged files, now that the definition no longer names them. The engine locks TOP and
-    // the intermediates for reading only, and lets others read them too: a process that opened
-    // one so meanwhile (another domain's QEMU reading it as a backing file, a backup) would be
-    // left on a deleted file. Nothing is deleted while any other process has one open.
-    if (journal.delete_merged) {
-      ensure_inactive();
-      for (const auto& p : journal.merged) {
-        const std::string holders = engine::describe_holders(p);
-        if (!holders.empty())
-          throw Error(p, "is open in " + holders + "; not deleted (the merge is done): close it and run the same "
-                         "command again to delete it");
-      }
-      for (const auto& p : journal.merged) {
-        std::error_code ec;
-        if (fs::remove(p, ec)) merged.deleted.push_back(p);
-      }
-    }
-  };
-
-  // 1. Data. The engine runs steps 2 to 4 (finish) after the copy and the switch, with its locks
-  // still held; it deletes nothing itself (the definition names TOP until step 3).
-  if (t) {
-    req.merge.top = paths[*t];
-    req.merge.base = paths[*b];
-    req.merge.rebase.clear();
-    if (*t > 0) req.merge.rebase = {paths[*t - 1]};
-    req.merge.delete_merged = false;
-    if (req.make_governor) req.merge.governor = req.make_governor(paths[*b]);
-    req.merge.on_checkpoint = [inner = req.merge.on_checkpoint](uint64_t done) {
-      if (inner) inner(done);
-      test_kill_point("data-window");
-    };
-    req.merge.while_locked = finish;
-    res.merge = engine::merge(req.merge);
-  } else {
-    // The data was merged by an interrupted run: TOP's child (or the definition) is on BASE
-    // already. The same locks as the engine's for the rest: BASE and the disk's active layer for
-    // writing, and the merged files that are still there (about to be deleted).
-    std::vector<engine::ImageLock> locks;
-    std::vector<std::string> locked;  // canonical: one lock per file (OFD locks of one process conflict)
-    auto lock = [&](const std::string& p) {
-      struct stat st {};
-      if (::stat(p.c_str(), &st) != 0) return;
-      const std::string c = canonical(p);
-      if (std::find(locked.begin(), locked.end(), c) != locked.end()) return;
-      locks.push_back(engine::ImageLock::writer(p));
-      locked.push_back(c);
-    };
-    lock(journal.base);
-    lock(active);
-    for (const auto& p : journal.merged) lock(p);
-    finish(res.merge);
-    // A kill between the engine's last step and its cleanup leaves its checkpoint: removed last.
-    std::error_code ec;
-    fs::remove(engine::checkpoint_path(journal.base), ec);
-  }
-
-  // Pools and journal: libvirt's view only, nothing a starting domain runs on.
-  refresh_pools_holding(conn.get(), res.base, res, note);
-  Journal::remove(dom.get());
-  return res;
+  if (req.domain.empty()) return merge_pool_volume(conn.get(), req, note);
+  return DomainMerge(conn.get(), req, note).run();
 }
 
 }  // namespace qcommit::cli

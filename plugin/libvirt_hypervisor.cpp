@@ -1,6 +1,5 @@
 #include "plugin/libvirt_hypervisor.h"
 
-#include <glib.h>
 #include <libvirt/libvirt-qemu.h>
 #include <libvirt/virterror.h>
 #include <sys/stat.h>
@@ -101,6 +100,25 @@ std::string pool_target_path(const std::string& text) {
 }
 
 }  // namespace
+
+std::string disk_only_snapshot_xml(const std::vector<DiskInfo>& disks, const std::string& disk,
+                                   const std::string& overlay_path) {
+  const xml::Doc doc = xml::new_document("domainsnapshot");
+  const xmlNodePtr list = xml::add_child(xml::root(doc.get()), "disks");
+  for (const auto& dk : disks) {
+    const xmlNodePtr d = xml::add_child(list, "disk");
+    xml::set_attr(d, "name", dk.target);
+    if (dk.target != disk) {
+      xml::set_attr(d, "snapshot", "no");
+      continue;
+    }
+    xml::set_attr(d, "snapshot", "external");
+    xml::set_attr(d, "type", "file");
+    xml::set_attr(xml::add_child(d, "driver"), "type", "qcow2");
+    xml::set_attr(xml::add_child(d, "source"), "file", overlay_path);
+  }
+  return xml::dump_element(xml::root(doc.get()));
+}
 
 std::vector<DiskInfo> parse_domain_disks(const std::string& text) {
   const xml::Doc doc = xml::parse(text);
@@ -248,21 +266,7 @@ void LibvirtHypervisor::create_overlay(const std::string& domain, const std::str
     if (create_fresh_overlay(overlay_path, dk.source, dk.format, bi.capacity).empty())
       reuse = VIR_DOMAIN_SNAPSHOT_CREATE_REUSE_EXT;
   }
-  auto esc = [](const std::string& v) {
-    gchar* e = g_markup_escape_text(v.c_str(), static_cast<gssize>(v.size()));
-    std::string out = e;
-    g_free(e);
-    return out;
-  };
-  std::string xml = "<domainsnapshot><disks>";
-  for (const auto& dk : info->disks) {
-    if (dk.target == disk)
-      xml += "<disk name='" + esc(dk.target) + "' snapshot='external' type='file'>"
-             "<driver type='qcow2'/><source file='" + esc(overlay_path) + "'/></disk>";
-    else
-      xml += "<disk name='" + esc(dk.target) + "' snapshot='no'/>";
-  }
-  xml += "</disks></domainsnapshot>";
+  const std::string xml = disk_only_snapshot_xml(info->disks, disk, overlay_path);
   virDomainSnapshotPtr snap = virDomainSnapshotCreateXML(
       d.get(), xml.c_str(),
       VIR_DOMAIN_SNAPSHOT_CREATE_DISK_ONLY | VIR_DOMAIN_SNAPSHOT_CREATE_NO_METADATA |

@@ -70,4 +70,10 @@ class LibvirtHypervisor final : public Hypervisor, public BlockJobControl {
 // Parses the <devices><disk> elements of a domain XML (exposed for tests).
 [[nodiscard]] std::vector<DiskInfo> parse_domain_disks(const std::string& xml);
 
+// The <domainsnapshot> of a disk-only snapshot: an external qcow2 overlay at `overlay_path` for
+// the disk whose target is `disk`, none for the other `disks` (exposed for tests).
+[[nodiscard]] std::string disk_only_snapshot_xml(const std::vector<DiskInfo>& disks,
+                                                 const std::string& disk,
+                                                 const std::string& overlay_path);
+
 }  // namespace qcommit::plugin

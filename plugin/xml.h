@@ -1,6 +1,7 @@
-// libvirt's XML (domain, snapshot, pool descriptions) read with libxml2: the one parser and the
-// lookups qcommitd and the CLI share. A document that is not well-formed is refused, never
-// half-read; no network access, no entity expansion, no messages on stderr.
+// libvirt's XML (domain, snapshot, pool descriptions) read and written with libxml2: the one
+// parser, the lookups and the builder qcommitd and the CLI share. A document that is not
+// well-formed is refused, never half-read; no network access, no entity expansion, no messages on
+// stderr. What is built is escaped by libxml2 when it is written: no XML is made of strings.
 #pragma once
 
 #include <libxml/tree.h>
@@ -38,7 +39,37 @@ using Doc = std::unique_ptr<xmlDoc, DocFree>;
 // The first node `xpath` selects, or nullptr.
 [[nodiscard]] xmlNodePtr first(xmlDocPtr doc, const char* xpath, xmlNodePtr context = nullptr);
 
+// The child elements of n in document order (none when n is null).
+[[nodiscard]] std::vector<xmlNodePtr> children(xmlNodePtr n);
+
+// The element's name ("" when n is null).
+[[nodiscard]] std::string name(xmlNodePtr n);
+
+// The root element, or nullptr.
+[[nodiscard]] xmlNodePtr root(xmlDocPtr doc);
+
 // The document as indented text.
 [[nodiscard]] std::string dump(xmlDocPtr doc);
+
+// --- building --------------------------------------------------------------------------------
+
+// A new document of one element called `root_name`.
+[[nodiscard]] Doc new_document(const char* root_name);
+
+// Appends an element called `name` to `parent`, holding `text` when that is not empty; returns it.
+xmlNodePtr add_child(xmlNodePtr parent, const char* name, std::string_view text = {});
+
+// Sets attribute `name` of n to `value`, replacing a value it had.
+void set_attr(xmlNodePtr n, const char* name, std::string_view value);
+
+// Removes attribute `name` of n, if it has one.
+void unset_attr(xmlNodePtr n, const char* name);
+
+// Removes (and frees) every child element of n called `name`.
+void remove_children(xmlNodePtr n, const char* name);
+
+// The element n and what it holds as text, without an XML declaration: what libvirt takes where
+// it wants one element (snapshot definitions, domain metadata).
+[[nodiscard]] std::string dump_element(xmlNodePtr n);
 
 }  // namespace qcommit::plugin::xml
