@@ -162,7 +162,8 @@ struct MergeArgs {
 void add_merge_options(po::options_description& opts, MergeArgs& a) {
   opts.add_options()("top", po::value(&a.top), "the image to merge (TOP)")(
       "domain", po::value(&a.domain),
-      "a shut-off libvirt domain whose disk chain to merge (with --disk)")(
+      "a shut-off libvirt domain whose disk chain to merge (with --disk); one that is shutting "
+      "down is waited for (--wait)")(
       "disk", po::value(&a.disk),
       "the domain's disk target, e.g. vda (TOP defaults to its active layer)")(
       "pool", po::value(&a.pool), "storage pool of the volume to merge (with --vol)")(
@@ -180,8 +181,9 @@ void add_merge_options(po::options_description& opts, MergeArgs& a) {
       "delete", po::bool_switch(&a.del), "remove TOP and the intermediates afterwards")(
       "wait", po::value(&a.lock_wait),
       ("wait this long for another process (qemu-img info, a backup tool) to release an image "
-       "or to close a merged layer before --delete, and for a backing device under /dev to "
-       "appear, each wait at most this long, e.g. 30s; 0: refuse at once (default " +
+       "or to close a merged layer before --delete, for a backing device under /dev to appear, "
+       "and for a --domain that is shutting down to shut off, each wait at most this long, e.g. "
+       "30s; 0: refuse at once (default " +
        defaults::lock_wait_text() + "; a running guest is never waited for)")
           .c_str())(
       "budget", po::value(&a.budget),

@@ -9,11 +9,13 @@
 
 #include <algorithm>
 #include <cctype>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <memory>
 #include <optional>
+#include <thread>
 #include <utility>
 
 #include "engine/image_lock.h"
@@ -293,9 +295,28 @@ DomainMergeResult merge_pool_volume(virConnectPtr conn, DomainMergeRequest& req,
 
 // --- A shut-off domain's disk ----------------------------------------------------------------
 
+// How often a domain that is shutting down is asked whether it is shut off yet.
+constexpr std::chrono::milliseconds kShutdownRecheckInterval{100};
+
+// Where a domain stands, from one look at libvirt's state (state and activity asked apart could
+// disagree while it goes down).
+enum class Power { kOff, kGoingDown, kOn };
+
+[[nodiscard]] Power power(virDomainPtr dom) {
+  int state = 0, reason = 0;
+  if (virDomainGetState(dom, &state, &reason, 0) == 0) {
+    if (state == VIR_DOMAIN_SHUTOFF) return Power::kOff;
+    // "in shutdown", or paused on the way there.
+    if (state == VIR_DOMAIN_SHUTDOWN ||
+        (state == VIR_DOMAIN_PAUSED && reason == VIR_DOMAIN_PAUSED_SHUTTING_DOWN))
+      return Power::kGoingDown;
+  }
+  return virDomainIsActive(dom) == 1 ? Power::kOn : Power::kOff;
+}
+
 // The merge of a shut-off domain's disk chain, one step per member, in the order run() calls
 // them:
-//   open_domain      the domain, shut off
+//   open_domain      the domain, shut off (one that is shutting down is waited for)
 //   open_chain       the disk's chain, as its definition names it
 //   resume_journal   an interrupted run's journal, which takes precedence, or else
 //   choose_layers    TOP and BASE from the request, and the snapshot metadata to remove
@@ -327,6 +348,7 @@ class DomainMerge {
 
  private:
   void open_domain();
+  void wait_until_shut_off();
   [[nodiscard]] std::pair<xmlNodePtr, std::string> read_disk_source();
   void open_chain();
   [[nodiscard]] std::optional<size_t> index_of(const std::string& p) const;
@@ -359,9 +381,34 @@ class DomainMerge {
 void DomainMerge::open_domain() {
   dom_.reset(virDomainLookupByName(conn_, req_.domain.c_str()));
   if (!dom_) throw Error(where_, "not found: " + last_libvirt_error());
-  if (virDomainIsActive(dom_.get()) == 1)
-    throw Error(where_, "is running; merge its disks live with 'qcommit live " + req_.domain + " " +
-                            req_.disk + "' (or shut it off first)");
+  wait_until_shut_off();
+}
+
+// A running domain is refused at once; one that is shutting down is waited for, up to the
+// request's lock_wait (--wait), and the wait said once through on_lock_wait. A domain that comes
+// back to running meanwhile (a reboot) is refused like one that never stopped.
+void DomainMerge::wait_until_shut_off() {
+  const engine::LockClock::duration wait = req_.merge.lock_wait;
+  const auto deadline = engine::deadline_after(engine::LockClock::now(), wait);
+  bool told = false;
+  for (Power p = power(dom_.get()); p != Power::kOff; p = power(dom_.get())) {
+    if (p == Power::kOn)
+      throw Error(where_, "is running; merge its disks live with 'qcommit live " + req_.domain +
+                              " " + req_.disk + "' (or shut it off first)");
+    const auto now = engine::LockClock::now();
+    if (now >= deadline)
+      throw Error(where_, told
+                              ? "is still shutting down after " + engine::wait_duration_text(wait) +
+                                    " (--wait); run the same command again once it is shut off"
+                              : "is shutting down (--wait 0: not waited for); run the same "
+                                "command again once it is shut off");
+    if (!told && req_.merge.on_lock_wait)
+      req_.merge.on_lock_wait("waiting up to " + engine::wait_duration_text(wait) + " for domain " +
+                              req_.domain + " to shut off (it is shutting down)");
+    told = true;
+    std::this_thread::sleep_for(
+        std::min<engine::LockClock::duration>(kShutdownRecheckInterval, deadline - now));
+  }
 }
 
 // The <disk> of the request in the domain's inactive definition (read anew into doc_), and the

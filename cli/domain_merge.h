@@ -1,7 +1,8 @@
 // Offline merges addressed through libvirt: a shut-off domain's disk, or a volume of a storage
-// pool. The data work is engine::merge; this file resolves names, keeps libvirt's view true
-// (domain definition, external snapshot metadata, pool volumes) and makes the whole operation
-// re-runnable after a crash.
+// pool. A domain that is shutting down is waited for (up to merge.lock_wait, said once through
+// merge.on_lock_wait); a running one is refused. The data work is engine::merge; this file resolves
+// names, keeps libvirt's view true (domain definition, external snapshot metadata, pool volumes)
+// and makes the whole operation re-runnable after a crash.
 #pragma once
 
 #include <functional>

@@ -1,0 +1,192 @@
+#!/usr/bin/env bash
+# libvirt.domain_shutting_down: `qcommit merge --domain DOM --disk vda` on a domain that is
+# shutting down, against a real libvirtd and QEMU. libvirt says "in shutdown" from QEMU's SHUTDOWN
+# event until the QEMU process is gone; the merge waits for shut off (bounded by --wait) instead of
+# refusing, and says once what it waits for. A domain that is simply running is refused at once.
+#
+# The guest's QEMU is made to take about SLOW seconds to go: strace delays each close(2) of
+# QEMU by SLOW/8 seconds (QEMU closes about 8 files, its images among them, between reporting
+# SHUTDOWN and closing its monitor). The test writes into the running guest's disk first (HMP
+# qemu-io), then sends QEMU SIGTERM (as a host shutting down does): QEMU reports SHUTDOWN, libvirt
+# shows "in shutdown" until QEMU has closed its monitor and exited, then "shut off". The test
+# checks that libvirt did show "in shutdown" before it runs the merge.
+# Scenarios:
+#   wait        default --wait (10 s): one line on stderr naming the domain, the merge succeeds
+#               after shut off; merged BASE equals the guest view (qemu-img compare), including
+#               what the guest wrote last; the definition is on BASE.
+#   wait-json   the same with --output=json: one {"event":"wait"} event naming the domain.
+#   timeout     --wait 1s while shutting down takes longer: exit 1 in about a second, one error
+#               line naming the domain, nothing written (BASE unchanged, TOP still the disk).
+#   running     a running domain (no shutdown): refused at once (well under --wait) as before.
+# usage: domain-shutting-down.sh QCOMMIT [SCENARIO...]
+set -euo pipefail
+source "$(dirname "$0")/lib.sh"
+QCOMMIT=$(realpath "$1")
+shift
+scenarios=("$@")
+((${#scenarios[@]})) || scenarios=(wait wait-json timeout running)
+virsh -q list >/dev/null 2>&1 || { echo "libvirtd is not reachable (start it: virtlogd -d; libvirtd -d)" >&2; exit 1; }
+command -v strace >/dev/null || { echo "strace is needed to slow down QEMU's exit" >&2; exit 1; }
+tag=qcd-$$-$RANDOM
+root=/var/lib/libvirt/images/$tag
+SLOW=${SLOW:-2}
+doms=()
+tracer=
+cleanup() {
+  if [[ -n $tracer ]]; then kill "$tracer" 2>/dev/null || true; fi
+  local d
+  for d in "${doms[@]}"; do
+    virsh -q destroy "$d" >/dev/null 2>&1 || true
+    virsh -q undefine "$d" >/dev/null 2>&1 || true
+  done
+  rm -rf "$root"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+mkdir -p "$root"
+fails=()
+fail() { echo "FAIL [$scen]: $*" >&2; fails+=("$scen: $*"); }
+now_ms() { date +%s%3N; }
+
+# setup: $dir/base.qcow2 <- top.qcow2 with data in both, domain $dom on top.qcow2 (shut off);
+# view.raw is the guest view, base0.raw BASE as it is.
+setup() {
+  dir=$root/$scen
+  dom=$tag-$scen
+  mkdir -p "$dir"
+  cd "$dir"
+  qemu-img create -q -f qcow2 base.qcow2 64M
+  qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2
+  qemu-io -c 'write -P 1 0 8M' base.qcow2 >/dev/null
+  qemu-io -c 'write -P 2 1M 2M' -c 'write -z 6M 1M' -c 'write -P 3 20M 4M' top.qcow2 >/dev/null
+  qemu-img convert -O raw top.qcow2 view.raw
+  qemu-img convert -O raw base.qcow2 base0.raw
+  define_disk_domain "$dom" "$dir/top.qcow2"
+  doms+=("$dom")
+}
+
+qemu_pid() { cat "/run/libvirt/qemu/$dom.pid" 2>/dev/null || true; }
+
+# start_slow_shutdown: starts the domain, writes into its disk through QEMU (also into view.raw),
+# makes QEMU's exit take about SLOW seconds, sends QEMU SIGTERM and waits until libvirt says "in
+# shutdown". Returns 1 (after fail) when libvirt never said so.
+start_slow_shutdown() {
+  virsh -q start "$dom" >/dev/null
+  local q i
+  q=$(qemu_pid)
+  [[ -n $q ]] || { fail "no QEMU pid for $dom"; return 1; }
+  virsh -q qemu-monitor-command --hmp "$dom" \
+    'qemu-io -d /machine/peripheral/virtio-disk0/virtio-backend "write -P 9 40M 64k"' \
+    >hmp.txt 2>&1 || { fail "HMP qemu-io write failed: $(cat hmp.txt)"; return 1; }
+  if grep -qi error hmp.txt; then fail "HMP qemu-io write failed: $(cat hmp.txt)"; return 1; fi
+  qemu-io -f raw -c 'write -P 9 40M 64k' view.raw >/dev/null
+  strace -f -p "$q" -o /dev/null -e trace=close -e inject=close:delay_enter=$((SLOW * 1000000 / 8)) \
+    2>strace.txt &
+  tracer=$!
+  for ((i = 0; i < 100; i++)); do
+    grep -q attached strace.txt 2>/dev/null && break
+    sleep 0.05
+  done
+  grep -q attached strace.txt || { fail "strace did not attach to QEMU: $(cat strace.txt)"; return 1; }
+  kill -TERM "$q"
+  for ((i = 0; i < 250; i++)); do
+    [[ $(virsh domstate "$dom" 2>/dev/null) == "in shutdown" ]] && return 0
+    sleep 0.02
+  done
+  fail "libvirt never said 'in shutdown' (state: $(virsh domstate "$dom" 2>&1))"
+  return 1
+}
+
+# Waits for the domain to be shut off and the tracer to be gone.
+settle() {
+  local i
+  for ((i = 0; i < 300; i++)); do
+    [[ $(virsh domstate "$dom" 2>/dev/null) == "shut off" ]] && break
+    sleep 0.1
+  done
+  if [[ -n $tracer ]]; then
+    wait "$tracer" 2>/dev/null || true
+    tracer=
+  fi
+}
+
+disk_source() { virsh domblklist "$dom" | awk '$1=="vda"{print $2}'; }
+
+# The merge succeeded after the domain shut off: data, images and definition.
+check_merged() {
+  local state
+  state=$(virsh domstate "$dom" 2>&1)
+  [[ $state == "shut off" ]] || fail "domain is '$state' after the merge"
+  [[ $(disk_source) == "$dir/base.qcow2" ]] || fail "disk source after the merge is '$(disk_source)'"
+  qemu-img compare -q view.raw base.qcow2 || fail "merged BASE differs from the guest view"
+  qemu-img check -q base.qcow2 || fail "base.qcow2 not clean"
+}
+
+for scen in "${scenarios[@]}"; do
+  setup
+  case $scen in
+    wait)
+      start_slow_shutdown || { settle; continue; }
+      t0=$(now_ms)
+      rc=0
+      "$QCOMMIT" merge --domain "$dom" --disk vda --budget off >out.txt 2>err.txt || rc=$?
+      ms=$(($(now_ms) - t0))
+      settle
+      [[ $rc == 0 ]] || { fail "merge failed (rc=$rc after ${ms} ms): $(cat err.txt)"; continue; }
+      n=$(grep -c "waiting up to 10 s for domain $dom to shut off" err.txt || true)
+      [[ $n == 1 ]] || fail "expected one wait line naming the domain on stderr, got $n: $(cat err.txt)"
+      ((ms >= 500)) || fail "the merge took ${ms} ms: it did not wait for the shutdown"
+      check_merged
+      echo "  wait: merged after waiting, ${ms} ms" >&2
+      ;;
+    wait-json)
+      start_slow_shutdown || { settle; continue; }
+      rc=0
+      "$QCOMMIT" merge --domain "$dom" --disk vda --budget off --output=json >out.json 2>err.txt || rc=$?
+      settle
+      [[ $rc == 0 ]] || { fail "merge failed (rc=$rc): $(cat err.txt)"; continue; }
+      n=$(jq -c 'select(.event == "wait")' out.json | grep -c "for domain $dom to shut off" || true)
+      [[ $n == 1 ]] || fail "expected one JSON wait event naming the domain, got $n: $(cat out.json)"
+      [[ ! -s err.txt ]] || fail "stderr not empty with --output=json: $(cat err.txt)"
+      [[ $(jq -r 'select(.event == "result") | .base' out.json) == "$dir/base.qcow2" ]] ||
+        fail "no result event for base.qcow2: $(cat out.json)"
+      check_merged
+      ;;
+    timeout)
+      SLOW=$((SLOW + 2)) start_slow_shutdown || { settle; continue; }
+      t0=$(now_ms)
+      rc=0
+      "$QCOMMIT" merge --domain "$dom" --disk vda --budget off --wait 1s >out.txt 2>err.txt || rc=$?
+      ms=$(($(now_ms) - t0))
+      state=$(virsh domstate "$dom" 2>&1)
+      settle
+      [[ $rc == 1 ]] || fail "expected exit 1 at the deadline, got $rc: $(cat err.txt)"
+      [[ $state == "in shutdown" ]] || fail "the domain was '$state' when the merge gave up (test too slow?)"
+      ((ms >= 900 && ms < 4000)) || fail "gave up after ${ms} ms, expected about 1 s"
+      errors=$(grep -v '^qcommit: waiting up to' err.txt || true)
+      [[ $(printf '%s\n' "$errors" | grep -c .) == 1 && $errors == *"domain $dom"*"shutting down"* ]] ||
+        fail "expected one error line naming the domain, got: $(cat err.txt)"
+      [[ $(disk_source) == "$dir/top.qcow2" ]] || fail "definition changed: disk on '$(disk_source)'"
+      qemu-img compare -q base0.raw base.qcow2 || fail "BASE was written"
+      [[ -e top.qcow2 ]] || fail "TOP is gone"
+      echo "  timeout: gave up after ${ms} ms: $errors" >&2
+      ;;
+    running)
+      virsh -q start "$dom" >/dev/null
+      t0=$(now_ms)
+      rc=0
+      "$QCOMMIT" merge --domain "$dom" --disk vda --budget off >out.txt 2>err.txt || rc=$?
+      ms=$(($(now_ms) - t0))
+      virsh -q destroy "$dom" >/dev/null 2>&1 || true
+      [[ $rc == 1 ]] && grep -q "domain $dom: is running; merge its disks live with 'qcommit live" err.txt ||
+        fail "running domain not refused clearly: rc=$rc $(cat err.txt)"
+      ((ms < 3000)) || fail "refusing a running domain took ${ms} ms (it was waited for)"
+      grep -q "waiting" err.txt && fail "a running domain was waited for: $(cat err.txt)"
+      ;;
+    *) fail "unknown scenario" ;;
+  esac
+done
+
+if ((${#fails[@]})); then printf '  %s\n' "${fails[@]}" >&2; exit 1; fi
+echo "libvirt.domain_shutting_down: OK"
