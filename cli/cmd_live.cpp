@@ -1,8 +1,9 @@
 // qcommit live DOMAIN DISK: a governed merge of a running domain's disk, started by qcommit.
 // qcommit live --qmp SOCKET DISK: the same on a QEMU that libvirt does not manage, over QMP.
-// Glue: options, the event loop (libvirt's or the QMP socket's) and progress output.  The job
-// order is plugin/live.cpp, the pacing is plugin/governor.cpp (the same policy qcommitd
-// applies), run in-process.
+// Glue, in named steps: options, the connection (libvirt's event loop or the QMP socket), the
+// wait for a block job somebody else runs on the disk, the plan, then the loop that runs the job
+// order (plugin/live.cpp) beside the pacing and shows progress.  The pacing is qcommitd's
+// governor (plugin/governor.cpp), run in-process, or qcommitd itself when it answers on its socket.
 #include <libvirt/libvirt.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -16,15 +17,17 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 
-#include "common/defaults.h"
 #include "cli/commands.h"
 #include "cli/daemon.h"
 #include "cli/json.h"
 #include "cli/options.h"
 #include "cli/units.h"
+#include "common/defaults.h"
 #include "plugin/config.h"
 #include "plugin/governor.h"
+#include "plugin/json.h"
 #include "plugin/libvirt_hypervisor.h"
 #include "plugin/live.h"
 #include "plugin/qmp_hypervisor.h"
@@ -33,51 +36,19 @@
 namespace qcommit::cli {
 namespace {
 
+using plugin::Duration;
+using plugin::TimePoint;
+
 std::atomic<bool> g_interrupted{false};
 void on_interrupt(int) {
   g_interrupted = true;
 }
 void wake_timer(int, void*) {}
 
-plugin::TimePoint mono_now() {
-  return plugin::TimePoint(std::chrono::duration_cast<plugin::Duration>(
-      std::chrono::steady_clock::now().time_since_epoch()));
+TimePoint mono_now() {
+  return TimePoint(
+      std::chrono::duration_cast<Duration>(std::chrono::steady_clock::now().time_since_epoch()));
 }
-
-constexpr const char* kUsage =
-    "usage: qcommit live DOMAIN DISK [--top T] [--base B] [--budget 20ms] [--pivot]\n"
-    "                    [--strategy two-phase|direct] [--overlay-dir DIR] [-c|--connect URI]\n"
-    "                    [--dry-run] [--output=json] [--page-cache auto|no-cachestat|meminfo]\n"
-    "       qcommit live --qmp SOCKET DISK [--top T] [--base B] [--budget 20ms] [--pivot] ...\n"
-    "  Merges TOP (default: the disk's active layer) into BASE (default: the bottom of the chain)\n"
-    "  on the running DOMAIN with libvirt block jobs, paced by the qcommitd governor so that the\n"
-    "  guests on the same storage see at most BUDGET of added latency.\n"
-    "  --strategy two-phase (default, active layer only): a fresh overlay takes the guest's new\n"
-    "             writes, the old overlay is committed as a non-active commit (one 512 KiB\n"
-    "             request at a time), then the small fresh overlay is active-committed;\n"
-    "  --strategy direct: one active commit (QEMU's mirror: 16 x 1 MiB requests in flight).\n"
-    "  --overlay-dir DIR  two-phase: create the fresh overlay in DIR (e.g. local SSD) instead of\n"
-    "             next to TOP: the guest's writes during the merge then never wait behind it on\n"
-    "             shared storage. Until the pivot the disk depends on DIR: a host failure leaves\n"
-    "             its latest writes there (an HA restart elsewhere cannot open the disk).\n"
-    "  --pivot    switch the disk to BASE when the active commit is ready (else it is left ready)\n"
-    "  --dry-run  print the steps, change nothing\n"
-    "  --page-cache S  where the target's dirty pages are read: auto (cachestat(2) where the\n"
-    "             kernel has it, else no-cachestat), no-cachestat (forced: what a kernel before\n"
-    "             6.5 gets), no-cachestat-shadow (also logs cachestat's truth) or meminfo\n"
-    "  --output=json  JSON lines on stdout: plan, step, progress (1/s) and result events\n"
-    "  --qmp SOCKET   a QEMU that libvirt does not manage (e.g. Proxmox VE's\n"
-    "             /var/run/qemu-server/ID.qmp), driven over its QMP monitor. DISK: a drive id,\n"
-    "             device id, node name or the active layer's path; the domain name comes from\n"
-    "             query-name, else the socket's file name. QEMU serves one QMP client per\n"
-    "             socket: its other clients wait until qcommit live ends.\n"
-    "  -c, --connect URI  libvirt connection (--uri: the same)\n"
-    "  Refused while qcommitd answers on its socket (--socket PATH, or --daemon-socket, default\n"
-    "  %s): it would govern the same jobs.\n"
-    "examples:\n  qcommit live vm1 vda --pivot\n  qcommit live vm1 vda --dry-run --strategy "
-    "direct\n"
-    "  qcommit live vm1 vda --pivot --output=json | jq -c 'select(.event != \"progress\")'\n"
-    "  qcommit live --qmp /var/run/qemu-server/100.qmp drive-scsi0 --pivot\n";
 
 // `--qmp`: QEMU serves its QMP socket until it exits, so a connection that cannot be
 // re-established for this long means QEMU is gone.
@@ -85,6 +56,291 @@ constexpr auto kQmpReconnectGiveUp = std::chrono::seconds(10);
 // The longest the loop waits for hypervisor events; it wakes earlier when the governor's next
 // step is due (its pacer and chunk gate work in 2 ms steps).
 constexpr auto kEventWait = std::chrono::milliseconds(20);
+// How often progress is shown (and, under qcommitd, asked of it).
+constexpr auto kProgressEvery = std::chrono::seconds(1);
+
+// A failure that ends the command with one line and exit 1.
+struct LiveError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// ---- options ----
+
+struct LiveArgs {
+  plugin::LiveRequest req;
+  std::string uri = defaults::kUri;
+  std::string budget = defaults::budget_text();
+  std::string wait = defaults::lock_wait_text();
+  std::string daemon_socket = defaults::kSocketPath;
+  std::string qmp;
+  std::string overlay_dir;
+  std::string strategy = plugin::to_string(plugin::kDefaultLiveStrategy);
+  std::string page_cache_name = "auto";
+  std::string output = "human";
+  bool dry_run = false;
+  std::vector<std::string> pos;
+  // Derived by validate().
+  bool uri_given = false;
+  bool budget_given = false;
+  bool json_out = false;
+  plugin::PageCacheSource page_cache = plugin::PageCacheSource::kAuto;
+  Duration wait_limit{};
+};
+
+constexpr const char* kSynopsis =
+    "qcommit live DOMAIN DISK [--top T] [--base B] [--budget 20ms] [--pivot]\n"
+    "                    [--strategy two-phase|direct] [--overlay-dir DIR] [-c|--connect URI]\n"
+    "                    [--wait DURATION] [--dry-run] [--output=json]\n"
+    "                    [--page-cache auto|no-cachestat|meminfo]\n"
+    "       qcommit live --qmp SOCKET DISK [--top T] [--base B] [--budget 20ms] [--pivot] ...\n"
+    "Merges TOP (default: the disk's active layer) into BASE (default: the bottom of the chain)\n"
+    "on the running DOMAIN with libvirt block jobs, paced by the qcommitd governor so that the\n"
+    "guests on the same storage see at most BUDGET of added latency. While qcommitd answers on\n"
+    "its socket, it governs the jobs this command starts, with its own policy (--budget is then\n"
+    "not used), and the progress shown is qcommitd's";
+
+constexpr const char* kExamples =
+    "examples:\n"
+    "  qcommit live vm1 vda --pivot\n"
+    "  qcommit live vm1 vda --dry-run --strategy direct\n"
+    "  qcommit live vm1 vda --pivot --output=json | jq -c 'select(.event != \"progress\")'\n"
+    "  qcommit live --qmp /var/run/qemu-server/100.qmp drive-scsi0 --pivot\n";
+
+void add_live_options(po::options_description& opts, LiveArgs& a) {
+  opts.add_options()("top", po::value(&a.req.top), "the layer to merge (default: the active one)")(
+      "base", po::value(&a.req.base), "the layer to merge into (default: the bottom of the chain)")(
+      "budget", po::value(&a.budget),
+      ("added latency the guests on the same storage may see (default " + defaults::budget_text() +
+       ")")
+          .c_str())("pivot", po::bool_switch(&a.req.pivot),
+                    "switch the disk to BASE when the active commit is ready (else it is left "
+                    "ready)")(
+      "strategy", po::value(&a.strategy),
+      "two-phase (default, active layer only): a fresh overlay takes the guest's new writes, the "
+      "old overlay is committed as a non-active commit (one 512 KiB request at a time), then the "
+      "small fresh overlay is active-committed; direct: one active commit (QEMU's mirror: 16 x 1 "
+      "MiB requests in flight)")(
+      "overlay-dir", po::value(&a.overlay_dir),
+      "two-phase: create the fresh overlay in DIR (e.g. local SSD) instead of next to TOP: the "
+      "guest's writes during the merge then never wait behind it on shared storage. Until the "
+      "pivot the disk depends on DIR: a host failure leaves its latest writes there")(
+      "connect,c", po::value(&a.uri), "libvirt connection URI (default qemu:///system)")(
+      "uri", po::value(&a.uri), "the same as --connect")(
+      "wait", po::value(&a.wait),
+      ("how long a block job somebody else runs on the disk is waited for (default " +
+       defaults::lock_wait_text() + "; 0: refuse at once)")
+          .c_str())("dry-run", po::bool_switch(&a.dry_run), "print the steps, change nothing")(
+      "output", po::value(&a.output),
+      "human or json (JSON lines on stdout: plan, wait, step, progress (1/s) and result events)")(
+      "page-cache", po::value(&a.page_cache_name),
+      "where the target's dirty pages are read: auto (cachestat(2) where the kernel has it, else "
+      "no-cachestat), no-cachestat (forced: what a kernel before 6.5 gets), no-cachestat-shadow "
+      "(also logs cachestat's truth) or meminfo")(
+      "qmp", po::value(&a.qmp),
+      "a QEMU that libvirt does not manage (e.g. Proxmox VE's /var/run/qemu-server/ID.qmp), "
+      "driven over its QMP monitor; DISK: a drive id, device id, node name or the active layer's "
+      "path. QEMU serves one QMP client per socket: its other clients wait until qcommit live "
+      "ends")("socket", po::value(&a.daemon_socket),
+              "qcommitd's control socket (default /run/qcommit/qcommitd.sock)")(
+      "daemon-socket", po::value(&a.daemon_socket), "the same as --socket");
+}
+
+// The overlay directory as QEMU and libvirt must be given it: an existing directory, absolute.
+std::string checked_overlay_dir(const std::string& dir) {
+  struct stat sb {};
+  if (::stat(dir.c_str(), &sb) != 0 || !S_ISDIR(sb.st_mode))
+    throw LiveError("--overlay-dir " + dir + ": not a directory");
+  char* real = ::realpath(dir.c_str(), nullptr);
+  if (!real) return dir;
+  std::string out = real;
+  std::free(real);
+  return out;
+}
+
+void validate(LiveArgs& a, const po::variables_map& vm) {
+  if (a.strategy == "direct")
+    a.req.strategy = plugin::LiveStrategy::Direct;
+  else if (a.strategy == "two-phase")
+    a.req.strategy = plugin::LiveStrategy::TwoPhase;
+  else
+    throw UsageError("--strategy must be two-phase or direct, not '" + a.strategy + "'");
+  const auto src = plugin::parse_page_cache_source(a.page_cache_name);
+  if (!src)
+    throw UsageError(
+        "--page-cache must be auto, no-cachestat, no-cachestat-shadow or meminfo, "
+        "not '" +
+        a.page_cache_name + "'");
+  a.page_cache = *src;
+  a.json_out = parse_output(a.output) == Output::kJson;
+  a.wait_limit = a.wait == "0"
+                     ? Duration::zero()
+                     : std::chrono::duration_cast<Duration>(parse_duration(a.wait, "--wait"));
+  a.uri_given = vm.count("connect") || vm.count("uri");
+  a.budget_given = vm.count("budget") > 0;
+  if (!a.overlay_dir.empty()) {
+    if (a.req.strategy != plugin::LiveStrategy::TwoPhase)
+      throw UsageError("--overlay-dir is for the two-phase strategy (its fresh overlay)");
+    a.overlay_dir = checked_overlay_dir(a.overlay_dir);
+  }
+  if (!a.qmp.empty()) {
+    if (a.uri_given) throw UsageError("--qmp and --connect exclude each other");
+    if (a.pos.size() != 1) throw UsageError("expected --qmp SOCKET DISK (see --help)");
+    a.req.disk = a.pos[0];
+  } else {
+    if (a.pos.size() != 2) throw UsageError("expected DOMAIN DISK (see --help)");
+    a.req.domain = a.pos[0];
+    a.req.disk = a.pos[1];
+  }
+}
+
+// False when --help was asked for (and printed).
+[[nodiscard]] bool parse_live_args(const Args& args, LiveArgs& a) {
+  po::options_description opts("options");
+  add_live_options(opts, a);
+  po::options_description hidden;
+  hidden.add_options()("target", po::value(&a.pos)->multitoken(), "DOMAIN DISK, or DISK");
+  po::positional_options_description pos;
+  pos.add("target", -1);
+  po::variables_map vm;
+  if (!parse(args, opts, pos, vm, kSynopsis, kExamples, &hidden)) return false;
+  validate(a, vm);
+  return true;
+}
+
+// ---- the connection ----
+
+// What differs between the libvirt and the QMP backend while the merge runs.
+struct LiveBackend {
+  plugin::Hypervisor& hv;
+  plugin::BlockJobControl& ctl;
+  // Runs the event loop for at most the given time (1 ms .. kEventWait); false: broken.
+  std::function<bool(std::chrono::milliseconds)> wait_events;
+  std::string job_hint;    // where to look at a job left running
+  std::string pivot_hint;  // how to pivot a job left ready
+  // --qmp: give up when the connection stays lost this long; libvirt: wait for libvirtd.
+  std::optional<Duration> give_up_after;
+  std::function<std::string()> lost_message;
+  std::function<std::string()> job_error;  // QEMU's last job error, "" when none
+};
+
+// The hypervisor connection, libvirt's or a QMP socket's, and the backend over it.
+class LiveConnection {
+ public:
+  explicit LiveConnection(LiveArgs& a) : a_(a) {}
+
+  void open() { a_.qmp.empty() ? open_libvirt() : open_qmp(); }
+  [[nodiscard]] plugin::DomainInfo domain();
+  [[nodiscard]] LiveBackend backend();
+
+ private:
+  void open_libvirt();
+  void open_qmp();
+
+  LiveArgs& a_;
+  std::unique_ptr<plugin::LibvirtHypervisor> lv_;
+  std::unique_ptr<plugin::QmpHypervisor> qm_;
+  int wake_timer_id_ = -1;  // libvirt event loop timer that bounds each wait
+};
+
+void LiveConnection::open_libvirt() {
+  if (virEventRegisterDefaultImpl() < 0 ||
+      (wake_timer_id_ = virEventAddTimeout(static_cast<int>(kEventWait.count()), wake_timer,
+                                           nullptr, nullptr)) < 0)
+    throw LiveError("cannot set up the libvirt event loop");
+  lv_ = std::make_unique<plugin::LibvirtHypervisor>(a_.uri);
+  if (!lv_->connect()) throw LiveError(a_.uri + ": " + lv_->last_error());
+}
+
+void LiveConnection::open_qmp() {
+  qm_ = std::make_unique<plugin::QmpHypervisor>(a_.qmp);
+  try {
+    if (!qm_->connect()) throw LiveError(qm_->last_error());
+    a_.req.domain = qm_->name();
+    if (std::optional<std::string> target = qm_->resolve_disk(a_.req.disk)) a_.req.disk = *target;
+  } catch (const plugin::HypervisorDisconnected& e) {
+    throw LiveError(e.what());
+  }
+}
+
+plugin::DomainInfo LiveConnection::domain() {
+  std::optional<plugin::DomainInfo> dom;
+  try {
+    dom = lv_ ? lv_->domain(a_.req.domain) : qm_->domain(a_.req.domain);
+  } catch (const plugin::HypervisorDisconnected& e) {
+    throw LiveError(e.what());
+  }
+  if (dom) return *dom;
+  if (lv_) throw LiveError(a_.req.domain + ": no running domain of that name on " + a_.uri);
+  throw LiveError(a_.qmp + ": no domain");
+}
+
+LiveBackend LiveConnection::backend() {
+  const std::string& d = a_.req.domain;
+  const std::string& k = a_.req.disk;
+  if (lv_) {
+    const int timer = wake_timer_id_;
+    return LiveBackend{*lv_,
+                       *lv_,
+                       [timer](std::chrono::milliseconds wait) {
+                         virEventUpdateTimeout(timer, static_cast<int>(wait.count()));
+                         return virEventRunDefaultImpl() >= 0;
+                       },
+                       "'virsh blockjob " + d + " " + k + " --info'",
+                       "'virsh blockjob " + d + " " + k + " --pivot'",
+                       std::nullopt,
+                       nullptr,
+                       nullptr};
+  }
+  plugin::QmpHypervisor& q = *qm_;
+  return LiveBackend{
+      q,
+      q,
+      [&q](std::chrono::milliseconds wait) {
+        q.pump(wait);
+        return true;
+      },
+      "query-block-jobs on " + a_.qmp,
+      "QMP block-job-complete of job " + plugin::qcommit_job_id(k) + " on " + a_.qmp,
+      std::chrono::duration_cast<Duration>(kQmpReconnectGiveUp),
+      [&q] { return "lost the QMP connection and could not reconnect: " + q.last_error(); },
+      [&q] { return q.last_job_error(); }};
+}
+
+// ---- before the plan ----
+
+// Somebody else's block job on the disk (a backup, an operator's commit, a job a previous run
+// left at its finishing speed) is waited out for at most --wait, saying once what is awaited.
+void wait_for_foreign_job(LiveBackend& be, const LiveArgs& a) {
+  plugin::ForeignJobWait w(be.hv, a.req.domain, a.req.disk, a.wait_limit);
+  bool said = false;
+  for (;;) {
+    plugin::ForeignJobWait::State st;
+    try {
+      st = w.poll(mono_now());
+    } catch (const plugin::HypervisorDisconnected& e) {
+      throw LiveError(e.what());
+    }
+    if (st == plugin::ForeignJobWait::State::kClear) return;
+    if (st == plugin::ForeignJobWait::State::kTimedOut) {
+      throw LiveError(w.describe_job() + " was not started by qcommit live and " +
+                      (a.wait_limit == Duration::zero() ? std::string("--wait is 0")
+                                                        : "did not end within " + a.wait) +
+                      "; see " + be.job_hint);
+    }
+    if (!said) {
+      said = true;
+      const std::string m = "waiting up to " + a.wait + " for " + w.describe_job() + " to end";
+      if (a.json_out)
+        print_json(json::Ordered{{"event", "wait"}, {"for", "block-job"}, {"message", m}});
+      else
+        std::fprintf(stderr, "qcommit live: %s\n", m.c_str());
+      std::fflush(stdout);
+    }
+    if (!be.wait_events(std::chrono::duration_cast<std::chrono::milliseconds>(
+            plugin::ForeignJobWait::kRecheck)))
+      throw LiveError("the event loop failed while waiting for " + w.describe_job());
+  }
+}
 
 // A --top/--base path as the chain spells it, also when given relative or through symlinks (the
 // chain holds the paths QEMU opened).
@@ -105,412 +361,387 @@ std::string as_in_chain(const std::string& path, const plugin::DiskInfo& disk) {
   return path;
 }
 
-// What differs between the libvirt and the QMP backend while the merge runs.
-struct LiveBackend {
-  plugin::Hypervisor& hv;
-  plugin::BlockJobControl& ctl;
-  // Runs the event loop for at most the given time (1 ms .. kEventWait); false: broken.
-  std::function<bool(std::chrono::milliseconds)> wait_events;
-  std::string job_hint;    // where to look at a job left running
-  std::string pivot_hint;  // how to pivot a job left ready
-  // --qmp: give up when the connection stays lost this long; libvirt: wait for libvirtd.
-  std::optional<plugin::Duration> give_up_after;
-  std::function<std::string()> lost_message;
-  std::function<std::string()> job_error;  // QEMU's last job error, "" when none
-};
-
-int run_live(LiveBackend& be, const plugin::LiveRequest& req,
-             const std::vector<plugin::LiveStep>& steps, const plugin::DaemonConfig& cfg,
-             bool json_out, plugin::PageCacheSource page_cache);
-
-// {"event": "progress", "type": ..., "bytes-left": ..., "p99-ms": ... or null, "phase": ...}
-json::Ordered progress_json(const plugin::JobStatus& j) {
-  const json::Ordered p99 =
-      j.latency_p99 ? json::Ordered(rounded(
-                          std::chrono::duration<double, std::milli>(*j.latency_p99).count(), 6))
-                    : json::Ordered(nullptr);
-  return json::Ordered{{"event", "progress"},
-                       {"type", plugin::to_string(j.type)},
-                       {"bytes-left", j.bytes_left},
-                       {"speed", j.speed_bytes_per_s},
-                       {"window", j.window_bytes},
-                       {"p99-ms", p99},
-                       {"phase", j.phase}};
+// The disk the request names (target or active layer's path); the request then says its target
+// and TOP/BASE as the chain spells them.
+plugin::DiskInfo find_disk(const plugin::DomainInfo& dom, LiveArgs& a) {
+  for (const auto& d : dom.disks) {
+    if (d.target != a.req.disk && d.source != a.req.disk) continue;
+    a.req.disk = d.target;
+    a.req.top = as_in_chain(a.req.top, d);
+    a.req.base = as_in_chain(a.req.base, d);
+    return d;
+  }
+  std::string known;
+  for (const auto& d : dom.disks) known += (known.empty() ? "" : ", ") + d.target;
+  throw LiveError((a.qmp.empty() ? "" : a.qmp + ": ") + a.req.domain + ": no disk '" + a.req.disk +
+                  "' (disks: " + (known.empty() ? "none" : known) + ")");
 }
 
-}  // namespace
-
-int cmd_live(const Args& args) {
-  using namespace qcommit::plugin;
-  LiveRequest req;
-  std::string uri = qcommit::defaults::kUri;
-  std::string budget = qcommit::defaults::budget_text();
-  bool dry_run = false;
-  std::string daemon_socket = qcommit::defaults::kSocketPath;
-  std::string qmp;
-  std::string overlay_dir;
-  bool uri_given = false;
-  plugin::PageCacheSource page_cache = plugin::PageCacheSource::kAuto;
-  Output out = Output::kHuman;
-  std::vector<std::string> pos;
-  for (size_t i = 0; i < args.size(); ++i) {
-    const std::string& a = args[i];
-    auto value = [&](const char* name) -> std::string {
-      const std::string prefix = std::string(name) + "=";
-      if (a.rfind(prefix, 0) == 0) return a.substr(prefix.size());
-      if (i + 1 >= args.size()) throw UsageError(std::string(name) + " needs a value");
-      return args[++i];
-    };
-    auto is = [&](const char* name) {
-      return a == name || a.rfind(std::string(name) + "=", 0) == 0;
-    };
-    if (a == "-h" || a == "--help") {
-      std::printf(kUsage, qcommit::defaults::kSocketPath);
-      return kExitOk;
-    } else if (is("--top")) {
-      req.top = value("--top");
-    } else if (is("--base")) {
-      req.base = value("--base");
-    } else if (is("--budget")) {
-      budget = value("--budget");
-    } else if (is("--connect") || is("--uri") || a == "-c") {
-      uri = value(a == "-c" ? "-c" : is("--uri") ? "--uri" : "--connect");
-      uri_given = true;
-    } else if (is("--qmp")) {
-      qmp = value("--qmp");
-    } else if (is("--strategy")) {
-      const std::string s = value("--strategy");
-      if (s == "direct")
-        req.strategy = LiveStrategy::Direct;
-      else if (s == "two-phase")
-        req.strategy = LiveStrategy::TwoPhase;
-      else
-        throw UsageError("--strategy must be two-phase or direct, not '" + s + "'");
-    } else if (is("--overlay-dir")) {
-      overlay_dir = value("--overlay-dir");
-    } else if (a == "--pivot") {
-      req.pivot = true;
-    } else if (a == "--dry-run") {
-      dry_run = true;
-    } else if (is("--output")) {
-      out = parse_output(value("--output"));
-    } else if (is("--socket") || is("--daemon-socket")) {
-      daemon_socket = value(is("--socket") ? "--socket" : "--daemon-socket");
-    } else if (is("--page-cache")) {
-      const std::string v = value("--page-cache");
-      const auto src = plugin::parse_page_cache_source(v);
-      if (!src)
-        throw UsageError("--page-cache must be auto, no-cachestat, no-cachestat-shadow or meminfo, "
-                         "not '" + v + "'");
-      page_cache = *src;
-    } else if (!a.empty() && a[0] == '-') {
-      throw UsageError("unknown option '" + a + "'");
-    } else {
-      pos.push_back(a);
-    }
-  }
-  if (!overlay_dir.empty()) {
-    if (req.strategy != LiveStrategy::TwoPhase)
-      throw UsageError("--overlay-dir is for the two-phase strategy (its fresh overlay)");
-    struct stat sb {};
-    if (::stat(overlay_dir.c_str(), &sb) != 0 || !S_ISDIR(sb.st_mode)) {
-      std::fprintf(stderr, "qcommit live: --overlay-dir %s: not a directory\n",
-                   overlay_dir.c_str());
-      return kExitError;
-    }
-    // QEMU and libvirt are given the path: an absolute one.
-    char* real = ::realpath(overlay_dir.c_str(), nullptr);
-    if (real) {
-      overlay_dir = real;
-      std::free(real);
-    }
-  }
-  if (!qmp.empty()) {
-    if (uri_given) throw UsageError("--qmp and --connect exclude each other");
-    if (pos.size() != 1) throw UsageError("expected --qmp SOCKET DISK (see --help)");
-  } else if (pos.size() != 2) {
-    throw UsageError("expected DOMAIN DISK (see --help)");
-  }
-  // One governor per job: with qcommitd running it would also govern the jobs we start and the
-  // two would fight over their speed. qcommitd wins; we refuse before touching anything.
-  // (qcommitd governs libvirt's domains only: a QEMU reached with --qmp is not among them.)
-  if (qmp.empty() && !dry_run && qcommitd_answers(daemon_socket)) {
-    std::fprintf(
-        stderr,
-        "qcommit live: %s: qcommitd is running (%s) and governs every block job; start the "
-        "merge with 'virsh blockcommit %s %s --active --pivot' and let it govern, or stop "
-        "qcommitd to use qcommit live\n",
-        pos[0].c_str(), daemon_socket.c_str(), pos[0].c_str(), pos[1].c_str());
-    return kExitError;
-  }
-  req.domain = qmp.empty() ? pos[0] : "";
-  req.disk = qmp.empty() ? pos[1] : pos[0];
-
-  DaemonConfig cfg;
-  cfg.uri = uri;
-  cfg.defaults.budget = qcommit::cli::parse_duration(budget, "--budget");
-  if (auto e = cfg.defaults.validate()) throw UsageError(*e);
-  req.initial_speed_bytes_per_s =
-      static_cast<std::uint64_t>(cfg.defaults.controller_config().initial_rate_bytes_per_s);
-
-  std::unique_ptr<LibvirtHypervisor> lv;
-  std::unique_ptr<QmpHypervisor> qm;
-  std::optional<DomainInfo> dom;
-  int wake_timer_id = -1;  // libvirt event loop timer that bounds each wait
-  if (qmp.empty()) {
-    if (virEventRegisterDefaultImpl() < 0 ||
-        (wake_timer_id = virEventAddTimeout(static_cast<int>(kEventWait.count()), wake_timer,
-                                            nullptr, nullptr)) < 0) {
-      std::fprintf(stderr, "qcommit live: cannot set up the libvirt event loop\n");
-      return kExitError;
-    }
-    lv = std::make_unique<LibvirtHypervisor>(uri);
-    if (!lv->connect()) {
-      std::fprintf(stderr, "qcommit live: %s: %s\n", uri.c_str(), lv->last_error().c_str());
-      return kExitError;
-    }
-    dom = lv->domain(req.domain);
-    if (!dom) {
-      std::fprintf(stderr, "qcommit live: %s: no running domain of that name on %s\n",
-                   req.domain.c_str(), uri.c_str());
-      return kExitError;
-    }
-  } else {
-    qm = std::make_unique<QmpHypervisor>(qmp);
-    try {
-      if (!qm->connect()) {
-        std::fprintf(stderr, "qcommit live: %s\n", qm->last_error().c_str());
-        return kExitError;
-      }
-      req.domain = qm->name();
-      if (std::optional<std::string> target = qm->resolve_disk(req.disk)) req.disk = *target;
-      dom = qm->domain(req.domain);
-      if (dom && !dry_run) {
-        if (std::optional<JobInfo> j = qm->job_info(req.domain, req.disk)) {
-          std::fprintf(stderr, "qcommit live: %s: %s: a %s block job already runs on disk %s\n",
-                       qmp.c_str(), req.domain.c_str(), to_string(j->type), req.disk.c_str());
-          return kExitError;
-        }
-      }
-    } catch (const HypervisorDisconnected& e) {
-      std::fprintf(stderr, "qcommit live: %s\n", e.what());
-      return kExitError;
-    }
-  }
-  if (!dom) {
-    std::fprintf(stderr, "qcommit live: %s: no domain\n", qmp.c_str());
-    return kExitError;
-  }
-  const DiskInfo* disk = nullptr;
-  for (const auto& d : dom->disks)
-    if (d.target == req.disk || d.source == req.disk) disk = &d;
-  if (!disk) {
-    std::string known;
-    for (const auto& d : dom->disks) known += (known.empty() ? "" : ", ") + d.target;
-    std::fprintf(stderr, "qcommit live: %s%s%s: no disk '%s' (disks: %s)\n",
-                 qmp.empty() ? "" : qmp.c_str(), qmp.empty() ? "" : ": ", req.domain.c_str(),
-                 req.disk.c_str(), known.empty() ? "none" : known.c_str());
-    return kExitError;
-  }
-  req.disk = disk->target;
-  req.top = as_in_chain(req.top, *disk);
-  req.base = as_in_chain(req.base, *disk);
+std::vector<plugin::LiveStep> plan(const LiveArgs& a, const plugin::DiskInfo& disk) {
   char stamp[32];
   const std::time_t t = std::time(nullptr);
   std::strftime(stamp, sizeof stamp, "%Y%m%d%H%M%S", std::gmtime(&t));
   const std::string fresh =
-      fresh_overlay_path(req.top.empty() ? disk->source : req.top, stamp, overlay_dir);
-  std::vector<LiveStep> steps;
+      plugin::fresh_overlay_path(a.req.top.empty() ? disk.source : a.req.top, stamp, a.overlay_dir);
   try {
-    steps = plan_live(req, *disk, fresh);
-  } catch (const BlockJobError& e) {
-    std::fprintf(stderr, "qcommit live: %s\n", e.what());
-    return kExitError;
+    return plugin::plan_live(a.req, disk, fresh);
+  } catch (const plugin::BlockJobError& e) {
+    throw LiveError(e.what());
   }
-  const bool json_out = out == Output::kJson;
-  if (json_out) {
+}
+
+void print_plan(const LiveArgs& a, const std::vector<plugin::LiveStep>& steps,
+                const std::string& governor) {
+  if (a.json_out) {
     json::Ordered described = json::Ordered::array();
     for (const auto& step : steps) described.push_back(step.describe());
     print_json(json::Ordered{{"event", "plan"},
-                             {"domain", req.domain},
-                             {"disk", req.disk},
-                             {"strategy", to_string(req.strategy)},
-                             {"budget", budget},
-                             {"dry-run", dry_run},
+                             {"domain", a.req.domain},
+                             {"disk", a.req.disk},
+                             {"strategy", to_string(a.req.strategy)},
+                             {"budget", a.budget},
+                             {"governor", governor},
+                             {"dry-run", a.dry_run},
                              {"steps", described}});
   } else {
-    std::printf("qcommit live: %s %s, strategy %s, budget %s\n", req.domain.c_str(),
-                req.disk.c_str(), to_string(req.strategy), budget.c_str());
+    std::printf("qcommit live: %s %s, strategy %s, budget %s, governed by %s\n",
+                a.req.domain.c_str(), a.req.disk.c_str(), to_string(a.req.strategy),
+                a.budget.c_str(), governor.c_str());
     for (size_t i = 0; i < steps.size(); ++i)
       std::printf("  %zu. %s\n", i + 1, steps[i].describe().c_str());
   }
   std::fflush(stdout);
-  if (dry_run) return kExitOk;
-
-  if (lv) {
-    LiveBackend be{*lv,
-                   *lv,
-                   [wake_timer_id](std::chrono::milliseconds wait) {
-                     virEventUpdateTimeout(wake_timer_id, static_cast<int>(wait.count()));
-                     return virEventRunDefaultImpl() >= 0;
-                   },
-                   "'virsh blockjob " + req.domain + " " + req.disk + " --info'",
-                   "'virsh blockjob " + req.domain + " " + req.disk + " --pivot'",
-                   std::nullopt,
-                   nullptr,
-                   nullptr};
-    return run_live(be, req, steps, cfg, json_out, page_cache);
-  }
-  QmpHypervisor& q = *qm;
-  LiveBackend be{
-      q,
-      q,
-      [&q](std::chrono::milliseconds wait) {
-        q.pump(wait);
-        return true;
-      },
-      "query-block-jobs on " + qmp,
-      "QMP block-job-complete of job " + qcommit_job_id(req.disk) + " on " + qmp,
-      std::chrono::duration_cast<Duration>(kQmpReconnectGiveUp),
-      [&q] { return "lost the QMP connection and could not reconnect: " + q.last_error(); },
-      [&q] { return q.last_job_error(); }};
-  return run_live(be, req, steps, cfg, json_out, page_cache);
 }
 
-namespace {
+// ---- pacing: in-process, or qcommitd's ----
 
-int run_live(LiveBackend& be, const plugin::LiveRequest& req,
-             const std::vector<plugin::LiveStep>& steps, const plugin::DaemonConfig& cfg,
-             bool json_out, plugin::PageCacheSource page_cache) {
-  using namespace qcommit::plugin;
-  Hypervisor& hv = be.hv;
-  GovernorOptions opt;
-  opt.settle_every = settle_interval_for(dirty_expire());
-  opt.only_disk = std::make_pair(req.domain, req.disk);
-  if (auto e = opt.validate()) {
-    std::fprintf(stderr, "qcommit live: %s\n", e->c_str());
-    return kExitError;
+// One governed job's state as progress shows it.
+struct JobProgress {
+  std::string type;
+  std::uint64_t bytes_left = 0;
+  std::uint64_t speed_bytes_per_s = 0;
+  std::uint64_t window_bytes = 0;
+  std::optional<double> p99_ms;
+  std::optional<double> eta_s;
+  std::string phase;
+};
+
+class Pacing {
+ public:
+  virtual ~Pacing() = default;
+  // Runs what is due; returns when it is next due.
+  [[nodiscard]] virtual TimePoint step(TimePoint now) = 0;
+  [[nodiscard]] virtual std::vector<JobProgress> progress(TimePoint now) = 0;
+  // The jobs get a finishing speed (in-process) or stay governed (qcommitd).
+  virtual void release_all() = 0;
+  // What happens to a job this command leaves running.
+  [[nodiscard]] virtual const char* job_left_running() const = 0;
+};
+
+// qcommitd's governor, run in this process for this one disk.
+class InProcessPacing final : public Pacing {
+ public:
+  InProcessPacing(plugin::Hypervisor& hv, const LiveArgs& a, const plugin::DaemonConfig& cfg,
+                  const plugin::GovernorOptions& opt)
+      : files_(a.page_cache,
+               [json = a.json_out](const std::string& m) {
+                 if (!json) std::fprintf(stderr, "qcommit live: %s\n", m.c_str());
+               }),
+        gov_(hv, files_, cfg, opt) {}
+  TimePoint step(TimePoint now) override { return gov_.step(now); }
+  std::vector<JobProgress> progress(TimePoint now) override;
+  void release_all() override { gov_.release_all(); }
+  const char* job_left_running() const override { return "continues at a finishing speed"; }
+
+ private:
+  plugin::SystemTargetFiles files_;
+  plugin::Governor gov_;
+};
+
+std::vector<JobProgress> InProcessPacing::progress(TimePoint now) {
+  std::vector<JobProgress> out;
+  for (const auto& j : gov_.status(now).jobs) {
+    JobProgress p{plugin::to_string(j.type),
+                  j.bytes_left,
+                  j.speed_bytes_per_s,
+                  j.window_bytes,
+                  std::nullopt,
+                  j.eta_s,
+                  j.phase};
+    if (j.latency_p99) p.p99_ms = std::chrono::duration<double, std::milli>(*j.latency_p99).count();
+    out.push_back(std::move(p));
   }
-  if (!json_out)
-    std::fprintf(stderr, "qcommit live: page cache: %s\n", describe_page_cache_source(page_cache).c_str());
-  SystemTargetFiles files(page_cache, [json_out](const std::string& m) {
-    if (!json_out) std::fprintf(stderr, "qcommit live: %s\n", m.c_str());
-  });
-  Governor gov(hv, files, cfg, opt);
-  LiveMerge merge(be.ctl, hv, steps, req);
+  return out;
+}
 
+// qcommitd governs every block job on its connection, ours included: progress is its status.
+class DaemonPacing final : public Pacing {
+ public:
+  DaemonPacing(std::string socket, std::string domain, std::string disk)
+      : socket_(std::move(socket)), domain_(std::move(domain)), disk_(std::move(disk)) {}
+  TimePoint step(TimePoint now) override { return now + kEventWait; }
+  std::vector<JobProgress> progress(TimePoint now) override;
+  void release_all() override {}
+  const char* job_left_running() const override { return "continues under qcommitd"; }
+
+ private:
+  std::string socket_, domain_, disk_;
+};
+
+std::optional<double> number_member(const json::Value& o, const char* key) {
+  const json::Value* v = json::member(o, key);
+  if (!v || !v->is_number()) return std::nullopt;
+  return v->get<double>();
+}
+
+std::vector<JobProgress> DaemonPacing::progress(TimePoint) {
+  std::string error;
+  const std::optional<std::string> line =
+      ask_qcommitd(socket_, json::dump(json::Ordered{{"cmd", "status"}}), error);
+  std::optional<json::Value> v;
+  if (line) v = json::parse(*line, json::kControlResponseLimits, &error);
+  const json::Value* jobs = v ? json::member(*v, "jobs") : nullptr;
+  std::vector<JobProgress> out;
+  if (!jobs || !jobs->is_array()) return out;
+  for (const auto& j : *jobs) {
+    if (json::string_member(j, "domain") != domain_ || json::string_member(j, "disk") != disk_)
+      continue;
+    JobProgress p;
+    p.type = json::string_member(j, "type");
+    p.bytes_left = static_cast<std::uint64_t>(number_member(j, "bytes_left").value_or(0));
+    p.speed_bytes_per_s =
+        static_cast<std::uint64_t>(number_member(j, "speed_bytes_per_s").value_or(0));
+    p.window_bytes = static_cast<std::uint64_t>(number_member(j, "window_bytes").value_or(0));
+    p.p99_ms = number_member(j, "latency_p99_ms");
+    p.eta_s = number_member(j, "eta_s");
+    p.phase = json::string_member(j, "phase");
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+// ---- the run ----
+
+std::string eta_text(double s) {
+  if (s >= 3600)
+    return std::to_string(static_cast<long>(s / 3600)) + " h " +
+           std::to_string(static_cast<long>(s / 60) % 60) + " min";
+  if (s >= 60)
+    return std::to_string(static_cast<long>(s / 60)) + " min " +
+           std::to_string(static_cast<long>(s) % 60) + " s";
+  return std::to_string(static_cast<long>(s + 0.5)) + " s";
+}
+
+// Percent of the running job done, from the job's own counters (cur/end); nullopt before the
+// first reading.
+std::optional<double> percent_done(const std::optional<plugin::JobInfo>& info) {
+  if (!info || info->end == 0) return std::nullopt;
+  return 100.0 * static_cast<double>(info->cur) / static_cast<double>(info->end);
+}
+
+// {"event": "progress", "type", "bytes-left", "speed", "window", "p99-ms", "phase", "percent",
+//  "eta-s"} (unknown values null)
+json::Ordered progress_json(const JobProgress& j, std::optional<double> percent) {
+  auto num_or_null = [](std::optional<double> v) {
+    return v ? json::Ordered(rounded(*v, 6)) : json::Ordered(nullptr);
+  };
+  return json::Ordered{{"event", "progress"},
+                       {"type", j.type},
+                       {"bytes-left", j.bytes_left},
+                       {"speed", j.speed_bytes_per_s},
+                       {"window", j.window_bytes},
+                       {"p99-ms", num_or_null(j.p99_ms)},
+                       {"phase", j.phase},
+                       {"percent", num_or_null(percent)},
+                       {"eta-s", num_or_null(j.eta_s)}};
+}
+
+// "  commit: 42%, 512.0 MiB left, 12.0 MiB/s, ETA 43 s, guests' p99 4.1 ms, window 4.0 MiB (phase)"
+void print_progress_line(const JobProgress& j, std::optional<double> percent) {
+  char pct[16] = "";
+  if (percent) std::snprintf(pct, sizeof pct, "%.0f%%, ", *percent);
+  char p99[32] = "-";
+  if (j.p99_ms) std::snprintf(p99, sizeof p99, "%.1f ms", *j.p99_ms);
+  std::fprintf(stderr, "  %s: %s%s left, %s/s, ETA %s, guests' p99 %s, window %s (%s)\n",
+               j.type.c_str(), pct, format_size(j.bytes_left).c_str(),
+               format_size(j.speed_bytes_per_s).c_str(), j.eta_s ? eta_text(*j.eta_s).c_str() : "-",
+               p99, format_size(j.window_bytes).c_str(), j.phase.c_str());
+}
+
+// The loop: the job order's next step, the pacing, progress once a second, the event wait.
+class LiveRun {
+ public:
+  LiveRun(LiveBackend& be, const LiveArgs& a, std::vector<plugin::LiveStep> steps, Pacing& pacing)
+      : be_(be), a_(a), pacing_(pacing), merge_(be.ctl, be.hv, std::move(steps), a.req) {}
+  [[nodiscard]] int run();
+
+ private:
+  [[nodiscard]] bool connection_given_up(TimePoint now);
+  void show_step();
+  void report(TimePoint now);
+  [[nodiscard]] int finish(bool loop_broken);
+  [[nodiscard]] int fail(const std::string& message);
+
+  LiveBackend& be_;
+  const LiveArgs& a_;
+  Pacing& pacing_;
+  plugin::LiveMerge merge_;
+  std::size_t shown_step_ = static_cast<std::size_t>(-1);
+  TimePoint next_report_{};
+  std::optional<TimePoint> lost_since_;
+};
+
+bool LiveRun::connection_given_up(TimePoint now) {
+  if (!be_.give_up_after || be_.hv.connected()) {
+    lost_since_.reset();
+    return false;
+  }
+  if (!lost_since_) lost_since_ = now;
+  return now - *lost_since_ > *be_.give_up_after;
+}
+
+void LiveRun::show_step() {
+  if (merge_.current() == shown_step_ || merge_.current() >= merge_.steps().size()) return;
+  shown_step_ = merge_.current();
+  const std::string what = merge_.steps()[shown_step_].describe();
+  if (a_.json_out)
+    print_json(json::Ordered{{"event", "step"}, {"step", shown_step_ + 1}, {"description", what}});
+  else
+    std::printf("step %zu: %s\n", shown_step_ + 1, what.c_str());
+  std::fflush(stdout);
+}
+
+void LiveRun::report(TimePoint now) {
+  if (now < next_report_) return;
+  next_report_ = now + kProgressEvery;
+  const std::optional<double> pct = percent_done(merge_.last_info());
+  for (const auto& j : pacing_.progress(now)) {
+    if (a_.json_out)
+      print_json(progress_json(j, pct));
+    else
+      print_progress_line(j, pct);
+  }
+}
+
+int LiveRun::run() {
   struct sigaction sa {};
   sa.sa_handler = on_interrupt;
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
-
-  std::size_t shown_step = static_cast<std::size_t>(-1);
-  auto next_report = mono_now();
   bool running = true;
-  bool loop_broken = false;  // the event loop failed: the merge's state is unknown
-  std::optional<TimePoint> lost_since;
   while (running && !g_interrupted) {
     const auto now = mono_now();
-    if (be.give_up_after) {
-      if (hv.connected()) {
-        lost_since.reset();
-      } else {
-        if (!lost_since) lost_since = now;
-        if (now - *lost_since > *be.give_up_after) {
-          std::fprintf(stderr, "qcommit live: %s\n", be.lost_message().c_str());
-          return kExitError;
-        }
-      }
+    if (connection_given_up(now)) {
+      pacing_.release_all();
+      return fail(be_.lost_message());
     }
     try {
-      running = merge.step(now);
-    } catch (const HypervisorDisconnected& e) {
+      running = merge_.step(now);
+    } catch (const plugin::HypervisorDisconnected&) {
       // The governor reconnects; the job order waits for it.
-      (void)e;
     }
-    const TimePoint gov_next = gov.step(now);
-    if (merge.current() != shown_step && merge.current() < merge.steps().size()) {
-      shown_step = merge.current();
-      if (json_out)
-        print_json(json::Ordered{{"event", "step"},
-                                 {"step", shown_step + 1},
-                                 {"description", merge.steps()[shown_step].describe()}});
-      else
-        std::printf("step %zu: %s\n", shown_step + 1, merge.steps()[shown_step].describe().c_str());
-      std::fflush(stdout);
-    }
-    if (now >= next_report) {
-      next_report = now + std::chrono::seconds(1);
-      const GovernorStatus st = gov.status(now);
-      for (const auto& j : st.jobs) {
-        if (json_out) {
-          print_json(progress_json(j));
-          continue;
-        }
-        std::fprintf(stderr,
-                     "  %s: %llu bytes left, speed %.1f MiB/s, window %llu KiB, p99 %s, %s\n",
-                     to_string(j.type), static_cast<unsigned long long>(j.bytes_left),
-                     static_cast<double>(j.speed_bytes_per_s) / 1048576.0,
-                     static_cast<unsigned long long>(j.window_bytes / 1024),
-                     j.latency_p99
-                         ? (std::to_string(
-                                std::chrono::duration<double, std::milli>(*j.latency_p99).count()) +
-                            " ms")
-                               .c_str()
-                         : "-",
-                     j.phase.c_str());
-      }
-    }
-    // Until the governor's next step (the chunk gate closes 2 ms after it opens), at most
+    const TimePoint pacing_next = pacing_.step(now);
+    show_step();
+    report(now);
+    // Until the pacing's next step (the chunk gate closes 2 ms after it opens), at most
     // kEventWait, at least 1 ms.
-    const auto until_gov = std::chrono::ceil<std::chrono::milliseconds>(gov_next - mono_now());
-    const auto wait = std::clamp(until_gov, std::chrono::milliseconds(1), kEventWait);
-    if (running && !be.wait_events(wait)) {
-      loop_broken = true;
-      break;
-    }
+    const auto until = std::chrono::ceil<std::chrono::milliseconds>(pacing_next - mono_now());
+    if (running && !be_.wait_events(std::clamp(until, std::chrono::milliseconds(1), kEventWait)))
+      return finish(true);
   }
-  if (g_interrupted) {
-    gov.release_all();
-    std::fprintf(stderr,
-                 "qcommit live: interrupted at step %zu; the running block job (if any) "
-                 "continues at a finishing speed: see %s\n",
-                 merge.current() + 1, be.job_hint.c_str());
-    return kExitError;
+  return finish(false);
+}
+
+int LiveRun::fail(const std::string& message) {
+  std::fprintf(stderr, "qcommit live: %s\n", message.c_str());
+  return kExitError;
+}
+
+int LiveRun::finish(bool loop_broken) {
+  pacing_.release_all();
+  const std::string where = "at step " + std::to_string(merge_.current() + 1) +
+                            "; the running block job (if any) " + pacing_.job_left_running() +
+                            ": see " + be_.job_hint;
+  if (g_interrupted) return fail("interrupted " + where);
+  if (loop_broken && !merge_.error()) return fail("the event loop failed " + where);
+  if (merge_.error()) {
+    const std::string job_error = be_.job_error ? be_.job_error() : "";
+    if (job_error.empty() || merge_.error()->find(job_error) != std::string::npos)
+      return fail(*merge_.error());
+    return fail(*merge_.error() + " (QEMU: " + job_error + ")");
   }
-  if (loop_broken && !merge.error()) {
-    gov.release_all();
-    std::fprintf(stderr,
-                 "qcommit live: the event loop failed at step %zu; the running block job (if "
-                 "any) continues at a finishing speed: see %s\n",
-                 merge.current() + 1, be.job_hint.c_str());
-    return kExitError;
-  }
-  if (merge.error()) {
-    gov.release_all();
-    const std::string job_error = be.job_error ? be.job_error() : "";
-    if (job_error.empty() || merge.error()->find(job_error) != std::string::npos)
-      std::fprintf(stderr, "qcommit live: %s\n", merge.error()->c_str());
-    else
-      std::fprintf(stderr, "qcommit live: %s (QEMU: %s)\n", merge.error()->c_str(),
-                   job_error.c_str());
-    return kExitError;
-  }
-  gov.release_all();
-  if (json_out) {
+  if (a_.json_out) {
     print_json(json::Ordered{{"event", "result"},
-                             {"domain", req.domain},
-                             {"disk", req.disk},
-                             {"outcome", merge.left_ready() ? "ready" : "done"}});
-  } else if (merge.left_ready()) {
+                             {"domain", a_.req.domain},
+                             {"disk", a_.req.disk},
+                             {"outcome", merge_.left_ready() ? "ready" : "done"}});
+  } else if (merge_.left_ready()) {
     std::printf("qcommit live: active commit ready (mirroring); pivot with %s\n",
-                be.pivot_hint.c_str());
+                be_.pivot_hint.c_str());
   } else {
     std::printf("qcommit live: done\n");
   }
   return kExitOk;
 }
 
+// The governor's configuration for this one disk (--budget, the built-in defaults).
+plugin::DaemonConfig live_config(LiveArgs& a) {
+  plugin::DaemonConfig cfg;
+  cfg.uri = a.uri;
+  cfg.defaults.budget = parse_duration(a.budget, "--budget");
+  if (auto e = cfg.defaults.validate()) throw UsageError(*e);
+  a.req.initial_speed_bytes_per_s =
+      static_cast<std::uint64_t>(cfg.defaults.controller_config().initial_rate_bytes_per_s);
+  return cfg;
+}
+
+plugin::GovernorOptions live_governor_options(const LiveArgs& a) {
+  plugin::GovernorOptions opt;
+  opt.settle_every = plugin::settle_interval_for(plugin::dirty_expire());
+  opt.only_disk = std::make_pair(a.req.domain, a.req.disk);
+  if (auto e = opt.validate()) throw LiveError(*e);
+  return opt;
+}
+
+int live(LiveArgs& a) {
+  const plugin::DaemonConfig cfg = live_config(a);
+  // qcommitd governs libvirt's domains only: a QEMU reached with --qmp is not among them.
+  const bool daemon = a.qmp.empty() && qcommitd_answers(a.daemon_socket);
+  LiveConnection conn(a);
+  conn.open();
+  LiveBackend be = conn.backend();
+  if (!a.dry_run) wait_for_foreign_job(be, a);
+  const plugin::DiskInfo disk = find_disk(conn.domain(), a);
+  const std::vector<plugin::LiveStep> steps = plan(a, disk);
+  print_plan(a, steps, daemon ? "qcommitd (" + a.daemon_socket + ")" : "qcommit live");
+  if (a.dry_run) return kExitOk;
+  if (daemon && a.budget_given && !a.json_out)
+    std::fprintf(stderr,
+                 "qcommit live: qcommitd governs with its own policy: --budget is not used\n");
+  std::unique_ptr<Pacing> pacing;
+  if (daemon) {
+    pacing = std::make_unique<DaemonPacing>(a.daemon_socket, a.req.domain, a.req.disk);
+  } else {
+    if (!a.json_out)
+      std::fprintf(stderr, "qcommit live: page cache: %s\n",
+                   plugin::describe_page_cache_source(a.page_cache).c_str());
+    pacing = std::make_unique<InProcessPacing>(be.hv, a, cfg, live_governor_options(a));
+  }
+  LiveRun run(be, a, steps, *pacing);
+  return run.run();
+}
+
 }  // namespace
+
+int cmd_live(const Args& args) {
+  LiveArgs a;
+  if (!parse_live_args(args, a)) return kExitOk;
+  try {
+    return live(a);
+  } catch (const LiveError& e) {
+    std::fprintf(stderr, "qcommit live: %s\n", e.what());
+    return kExitError;
+  }
+}
 
 }  // namespace qcommit::cli

@@ -1,14 +1,8 @@
 // qcommit status: asks qcommitd (control socket) which block jobs it governs.
-#include <poll.h>
-#include <sys/socket.h>
-#include <sys/un.h>
-#include <unistd.h>
 
 #include <cctype>
-#include <cerrno>
 #include <chrono>
 #include <cstdio>
-#include <cstring>
 #include <optional>
 #include <string>
 #include <thread>
@@ -16,14 +10,13 @@
 
 #include "common/defaults.h"
 #include "cli/commands.h"
+#include "cli/daemon.h"
 #include "cli/options.h"
 #include "cli/units.h"
 #include "plugin/json.h"
 
 namespace qcommit::cli {
 namespace {
-
-constexpr int kTimeoutMs = 5000;
 
 // Member `key` of `o` printed with `fmt` (after dividing by `scale`), "-" when not a number.
 std::string num_or_dash(const json::Value& o, const char* key, const char* fmt,
@@ -52,41 +45,11 @@ namespace {
 inline constexpr const char* kDefaultWatch = "1s";
 inline constexpr std::chrono::milliseconds kMinWatch{100};
 
-// One request line to qcommitd, one response line back (without the newline); nullopt after
-// printing why not.
+// One request line to qcommitd, one response line back; nullopt after printing why not.
 std::optional<std::string> ask(const std::string& socket_path, const std::string& request) {
-  sockaddr_un addr{};
-  if (socket_path.size() >= sizeof addr.sun_path) throw UsageError("socket path too long");
-  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) {
-    std::fprintf(stderr, "qcommit status: socket: %s\n", std::strerror(errno));
-    return std::nullopt;
-  }
-  addr.sun_family = AF_UNIX;
-  std::memcpy(addr.sun_path, socket_path.c_str(), socket_path.size() + 1);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    std::fprintf(stderr, "qcommit status: %s: cannot connect to qcommitd: %s\n",
-                 socket_path.c_str(), std::strerror(errno));
-    ::close(fd);
-    return std::nullopt;
-  }
-  const std::string req = request + "\n";
-  if (::send(fd, req.data(), req.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(req.size())) {
-    std::fprintf(stderr, "qcommit status: %s: send failed\n", socket_path.c_str());
-    ::close(fd);
-    return std::nullopt;
-  }
-  std::string line;
-  char buf[4096];
-  while (line.find('\n') == std::string::npos && line.size() <= json::kControlMaxResponseBytes) {
-    pollfd p{fd, POLLIN, 0};
-    if (::poll(&p, 1, kTimeoutMs) <= 0) break;
-    const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
-    if (n <= 0) break;
-    line.append(buf, static_cast<size_t>(n));
-  }
-  ::close(fd);
-  if (auto nl = line.find('\n'); nl != std::string::npos) line.resize(nl);
+  std::string error;
+  std::optional<std::string> line = ask_qcommitd(socket_path, request, error);
+  if (!line) std::fprintf(stderr, "qcommit status: %s\n", error.c_str());
   return line;
 }
 

@@ -31,10 +31,14 @@ std::string missing_argument(const po::required_option& e,
 }  // namespace
 
 bool parse(const Args& args, po::options_description& opts, po::positional_options_description& pos,
-           po::variables_map& vm, const char* synopsis, const char* examples) {
+           po::variables_map& vm, const char* synopsis, const char* examples,
+           const po::options_description* hidden) {
   opts.add_options()("help,h", "show this help");
+  po::options_description all;
+  all.add(opts);
+  if (hidden) all.add(*hidden);
   try {
-    po::store(po::command_line_parser(args).options(opts).positional(pos).run(), vm);
+    po::store(po::command_line_parser(args).options(all).positional(pos).run(), vm);
     if (vm.count("help")) {
       std::cout << "usage: " << synopsis << "\n\n" << opts << "\n" << examples;
       return false;

@@ -20,8 +20,10 @@ struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// `hidden`: options parsed but not listed in --help (positional arguments the synopsis names).
 bool parse(const Args& args, po::options_description& opts, po::positional_options_description& pos,
-           po::variables_map& vm, const char* synopsis, const char* examples);
+           po::variables_map& vm, const char* synopsis, const char* examples,
+           const po::options_description* hidden = nullptr);
 
 Output parse_output(const std::string& s);
 

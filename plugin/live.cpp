@@ -1,6 +1,7 @@
 #include "plugin/live.h"
 
 #include <algorithm>
+#include <utility>
 
 namespace qcommit::plugin {
 
@@ -69,6 +70,28 @@ std::vector<LiveStep> plan_live(const LiveRequest& req, const DiskInfo& disk,
     if (req.strategy == LiveStrategy::TwoPhase) steps.push_back({K::RemoveOverlay, fresh, ""});
   }
   return steps;
+}
+
+ForeignJobWait::ForeignJobWait(Hypervisor& hv, std::string domain, std::string disk,
+                               Duration limit)
+    : hv_(hv), domain_(std::move(domain)), disk_(std::move(disk)), limit_(limit) {}
+
+ForeignJobWait::State ForeignJobWait::poll(TimePoint now) {
+  std::optional<JobInfo> j = hv_.job_info(domain_, disk_);
+  if (!j) return State::kClear;
+  job_ = j;
+  if (!since_) since_ = now;
+  return now - *since_ >= limit_ ? State::kTimedOut : State::kWaiting;
+}
+
+std::string ForeignJobWait::describe_job() const {
+  std::string s = std::string("the ") + (job_ ? to_string(job_->type) : "unknown") +
+                  " block job on " + domain_ + " " + disk_;
+  if (job_ && job_->end > 0)
+    s += " (" + std::to_string(static_cast<unsigned>(100.0 * static_cast<double>(job_->cur) /
+                                                     static_cast<double>(job_->end))) +
+         "% done)";
+  return s;
 }
 
 LiveMerge::LiveMerge(BlockJobControl& ctl, Hypervisor& hv, std::vector<LiveStep> steps,

@@ -75,6 +75,29 @@ struct LiveStep {
 [[nodiscard]] std::string fresh_overlay_path(const std::string& top, const std::string& stamp,
                                              const std::string& overlay_dir = "");
 
+// Before `qcommit live` plans, a block job on the disk that it did not start (a backup's copy,
+// an operator's commit, a job a previous run left at its finishing speed) is waited out for at
+// most `limit`: the chain that job leaves is the one to plan on.  Polled with `now`.
+class ForeignJobWait {
+ public:
+  enum class State { kClear, kWaiting, kTimedOut };
+  inline static constexpr auto kRecheck = std::chrono::milliseconds(100);
+
+  ForeignJobWait(Hypervisor& hv, std::string domain, std::string disk, Duration limit);
+  [[nodiscard]] State poll(TimePoint now);
+  // The job seen by the last poll that found one.
+  [[nodiscard]] const std::optional<JobInfo>& job() const { return job_; }
+  // "the commit block job on vm1 vda (42% done)"
+  [[nodiscard]] std::string describe_job() const;
+
+ private:
+  Hypervisor& hv_;
+  std::string domain_, disk_;
+  Duration limit_;
+  std::optional<TimePoint> since_;
+  std::optional<JobInfo> job_;
+};
+
 class LiveMerge {
  public:
   LiveMerge(BlockJobControl& ctl, Hypervisor& hv, std::vector<LiveStep> steps, LiveRequest req);

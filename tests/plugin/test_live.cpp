@@ -160,3 +160,36 @@ TEST_CASE("plugin.live.commit_that_vanishes_without_merging_is_an_error") {
   REQUIRE(m.error().has_value());
   CHECK(m.error()->find("still in the chain") != std::string::npos);
 }
+
+TEST_CASE("plugin.live.foreign_job_is_waited_out") {
+  FakeHypervisor hv;
+  REQUIRE(hv.connect());
+  const TimePoint t0{};
+  ForeignJobWait w(hv, "vm1", "vda", 10s);
+  SUBCASE("a free disk is clear at once") {
+    CHECK(w.poll(t0) == ForeignJobWait::State::kClear);
+    CHECK_FALSE(w.job());
+  }
+  SUBCASE("a job that ends within the limit is waited for") {
+    hv.jobs[{"vm1", "vda"}] = JobInfo{JobType::Commit, 42, 100, 0};
+    CHECK(w.poll(t0) == ForeignJobWait::State::kWaiting);
+    CHECK(w.poll(t0 + 9900ms) == ForeignJobWait::State::kWaiting);
+    CHECK(w.describe_job() == "the commit block job on vm1 vda (42% done)");
+    hv.jobs.clear();
+    CHECK(w.poll(t0 + 9950ms) == ForeignJobWait::State::kClear);
+  }
+  SUBCASE("the limit counts from the first sighting, not from construction") {
+    CHECK(w.poll(t0) == ForeignJobWait::State::kClear);
+    hv.jobs[{"vm1", "vda"}] = JobInfo{JobType::ActiveCommit, 0, 0, 0};
+    CHECK(w.poll(t0 + 60s) == ForeignJobWait::State::kWaiting);
+    CHECK(w.poll(t0 + 69s) == ForeignJobWait::State::kWaiting);
+    CHECK(w.poll(t0 + 70s) == ForeignJobWait::State::kTimedOut);
+    CHECK(w.describe_job() == "the active-commit block job on vm1 vda");
+  }
+  SUBCASE("a zero limit refuses at once") {
+    ForeignJobWait now_or_never(hv, "vm1", "vda", 0s);
+    hv.jobs[{"vm1", "vda"}] = JobInfo{JobType::Copy, 1, 4, 0};
+    CHECK(now_or_never.poll(t0) == ForeignJobWait::State::kTimedOut);
+    CHECK(now_or_never.describe_job() == "the copy block job on vm1 vda (25% done)");
+  }
+}

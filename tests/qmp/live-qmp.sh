@@ -105,9 +105,11 @@ verify_image() {  # verify_image REF IMAGE
   qemu-img check -q "$2" || fail "qemu-img check $2: not clean"
 }
 
-one_line_error() {  # one_line_error SOCKET EXPECTED-SUBSTRING
-  local rc=0
-  timeout 30 "$QCOMMIT" live --qmp "$1" vda --pivot >"$work/out" 2>"$work/err" || rc=$?
+one_line_error() {  # one_line_error SOCKET EXPECTED-SUBSTRING [OPTION...]
+  local rc=0 sock=$1 want=$2
+  shift 2
+  timeout 30 "$QCOMMIT" live --qmp "$sock" vda --pivot "$@" >"$work/out" 2>"$work/err" || rc=$?
+  set -- "$sock" "$want"
   echo "  $1 -> exit $rc: $(cat "$work/err")"
   [[ $rc == 1 ]] || fail "expected exit 1"
   [[ $(wc -l <"$work/err") == 1 ]] || fail "expected one line"
@@ -178,13 +180,18 @@ one_line_error "$d/q.sock" "no QMP greeting within 5 s"
 kill "$hold"
 wait "$hold" 2>/dev/null || true
 "$QMP" "$d/t.sock" block-commit "{\"device\": \"vda\", \"top\": \"$d/mid.qcow2\", \"speed\": 1}" >/dev/null
-one_line_error "$d/q.sock" "a commit block job already runs on disk vda"
-"$QMP" "$d/t.sock" block-job-cancel '{"device": "vda"}' >/dev/null
-for ((i = 0; i < 100; i++)); do
-  [[ $("$QMP" "$d/t.sock" query-block-jobs | jq length) == 0 ]] && break
-  sleep 0.05
-done
-run_live "$d" disk0 --top "$d/mid.qcow2" --base "$d/base.qcow2" --budget 20ms
+one_line_error "$d/q.sock" "the commit block job on" --wait 0
+grep -qF "was not started by qcommit live and --wait is 0" "$work/err" || fail "the refusal does not say why"
+# The same job, cancelled 2 s later by its owner: qcommit live waits it out (saying so once), then
+# plans on the chain that job left and merges.
+( sleep 2; "$QMP" "$d/t.sock" block-job-cancel '{"device": "vda"}' >/dev/null ) &
+canceller=$!
+t_wait=$SECONDS
+run_live "$d" disk0 --top "$d/mid.qcow2" --base "$d/base.qcow2" --budget 20ms --wait 30s
+wait "$canceller"
+grep -c "waiting up to 30s for the commit block job on .* vda" "$d/err" | grep -qx 1 ||
+  fail "the wait for the foreign job was not said exactly once: $(cat "$d/err")"
+((SECONDS - t_wait >= 2)) || fail "qcommit live did not wait for the foreign job"
 chain=$(active_chain "$d")
 echo "  query-block after the commit: $chain"
 [[ $chain == "$d/top.qcow2 $d/base.qcow2" ]] || fail "chain after the commit: $chain"

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# libvirt.live_beside_daemon: `qcommit live` on a host where qcommitd runs. A running TCG domain
+# on base <- top, qcommitd on a private socket (its ceiling keeps each copy running a few seconds).
+#  1. Somebody else's active commit runs on the disk: `--wait 0` refuses at once, one line naming
+#     the job; with `--wait 30s` it is waited out (said once, a "wait" event) until its owner
+#     aborts it 2 s later.
+#  2. Then the two-phase merge with --pivot runs, governed by qcommitd: the plan names qcommitd,
+#     progress events carry qcommitd's figures for the disk, qcommitd's log shows it adopted the
+#     jobs, the disk ends on base.qcow2 and base.qcow2 holds the guest's view, clean.
+# usage: live-beside-daemon.sh QCOMMIT QCOMMITD
+set -euo pipefail
+source "$(dirname "$0")/lib.sh"
+QCOMMIT=$(realpath "$1") QCOMMITD=$(realpath "$2")
+virsh -q list >/dev/null 2>&1 || { echo "libvirtd is not reachable (start it: virtlogd -d; libvirtd -d)" >&2; exit 1; }
+tag=qlbd-$$-$RANDOM
+dir=/var/lib/libvirt/images/$tag
+dom=$tag-dom
+dpid=
+cleanup() {
+  [[ -n $dpid ]] && kill "$dpid" 2>/dev/null
+  virsh -q destroy "$dom" >/dev/null 2>&1 || true
+  virsh -q undefine "$dom" >/dev/null 2>&1 || true
+  wait 2>/dev/null || true
+  rm -rf "$dir"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+fail() { echo "libvirt.live_beside_daemon: $*" >&2; [[ -f $dir/d.log ]] && tail -n 20 "$dir/d.log" >&2; exit 1; }
+mkdir -p "$dir"
+cd "$dir"
+qemu-img create -q -f qcow2 base.qcow2 256M
+qemu-io -c 'write -P 1 0 32M' base.qcow2 >/dev/null
+qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2
+qemu-io -c 'write -P 2 16M 48M' top.qcow2 >/dev/null
+qemu-img convert -O raw top.qcow2 view-before.raw
+printf '[default]\nbudget=20ms\nfloor=1M\nceiling=16M\n' >qcommitd.conf
+"$QCOMMITD" --config qcommitd.conf --socket "$dir/d.sock" >d.log 2>&1 &
+dpid=$!
+for ((i = 0; i < 100; i++)); do [[ -S $dir/d.sock ]] && break; sleep 0.05; done
+[[ -S $dir/d.sock ]] || fail "qcommitd did not start"
+define_disk_domain "$dom" "$dir/top.qcow2" "$dir"
+virsh -q start "$dom" >/dev/null
+
+echo "case 1: somebody else's active commit on vda"
+virsh -q blockcommit "$dom" vda --active --bandwidth 1 >/dev/null
+rc=0
+"$QCOMMIT" live "$dom" vda --pivot --daemon-socket "$dir/d.sock" --wait 0 >out0 2>err0 || rc=$?
+echo "  --wait 0 -> exit $rc: $(cat err0)"
+[[ $rc == 1 ]] || fail "--wait 0 with a job running: exit $rc, expected 1"
+[[ $(wc -l <err0) == 1 ]] || fail "--wait 0: expected one line on stderr"
+grep -q "the active-commit block job on $dom vda" err0 || fail "--wait 0: the job is not named"
+# The owner aborts its job 2 s after qcommit live said it waits (or after 30 s, so that a
+# qcommit live that never waits fails below instead of hanging here).
+( for ((i = 0; i < 300; i++)); do grep -q '"event": "wait"' events 2>/dev/null && break; sleep 0.1; done
+  sleep 2; virsh -q blockjob "$dom" vda --abort >/dev/null 2>&1 || true ) &
+aborter=$!
+
+echo "case 2: waited out, then qcommit live --pivot under qcommitd"
+rc=0 t0=$SECONDS
+: >events
+timeout 120 "$QCOMMIT" live "$dom" vda --pivot --daemon-socket "$dir/d.sock" --wait 30s \
+  --output=json >events 2>err || rc=$?
+wait "$aborter"
+echo "  exit $rc in $((SECONDS - t0)) s; events: $(jq -r .event events | sort | uniq -c | tr -s ' \n' ' ')"
+[[ $rc == 0 ]] || fail "qcommit live beside qcommitd: exit $rc: $(cat err)"
+((SECONDS - t0 >= 2)) || fail "qcommit live did not wait for the foreign job"
+grep -q "waiting up to 30s for the active-commit block job on $dom vda" events ||
+  fail "the wait event does not name the job"
+[[ $(jq -se 'map(select(.event == "wait" and .for == "block-job")) | length' events) == 1 ]] ||
+  fail "expected exactly one wait event: $(cat events)"
+jq -se --arg s "$dir/d.sock" 'map(select(.event == "plan"))[0].governor == "qcommitd (\($s))"' events >/dev/null ||
+  fail "the plan does not name qcommitd as the governor: $(head -n 2 events)"
+# qcommitd's figures for this disk: a speed it set, a phase, and a percent from the job.
+n=$(jq -se 'map(select(.event == "progress" and .speed > 0 and (.phase | length) > 0 and .percent != null)) | length' events)
+echo "  progress events with qcommitd's speed, phase and percent: $n"
+((n >= 2)) || fail "expected progress from qcommitd: $(grep progress events | head -n 3)"
+[[ $(jq -se 'map(select(.event == "result"))[0].outcome' events) == '"done"' ]] || fail "no result 'done'"
+# The non-active commit of TOP that qcommit live started ran under qcommitd (the short active
+# commit of the fresh overlay may be ready and pivoted before qcommitd's next poll).
+grep "governing .* job on domain $dom" d.log | sed 's/^/  qcommitd: /' | cut -c1-120
+grep -q "governing commit job on domain $dom disk vda (target $dir/base.qcow2" d.log ||
+  fail "qcommitd did not govern the commit qcommit live started"
+src=$(virsh -q domblklist "$dom" | awk '$1 == "vda" {print $2}')
+[[ $src == "$dir/base.qcow2" ]] || fail "vda is on $src after the pivot, expected base.qcow2"
+virsh -q destroy "$dom" >/dev/null
+qemu-img compare -q base.qcow2 view-before.raw || fail "base.qcow2 does not hold the guest's view"
+qemu-img check -q base.qcow2 || fail "base.qcow2 is not clean"
+ls ./*.qcommit-*.qcow2 >/dev/null 2>&1 && fail "the fresh overlay was left behind"
+echo "libvirt.live_beside_daemon: OK"
