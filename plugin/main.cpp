@@ -217,9 +217,17 @@ DaemonConfig daemon_config(const DaemonArgs& a) {
   return cfg;
 }
 
+// CLOCK_REALTIME as time since the epoch: the clock the hosts sharing a storage keep in sync
+// (NTP), on which every host's governor slots its periodic slowdowns.
+std::optional<Duration> synced_wall_clock() {
+  return std::chrono::duration_cast<Duration>(
+      std::chrono::system_clock::now().time_since_epoch());
+}
+
 GovernorOptions governor_options() {
   GovernorOptions opt;
   opt.settle_every = settle_interval_for(dirty_expire());
+  opt.wall_clock = synced_wall_clock;
   if (auto e = opt.validate()) throw ConfigError(*e);
   return opt;
 }

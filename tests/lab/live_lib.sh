@@ -4,7 +4,8 @@
 #   live_qcd_start [--budget 20ms] [--floor 1M]
 #                            qcommitd with a test config in a temp dir (LIVE_TMP), control
 #                            socket $LIVE_SOCK, log $LAB_DIR/qcommitd.log; sets LIVE_QCD_PID;
-#                            extra daemon options from LIVE_QCOMMITD_ARGS (e.g. --page-cache meminfo);
+#                            extra daemon options from LIVE_QCOMMITD_ARGS (e.g. --page-cache meminfo),
+#                            extra [default] keys from LIVE_QCD_CONF_EXTRA (lines, e.g. "probe=off\n");
 #                            libvirt URI from LIVE_URI (default qemu:///system)
 #   live_qcd_stop [SIGNAL]   stops our qcommitd (by its pid; default TERM) and waits for it
 #   live_status              `qcommit status --output=json` of our daemon (empty when down)
@@ -34,7 +35,7 @@ live_qcd_start() {
   [ -x "$LIVE_QCOMMIT" ] || lab_die "$LIVE_QCOMMIT missing: build target qcommit"
   LIVE_TMP=${LIVE_TMP:-$(mktemp -d /tmp/qcommit-live.XXXXXX)}
   LIVE_SOCK=$LIVE_TMP/qcommitd.sock
-  printf '[default]\nbudget=%s\nfloor=%s\n' "$budget" "$floor" >"$LIVE_TMP/qcommitd.conf"
+  printf '[default]\nbudget=%s\nfloor=%s\n%s' "$budget" "$floor" "${LIVE_QCD_CONF_EXTRA:-}" >"$LIVE_TMP/qcommitd.conf"
   "$LIVE_QCOMMITD" --config "$LIVE_TMP/qcommitd.conf" --uri "${LIVE_URI:-qemu:///system}" --socket "$LIVE_SOCK" \
     --trace "$LAB_DIR/qcommitd-trace.csv" ${LIVE_QCOMMITD_ARGS:-} \
     </dev/null >>"$LAB_DIR/qcommitd.log" 2>&1 &
