@@ -10,7 +10,8 @@
 # subcommand one of that subcommand's; an option a usage synopsis names (qcommit status
 # --domain-event, parsed before the option table) counts as one. An option that stands for a
 # positional argument of the synopsis (--image for IMAGE, --top for TOP) need not be named.
-# --help itself is left out. Prints each gap; exits 1 when there is one.
+# --help itself is left out. The pages must pass scdoc (where it is installed) and the
+# completion bash -n. Prints each gap; exits 1 when there is one.
 # usage: man-completion.sh QCOMMIT QCOMMITD QCOMMIT.1.scd QCOMMITD.8.scd COMPLETION
 set -euo pipefail
 QCOMMIT=$1
@@ -46,6 +47,13 @@ common_options() { sed -nE 's/^ *local opts="([^"]*)".*/\1/p' "$completion" | gr
 completion_commands() { sed -nE 's/.*compgen -W "([a-z ]*)" -- "\$cur".*/\1/p' "$completion" | head -1 | tr ' ' '\n'; }
 
 [[ -s $man1 && -s $man8 && -s $completion ]] || { echo "docs.options: missing input" >&2; exit 1; }
+# The pages must turn into man pages at all (the package's man target runs scdoc).
+if command -v scdoc >/dev/null; then
+  for page in "$man1" "$man8"; do
+    err=$(scdoc <"$page" 2>&1 >/dev/null) || gap "$(basename "$page"): scdoc refuses it: $err"
+  done
+fi
+bash -n "$completion" || gap "$(basename "$completion"): not valid bash"
 commands=$("$QCOMMIT" --help | sed -nE 's/^  ([a-z]+) .*/\1/p' | sort -u)
 [[ -n $commands ]] || { echo "docs.options: qcommit --help lists no commands" >&2; exit 1; }
 all_qcommit=
