@@ -10,6 +10,7 @@
 
 #include "plugin/completion_clock.h"
 #include "plugin/memcg.h"
+#include "plugin/writeback.h"
 #include "qcow2/unique_fd.h"
 
 namespace qcommit::plugin {
@@ -116,7 +117,9 @@ class MemcgTargetFile final : public TargetFile {
     (void)::posix_fadvise(fd_.get(), static_cast<off_t>(r.offset), static_cast<off_t>(r.length),
                           POSIX_FADV_DONTNEED);
   }
-  bool start_settle() override { return false; }
+  // The governor starts it only when nothing is in flight and the cgroup's dirty bytes (an upper
+  // bound of the file's) fit in the window: the fdatasync then writes at most that.
+  bool start_settle() override { return sync_.start(fd_.get()); }
 
   // Pages cached earlier (by other processes) are charged to their cgroups, not QEMU's: they are
   // dropped.  DONTNEED starts writeback of the dirty ones; what stays resident (at most those)
@@ -128,7 +131,7 @@ class MemcgTargetFile final : public TargetFile {
     const ByteRange all{0, n};
     waiter_.issued(all, probe_.resident_in(all, n).value_or(n));
   }
-  bool settling() override { return false; }
+  bool settling() override { return sync_.running(); }
 
  private:
   UniqueFd fd_;
@@ -136,6 +139,7 @@ class MemcgTargetFile final : public TargetFile {
   ShadowLog shadow_;
   WritebackWaiter waiter_;
   ResidentProbe probe_;
+  BackgroundSync sync_;
 };
 
 }  // namespace
