@@ -726,24 +726,11 @@ void Governor::tick_job(Job& j, const JobInfo& info, const throttle::ForegroundS
   record_tick(j, s, info, backlog, now);
 }
 
-namespace {
-
-// Whether the settle's fdatasync may start.  An exact count: the target is clean, so the sync
-// only flushes.  An upper bound (the memory cgroup's, which the guest's own dirty pages share and
-// which never reliably reaches zero): nothing of ours is under writeback and the bound fits in
-// the controller's window, so the sync writes at most what the budget allows queued at once.
-// Either way the target's inode ends clean, which restarts the kernel's dirty-expiry clock for
-// it: an inode dirty for longer than dirty_expire_centisecs is written back whole, every
-// dirty_writeback_centisecs, in bursts the guests wait behind.
-bool settle_may_start(const PageCacheState& pc, std::uint64_t window_bytes) {
-  if (!pc.dirty_upper_bound) return pc.dirty_bytes == 0;
-  return pc.writeback_bytes == 0 && pc.dirty_bytes <= window_bytes;
-}
-
-}  // namespace
-
 bool Governor::settle(Job& j, const std::optional<PageCacheState>& pc, TimePoint now) {
-  if (opt_.settle_every == Duration::zero() || !j.file || !pc || !pc->per_file) return false;
+  // An upper bound of the dirty bytes (memory cgroup) never reliably reaches zero: no settle.
+  if (opt_.settle_every == Duration::zero() || !j.file || !pc || !pc->per_file ||
+      pc->dirty_upper_bound)
+    return false;
   SettleState& st = j.settle;
   if (!st.hold_since) {
     if (pc->dirty_bytes > 0 && !st.dirty_since) st.dirty_since = now;
@@ -752,8 +739,7 @@ bool Governor::settle(Job& j, const std::optional<PageCacheState>& pc, TimePoint
     st.started = false;
   }
   if (!st.started) {
-    const std::uint64_t window = j.decision ? j.decision->window_bytes : 0;
-    if (settle_may_start(*pc, window) && j.file->start_settle()) {
+    if (pc->dirty_bytes == 0 && j.file->start_settle()) {
       st.started = true;
     } else if (now - *st.hold_since >= opt_.settle_max_hold) {
       st.hold_since.reset();  // the job kept dirtying (or storage is slow): retry later

@@ -125,10 +125,8 @@ struct GovernorOptions {
   // without a break, so from 30 s on the flusher queued up to one dirty allowance (16 MiB:
   // 230 ms at 50 MB/s) ahead of the guests every 5 s (lab, 1.5 GiB active commit).  Every
   // `settle_every` the governor holds the job at the floor until the target has no dirty pages
-  // and fdatasyncs it (the inode is clean, its expiry clock restarts); without cachestat, until
-  // nothing of the job's is under writeback and the memory cgroup's dirty bytes (an upper bound
-  // of the target's) fit in the window.  A hold that does not reach that within
-  // `settle_max_hold` is abandoned and retried an interval later.
+  // and fdatasyncs it (the inode is clean, its expiry clock restarts); a hold that does not
+  // reach that within `settle_max_hold` is abandoned and retried an interval later.
   // Zero disables.  The daemon sets it from the host's dirty_expire (a third of it, <= 10 s).
   Duration settle_every = std::chrono::seconds(10);
   Duration settle_max_hold = std::chrono::seconds(2);

@@ -10,7 +10,6 @@
 
 #include "plugin/completion_clock.h"
 #include "plugin/memcg.h"
-#include "plugin/writeback.h"
 #include "qcow2/unique_fd.h"
 
 namespace qcommit::plugin {
@@ -117,9 +116,7 @@ class MemcgTargetFile final : public TargetFile {
     (void)::posix_fadvise(fd_.get(), static_cast<off_t>(r.offset), static_cast<off_t>(r.length),
                           POSIX_FADV_DONTNEED);
   }
-  // The governor starts it only when nothing is in flight and the cgroup's dirty bytes (an upper
-  // bound of the file's) fit in the window: the fdatasync then writes at most that.
-  bool start_settle() override { return sync_.start(fd_.get()); }
+  bool start_settle() override { return false; }
 
   // Pages cached earlier (by other processes) are charged to their cgroups, not QEMU's: they are
   // dropped.  DONTNEED starts writeback of the dirty ones; what stays resident (at most those)
@@ -131,7 +128,7 @@ class MemcgTargetFile final : public TargetFile {
     const ByteRange all{0, n};
     waiter_.issued(all, probe_.resident_in(all, n).value_or(n));
   }
-  bool settling() override { return sync_.running(); }
+  bool settling() override { return false; }
 
  private:
   UniqueFd fd_;
@@ -139,7 +136,6 @@ class MemcgTargetFile final : public TargetFile {
   ShadowLog shadow_;
   WritebackWaiter waiter_;
   ResidentProbe probe_;
-  BackgroundSync sync_;
 };
 
 }  // namespace

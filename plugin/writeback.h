@@ -8,7 +8,6 @@
 // /proc/meminfo fallback, sync_file_range(SYNC_FILE_RANGE_WRITE)).
 #pragma once
 
-#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -51,18 +50,6 @@ struct WritebackPlan {
   // The whole file was probed: nothing else is dirty (as of this plan).  A caller whose dirty
   // estimate is higher (the kernel's flusher took some) can stop sweeping until it re-reads.
   bool lapped = false;
-};
-
-// fdatasync(2) of a file on a thread of its own (the thread may outlive its owner and works on
-// a duplicate of the descriptor).  Best effort: a failed sync leaves the kernel's clock running.
-class BackgroundSync {
- public:
-  // False while one runs, or when no descriptor or thread can be had.
-  [[nodiscard]] bool start(int fd);
-  [[nodiscard]] bool running() const { return busy_->load(); }
-
- private:
-  std::shared_ptr<std::atomic<bool>> busy_ = std::make_shared<std::atomic<bool>>(false);
 };
 
 class WritebackPlanner {

@@ -118,10 +118,6 @@ struct FakeFileState {
   // fdatasync: it starts writeback of every dirty byte and lasts until none is left.
   bool host_wide = false;
   std::uint64_t other_dirty = 0;
-  // A kernel without cachestat(2), read through the job's memory cgroup: whole-file readings
-  // are per-file upper bounds (plus `other_dirty` bytes of the guest's own pages in the same
-  // cgroup), and a settle is a real fdatasync as with host_wide.
-  bool cgroup_bound = false;
   bool sync_running = false;
   // Where the dirty bytes are: spread evenly over the file (default), or all in [0, dirty).
   bool dirty_at_front = false;
@@ -214,13 +210,9 @@ class FakeTargetFiles final : public TargetFiles {
     std::optional<std::uint64_t> device() override { return s_->device; }
     std::optional<PageCacheState> page_cache() override {
       ++s_->whole_readings;
-      PageCacheState st =
+      const PageCacheState st =
           s_->host_wide ? PageCacheState{s_->dirty + s_->other_dirty, s_->writeback, false}
                         : PageCacheState{s_->dirty, s_->writeback, true};
-      if (s_->cgroup_bound) {
-        st.dirty_bytes += s_->other_dirty;
-        st.dirty_upper_bound = true;
-      }
       if (s_->flusher_after_reading) s_->dirty = 0;
       return st;
     }
@@ -251,7 +243,7 @@ class FakeTargetFiles final : public TargetFiles {
     bool start_settle() override {
       if (settling()) return false;
       s_->settled_with_dirty.push_back(s_->dirty);
-      if (s_->host_wide || s_->cgroup_bound) {
+      if (s_->host_wide) {
         s_->writeback += s_->dirty;
         s_->writeback_started += s_->dirty;
         s_->dirty = 0;

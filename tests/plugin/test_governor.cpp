@@ -532,57 +532,6 @@ TEST_CASE("plugin.governor.settles_the_target_before_the_kernel_expires_it") {
   CHECK(with > 0.85 * without);
 }
 
-TEST_CASE("plugin.governor.settles_a_cgroup_bounded_target") {
-  // Without cachestat the target's dirty bytes are known only as the memory cgroup's, an upper
-  // bound that the guest's own pages share.  Every ~10 s the job is held until nothing of it is
-  // under writeback and the bound fits in the window, then the target is fdatasynced (its inode
-  // clean, the kernel's expiry clock restarted); the sync writes at most that window.
-  auto run = [](std::uint64_t guest_dirty, std::vector<std::uint64_t>* settled,
-                std::uint32_t* settles, std::uint64_t* max_window, Duration every = 10s) {
-    World w;
-    w.base->dirty_at_front = true;
-    w.base->cgroup_bound = true;
-    w.base->other_dirty = guest_dirty;
-    w.storage_bytes_per_s = 50.0 * 1024 * 1024;
-    w.start_job();
-    GovernorOptions opt;
-    opt.settle_every = every;
-    Governed gv(w, DaemonConfig{}, opt);
-    gv.run(5s);
-    const std::uint64_t c0 = w.cur();
-    *max_window = 0;
-    gv.run(40s, [&] {
-      *max_window = std::max(*max_window, gv.g.status(w.now).jobs.at(0).window_bytes);
-    });
-    *settled = w.base->settled_with_dirty;
-    *settles = gv.g.status(w.now).jobs.at(0).settles;
-    return static_cast<double>(w.cur() - c0) / 40.0;
-  };
-  std::vector<std::uint64_t> settled;
-  std::uint32_t settles = 0;
-  std::uint64_t max_window = 0;
-  const double rate = run(64 << 10, &settled, &settles, &max_window);
-  MESSAGE("cgroup-bounded, 64 KiB of the guest's: " << settles << " settles, "
-                                                    << rate / (50.0 * 1024 * 1024)
-                                                    << " of storage rate");
-  CHECK(settles >= 3);
-  CHECK(settles <= 5);
-  REQUIRE_FALSE(settled.empty());
-  for (std::uint64_t d : settled) CHECK(d + (64 << 10) <= max_window);
-  CHECK(rate > 0.5 * 50.0 * 1024 * 1024);
-  // The guest keeps more dirty than any window: the bound never fits and no sync is ever started
-  // (each hold is abandoned after settle_max_hold).  Such a bound also holds the controller back
-  // by itself; the holds cost nothing on top of that.
-  const double never = run(256ull << 20, &settled, &settles, &max_window, Duration::zero());
-  const double stuck_rate = run(256ull << 20, &settled, &settles, &max_window);
-  MESSAGE("cgroup-bounded, 256 MiB of the guest's: " << stuck_rate / (50.0 * 1024 * 1024)
-                                                     << " of storage rate, never settling "
-                                                     << never / (50.0 * 1024 * 1024));
-  CHECK(settles == 0);
-  CHECK(settled.empty());
-  CHECK(stuck_rate >= 0.9 * never);
-}
-
 TEST_CASE("plugin.governor.settle_gives_up_and_retries") {
   // The fdatasync cannot start (a previous one still running): the hold ends after
   // settle_max_hold and is retried later; the job is never stuck at the floor.
