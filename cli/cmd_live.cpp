@@ -92,14 +92,14 @@ constexpr const char* kSynopsis =
     "                    [--strategy two-phase|direct] [--overlay-dir DIR] [-c|--connect URI]\n"
     "                    [--wait DURATION] [--dry-run] [--output=json]\n"
     "                    [--page-cache auto|no-cachestat|meminfo]\n"
-    "       qcommit live --qmp SOCKET DISK [--top T] [--base B] [--budget 20ms] [--pivot] ...\n"
+    "       qcommit live --qmp SOCKET DISK [--top T] [--base B] [--budget 20ms] [--pivot] ...";
+
+constexpr const char* kExamples =
     "Merges TOP (default: the disk's active layer) into BASE (default: the bottom of the chain)\n"
     "on the running DOMAIN with libvirt block jobs, paced by the qcommitd governor so that the\n"
     "guests on the same storage see at most BUDGET of added latency. While qcommitd answers on\n"
-    "its socket, it governs the jobs this command starts, with its own policy (--budget is then\n"
-    "not used), and the progress shown is qcommitd's";
-
-constexpr const char* kExamples =
+    "its socket and no other connection is named (-c), it governs the jobs this command starts,\n"
+    "with its own policy (--budget is then not used), and the progress shown is qcommitd's.\n"
     "examples:\n"
     "  qcommit live vm1 vda --pivot\n"
     "  qcommit live vm1 vda --dry-run --strategy direct\n"
@@ -475,18 +475,35 @@ std::vector<JobProgress> InProcessPacing::progress(TimePoint now) {
 }
 
 // qcommitd governs every block job on its connection, ours included: progress is its status.
+// The job order's own connection is reconnected here (in-process, the governor does it).
 class DaemonPacing final : public Pacing {
  public:
-  DaemonPacing(std::string socket, std::string domain, std::string disk)
-      : socket_(std::move(socket)), domain_(std::move(domain)), disk_(std::move(disk)) {}
-  TimePoint step(TimePoint now) override { return now + kEventWait; }
+  DaemonPacing(plugin::Hypervisor& hv, std::string socket, std::string domain, std::string disk)
+      : hv_(hv), socket_(std::move(socket)), domain_(std::move(domain)), disk_(std::move(disk)) {}
+  TimePoint step(TimePoint now) override;
   std::vector<JobProgress> progress(TimePoint now) override;
   void release_all() override {}
   const char* job_left_running() const override { return "continues under qcommitd"; }
 
  private:
+  plugin::Hypervisor& hv_;
   std::string socket_, domain_, disk_;
+  // Reconnects back off as the governor's do.
+  Duration reconnect_after_ = plugin::GovernorOptions{}.reconnect_min;
+  TimePoint next_reconnect_{};
 };
+
+TimePoint DaemonPacing::step(TimePoint now) {
+  if (hv_.connected()) {
+    reconnect_after_ = plugin::GovernorOptions{}.reconnect_min;
+  } else if (now >= next_reconnect_) {
+    if (!hv_.connect()) {
+      next_reconnect_ = now + reconnect_after_;
+      reconnect_after_ = std::min(2 * reconnect_after_, plugin::GovernorOptions{}.reconnect_max);
+    }
+  }
+  return now + kEventWait;
+}
 
 std::optional<double> number_member(const json::Value& o, const char* key) {
   const json::Value* v = json::member(o, key);
@@ -705,13 +722,16 @@ plugin::GovernorOptions live_governor_options(const LiveArgs& a) {
 
 int live(LiveArgs& a) {
   const plugin::DaemonConfig cfg = live_config(a);
-  // qcommitd governs libvirt's domains only: a QEMU reached with --qmp is not among them.
-  const bool daemon = a.qmp.empty() && qcommitd_answers(a.daemon_socket);
+  // qcommitd governs the domains of its own connection: not a QEMU reached with --qmp, nor
+  // (as far as this command can tell) one on another connection named with -c.
+  const bool daemon = a.qmp.empty() && (!a.uri_given || a.uri == defaults::kUri) &&
+                      qcommitd_answers(a.daemon_socket);
   LiveConnection conn(a);
   conn.open();
+  (void)find_disk(conn.domain(), a);  // the disk's target names it from here on
   LiveBackend be = conn.backend();
   if (!a.dry_run) wait_for_foreign_job(be, a);
-  const plugin::DiskInfo disk = find_disk(conn.domain(), a);
+  const plugin::DiskInfo disk = find_disk(conn.domain(), a);  // the chain the wait left
   const std::vector<plugin::LiveStep> steps = plan(a, disk);
   print_plan(a, steps, daemon ? "qcommitd (" + a.daemon_socket + ")" : "qcommit live");
   if (a.dry_run) return kExitOk;
@@ -720,7 +740,7 @@ int live(LiveArgs& a) {
                  "qcommit live: qcommitd governs with its own policy: --budget is not used\n");
   std::unique_ptr<Pacing> pacing;
   if (daemon) {
-    pacing = std::make_unique<DaemonPacing>(a.daemon_socket, a.req.domain, a.req.disk);
+    pacing = std::make_unique<DaemonPacing>(be.hv, a.daemon_socket, a.req.domain, a.req.disk);
   } else {
     if (!a.json_out)
       std::fprintf(stderr, "qcommit live: page cache: %s\n",
@@ -735,8 +755,8 @@ int live(LiveArgs& a) {
 
 int cmd_live(const Args& args) {
   LiveArgs a;
-  if (!parse_live_args(args, a)) return kExitOk;
   try {
+    if (!parse_live_args(args, a)) return kExitOk;
     return live(a);
   } catch (const LiveError& e) {
     std::fprintf(stderr, "qcommit live: %s\n", e.what());

@@ -184,9 +184,11 @@ one_line_error "$d/q.sock" "the commit block job on" --wait 0
 grep -qF "was not started by qcommit live and --wait is 0" "$work/err" || fail "the refusal does not say why"
 # The same job, cancelled 2 s later by its owner: qcommit live waits it out (saying so once), then
 # plans on the chain that job left and merges.
-( sleep 2; "$QMP" "$d/t.sock" block-job-cancel '{"device": "vda"}' >/dev/null ) &
+( for ((i = 0; i < 300; i++)); do grep -q "waiting up to" "$d/err" 2>/dev/null && break; sleep 0.1; done
+  sleep 2; "$QMP" "$d/t.sock" block-job-cancel '{"device": "vda"}' >/dev/null ) &
 canceller=$!
 t_wait=$SECONDS
+: >"$d/err"
 run_live "$d" disk0 --top "$d/mid.qcow2" --base "$d/base.qcow2" --budget 20ms --wait 30s
 wait "$canceller"
 grep -c "waiting up to 30s for the commit block job on .* vda" "$d/err" | grep -qx 1 ||
