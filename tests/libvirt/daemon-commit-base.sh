@@ -8,24 +8,7 @@
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 QCOMMIT=$(realpath "$1") QCOMMITD=$(realpath "$2")
-virsh -q list >/dev/null 2>&1 || { echo "libvirtd is not reachable (start it: virtlogd -d; libvirtd -d)" >&2; exit 1; }
-tag=qcb-$$-$RANDOM
-dir=/var/lib/libvirt/images/$tag
-dom=$tag-dom
-dpid=
-cleanup() {
-  [[ -n $dpid ]] && kill "$dpid" 2>/dev/null
-  virsh -q destroy "$dom" >/dev/null 2>&1 || true
-  virsh -q undefine "$dom" >/dev/null 2>&1 || true
-  wait 2>/dev/null || true
-  rm -rf "$dir"
-}
-trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
-fail() { echo "libvirt.daemon_commit_base: $*" >&2; [[ -f $dir/d.log ]] && tail -n 20 "$dir/d.log" >&2; exit 1; }
-mkdir -p "$dir"
-cd "$dir"
+daemon_test_init libvirt.daemon_commit_base qcb
 qemu-img create -q -f qcow2 base.qcow2 256M
 qemu-io -c 'write -P 1 0 32M' base.qcow2 >/dev/null
 qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 mid.qcow2
@@ -35,11 +18,7 @@ qemu-io -c 'write -P 3 40M 64M' mid2.qcow2 >/dev/null
 qemu-img create -q -f qcow2 -b mid2.qcow2 -F qcow2 top.qcow2
 qemu-img convert -O raw top.qcow2 view-before.raw
 # A ceiling that keeps the 64 MiB copy running for a few seconds.
-printf '[default]\nbudget=20ms\nfloor=1M\nceiling=16M\n' >qcommitd.conf
-"$QCOMMITD" --config qcommitd.conf --socket "$dir/d.sock" >d.log 2>&1 &
-dpid=$!
-for ((i = 0; i < 100; i++)); do [[ -S $dir/d.sock ]] && break; sleep 0.05; done
-[[ -S $dir/d.sock ]] || fail "qcommitd did not start"
+start_test_qcommitd '[default]\nbudget=20ms\nfloor=1M\nceiling=16M\n'
 define_disk_domain "$dom" "$dir/top.qcow2" "$dir"
 virsh -q start "$dom" >/dev/null
 # 1 MiB/s until qcommitd adopts the job and sets its own speed.

@@ -20,3 +20,40 @@ define_disk_domain() {
 XML
   virsh -q define "$dir/dom.xml" >/dev/null
 }
+
+# daemon_test_init TEST PREFIX: the set-up of a test with one domain and a qcommitd of its own:
+# libvirtd reachable, DIR (/var/lib/libvirt/images/PREFIX-PID-RANDOM, the working directory from
+# here on), DOM (its domain), fail() naming TEST and showing qcommitd's log tail, and a cleanup on
+# exit that stops qcommitd, removes DOM and DIR.
+daemon_test_init() {
+  virsh -q list >/dev/null 2>&1 || { echo "libvirtd is not reachable (start it: virtlogd -d; libvirtd -d)" >&2; exit 1; }
+  TEST_NAME=$1
+  local tag=$2-$$-$RANDOM
+  dir=/var/lib/libvirt/images/$tag
+  dom=$tag-dom
+  dpid=
+  trap daemon_test_cleanup EXIT
+  trap 'exit 130' INT
+  trap 'exit 143' TERM  # Ctrl-C or kill: cleaned up by the EXIT trap too
+  mkdir -p "$dir"
+  cd "$dir"
+}
+daemon_test_cleanup() {
+  [[ -n $dpid ]] && kill "$dpid" 2>/dev/null
+  virsh -q destroy "$dom" >/dev/null 2>&1 || true
+  virsh -q undefine "$dom" >/dev/null 2>&1 || true
+  wait 2>/dev/null || true
+  rm -rf "$dir"
+}
+fail() { echo "$TEST_NAME: $*" >&2; [[ -f $dir/d.log ]] && tail -n 20 "$dir/d.log" >&2; exit 1; }
+
+# start_test_qcommitd CONFIG_TEXT: qcommitd ($QCOMMITD) with that policy on socket DIR/d.sock,
+# log DIR/d.log; sets dpid.
+start_test_qcommitd() {
+  printf '%b' "$1" >qcommitd.conf
+  "$QCOMMITD" --config qcommitd.conf --socket "$dir/d.sock" >d.log 2>&1 &
+  dpid=$!
+  local i
+  for ((i = 0; i < 100; i++)); do [[ -S $dir/d.sock ]] && break; sleep 0.05; done
+  [[ -S $dir/d.sock ]] || fail "qcommitd did not start"
+}

@@ -11,34 +11,13 @@
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 QCOMMIT=$(realpath "$1") QCOMMITD=$(realpath "$2")
-virsh -q list >/dev/null 2>&1 || { echo "libvirtd is not reachable (start it: virtlogd -d; libvirtd -d)" >&2; exit 1; }
-tag=qlbd-$$-$RANDOM
-dir=/var/lib/libvirt/images/$tag
-dom=$tag-dom
-dpid=
-cleanup() {
-  [[ -n $dpid ]] && kill "$dpid" 2>/dev/null
-  virsh -q destroy "$dom" >/dev/null 2>&1 || true
-  virsh -q undefine "$dom" >/dev/null 2>&1 || true
-  wait 2>/dev/null || true
-  rm -rf "$dir"
-}
-trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
-fail() { echo "libvirt.live_beside_daemon: $*" >&2; [[ -f $dir/d.log ]] && tail -n 20 "$dir/d.log" >&2; exit 1; }
-mkdir -p "$dir"
-cd "$dir"
+daemon_test_init libvirt.live_beside_daemon qlbd
 qemu-img create -q -f qcow2 base.qcow2 256M
 qemu-io -c 'write -P 1 0 32M' base.qcow2 >/dev/null
 qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2
 qemu-io -c 'write -P 2 16M 48M' top.qcow2 >/dev/null
 qemu-img convert -O raw top.qcow2 view-before.raw
-printf '[default]\nbudget=20ms\nfloor=1M\nceiling=16M\n' >qcommitd.conf
-"$QCOMMITD" --config qcommitd.conf --socket "$dir/d.sock" >d.log 2>&1 &
-dpid=$!
-for ((i = 0; i < 100; i++)); do [[ -S $dir/d.sock ]] && break; sleep 0.05; done
-[[ -S $dir/d.sock ]] || fail "qcommitd did not start"
+start_test_qcommitd '[default]\nbudget=20ms\nfloor=1M\nceiling=16M\n'
 define_disk_domain "$dom" "$dir/top.qcow2" "$dir"
 virsh -q start "$dom" >/dev/null
 
