@@ -54,11 +54,11 @@ TEST_CASE("plugin.config.errors") {
 }
 
 TEST_CASE("plugin.config.probe") {
-  // The shared-queue probe: on by default, its period per pool, or off.
+  // The shared-queue probe: off by default, its period per pool, or off.
   const DaemonConfig c = parse_config(
       "[default]\nprobe=100ms\n[pool:nfs]\nprobe=off\n[pool:san]\nbudget=5ms\n", "t.conf");
-  CHECK(Policy{}.probe_period == qcommit::throttle::kDefaultProbePeriod);
-  CHECK(Policy{}.probe_config().enabled);
+  CHECK(Policy{}.probe_period == 0ms);
+  CHECK_FALSE(Policy{}.probe_config().enabled);
   const std::string nfs = "nfs", san = "san";
   CHECK(c.defaults.probe_period == 100ms);
   CHECK(policy_for_pool(c, &san, nullptr).probe_period == 100ms);  // inherited

@@ -695,7 +695,9 @@ TEST_CASE("plugin.governor.probe_holds_back_for_hidden_guests") {
   w.other_active = false;
   w.files.probe = std::make_shared<FakeProbeState>();
   w.start_job();
-  Governed gv(w);
+  DaemonConfig with_probe;
+  with_probe.defaults.probe_period = qcommit::throttle::kDefaultProbePeriod;
+  Governed gv(w, with_probe);
   gv.run(12s);  // past the first slowdown
   const double free = gv.progress(2s);
   const auto js = gv.g.status(w.now).jobs.at(0);
@@ -735,7 +737,7 @@ TEST_CASE("plugin.governor.probe_holds_back_for_hidden_guests") {
   failing.files.probe = std::make_shared<FakeProbeState>();
   failing.files.probe->latency.reset();
   failing.start_job();
-  Governed gv_fail(failing);
+  Governed gv_fail(failing, with_probe);
   gv_fail.run(12s);
   CHECK(failing.files.probe->started == static_cast<int>(kMaxProbeFailures));
   CHECK_FALSE(gv_fail.g.status(failing.now).jobs.at(0).probe_period.has_value());
