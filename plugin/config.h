@@ -39,9 +39,9 @@ struct Policy {
   std::chrono::nanoseconds budget = defaults::kBudget;
   double floor_bytes_per_s = defaults::kFloorBytesPerS;
   double ceiling_bytes_per_s = defaults::kCeilingBytesPerS;
-  // Shared-queue probe period; zero: no probe.  Off unless a policy sets it (probe=50ms): the
-  // lab's qcommitd rows run since it came took 78-92 s against 59 s before (2026-12-02), cause
-  // not yet found; until then the configuration the rows were measured in stays the default.
+  // Shared-queue probe period; zero: no probe.  Off unless a policy sets it (probe=50ms) until it
+  // is measured in the lab beside the rows it must not make worse (2026-12-02: the lab host
+  // itself had slowed, an older binary measured as slow, so no verdict yet).
   std::chrono::nanoseconds probe_period = std::chrono::nanoseconds::zero();
 
   [[nodiscard]] std::optional<std::string> validate() const;
