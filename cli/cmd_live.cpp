@@ -511,6 +511,12 @@ std::optional<double> number_member(const json::Value& o, const char* key) {
   return v->get<double>();
 }
 
+// A byte count the daemon sent, exact (0 when absent or not a count).
+std::uint64_t count_member(const json::Value& o, const char* key) {
+  const json::Value* v = json::member(o, key);
+  return v ? json::to_uint64(*v).value_or(0) : 0;
+}
+
 std::vector<JobProgress> DaemonPacing::progress(TimePoint) {
   std::string error;
   const std::optional<std::string> line =
@@ -525,10 +531,9 @@ std::vector<JobProgress> DaemonPacing::progress(TimePoint) {
       continue;
     JobProgress p;
     p.type = json::string_member(j, "type");
-    p.bytes_left = static_cast<std::uint64_t>(number_member(j, "bytes_left").value_or(0));
-    p.speed_bytes_per_s =
-        static_cast<std::uint64_t>(number_member(j, "speed_bytes_per_s").value_or(0));
-    p.window_bytes = static_cast<std::uint64_t>(number_member(j, "window_bytes").value_or(0));
+    p.bytes_left = count_member(j, "bytes_left");
+    p.speed_bytes_per_s = count_member(j, "speed_bytes_per_s");
+    p.window_bytes = count_member(j, "window_bytes");
     p.p99_ms = number_member(j, "latency_p99_ms");
     p.eta_s = number_member(j, "eta_s");
     p.phase = json::string_member(j, "phase");
