@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# ctest lab-trixie.governed_merges: the host-built qcommitd and qcommit against Debian 13's
-# libvirt 11 and QEMU 10 (scripts/trixie-platform, started), the lab's slow storage and probe
-# guest in the platform's shared directory.
+# ctest lab-trixie.governed_merges: qcommitd and qcommit against Debian 13's libvirt 11 and
+# QEMU 10 (scripts/trixie-platform, started), the lab's slow storage and probe guest in the
+# platform's shared directory. The binaries are those built inside the platform against trixie's
+# libvirt and GLib (`scripts/trixie-platform build`, run in the chroot and talking to its libvirtd
+# as qemu:///system) when that build has them, else the host's (talking to it by socket URI);
+# QCOMMIT_TRIXIE_BINARIES=inside|host chooses, and `inside` fails when the build is missing.
 #
 # Case virsh: qcommitd --uri <trixie> runs; a plain `virsh blockcommit DOM vda --active --pivot
 #   --wait` of a filled overlay; qcommitd must list the job and set its speed (libvirt reports
@@ -35,6 +38,8 @@ TRIXIE_URI=$("$platform" uri)
 TRIXIE_SHARE=$("$platform" share)
 export LIBVIRT_DEFAULT_URI=$TRIXIE_URI
 LIVE_URI=$TRIXIE_URI
+# The URI the qcommit binaries use: inside the chroot trixie's libvirtd is the system one.
+QCOMMIT_URI=$TRIXIE_URI
 LAB_CACHE=${QCOMMIT_LAB_CACHE:-$LAB_CACHE}
 kFill=${TRIXIE_FILL_MIB:-64}
 
@@ -44,6 +49,41 @@ fail() {
   [ -n "${LAB_DIR:-}" ] && [ -f "$LAB_DIR/merge.log" ] && tail -n 20 "$LAB_DIR/merge.log" >&2
   exit 1
 }
+
+# use_inside_binaries: LIVE_QCOMMIT and LIVE_QCOMMITD become wrappers that run the platform's
+# own build in the chroot. Every path the tests hand them lies in the shared directory (same path
+# inside and out); the chroot's root is the platform's, its /proc, /sys and /dev the host's.
+use_inside_binaries() {
+  local root bin wrap
+  root=$("$platform" root)
+  bin=$("$platform" build-dir)
+  "$platform" mount-build
+  wrap=$TRIXIE_SHARE/bin
+  mkdir -p "$wrap"
+  for b in qcommit qcommitd; do
+    printf '#!/bin/sh\nexec chroot %s /build/%s "$@"\n' "$root" "$b" >"$wrap/$b"
+    chmod 755 "$wrap/$b"
+  done
+  LIVE_QCOMMIT=$wrap/qcommit
+  LIVE_QCOMMITD=$wrap/qcommitd
+  LIVE_URI=qemu:///system
+  QCOMMIT_URI=qemu:///system
+  LIVE_TMP=$(mktemp -d "$TRIXIE_SHARE/qcommit-live.XXXXXX")
+  echo "binaries: built inside the platform ($bin: $("$LIVE_QCOMMIT" --version 2>&1 | head -1))"
+}
+
+case ${QCOMMIT_TRIXIE_BINARIES:-auto} in
+  inside) use_inside_binaries ;;
+  host) echo "binaries: the host's ($LIVE_QCOMMIT)" ;;
+  auto)
+    if [ -x "$("$platform" build-dir)/qcommit" ] && [ -x "$("$platform" build-dir)/qcommitd" ]; then
+      use_inside_binaries
+    else
+      echo "binaries: the host's ($LIVE_QCOMMIT; the platform's build has none)"
+    fi
+    ;;
+  *) fail "QCOMMIT_TRIXIE_BINARIES must be inside, host or auto" ;;
+esac
 
 # Runs live in the platform's shared directory (same path for the host's FUSE storage and
 # trixie's QEMU) and talk to trixie's libvirtd only.
@@ -76,7 +116,7 @@ run_virsh() {
   lab_init virsh
   trap 'live_cleanup; lab_teardown' EXIT
   live_qcd_start --budget 20ms
-  grep -q "$TRIXIE_URI" <(ps -o args= -p "$LIVE_QCD_PID") || fail "qcommitd is not on $TRIXIE_URI"
+  grep -qF -- "--uri $QCOMMIT_URI" <(ps -o args= -p "$LIVE_QCD_PID") || fail "qcommitd is not on $QCOMMIT_URI"
   prepare_guest
   (lab_merge virsh blockcommit "$LAB_DOM" vda --active --pivot --wait --verbose; echo "$LAB_MERGE_RC" >"$LAB_DIR/merge.rc") &
   local merge_pid=$! listed=0 bw=""
@@ -109,7 +149,7 @@ run_live() {
   lab_init live
   trap 'lab_teardown' EXIT
   prepare_guest
-  lab_merge "$LIVE_QCOMMIT" live "$LAB_DOM" vda --pivot --uri "$TRIXIE_URI" \
+  lab_merge "$LIVE_QCOMMIT" live "$LAB_DOM" vda --pivot --uri "$QCOMMIT_URI" \
     --daemon-socket "$LAB_DIR/no-qcommitd.sock"
   [ "$LAB_MERGE_RC" = 0 ] || fail "qcommit live --pivot failed"
   verify_data live
