@@ -27,15 +27,16 @@
 # Environment: QCOMMIT_BUILD_DIR (default <repo>/build), LAB_KEEP=1 keeps the backing data,
 # LAB_VERBOSE=1 logs more. LAB_RUN_ROOT puts the runs elsewhere than <build>/lab-run (a
 # directory another libvirtd's QEMU sees at the same path), LAB_ID_PREFIX names them (default
-# qcl), LAB_LOCAL_DAEMONS=0 leaves this host's libvirtd alone (LIBVIRT_DEFAULT_URI names
-# another). Needs root, /dev/fuse, qemu-system-x86, libvirt.
+# qcl), LAB_LOCAL_DAEMONS=0 leaves this host's libvirtd alone and LAB_URI names the libvirtd
+# the runs use (default qemu:///system; tests/lab/platform.sh sets these for the Debian 13
+# platform). Needs root, /dev/fuse, qemu-system-x86, libvirt.
 
 LAB_SOURCE_DIR=${QCOMMIT_SOURCE_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}
 LAB_BUILD_DIR=$(realpath -m "${QCOMMIT_BUILD_DIR:-$LAB_SOURCE_DIR/build}")
 LAB_SLOWFS=$LAB_BUILD_DIR/lab/qcommit-slowfs
 LAB_PROBE=$LAB_BUILD_DIR/lab/qcommit-lab-probe
 LAB_CACHE=$LAB_BUILD_DIR/lab-cache
-export LIBVIRT_DEFAULT_URI=qemu:///system
+export LIBVIRT_DEFAULT_URI=${LAB_URI:-qemu:///system}
 
 lab_log() { printf '[lab %s] %s\n' "$(date +%T)" "$*" >&2; }
 lab_die() {

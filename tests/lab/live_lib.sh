@@ -18,8 +18,12 @@
 #   live_samples_between T0 T1
 #                            "n p50 p99 max" (ms) of probe writes completed in [T0, T1) (epoch s)
 
-LIVE_QCOMMITD=$LAB_BUILD_DIR/qcommitd
-LIVE_QCOMMIT=$LAB_BUILD_DIR/qcommit
+# The binaries, the URI they use and where their private files go: the host's build by default,
+# the Debian 13 platform's when tests/lab/platform.sh set LAB_QCOMMIT, LAB_QCOMMITD,
+# LAB_QCOMMIT_URI and LAB_TMP_ROOT.
+LIVE_QCOMMITD=${LAB_QCOMMITD:-$LAB_BUILD_DIR/qcommitd}
+LIVE_QCOMMIT=${LAB_QCOMMIT:-$LAB_BUILD_DIR/qcommit}
+LIVE_URI=${LIVE_URI:-${LAB_QCOMMIT_URI:-}}
 LIVE_QCD_PID=""
 
 live_qcd_start() {
@@ -33,7 +37,7 @@ live_qcd_start() {
   done
   [ -x "$LIVE_QCOMMITD" ] || lab_die "$LIVE_QCOMMITD missing: build target qcommitd"
   [ -x "$LIVE_QCOMMIT" ] || lab_die "$LIVE_QCOMMIT missing: build target qcommit"
-  LIVE_TMP=${LIVE_TMP:-$(mktemp -d /tmp/qcommit-live.XXXXXX)}
+  LIVE_TMP=${LIVE_TMP:-$(mktemp -d "${LAB_TMP_ROOT:-/tmp}/qcommit-live.XXXXXX")}
   LIVE_SOCK=$LIVE_TMP/qcommitd.sock
   printf '[default]\nbudget=%s\nfloor=%s\n%s' "$budget" "$floor" "${LIVE_QCD_CONF_EXTRA:-}" >"$LIVE_TMP/qcommitd.conf"
   "$LIVE_QCOMMITD" --config "$LIVE_TMP/qcommitd.conf" --uri "${LIVE_URI:-qemu:///system}" --socket "$LIVE_SOCK" \

@@ -35,7 +35,7 @@ case $mode in
     exit "$rc"
     ;;
   live)
-    exec "$LIVE_QCOMMIT" live "$LAB_DOM" vda --pivot "$@"
+    exec "$LIVE_QCOMMIT" live "$LAB_DOM" vda --pivot ${LIVE_URI:+--uri "$LIVE_URI"} "$@"
     ;;
   *) lab_die "live_row.sh: unknown mode $mode" ;;
 esac

@@ -32,16 +32,17 @@ skip() {
 [ "$(id -u)" -eq 0 ] || skip "needs root"
 "$platform" status >/dev/null 2>&1 || skip "the trixie platform is not started (scripts/trixie-platform setup && start)"
 
+# The platform's stack for every run (tests/lab/platform.sh): runs in its shared directory
+# (same path for the host's FUSE storage and trixie's QEMU), its libvirtd only, and the binaries
+# QCOMMIT_TRIXIE_BINARIES chooses.
+source "$here/platform.sh"
+lab_platform trixie "${QCOMMIT_TRIXIE_BINARIES:-auto}" || { echo "FAIL: lab_platform trixie" >&2; exit 1; }
 source "$here/lab.sh"
 source "$here/live_lib.sh"
-TRIXIE_URI=$("$platform" uri)
-TRIXIE_SHARE=$("$platform" share)
-export LIBVIRT_DEFAULT_URI=$TRIXIE_URI
-LIVE_URI=$TRIXIE_URI
-# The URI the qcommit binaries use: inside the chroot trixie's libvirtd is the system one.
-QCOMMIT_URI=$TRIXIE_URI
 LAB_CACHE=${QCOMMIT_LAB_CACHE:-$LAB_CACHE}
 kFill=${TRIXIE_FILL_MIB:-64}
+echo "platform: $(lab_platform_describe)"
+echo "binaries: $LIVE_QCOMMIT, $LIVE_QCOMMITD ($("$LIVE_QCOMMIT" --version 2>&1 | head -1)), URI $LIVE_URI"
 
 fail() {
   echo "FAIL: $*" >&2
@@ -49,47 +50,6 @@ fail() {
   [ -n "${LAB_DIR:-}" ] && [ -f "$LAB_DIR/merge.log" ] && tail -n 20 "$LAB_DIR/merge.log" >&2
   exit 1
 }
-
-# use_inside_binaries: LIVE_QCOMMIT and LIVE_QCOMMITD become wrappers that run the platform's
-# own build in the chroot. Every path the tests hand them lies in the shared directory (same path
-# inside and out); the chroot's root is the platform's, its /proc, /sys and /dev the host's.
-use_inside_binaries() {
-  local root bin wrap
-  root=$("$platform" root)
-  bin=$("$platform" build-dir)
-  "$platform" mount-build
-  wrap=$TRIXIE_SHARE/bin
-  mkdir -p "$wrap"
-  for b in qcommit qcommitd; do
-    printf '#!/bin/sh\nexec chroot %s /build/%s "$@"\n' "$root" "$b" >"$wrap/$b"
-    chmod 755 "$wrap/$b"
-  done
-  LIVE_QCOMMIT=$wrap/qcommit
-  LIVE_QCOMMITD=$wrap/qcommitd
-  LIVE_URI=qemu:///system
-  QCOMMIT_URI=qemu:///system
-  LIVE_TMP=$(mktemp -d "$TRIXIE_SHARE/qcommit-live.XXXXXX")
-  echo "binaries: built inside the platform ($bin: $("$LIVE_QCOMMIT" --version 2>&1 | head -1))"
-}
-
-case ${QCOMMIT_TRIXIE_BINARIES:-auto} in
-  inside) use_inside_binaries ;;
-  host) echo "binaries: the host's ($LIVE_QCOMMIT)" ;;
-  auto)
-    if [ -x "$("$platform" build-dir)/qcommit" ] && [ -x "$("$platform" build-dir)/qcommitd" ]; then
-      use_inside_binaries
-    else
-      echo "binaries: the host's ($LIVE_QCOMMIT; the platform's build has none)"
-    fi
-    ;;
-  *) fail "QCOMMIT_TRIXIE_BINARIES must be inside, host or auto" ;;
-esac
-
-# Runs live in the platform's shared directory (same path for the host's FUSE storage and
-# trixie's QEMU) and talk to trixie's libvirtd only.
-LAB_RUN_ROOT=$TRIXIE_SHARE/lab-run
-LAB_ID_PREFIX=qcl-trixie
-LAB_LOCAL_DAEMONS=0
 
 prepare_guest() {
   lab_storage_start --bandwidth 50M
@@ -116,7 +76,7 @@ run_virsh() {
   lab_init virsh
   trap 'live_cleanup; lab_teardown' EXIT
   live_qcd_start --budget 20ms
-  grep -qF -- "--uri $QCOMMIT_URI" <(ps -o args= -p "$LIVE_QCD_PID") || fail "qcommitd is not on $QCOMMIT_URI"
+  grep -qF -- "--uri $LIVE_URI" <(ps -o args= -p "$LIVE_QCD_PID") || fail "qcommitd is not on $LIVE_URI"
   prepare_guest
   (lab_merge virsh blockcommit "$LAB_DOM" vda --active --pivot --wait --verbose; echo "$LAB_MERGE_RC" >"$LAB_DIR/merge.rc") &
   local merge_pid=$! listed=0 bw=""
@@ -149,7 +109,7 @@ run_live() {
   lab_init live
   trap 'lab_teardown' EXIT
   prepare_guest
-  lab_merge "$LIVE_QCOMMIT" live "$LAB_DOM" vda --pivot --uri "$QCOMMIT_URI" \
+  lab_merge "$LIVE_QCOMMIT" live "$LAB_DOM" vda --pivot --uri "$LIVE_URI" \
     --daemon-socket "$LAB_DIR/no-qcommitd.sock"
   [ "$LAB_MERGE_RC" = 0 ] || fail "qcommit live --pivot failed"
   verify_data live
