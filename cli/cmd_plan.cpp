@@ -8,12 +8,15 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
 
-#include "common/defaults.h"
 #include "cli/json.h"
 #include "cli/merge_policy.h"
 #include "cli/options.h"
 #include "cli/units.h"
+#include "common/defaults.h"
 #include "engine/merge.h"
 #include "qcow2/device.h"
 #include "qcow2/error.h"
@@ -104,33 +107,41 @@ void warn_short_space(const engine::MergePlan& p) {
                format_size(p.space.needed()).c_str(), human_size(p.space.shortfall()).c_str());
 }
 
-}  // namespace
-
-int cmd_plan(const Args& args) {
-  po::options_description opts("options");
+// The command line of `qcommit plan`.
+struct PlanArgs {
   std::string top, base, output = "human", rate, budget, uri = defaults::kUri;
   std::string config_path = defaults::kConfigPath;
+  bool config_given = false;
   std::vector<std::string> rebase, allow_dirs;
   bool measure = false;
-  opts.add_options()("top", po::value(&top)->required(), "the image to merge (TOP)")(
-      "base", po::value(&base),
-      "merge into this image of TOP's chain (default: TOP's backing file)")(
-      "rebase", po::value(&rebase)->multitoken(), "children of TOP that would be rebased")(
-      "rate", po::value(&rate), "expected copy rate for the ETA, e.g. 80M (per second)")(
-      "measure", po::bool_switch(&measure),
-      "measure the target's sequential write bandwidth for the ETA (writes 32 MiB beside BASE)")(
-      "budget", po::value(&budget),
-      ("the budget the merge would be given on the command line (" + defaults::budget_text() +
-       ", off)").c_str())(
-      "config", po::value(&config_path),
-      (std::string("qcommitd configuration with the per-pool policies (default ") +
-       defaults::kConfigPath + ")").c_str())(
-      "connect,c", po::value(&uri),
-      (std::string("libvirt connection URI for the pool of BASE and its co-tenants (default ") +
-       defaults::kUri + ")").c_str())(
-      "uri", po::value(&uri), "the same as --connect")("output", po::value(&output),
-                                                       "human or json");
-  add_backing_policy(opts, allow_dirs);
+};
+
+// The options, or nothing when --help was asked for (and answered).
+std::optional<PlanArgs> parse_plan_args(const Args& args) {
+  PlanArgs a;
+  po::options_description opts("options");
+  const std::string budget_help = "the budget the merge would be given on the command line (" +
+                                  defaults::budget_text() + ", off)";
+  const std::string config_help =
+      std::string("qcommitd configuration with the per-pool policies (default ") +
+      defaults::kConfigPath + ")";
+  const std::string connect_help =
+      std::string("libvirt connection URI for the pool of BASE and its co-tenants (default ") +
+      defaults::kUri + ")";
+  auto add = opts.add_options();
+  add("top", po::value(&a.top)->required(), "the image to merge (TOP)");
+  add("base", po::value(&a.base),
+      "merge into this image of TOP's chain (default: TOP's backing file)");
+  add("rebase", po::value(&a.rebase)->multitoken(), "children of TOP that would be rebased");
+  add("rate", po::value(&a.rate), "expected copy rate for the ETA, e.g. 80M (per second)");
+  add("measure", po::bool_switch(&a.measure),
+      "measure the target's sequential write bandwidth for the ETA (writes 32 MiB beside BASE)");
+  add("budget", po::value(&a.budget), budget_help.c_str());
+  add("config", po::value(&a.config_path), config_help.c_str());
+  add("connect,c", po::value(&a.uri), connect_help.c_str());
+  add("uri", po::value(&a.uri), "the same as --connect");
+  add("output", po::value(&a.output), "human or json");
+  add_backing_policy(opts, a.allow_dirs);
   po::positional_options_description pos;
   pos.add("top", 1);
   po::variables_map vm;
@@ -138,51 +149,71 @@ int cmd_plan(const Args& args) {
              "qcommit plan TOP [--base BASE] [--rebase CHILD...] [--rate R | --measure]",
              "examples:\n  qcommit plan snap.qcow2\n  qcommit plan snap2.qcow2 --base base.qcow2 "
              "--measure\n"))
-    return kExitOk;
-  const Output out = parse_output(output);
+    return std::nullopt;
+  a.config_given = vm.count("config") > 0;
+  return a;
+}
+
+engine::MergePlan plan(const PlanArgs& a) {
   engine::MergeOptions mo;
-  mo.top = top;
-  if (!base.empty()) mo.base = base;
-  mo.rebase = rebase;
-  mo.allowed_backing_dirs = backing_policy(top, allow_dirs);
-  const engine::MergePlan p = engine::plan_merge(mo);
-  double bw = 0;
-  std::string bw_source;
-  if (!rate.empty()) {
-    bw = double(parse_size(rate));
-    bw_source = "given";
-  } else if (measure) {
-    bw = measure_write_bandwidth(std::filesystem::absolute(p.base).parent_path().string());
-    bw_source = "measured";
+  mo.top = a.top;
+  if (!a.base.empty()) mo.base = a.base;
+  mo.rebase = a.rebase;
+  mo.allowed_backing_dirs = backing_policy(a.top, a.allow_dirs);
+  return engine::plan_merge(mo);
+}
+
+// The copy rate the ETA is computed from: given (--rate), measured (--measure) or none.
+struct Eta {
+  double bytes_per_s = 0;
+  std::string source;  // "given", "measured"
+  double seconds = -1;
+};
+
+Eta estimate(const PlanArgs& a, const engine::MergePlan& p) {
+  Eta e;
+  if (!a.rate.empty()) {
+    e.bytes_per_s = double(parse_size(a.rate));
+    e.source = "given";
+  } else if (a.measure) {
+    e.bytes_per_s =
+        measure_write_bandwidth(std::filesystem::absolute(p.base).parent_path().string());
+    e.source = "measured";
   }
-  const double eta = bw > 0 ? double(p.data_bytes) / bw : -1;
-  // The budget `qcommit merge` would take, and from where.
-  std::optional<MergePolicy> policy;
-  if (budget != "off") {
-    MergePolicyOptions popts;
-    if (!budget.empty()) popts.budget = parse_duration(budget);
-    popts.config_path = config_path;
-    popts.config_given = vm.count("config") > 0;
-    popts.uri = uri;
-    policy = resolve_merge_policy(popts, p.base);
+  if (e.bytes_per_s > 0) e.seconds = double(p.data_bytes) / e.bytes_per_s;
+  return e;
+}
+
+// The budget `qcommit merge` would take, and from where (nothing: --budget off).
+std::optional<MergePolicy> merge_policy(const PlanArgs& a, const engine::MergePlan& p) {
+  if (a.budget == "off") return std::nullopt;
+  MergePolicyOptions popts;
+  if (!a.budget.empty()) popts.budget = parse_duration(a.budget);
+  popts.config_path = a.config_path;
+  popts.config_given = a.config_given;
+  popts.uri = a.uri;
+  return resolve_merge_policy(popts, p.base);
+}
+
+void print_plan_json(const std::string& top, const engine::MergePlan& p,
+                     const std::optional<MergePolicy>& policy, const Eta& eta) {
+  json::Ordered doc = plan_json(top, p);
+  doc.update(policy ? policy->json_fields() : off_policy_json());
+  if (eta.bytes_per_s > 0) {
+    doc["rate"] = whole(eta.bytes_per_s);
+    doc["eta-seconds"] = rounded(eta.seconds, 1);
   }
-  warn_short_space(p);
-  if (out == Output::kJson) {
-    json::Ordered doc = plan_json(top, p);
-    doc.update(policy ? policy->json_fields() : off_policy_json());
-    if (bw > 0) {
-      doc["rate"] = whole(bw);
-      doc["eta-seconds"] = rounded(eta, 1);
-    }
-    print_json(doc);
-    return kExitOk;
-  }
-  std::printf("merge plan (nothing written)\n");
-  // Each path as QEMU names it, and where the kernel resolves it when that differs.
-  const auto shown = [](const std::string& path) {
-    const std::string real = resolved(path);
-    return real == path ? path : path + " -> " + real;
-  };
+  print_json(doc);
+}
+
+// A path as QEMU names it, and where the kernel resolves it when that differs.
+std::string shown(const std::string& path) {
+  const std::string real = resolved(path);
+  return real == path ? path : path + " -> " + real;
+}
+
+// The chain, what is copied and what BASE holds that the merge changes.
+void print_contents(const engine::MergePlan& p) {
   for (size_t i = 0; i < p.layers.size(); ++i)
     std::printf("  %-8s %s\n", i == 0 ? "top" : "through", shown(p.layers[i]).c_str());
   std::printf("  %-8s %s (%s)\n", "into", shown(p.base).c_str(), p.base_format.c_str());
@@ -202,6 +233,10 @@ int cmd_plan(const Args& args) {
                 p.base_bitmaps);
   if (p.resume_from)
     std::printf("an interrupted merge will resume at %s\n", format_size(*p.resume_from).c_str());
+}
+
+// The room on BASE's filesystem and the children rebased at the end.
+void print_space_and_switch(const engine::MergePlan& p) {
   if (p.space.free_bytes)
     std::printf(
         "space needed:   about %s on BASE's filesystem (%s of data, %s of metadata), %s "
@@ -216,19 +251,46 @@ int cmd_plan(const Args& args) {
     for (size_t i = 0; i < p.rebase.size(); ++i)
       std::printf("%srewrite the header of %s to point at %s\n", i ? "                " : "",
                   p.rebase[i].c_str(), p.base.c_str());
+}
+
+void print_budget_and_eta(const std::optional<MergePolicy>& policy, const Eta& eta) {
   if (policy) {
     std::printf("budget:         %s\n", policy->budget_line().substr(7).c_str());
     std::printf("                %s\n", policy->cotenant_line().c_str());
   } else {
     std::printf("budget:         off (unthrottled)\n");
   }
-  if (bw > 0)
+  if (eta.bytes_per_s > 0)
     std::printf(
         "ETA:            %.1f s at %s/s (%s; with a latency budget the copy takes what co-tenants "
         "leave)\n",
-        eta, format_size(uint64_t(bw)).c_str(), bw_source.c_str());
+        eta.seconds, format_size(uint64_t(eta.bytes_per_s)).c_str(), eta.source.c_str());
   else
     std::printf("ETA:            give --rate or --measure\n");
+}
+
+void print_plan_human(const engine::MergePlan& p, const std::optional<MergePolicy>& policy,
+                      const Eta& eta) {
+  std::printf("merge plan (nothing written)\n");
+  print_contents(p);
+  print_space_and_switch(p);
+  print_budget_and_eta(policy, eta);
+}
+
+}  // namespace
+
+int cmd_plan(const Args& args) {
+  const std::optional<PlanArgs> a = parse_plan_args(args);
+  if (!a) return kExitOk;
+  const Output out = parse_output(a->output);
+  const engine::MergePlan p = plan(*a);
+  const Eta eta = estimate(*a, p);
+  const std::optional<MergePolicy> policy = merge_policy(*a, p);
+  warn_short_space(p);
+  if (out == Output::kJson)
+    print_plan_json(a->top, p, policy, eta);
+  else
+    print_plan_human(p, policy, eta);
   return kExitOk;
 }
 

@@ -6,6 +6,9 @@
 #include <fstream>
 #include <map>
 #include <sstream>
+#include <string>
+#include <string_view>
+#include <vector>
 
 #include "cli/json.h"
 #include "cli/options.h"
@@ -23,7 +26,7 @@ struct Series {
   std::vector<double> y;
 };
 
-std::string html_escape(const std::string& s) {
+std::string html_escape(std::string_view s) {
   std::string o;
   for (char c : s) {
     switch (c) {
@@ -46,6 +49,62 @@ std::string html_escape(const std::string& s) {
   return o;
 }
 
+// A number as the stream writes it (six significant digits).
+std::string number(double v) {
+  std::ostringstream s;
+  s << v;
+  return s.str();
+}
+
+// SVG written element by element: every attribute value and every text is escaped here, so no
+// caller splices markup into strings.
+class Svg {
+ public:
+  struct Attr {
+    Attr(const char* n, std::string_view v) : name(n), value(html_escape(v)) {}
+    Attr(const char* n, double v) : name(n), value(number(v)) {}
+    Attr(const char* n, int v) : name(n), value(std::to_string(v)) {}
+    const char* name;
+    std::string value;
+  };
+  using Attrs = std::initializer_list<Attr>;
+
+  // <tag a="v" ...>
+  Svg& open(const char* tag, Attrs attrs) {
+    start(tag, attrs);
+    o_ << '>';
+    return *this;
+  }
+  // <tag a="v" .../>
+  Svg& empty(const char* tag, Attrs attrs) {
+    start(tag, attrs);
+    o_ << "/>";
+    return *this;
+  }
+  // <tag a="v" ...>text</tag>
+  Svg& element(const char* tag, Attrs attrs, std::string_view text) {
+    open(tag, attrs);
+    o_ << html_escape(text);
+    return close(tag);
+  }
+  Svg& close(const char* tag) {
+    o_ << "</" << tag << '>';
+    return *this;
+  }
+  Svg& newline() {
+    o_ << '\n';
+    return *this;
+  }
+  [[nodiscard]] std::string str() const { return o_.str(); }
+
+ private:
+  void start(const char* tag, Attrs attrs) {
+    o_ << '<' << tag;
+    for (const Attr& a : attrs) o_ << ' ' << a.name << "=\"" << a.value << '"';
+  }
+  std::ostringstream o_;
+};
+
 double nice_ceiling(double v) {
   if (v <= 0) return 1;
   const double p = std::pow(10.0, std::floor(std::log10(v)));
@@ -54,62 +113,247 @@ double nice_ceiling(double v) {
   return 10 * p;
 }
 
+// A plot's frame: the title, the grid with the values at its lines, the axes and their labels.
+struct PlotFrame {
+  int w = kPlotWidth, h = kPlotHeight, m = kMargin;
+  double tmax, ymax;
+  [[nodiscard]] double x(double t) const { return m + (w - 2 * m) * t / tmax; }
+  [[nodiscard]] double y(double v) const { return h - m + 10 - (h - m - 10) * v / ymax; }
+};
+
+void draw_frame(Svg& svg, const PlotFrame& f, const std::string& title, const std::string& ylabel) {
+  const int w = f.w, h = f.h, m = f.m;
+  svg.element("text", {{"x", w / 2}, {"y", 14}, {"text-anchor", "middle"}, {"font-weight", "bold"}},
+              title)
+      .newline();
+  for (int i = 0; i <= 5; ++i) {
+    const double yv = f.ymax * i / 5, yy = f.y(yv);
+    svg.empty("line", {{"x1", m}, {"y1", yy}, {"x2", w - m}, {"y2", yy}, {"stroke", "#ddd"}})
+        .element("text", {{"x", m - 6}, {"y", yy + 4}, {"text-anchor", "end"}, {"font-size", 11}},
+                 number(yv))
+        .newline();
+    const double xv = f.tmax * i / 5;
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.1f", xv);
+    svg.element("text",
+                {{"x", f.x(xv)}, {"y", h - m + 26}, {"text-anchor", "middle"}, {"font-size", 11}},
+                buf)
+        .newline();
+  }
+  svg.empty("line", {{"x1", m}, {"y1", f.y(0)}, {"x2", w - m}, {"y2", f.y(0)}, {"stroke", "#000"}})
+      .newline();
+  svg.empty("line", {{"x1", m}, {"y1", f.y(0)}, {"x2", m}, {"y2", f.y(f.ymax)}, {"stroke", "#000"}})
+      .newline();
+  svg.element("text",
+              {{"x", w / 2}, {"y", h - m + 44}, {"text-anchor", "middle"}, {"font-size", 12}},
+              "time (s)")
+      .newline();
+  svg.element("text",
+              {{"x", 14},
+               {"y", h / 2},
+               {"transform", "rotate(-90 14 " + std::to_string(h / 2) + ")"},
+               {"text-anchor", "middle"},
+               {"font-size", 12}},
+              ylabel)
+      .newline();
+}
+
+// Each series as a line, with its colour and label in the legend.
+void draw_series(Svg& svg, const PlotFrame& f, const std::vector<double>& t,
+                 const std::vector<Series>& series) {
+  int legend_y = 30;
+  for (const auto& s : series) {
+    std::ostringstream points;
+    for (size_t i = 0; i < t.size() && i < s.y.size(); ++i)
+      points << f.x(t[i]) << ',' << f.y(s.y[i]) << ' ';
+    svg.empty("polyline", {{"class", "series"},
+                           {"fill", "none"},
+                           {"stroke", s.color},
+                           {"stroke-width", "1.5"},
+                           {"points", points.str()}})
+        .newline();
+    svg.empty("rect", {{"x", f.w - f.m - 220},
+                       {"y", legend_y - 9},
+                       {"width", 12},
+                       {"height", 3},
+                       {"fill", s.color}})
+        .element("text", {{"x", f.w - f.m - 202}, {"y", legend_y - 4}, {"font-size", 11}}, s.label)
+        .newline();
+    legend_y += 14;
+  }
+}
+
 std::string svg_plot(const std::string& id, const std::string& title, const std::string& ylabel,
                      const std::vector<double>& t, const std::vector<Series>& series) {
-  const double tmax = t.empty() ? 1 : std::max(1e-9, t.back());
   double ymax = 0;
   for (const auto& s : series)
     for (double v : s.y) ymax = std::max(ymax, v);
-  ymax = nice_ceiling(ymax);
-  const int w = kPlotWidth, h = kPlotHeight, m = kMargin;
-  auto X = [&](double x) { return m + (w - 2 * m) * x / tmax; };
-  auto Y = [&](double y) { return h - m + 10 - (h - m - 10) * y / ymax; };
-  std::ostringstream o;
-  o << "<svg id=\"" << id << "\" class=\"plot\" xmlns=\"http://www.w3.org/2000/svg\" width=\"" << w
-    << "\" height=\"" << h + 20 << "\" viewBox=\"0 0 " << w << ' ' << h + 20 << "\">\n";
-  o << "<text x=\"" << w / 2 << "\" y=\"14\" text-anchor=\"middle\" font-weight=\"bold\">"
-    << html_escape(title) << "</text>\n";
-  // Axes and grid.
-  for (int i = 0; i <= 5; ++i) {
-    const double yv = ymax * i / 5, yy = Y(yv);
-    o << "<line x1=\"" << m << "\" y1=\"" << yy << "\" x2=\"" << w - m << "\" y2=\"" << yy
-      << "\" stroke=\"#ddd\"/><text x=\"" << m - 6 << "\" y=\"" << yy + 4
-      << "\" text-anchor=\"end\" font-size=\"11\">" << yv << "</text>\n";
-    const double xv = tmax * i / 5, xx = X(xv);
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "%.1f", xv);
-    o << "<text x=\"" << xx << "\" y=\"" << h - m + 26
-      << "\" text-anchor=\"middle\" font-size=\"11\">" << buf << "</text>\n";
+  const PlotFrame f{.tmax = t.empty() ? 1 : std::max(1e-9, t.back()), .ymax = nice_ceiling(ymax)};
+  Svg svg;
+  svg.open("svg", {{"id", id},
+                   {"class", "plot"},
+                   {"xmlns", "http://www.w3.org/2000/svg"},
+                   {"width", f.w},
+                   {"height", f.h + 20},
+                   {"viewBox", "0 0 " + std::to_string(f.w) + " " + std::to_string(f.h + 20)}})
+      .newline();
+  draw_frame(svg, f, title, ylabel);
+  draw_series(svg, f, t, series);
+  svg.close("svg").newline();
+  return svg.str();
+}
+
+// A `qcommit merge --trace` CSV: its columns by name and its rows of numbers.
+struct Trace {
+  std::map<std::string, size_t> col;
+  std::vector<std::vector<double>> rows;
+
+  // The column `name` of every row, times `scale`.
+  [[nodiscard]] std::vector<double> column(const char* name, double scale) const {
+    std::vector<double> v;
+    const size_t c = col.at(name);
+    for (const auto& r : rows) v.push_back(r[c] * scale);
+    return v;
   }
-  o << "<line x1=\"" << m << "\" y1=\"" << Y(0) << "\" x2=\"" << w - m << "\" y2=\"" << Y(0)
-    << "\" stroke=\"#000\"/>\n";
-  o << "<line x1=\"" << m << "\" y1=\"" << Y(0) << "\" x2=\"" << m << "\" y2=\"" << Y(ymax)
-    << "\" stroke=\"#000\"/>\n";
-  o << "<text x=\"" << w / 2 << "\" y=\"" << h - m + 44
-    << "\" text-anchor=\"middle\" font-size=\"12\">time (s)</text>\n";
-  o << "<text x=\"14\" y=\"" << h / 2 << "\" transform=\"rotate(-90 14 " << h / 2
-    << ")\" text-anchor=\"middle\" font-size=\"12\">" << html_escape(ylabel) << "</text>\n";
-  int legend_y = 30;
-  for (const auto& s : series) {
-    o << "<polyline class=\"series\" fill=\"none\" stroke=\"" << s.color
-      << "\" stroke-width=\"1.5\" points=\"";
-    for (size_t i = 0; i < t.size() && i < s.y.size(); ++i) o << X(t[i]) << ',' << Y(s.y[i]) << ' ';
-    o << "\"/>\n<rect x=\"" << w - m - 220 << "\" y=\"" << legend_y - 9
-      << "\" width=\"12\" height=\"3\" fill=\"" << s.color << "\"/><text x=\"" << w - m - 202
-      << "\" y=\"" << legend_y - 4 << "\" font-size=\"11\">" << html_escape(s.label) << "</text>\n";
-    legend_y += 14;
+};
+
+// The header line: each column's index by name; refused unless it names what the report plots.
+std::map<std::string, size_t> read_columns(const std::string& path, const std::string& line) {
+  std::map<std::string, size_t> col;
+  std::stringstream ss(line);
+  std::string name;
+  for (size_t i = 0; std::getline(ss, name, ','); ++i) col[name] = i;
+  for (const char* need :
+       {"t_s", "fg_max_ms", "queue_delay_ms", "rate_bytes_per_s", "window_bytes", "bytes_done"})
+    if (!col.count(need))
+      throw std::runtime_error(path + ": not a qcommit trace (no column '" + need + "')");
+  return col;
+}
+
+// One data line's cells as numbers (0 where a cell is not one).
+std::vector<double> read_row(const std::string& line) {
+  std::vector<double> r;
+  std::stringstream ss(line);
+  std::string cell;
+  while (std::getline(ss, cell, ',')) {
+    char* end = nullptr;
+    double v = std::strtod(cell.c_str(), &end);
+    r.push_back(end == cell.c_str() ? 0 : v);
   }
-  o << "</svg>\n";
-  return o.str();
+  return r;
+}
+
+Trace read_trace(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error(path + ": cannot open");
+  std::string line;
+  if (!std::getline(in, line)) throw std::runtime_error(path + ": empty trace");
+  Trace t;
+  t.col = read_columns(path, line);
+  size_t lineno = 1;
+  while (std::getline(in, line)) {
+    ++lineno;
+    std::vector<double> r = read_row(line);
+    if (r.size() < t.col.size())
+      throw std::runtime_error(path + ": line " + std::to_string(lineno) + " is short");
+    t.rows.push_back(std::move(r));
+  }
+  return t;
+}
+
+inline constexpr double kMiB = 1024.0 * 1024.0;
+
+// What the report's table and the printed summary say.
+struct Summary {
+  double seconds = 0, copied_bytes = 0, mean_rate = 0;
+  double p50_ms = 0, p99_ms = 0, max_ms = 0;  // the probe's (foreground max per tick)
+};
+
+Summary summarize(const Trace& trace) {
+  Summary s;
+  const std::vector<double> t = trace.column("t_s", 1);
+  std::vector<double> fg = trace.column("fg_max_ms", 1);
+  std::sort(fg.begin(), fg.end());
+  const auto pct = [&](double p) {
+    return fg.empty() ? 0.0 : fg[size_t(p * double(fg.size() - 1))];
+  };
+  s.copied_bytes = trace.rows.empty() ? 0 : trace.rows.back()[trace.col.at("bytes_done")];
+  s.seconds = t.empty() ? 0 : t.back();
+  s.mean_rate = s.seconds > 0 ? s.copied_bytes / s.seconds : 0;
+  s.p50_ms = pct(0.5);
+  s.p99_ms = pct(0.99);
+  s.max_ms = fg.empty() ? 0 : fg.back();
+  return s;
+}
+
+// The page: the summary's table, then the latency and the rate plots.
+std::string report_html(const std::string& trace_path, const Trace& trace, const Summary& s) {
+  std::ostringstream html;
+  html << "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>qcommit merge "
+          "report</title>\n"
+       << "<style>body{font-family:sans-serif;margin:2em;color:#222} "
+          "table{border-collapse:collapse}"
+       << " td,th{border:1px solid #ccc;padding:4px 10px;text-align:right} "
+          ".plot{display:block;margin:1em 0}</style>"
+       << "</head><body>\n<h1>qcommit merge report</h1>\n<p>trace: " << html_escape(trace_path)
+       << "</p>\n"
+       << "<table><tr><th>duration</th><th>copied</th><th>mean rate</th><th>probe "
+          "p50</th><th>probe p99</th>"
+       << "<th>probe max</th></tr><tr>";
+  char b[256];
+  std::snprintf(b, sizeof b,
+                "<td>%.1f s</td><td>%.1f MiB</td><td>%.1f MiB/s</td><td>%.2f ms</td><td>%.2f "
+                "ms</td><td>%.2f ms</td>",
+                s.seconds, s.copied_bytes / kMiB, s.mean_rate / kMiB, s.p50_ms, s.p99_ms, s.max_ms);
+  html << b << "</tr></table>\n";
+  const std::vector<double> t = trace.column("t_s", 1);
+  html << svg_plot("latency", "Latency over time", "ms", t,
+                   {{"probe / foreground max per tick", "#c0392b", trace.column("fg_max_ms", 1)},
+                    {"queueing delay (controller)", "#2980b9", trace.column("queue_delay_ms", 1)}});
+  html << svg_plot("rate", "Rate and window over time", "MiB/s  |  MiB", t,
+                   {{"pacing rate (MiB/s)", "#27ae60", trace.column("rate_bytes_per_s", 1 / kMiB)},
+                    {"window (MiB)", "#8e44ad", trace.column("window_bytes", 1 / kMiB)}});
+  html << "</body></html>\n";
+  return html.str();
+}
+
+void write_file(const std::string& path, const std::string& text) {
+  std::ofstream f(path, std::ios::trunc);
+  f << text;
+  f.close();
+  if (!f) throw std::runtime_error(path + ": cannot write");
+}
+
+void print_summary(const std::string& trace_path, const std::string& html_path, size_t rows,
+                   const Summary& s, Output out) {
+  if (out == Output::kJson) {
+    print_json(json::Ordered{
+        {"trace", trace_path},
+        {"html", html_path.empty() ? json::Ordered(nullptr) : json::Ordered(html_path)},
+        {"rows", rows},
+        {"duration-seconds", rounded(s.seconds, 3)},
+        {"copied-bytes", whole(s.copied_bytes)},
+        {"mean-rate-bytes-per-second", whole(s.mean_rate)},
+        {"probe-ms",
+         {{"p50", rounded(s.p50_ms, 3)},
+          {"p99", rounded(s.p99_ms, 3)},
+          {"max", rounded(s.max_ms, 3)}}}});
+    return;
+  }
+  std::printf(
+      "%s: %.1f s, %.1f MiB copied at %.1f MiB/s; probe p50 %.2f ms, p99 %.2f ms, max %.2f ms\n",
+      trace_path.c_str(), s.seconds, s.copied_bytes / kMiB, s.mean_rate / kMiB, s.p50_ms, s.p99_ms,
+      s.max_ms);
+  if (!html_path.empty()) std::printf("%s\n", html_path.c_str());
 }
 
 }  // namespace
 
 int cmd_report(const Args& args) {
   po::options_description opts("options");
-  std::string trace, out_path, output = "human";
-  opts.add_options()("trace", po::value(&trace)->required(),
-                     "CSV written by qcommit merge --trace")("html,o", po::value(&out_path),
+  std::string trace_path, html_path, output = "human";
+  opts.add_options()("trace", po::value(&trace_path)->required(),
+                     "CSV written by qcommit merge --trace")("html,o", po::value(&html_path),
                                                              "the HTML file to write")(
       "output", po::value(&output), "human or json: the summary printed on stdout");
   po::positional_options_description pos;
@@ -124,102 +368,10 @@ int cmd_report(const Args& args) {
     throw UsageError("--output is the summary's format, human or json, not '" + output +
                      "' (the HTML file is -o/--html FILE)");
   const Output out = parse_output(output);
-  std::ifstream in(trace);
-  if (!in) throw std::runtime_error(trace + ": cannot open");
-  std::string line;
-  if (!std::getline(in, line)) throw std::runtime_error(trace + ": empty trace");
-  std::map<std::string, size_t> col;
-  {
-    std::stringstream ss(line);
-    std::string name;
-    for (size_t i = 0; std::getline(ss, name, ','); ++i) col[name] = i;
-  }
-  for (const char* need :
-       {"t_s", "fg_max_ms", "queue_delay_ms", "rate_bytes_per_s", "window_bytes", "bytes_done"})
-    if (!col.count(need))
-      throw std::runtime_error(trace + ": not a qcommit trace (no column '" + need + "')");
-  std::vector<std::vector<double>> rows;
-  size_t lineno = 1;
-  while (std::getline(in, line)) {
-    ++lineno;
-    std::vector<double> r;
-    std::stringstream ss(line);
-    std::string cell;
-    while (std::getline(ss, cell, ',')) {
-      char* end = nullptr;
-      double v = std::strtod(cell.c_str(), &end);
-      r.push_back(end == cell.c_str() ? 0 : v);
-    }
-    if (r.size() < col.size())
-      throw std::runtime_error(trace + ": line " + std::to_string(lineno) + " is short");
-    rows.push_back(std::move(r));
-  }
-  auto column = [&](const char* name, double scale) {
-    std::vector<double> v;
-    for (auto& r : rows) v.push_back(r[col[name]] * scale);
-    return v;
-  };
-  const auto t = column("t_s", 1);
-  const auto fg = column("fg_max_ms", 1);
-  const double mib = 1.0 / (1024 * 1024);
-  std::vector<double> fg_sorted = fg;
-  std::sort(fg_sorted.begin(), fg_sorted.end());
-  auto pct = [&](double p) {
-    return fg_sorted.empty() ? 0.0 : fg_sorted[size_t(p * double(fg_sorted.size() - 1))];
-  };
-  const double done = rows.empty() ? 0 : rows.back()[col["bytes_done"]];
-  const double secs = t.empty() ? 0 : t.back();
-
-  const double mean_rate = secs > 0 ? done / secs : 0;
-  const double p50 = pct(0.5), p99 = pct(0.99), pmax = fg_sorted.empty() ? 0 : fg_sorted.back();
-
-  if (!out_path.empty()) {
-    std::ostringstream html;
-    html << "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>qcommit merge "
-            "report</title>\n"
-         << "<style>body{font-family:sans-serif;margin:2em;color:#222} "
-            "table{border-collapse:collapse}"
-         << " td,th{border:1px solid #ccc;padding:4px 10px;text-align:right} "
-            ".plot{display:block;margin:1em 0}</style>"
-         << "</head><body>\n<h1>qcommit merge report</h1>\n<p>trace: " << html_escape(trace)
-         << "</p>\n"
-         << "<table><tr><th>duration</th><th>copied</th><th>mean rate</th><th>probe "
-            "p50</th><th>probe p99</th>"
-         << "<th>probe max</th></tr><tr>";
-    char b[256];
-    std::snprintf(b, sizeof b,
-                  "<td>%.1f s</td><td>%.1f MiB</td><td>%.1f MiB/s</td><td>%.2f ms</td><td>%.2f "
-                  "ms</td><td>%.2f ms</td>",
-                  secs, done * mib, mean_rate * mib, p50, p99, pmax);
-    html << b << "</tr></table>\n";
-    html << svg_plot("latency", "Latency over time", "ms", t,
-                     {{"probe / foreground max per tick", "#c0392b", fg},
-                      {"queueing delay (controller)", "#2980b9", column("queue_delay_ms", 1)}});
-    html << svg_plot("rate", "Rate and window over time", "MiB/s  |  MiB", t,
-                     {{"pacing rate (MiB/s)", "#27ae60", column("rate_bytes_per_s", mib)},
-                      {"window (MiB)", "#8e44ad", column("window_bytes", mib)}});
-    html << "</body></html>\n";
-    std::ofstream f(out_path, std::ios::trunc);
-    f << html.str();
-    f.close();
-    if (!f) throw std::runtime_error(out_path + ": cannot write");
-  }
-  if (out == Output::kJson) {
-    print_json(json::Ordered{
-        {"trace", trace},
-        {"html", out_path.empty() ? json::Ordered(nullptr) : json::Ordered(out_path)},
-        {"rows", rows.size()},
-        {"duration-seconds", rounded(secs, 3)},
-        {"copied-bytes", whole(done)},
-        {"mean-rate-bytes-per-second", whole(mean_rate)},
-        {"probe-ms",
-         {{"p50", rounded(p50, 3)}, {"p99", rounded(p99, 3)}, {"max", rounded(pmax, 3)}}}});
-  } else {
-    std::printf(
-        "%s: %.1f s, %.1f MiB copied at %.1f MiB/s; probe p50 %.2f ms, p99 %.2f ms, max %.2f ms\n",
-        trace.c_str(), secs, done * mib, mean_rate * mib, p50, p99, pmax);
-    if (!out_path.empty()) std::printf("%s\n", out_path.c_str());
-  }
+  const Trace trace = read_trace(trace_path);
+  const Summary s = summarize(trace);
+  if (!html_path.empty()) write_file(html_path, report_html(trace_path, trace, s));
+  print_summary(trace_path, html_path, trace.rows.size(), s, out);
   return kExitOk;
 }
 
