@@ -1,22 +1,21 @@
 // qcommit doctor: what on this host makes snapshot merges stall guests, and what to change.
 // Each finding carries its reason. Reads only: libvirt definitions, /proc, /sys, versions.
-#include <libvirt/libvirt.h>
-#include <libxml/parser.h>
-#include <libxml/tree.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <sstream>
+#include <string>
+#include <vector>
 
-#include "common/defaults.h"
 #include "cli/daemon.h"
 #include "cli/json.h"
 #include "cli/options.h"
 #include "cli/units.h"
-#include "plugin/xml.h"
-#include "plugin/libvirt_handles.h"
+#include "common/defaults.h"
+#include "plugin/libvirt_hypervisor.h"
 #include "plugin/process.h"
 #include "plugin/writeback.h"
 
@@ -53,22 +52,12 @@ uint64_t mem_total_bytes() {
   return 0;
 }
 
-void check_domain(virDomainPtr dom, std::vector<Finding>& out) {
-  const std::string name = virDomainGetName(dom);
-  std::unique_ptr<char, decltype(&free)> xml(virDomainGetXMLDesc(dom, 0), &free);
-  if (!xml) return;
-  const plugin::xml::Doc doc = plugin::xml::parse(xml.get());
-  if (!doc) return;
-  xmlNodePtr root = xmlDocGetRootElement(doc.get());
-  const bool iothreads = plugin::xml::child(root, "iothreads") != nullptr;
-  xmlNodePtr devices = plugin::xml::child(root, "devices");
-  for (xmlNodePtr d = devices ? devices->children : nullptr; d; d = d->next) {
-    if (d->type != XML_ELEMENT_NODE || xmlStrcmp(d->name, BAD_CAST "disk") != 0) continue;
-    if (plugin::xml::attr(d, "device") != "disk") continue;
-    const std::string dev = plugin::xml::attr(plugin::xml::child(d, "target"), "dev");
-    xmlNodePtr drv = plugin::xml::child(d, "driver");
-    const std::string cache = plugin::xml::attr(drv, "cache"), io = plugin::xml::attr(drv, "io");
-    const std::string subject = "domain " + name + " disk " + dev;
+// Each disk's cache and io modes, and whether the domain has an iothread.
+void check_domain(const plugin::DomainInfo& dom, std::vector<Finding>& out) {
+  for (const plugin::DiskInfo& d : dom.defined_disks) {
+    const std::string& cache = d.cache;
+    const std::string& io = d.io;
+    const std::string subject = "domain " + dom.name + " disk " + d.target;
     if (cache.empty() || cache == "writeback" || cache == "default")
       out.push_back(
           {"warn", subject, "cache mode is writeback (libvirt's default when none is set)",
@@ -85,12 +74,119 @@ void check_domain(virDomainPtr dom, std::vector<Finding>& out) {
       out.push_back(
           {"info", subject, "io mode is '" + (io.empty() ? std::string("threads") : io) + "'",
            "with O_DIRECT, io='native' keeps requests in flight without a thread per request"});
-    if (!iothreads)
+    if (!dom.iothreads)
       out.push_back(
-          {"info", "domain " + name, "no <iothreads>",
+          {"info", "domain " + dom.name, "no <iothreads>",
            "block jobs and guest I/O share QEMU's main loop; an iothread for the disk keeps "
            "the guest's requests moving while a job runs"});
   }
+}
+
+// Host page cache limits against shared storage bandwidth.
+void check_dirty_limit(std::vector<Finding>& f) {
+  const uint64_t mem = mem_total_bytes();
+  uint64_t dirty_bytes = read_u64("/proc/sys/vm/dirty_bytes");
+  const uint64_t dirty_ratio = read_u64("/proc/sys/vm/dirty_ratio");
+  if (!dirty_bytes) dirty_bytes = mem * dirty_ratio / 100;
+  const double drain_s = double(dirty_bytes) / kAssumedSharedStorageBytesPerS;
+  f.push_back(
+      {drain_s > 1 ? "warn" : "ok", "host",
+       "up to " + format_size(dirty_bytes) + " of dirty page cache allowed (vm.dirty_" +
+           (read_u64("/proc/sys/vm/dirty_bytes") ? "bytes"
+                                                 : "ratio=" + std::to_string(dirty_ratio)) +
+           ")",
+       "at 100 MB/s of shared storage that is " + std::to_string(int(drain_s)) +
+           " s of writeback a guest's flush can wait behind; lowering vm.dirty_bytes bounds it "
+           "host-wide, qcommit/qcommitd bound it per merge"});
+}
+
+// Kernel: per-file page cache counts for qcommitd's writeback pacing.
+void check_page_cache_source(std::vector<Finding>& f) {
+  if (!plugin::cachestat_available())
+    f.push_back({"info", "kernel", "no cachestat(2) (added in Linux 6.5)",
+                 "page cache source " +
+                     plugin::describe_page_cache_source(plugin::PageCacheSource::kAuto) +
+                     "; a kernel >= 6.5 (Debian 12: bookworm-backports) counts a merge's own "
+                     "pages exactly"});
+  else
+    f.push_back({"ok", "kernel", "page cache source",
+                 plugin::describe_page_cache_source(plugin::PageCacheSource::kAuto)});
+}
+
+void check_nfs_mounts(std::vector<Finding>& f) {
+  std::ifstream mounts("/proc/mounts");
+  std::string dev, mnt, type, mopts, rest;
+  while (mounts >> dev >> mnt >> type >> mopts && std::getline(mounts, rest)) {
+    if (type != "nfs" && type != "nfs4") continue;
+    const std::string subject = "NFS mount " + mnt;
+    if (mopts.find("nconnect=") == std::string::npos)
+      f.push_back({"warn", subject, "no nconnect",
+                   "one TCP connection serialises the copy and the guests' I/O; nconnect=8..16 "
+                   "spreads them"});
+    if (mopts.find("write=eager") == std::string::npos)
+      f.push_back(
+          {"info", subject, "write=eager not set",
+           "with write=eager the client sends writes at once instead of piling dirty pages"});
+    if (mopts.find(",sync") != std::string::npos || mopts.rfind("sync", 0) == 0)
+      f.push_back({"info", subject, "mounted sync",
+                   "every write waits for the server: queues ahead of guests drain slowly"});
+  }
+}
+
+// QEMU version caveats.
+void check_qemu_version(std::vector<Finding>& f) {
+  ProcessResult q = run_process({"qemu-system-x86_64", "--version"});
+  int major = 0, minor = 0;
+  if (q.exit_code != 0 ||
+      std::sscanf(q.output.c_str(), "QEMU emulator version %d.%d", &major, &minor) != 2)
+    return;
+  if (major < 8 || (major == 8 && minor < 1))
+    f.push_back(
+        {"info", "QEMU " + std::to_string(major) + "." + std::to_string(minor),
+         "lowering a block job's speed takes effect only after its current sleep (fixed in 8.1)",
+         "and active commit keeps 16 x 1 MiB requests in flight whatever its speed: with "
+         "cache=none that is a floor of 16 MiB / bandwidth of added latency"});
+}
+
+void check_qcommitd(const std::string& socket_path, std::vector<Finding>& f) {
+  const bool daemon = qcommitd_answers(socket_path);
+  f.push_back(
+      {daemon ? "ok" : "warn", "qcommitd",
+       daemon ? "running (socket " + socket_path + ")"
+              : "not running (no socket at " + socket_path + ")",
+       daemon
+           ? "virsh blockcommit jobs are governed by their pool's budget"
+           : "virsh blockcommit jobs run unthrottled: start qcommitd (systemctl start qcommitd)"});
+}
+
+// `domain`, or every running domain, read through the libvirt adapter on a read-only connection.
+void check_domains(const std::string& uri, const std::string& domain, std::vector<Finding>& f) {
+  plugin::LibvirtHypervisor hv(uri, plugin::LibvirtHypervisor::Access::kReadOnly);
+  if (!hv.connect()) {
+    f.push_back({"info", "libvirt", "cannot connect to " + uri, "domain checks skipped"});
+    return;
+  }
+  if (domain.empty()) {
+    for (const plugin::DomainInfo& d : hv.running_domains()) check_domain(d, f);
+    return;
+  }
+  const std::optional<plugin::DomainInfo> d = hv.domain(domain);
+  if (!d) throw std::runtime_error("domain " + domain + ": not found");
+  check_domain(*d, f);
+}
+
+void print_findings(const std::vector<Finding>& f, Output out) {
+  if (out == Output::kJson) {
+    json::Ordered findings = json::Ordered::array();
+    for (const auto& x : f)
+      findings.push_back(json::Ordered{
+          {"level", x.level}, {"subject", x.subject}, {"finding", x.text}, {"reason", x.reason}});
+    print_json(json::Ordered{{"findings", findings}});
+    return;
+  }
+  for (const auto& x : f)
+    std::printf("[%-4s] %s: %s\n       why: %s\n", x.level.c_str(), x.subject.c_str(),
+                x.text.c_str(), x.reason.c_str());
 }
 
 }  // namespace
@@ -115,101 +211,13 @@ int cmd_doctor(const Args& args) {
     return kExitOk;
   const Output out = parse_output(output);
   std::vector<Finding> f;
-
-  // Host page cache limits against shared storage bandwidth.
-  const uint64_t mem = mem_total_bytes();
-  uint64_t dirty_bytes = read_u64("/proc/sys/vm/dirty_bytes");
-  const uint64_t dirty_ratio = read_u64("/proc/sys/vm/dirty_ratio");
-  if (!dirty_bytes) dirty_bytes = mem * dirty_ratio / 100;
-  const double drain_s = double(dirty_bytes) / kAssumedSharedStorageBytesPerS;
-  f.push_back(
-      {drain_s > 1 ? "warn" : "ok", "host",
-       "up to " + format_size(dirty_bytes) + " of dirty page cache allowed (vm.dirty_" +
-           (read_u64("/proc/sys/vm/dirty_bytes") ? "bytes"
-                                                 : "ratio=" + std::to_string(dirty_ratio)) +
-           ")",
-       "at 100 MB/s of shared storage that is " + std::to_string(int(drain_s)) +
-           " s of writeback a guest's flush can wait behind; lowering vm.dirty_bytes bounds it "
-           "host-wide, qcommit/qcommitd bound it per merge"});
-
-  // Kernel: per-file page cache counts for qcommitd's writeback pacing.
-  if (!plugin::cachestat_available())
-    f.push_back({"info", "kernel", "no cachestat(2) (added in Linux 6.5)",
-                 "page cache source " +
-                     plugin::describe_page_cache_source(plugin::PageCacheSource::kAuto) +
-                     "; a kernel >= 6.5 (Debian 12: bookworm-backports) counts a merge's own "
-                     "pages exactly"});
-  else
-    f.push_back({"ok", "kernel", "page cache source",
-                 plugin::describe_page_cache_source(plugin::PageCacheSource::kAuto)});
-
-  // NFS mounts.
-  std::ifstream mounts("/proc/mounts");
-  std::string dev, mnt, type, mopts, rest;
-  while (mounts >> dev >> mnt >> type >> mopts && std::getline(mounts, rest)) {
-    if (type != "nfs" && type != "nfs4") continue;
-    const std::string subject = "NFS mount " + mnt;
-    if (mopts.find("nconnect=") == std::string::npos)
-      f.push_back({"warn", subject, "no nconnect",
-                   "one TCP connection serialises the copy and the guests' I/O; nconnect=8..16 "
-                   "spreads them"});
-    if (mopts.find("write=eager") == std::string::npos)
-      f.push_back(
-          {"info", subject, "write=eager not set",
-           "with write=eager the client sends writes at once instead of piling dirty pages"});
-    if (mopts.find(",sync") != std::string::npos || mopts.rfind("sync", 0) == 0)
-      f.push_back({"info", subject, "mounted sync",
-                   "every write waits for the server: queues ahead of guests drain slowly"});
-  }
-
-  // QEMU version caveats.
-  ProcessResult q = run_process({"qemu-system-x86_64", "--version"});
-  int major = 0, minor = 0;
-  if (q.exit_code == 0 &&
-      std::sscanf(q.output.c_str(), "QEMU emulator version %d.%d", &major, &minor) == 2) {
-    if (major < 8 || (major == 8 && minor < 1))
-      f.push_back(
-          {"info", "QEMU " + std::to_string(major) + "." + std::to_string(minor),
-           "lowering a block job's speed takes effect only after its current sleep (fixed in 8.1)",
-           "and active commit keeps 16 x 1 MiB requests in flight whatever its speed: with "
-           "cache=none that is a floor of 16 MiB / bandwidth of added latency"});
-  }
-
-  // qcommitd.
-  const bool daemon = qcommitd_answers(socket_path);
-  f.push_back(
-      {daemon ? "ok" : "warn", "qcommitd",
-       daemon ? "running (socket " + socket_path + ")"
-              : "not running (no socket at " + socket_path + ")",
-       daemon
-           ? "virsh blockcommit jobs are governed by their pool's budget"
-           : "virsh blockcommit jobs run unthrottled: start qcommitd (systemctl start qcommitd)"});
-
-  // Domains.
-  plugin::lv::Conn conn(virConnectOpenReadOnly(uri.c_str()));
-  if (!conn) {
-    f.push_back({"info", "libvirt", "cannot connect to " + uri, "domain checks skipped"});
-  } else if (!domain.empty()) {
-    plugin::lv::Domain d(virDomainLookupByName(conn.get(), domain.c_str()));
-    if (!d) throw std::runtime_error("domain " + domain + ": not found");
-    check_domain(d.get(), f);
-  } else {
-    virDomainPtr* doms = nullptr;
-    const int n = virConnectListAllDomains(conn.get(), &doms, VIR_CONNECT_LIST_DOMAINS_ACTIVE);
-    for (auto& d : plugin::lv::take_list<plugin::lv::Domain>(doms, n)) check_domain(d.get(), f);
-  }
-
-  if (out == Output::kJson) {
-    json::Ordered findings = json::Ordered::array();
-    for (const auto& x : f)
-      findings.push_back(json::Ordered{
-          {"level", x.level}, {"subject", x.subject}, {"finding", x.text}, {"reason", x.reason}});
-    print_json(json::Ordered{{"findings", findings}});
-  } else {
-    for (const auto& x : f)
-      std::printf("[%-4s] %s: %s\n       why: %s\n", x.level.c_str(), x.subject.c_str(),
-                  x.text.c_str(), x.reason.c_str());
-  }
+  check_dirty_limit(f);
+  check_page_cache_source(f);
+  check_nfs_mounts(f);
+  check_qemu_version(f);
+  check_qcommitd(socket_path, f);
+  check_domains(uri, domain, f);
+  print_findings(f, out);
   return kExitOk;
 }
 

@@ -29,6 +29,7 @@ struct DiskInfo {
   std::optional<std::uint64_t> device;    // st_dev of the source's filesystem, when stat works
   std::string cache;                      // <driver cache=...> ("" when not given: writeback)
   std::string format;                     // <driver type=...> of the active layer ("" unknown)
+  std::string io{};                       // <driver io=...> ("" when not given: threads)
 };
 
 struct DomainInfo {
@@ -37,6 +38,11 @@ struct DomainInfo {
   std::vector<DiskInfo> disks;
   // The <qcommit:policy .../> element of the domain metadata, as libvirt returns it.
   std::optional<std::string> policy_xml;
+  // What `qcommit doctor` reads (the libvirt adapter fills them): whether the definition has
+  // <iothreads>, and every device='disk' disk in the definition's order, also those `disks`
+  // leaves out for having no local path (network and pool-volume disks).
+  bool iothreads = false;
+  std::vector<DiskInfo> defined_disks{};
 };
 
 struct PoolInfo {

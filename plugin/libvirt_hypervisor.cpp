@@ -79,6 +79,7 @@ DiskInfo parse_disk(xmlDocPtr doc, xmlNodePtr disk) {
   const xmlNodePtr driver = xml::child(disk, "driver");
   d.cache = xml::attr(driver, "cache");
   d.format = xml::attr(driver, "type");
+  d.io = xml::attr(driver, "io");
   d.target = xml::attr(xml::child(disk, "target"), "dev");
   d.source = source_path(xml::child(disk, "source"));
   // The chain nests one <backingStore> in the next, top to bottom (a mirror's own chain is not
@@ -97,6 +98,17 @@ DiskInfo parse_disk(xmlDocPtr doc, xmlNodePtr disk) {
 std::string pool_target_path(const std::string& text) {
   const xml::Doc doc = xml::parse(text);
   return xml::text(xml::first(doc.get(), "/pool/target/path"));
+}
+
+PoolInfo pool_info(virStoragePoolPtr p) {
+  PoolInfo info;
+  const char* name = virStoragePoolGetName(p);
+  info.name = name ? name : "";
+  char uuid[VIR_UUID_STRING_BUFLEN];
+  if (virStoragePoolGetUUIDString(p, uuid) == 0) info.uuid = uuid;
+  CString xml(virStoragePoolGetXMLDesc(p, 0));
+  if (xml) info.target_path = pool_target_path(xml.get());
+  return info;
 }
 
 }  // namespace
@@ -120,11 +132,20 @@ std::string disk_only_snapshot_xml(const std::vector<DiskInfo>& disks, const std
   return xml::dump_element(xml::root(doc.get()));
 }
 
-std::vector<DiskInfo> parse_domain_disks(const std::string& text) {
-  const xml::Doc doc = xml::parse(text);
+namespace {
+
+// Every <disk device='disk'> of the definition, in order (source "" when it has no local path).
+std::vector<DiskInfo> defined_disks(xmlDocPtr doc) {
   std::vector<DiskInfo> disks;
-  for (xmlNodePtr n : xml::select(doc.get(), "/domain/devices/disk[not(@device) or @device='disk']")) {
-    DiskInfo d = parse_disk(doc.get(), n);
+  for (xmlNodePtr n : xml::select(doc, "/domain/devices/disk[not(@device) or @device='disk']"))
+    disks.push_back(parse_disk(doc, n));
+  return disks;
+}
+
+// The disks with a target and a local path, each with its filesystem's device when stat works.
+std::vector<DiskInfo> local_disks(const std::vector<DiskInfo>& defined) {
+  std::vector<DiskInfo> disks;
+  for (DiskInfo d : defined) {
     if (d.target.empty() || d.source.empty()) continue;
     struct stat sb{};
     if (::stat(d.source.c_str(), &sb) == 0) d.device = static_cast<std::uint64_t>(sb.st_dev);
@@ -133,7 +154,23 @@ std::vector<DiskInfo> parse_domain_disks(const std::string& text) {
   return disks;
 }
 
-LibvirtHypervisor::LibvirtHypervisor(std::string uri) : uri_(std::move(uri)) {
+}  // namespace
+
+DomainInfo parse_domain_xml(const std::string& text) {
+  const xml::Doc doc = xml::parse(text);
+  DomainInfo info;
+  info.defined_disks = defined_disks(doc.get());
+  info.disks = local_disks(info.defined_disks);
+  info.iothreads = xml::first(doc.get(), "/domain/iothreads") != nullptr;
+  return info;
+}
+
+std::vector<DiskInfo> parse_domain_disks(const std::string& text) {
+  return parse_domain_xml(text).disks;
+}
+
+LibvirtHypervisor::LibvirtHypervisor(std::string uri, Access access)
+    : uri_(std::move(uri)), access_(access) {
   virSetErrorFunc(nullptr, silent_error);
 }
 
@@ -152,7 +189,8 @@ void LibvirtHypervisor::disconnect() {
 bool LibvirtHypervisor::connect() {
   disconnect();
   closed_ = false;
-  conn_ = virConnectOpen(uri_.c_str());
+  conn_ = access_ == Access::kReadOnly ? virConnectOpenReadOnly(uri_.c_str())
+                                       : virConnectOpen(uri_.c_str());
   if (!conn_) {
     virErrorPtr e = virGetLastError();
     last_error_ = e && e->message ? e->message : "cannot connect";
@@ -163,6 +201,7 @@ bool LibvirtHypervisor::connect() {
                       ? std::optional<std::uint64_t>(version)
                       : std::nullopt;
   virConnectRegisterCloseCallback(conn_, on_close, this, nullptr);
+  if (access_ == Access::kReadOnly) return true;
   virConnectSetKeepAlive(conn_, 5, 3);
   block_job_cb_ = virConnectDomainEventRegisterAny(
       conn_, nullptr, VIR_DOMAIN_EVENT_ID_BLOCK_JOB_2, VIR_DOMAIN_EVENT_CALLBACK(on_block_job),
@@ -199,15 +238,14 @@ std::vector<DomainInfo> LibvirtHypervisor::running_domains() {
 }
 
 std::optional<DomainInfo> LibvirtHypervisor::describe(virDomainPtr d) {
-  DomainInfo info;
   const char* name = virDomainGetName(d);
   if (!name) return std::nullopt;
+  CString xml(virDomainGetXMLDesc(d, 0));
+  if (!xml) return std::nullopt;  // domain went away
+  DomainInfo info = parse_domain_xml(xml.get());
   info.name = name;
   char uuid[VIR_UUID_STRING_BUFLEN];
   if (virDomainGetUUIDString(d, uuid) == 0) info.uuid = uuid;
-  CString xml(virDomainGetXMLDesc(d, 0));
-  if (!xml) return std::nullopt;  // domain went away
-  info.disks = parse_domain_disks(xml.get());
   CString meta(virDomainGetMetadata(d, VIR_DOMAIN_METADATA_ELEMENT, kMetadataNamespace, 0));
   if (meta) info.policy_xml = meta.get();
   return info;
@@ -305,16 +343,7 @@ std::vector<PoolInfo> LibvirtHypervisor::pools() {
   }
   std::vector<Pool> pools = lv::take_list<Pool>(list, n);
   std::vector<PoolInfo> out;
-  for (auto& p : pools) {
-    PoolInfo info;
-    const char* name = virStoragePoolGetName(p.get());
-    info.name = name ? name : "";
-    char uuid[VIR_UUID_STRING_BUFLEN];
-    if (virStoragePoolGetUUIDString(p.get(), uuid) == 0) info.uuid = uuid;
-    CString xml(virStoragePoolGetXMLDesc(p.get(), 0));
-    if (xml) info.target_path = pool_target_path(xml.get());
-    out.push_back(std::move(info));
-  }
+  for (auto& p : pools) out.push_back(pool_info(p.get()));
   return out;
 }
 
@@ -327,14 +356,7 @@ std::optional<PoolInfo> LibvirtHypervisor::pool_of_volume(const std::string& pat
   }
   Pool pool(virStoragePoolLookupByVolume(vol.get()));
   if (!pool) return std::nullopt;
-  PoolInfo info;
-  const char* name = virStoragePoolGetName(pool.get());
-  info.name = name ? name : "";
-  char uuid[VIR_UUID_STRING_BUFLEN];
-  if (virStoragePoolGetUUIDString(pool.get(), uuid) == 0) info.uuid = uuid;
-  CString xml(virStoragePoolGetXMLDesc(pool.get(), 0));
-  if (xml) info.target_path = pool_target_path(xml.get());
-  return info;
+  return pool_info(pool.get());
 }
 
 std::optional<BlockStats> LibvirtHypervisor::block_stats(const std::string& domain,

@@ -13,7 +13,10 @@ namespace qcommit::plugin {
 
 class LibvirtHypervisor final : public Hypervisor, public BlockJobControl {
  public:
-  explicit LibvirtHypervisor(std::string uri);
+  // kReadOnly (`qcommit doctor`): a read-only connection, as an unprivileged user may open, with
+  // no event callbacks and no keepalive (so no event loop is needed); only reads work.
+  enum class Access { kReadWrite, kReadOnly };
+  explicit LibvirtHypervisor(std::string uri, Access access = Access::kReadWrite);
   ~LibvirtHypervisor() override;
   LibvirtHypervisor(const LibvirtHypervisor&) = delete;
   LibvirtHypervisor& operator=(const LibvirtHypervisor&) = delete;
@@ -59,6 +62,7 @@ class LibvirtHypervisor final : public Hypervisor, public BlockJobControl {
 
   std::string uri_;
   virConnectPtr conn_ = nullptr;
+  Access access_;
   bool closed_ = false;
   int block_job_cb_ = -1;
   int qemu_cb_ = -1;
@@ -67,7 +71,11 @@ class LibvirtHypervisor final : public Hypervisor, public BlockJobControl {
   std::optional<std::uint64_t> qemu_version_;  // virConnectGetVersion at connect
 };
 
-// Parses the <devices><disk> elements of a domain XML (exposed for tests).
+// What a domain XML says of the domain's disks (`disks`, `defined_disks`) and of `iothreads`;
+// the name, the UUID and the policy come from calls of their own (exposed for tests).
+[[nodiscard]] DomainInfo parse_domain_xml(const std::string& xml);
+
+// parse_domain_xml(xml).disks (exposed for tests).
 [[nodiscard]] std::vector<DiskInfo> parse_domain_disks(const std::string& xml);
 
 // The <domainsnapshot> of a disk-only snapshot: an external qcow2 overlay at `overlay_path` for

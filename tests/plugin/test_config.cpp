@@ -95,6 +95,36 @@ TEST_CASE("plugin.config.domain_override") {
   CHECK(*apply_domain_override("<other/>", r) == "domain metadata: no <qcommit:policy/> element");
 }
 
+// What `qcommit doctor` reads of a definition: every device='disk' disk in order, also one with
+// no local path, its cache and io modes, and whether the domain has <iothreads>.
+TEST_CASE("plugin.libvirt.parse_domain_xml") {
+  const DomainInfo d = parse_domain_xml(R"(<domain type='kvm'><name>d</name>
+    <iothreads>1</iothreads><devices>
+    <disk type='file' device='disk'><driver name='qemu' type='qcow2' cache='none' io='native'/>
+      <source file='/p/a.qcow2'/><target dev='vda'/></disk>
+    <disk type='network' device='disk'><driver name='qemu' type='raw' cache='writeback'/>
+      <source protocol='nbd' name='x'><host name='h'/></source><target dev='vdb'/></disk>
+    <disk type='file' device='cdrom'><source file='/p/x.iso'/><target dev='sda'/></disk>
+    <disk type='volume' device='disk'><driver name='qemu' type='qcow2'/>
+      <source pool='default' volume='v.qcow2'/><target dev='vdc'/></disk>
+    </devices></domain>)");
+  CHECK(d.iothreads);
+  REQUIRE(d.defined_disks.size() == 3);
+  CHECK(d.defined_disks[0].target == "vda");
+  CHECK(d.defined_disks[0].cache == "none");
+  CHECK(d.defined_disks[0].io == "native");
+  CHECK(d.defined_disks[1].target == "vdb");
+  CHECK(d.defined_disks[1].source.empty());
+  CHECK(d.defined_disks[1].cache == "writeback");
+  CHECK(d.defined_disks[1].io.empty());
+  CHECK(d.defined_disks[2].target == "vdc");
+  CHECK(d.defined_disks[2].cache.empty());
+  // The governor's list keeps only the disk with a local path.
+  REQUIRE(d.disks.size() == 1);
+  CHECK(d.disks[0].target == "vda");
+  CHECK_FALSE(parse_domain_xml("<domain><devices/></domain>").iothreads);
+}
+
 TEST_CASE("plugin.libvirt.parse_domain_disks") {
   const auto disks = parse_domain_disks(R"(<domain type='qemu'><name>d</name><devices>
     <disk type='file' device='disk'><driver name='qemu' type='qcow2' cache='none' io='native'/>
