@@ -59,6 +59,7 @@ json::Ordered ms_or_null(const std::optional<Duration>& d) {
 json::Ordered job_json(const JobStatus& j) {
   return json::Ordered{{"domain", j.domain},
                        {"disk", j.disk},
+                       {"id", j.id},
                        {"type", to_string(j.type)},
                        {"target", j.target},
                        {"storage", j.storage},
@@ -82,7 +83,9 @@ json::Ordered job_json(const JobStatus& j) {
 json::Ordered released_json(const ReleasedJob& r, TimePoint now) {
   return json::Ordered{{"domain", r.domain},
                        {"disk", r.disk},
+                       {"id", r.id},
                        {"type", to_string(r.type)},
+                       {"state", end_state(r)},
                        {"reason", r.reason},
                        {"age_s", std::chrono::duration<double>(now - r.at).count()}};
 }

@@ -42,6 +42,15 @@ const char* to_string(JobEventKind k) {
   return "unknown";
 }
 
+const char* end_state(const ReleasedJob& r) {
+  if (!r.from_event) return "ended";
+  if (r.reason == kEndCompleted)
+    return r.type == JobType::ActiveCommit || r.type == JobType::Copy ? "pivoted" : "completed";
+  if (r.reason == kEndCanceled) return "canceled";
+  if (r.reason == kEndPivotFailed) return "pivot-failed";
+  return "failed";
+}
+
 std::optional<std::string> GovernorOptions::validate() const {
   if (tick <= Duration::zero()) return "governor tick must be > 0";
   if (pace <= Duration::zero() || pace > tick) return "governor pace interval must be in (0, tick]";
@@ -178,6 +187,7 @@ struct Governor::Job {
     return c;
   }
   // Identity and policy.
+  std::uint64_t id = 0;
   DiskKey key;
   JobType type = JobType::Unknown;
   std::string target;
@@ -314,32 +324,72 @@ void Governor::handle_events(TimePoint now) {
       continue;
     }
     // BLOCK_JOB_2 names the disk by target; accept a source path too.
-    auto it = jobs_.find(DiskKey{e.domain, e.disk});
-    if (it == jobs_.end()) {
+    JobEvent ev = e;
+    if (!jobs_.count(DiskKey{e.domain, e.disk})) {
       for (const auto& d : domains_) {
         if (d.name != e.domain) continue;
         for (const auto& disk : d.disks)
-          if (disk.source == e.disk) it = jobs_.find(DiskKey{e.domain, disk.target});
+          if (disk.source == e.disk) ev.disk = disk.target;
       }
     }
-    if (it == jobs_.end()) continue;
-    switch (e.kind) {
-      case JobEventKind::Ready:
-        it->second->ready = true;
-        break;
-      case JobEventKind::Completed:
-        release(it->first, "completed", now);
-        break;
-      case JobEventKind::Canceled:
-        release(it->first, "canceled", now);
-        break;
-      case JobEventKind::Failed:
-        release(it->first, it->second->ready ? "failed after ready (pivot failed)" : "failed", now);
-        break;
-      case JobEventKind::StatusChange:
-        break;
+    if (ev.kind == JobEventKind::Ready) {
+      auto it = jobs_.find(DiskKey{ev.domain, ev.disk});
+      if (it != jobs_.end()) it->second->ready = true;
+      continue;
     }
+    job_ended(ev, now);
   }
+}
+
+// A released job that a late end event may still name: released by the daemon (no event) on
+// that disk within kLateEndEvent.
+ReleasedJob* Governor::late_end(const std::string& domain, const std::string& disk,
+                                TimePoint now) {
+  for (ReleasedJob& r : released_)  // newest first
+    if (r.domain == domain && r.disk == disk)
+      return !r.from_event && now - r.at <= kLateEndEvent ? &r : nullptr;
+  return nullptr;
+}
+
+// libvirt's end event (completed, canceled, failed) for a disk.  Events are dispatched after the
+// calls in flight: a tick may have released the job already (then the event gives that release
+// its reason), and a poll may already govern the next job on the disk (then the event is for the
+// released one and the next job stays).  Whether a job still runs on the disk tells which.
+void Governor::job_ended(const JobEvent& e, TimePoint now) {
+  const DiskKey k{e.domain, e.disk};
+  auto it = jobs_.find(k);
+  auto reason = [&e](bool ready) -> std::string {
+    if (e.kind == JobEventKind::Completed) return kEndCompleted;
+    if (e.kind == JobEventKind::Canceled) return kEndCanceled;
+    return ready ? kEndPivotFailed : kEndFailed;
+  };
+  ReleasedJob* late = late_end(e.domain, e.disk, now);
+  if (it == jobs_.end()) {
+    if (late) {
+      late->reason = reason(late->ready);
+      late->from_event = true;
+    }
+    return;
+  }
+  const JobQuery q = hv_.query_job(e.domain, e.disk);
+  const bool next_runs = q.state == JobQuery::State::kRunning && governed(q.info.type);
+  if (next_runs && late) {  // the governed job is the next one already
+    late->reason = reason(late->ready);
+    late->from_event = true;
+    return;
+  }
+  release(k, reason(it->second->ready), now, true);
+  if (next_runs) scan_domains_.insert(e.domain);  // adopt the next job in this step
+}
+
+bool Governor::same_job(const Job& j, const JobInfo& listed) {
+  // QEMU's progress never goes back; libvirt shows a mirror that is not ready with cur one below
+  // end when QEMU has them equal, so a step back by one is the same job.
+  return listed.type == j.type && listed.cur + 1 >= j.info.cur;
+}
+
+std::string Governor::gone_reason(const Job& j) {
+  return j.seen_in_poll ? kEndNotListed : kEndWhileDisconnected;
 }
 
 std::optional<PoolInfo> Governor::resolve_pool(const std::string& path) {
@@ -368,15 +418,21 @@ void Governor::poll(TimePoint now, const std::set<std::string>* only) {
       if (opt_.only_disk &&
           (opt_.only_disk->first != dom.name || opt_.only_disk->second != disk.target))
         continue;
-      std::optional<JobInfo> info = hv_.job_info(dom.name, disk.target);
-      if (!info || !governed(info->type)) continue;
-      DiskKey k{dom.name, disk.target};
-      listed.insert(k);
-      if (auto it = jobs_.find(k); it != jobs_.end()) {
-        it->second->seen_in_poll = true;
-      } else {
-        adopt(dom, disk, *info, now);
+      const DiskKey k{dom.name, disk.target};
+      const JobQuery q = hv_.query_job(dom.name, disk.target);
+      auto it = jobs_.find(k);
+      if (q.state == JobQuery::State::kUnknown) {
+        if (it != jobs_.end()) listed.insert(k);  // not known to have ended: kept as it is
+        continue;
       }
+      if (q.state != JobQuery::State::kRunning || !governed(q.info.type)) continue;
+      listed.insert(k);
+      if (it != jobs_.end() && same_job(*it->second, q.info)) {
+        it->second->seen_in_poll = true;
+        continue;
+      }
+      if (it != jobs_.end()) release(k, gone_reason(*it->second), now);  // another job now
+      adopt(dom, disk, q.info, now);
     }
   }
   // Jobs that are no longer listed in the scanned domains ended without an event we saw.
@@ -385,9 +441,7 @@ void Governor::poll(TimePoint now, const std::set<std::string>* only) {
     if (only && !only->count(k.domain)) continue;
     if (!listed.count(k)) gone.push_back(k);
   }
-  for (const auto& k : gone) {
-    release(k, jobs_[k]->seen_in_poll ? "no longer listed" : "ended while disconnected", now);
-  }
+  for (const auto& k : gone) release(k, gone_reason(*jobs_[k]), now);
   if (only) {
     for (auto& d : doms) {
       if (!only->count(d.name)) continue;
@@ -448,6 +502,7 @@ void Governor::adopt(const DomainInfo& dom, const DiskInfo& disk, const JobInfo&
   const Policy policy = resolved.policy;
   const std::string policy_error = resolved.metadata_error.value_or("");
   auto j = std::make_unique<Job>(k, policy, info.type, disk.cache);
+  j->id = ++adopted_;
   j->target = target;
   j->storage = storage;
   j->pool = pool ? pool->name : "";
@@ -475,10 +530,12 @@ void Governor::adopt(const DomainInfo& dom, const DiskInfo& disk, const JobInfo&
   }
 }
 
-void Governor::release(const DiskKey& k, const std::string& reason, TimePoint now) {
+void Governor::release(const DiskKey& k, const std::string& reason, TimePoint now,
+                       bool from_event) {
   auto it = jobs_.find(k);
   if (it == jobs_.end()) return;
-  released_.push_front(ReleasedJob{k.domain, k.disk, it->second->type, reason, now});
+  released_.push_front(ReleasedJob{it->second->id, k.domain, k.disk, it->second->type, reason,
+                                   now, from_event, it->second->ready});
   while (released_.size() > kMaxReleasedHistory) released_.pop_back();
   jobs_.erase(it);
 }
@@ -532,13 +589,15 @@ void Governor::tick(TimePoint now) {
   for (const auto& k : keys) {
     auto it = jobs_.find(k);
     if (it == jobs_.end()) continue;
-    std::optional<JobInfo> info = hv_.job_info(k.domain, k.disk);
-    if (!info || !governed(info->type)) {
-      release(k, "no longer listed", now);
+    const JobQuery q = hv_.query_job(k.domain, k.disk);
+    if (q.state == JobQuery::State::kUnknown) continue;  // this tick tells nothing of it
+    Job& j = *it->second;
+    if (q.state == JobQuery::State::kNone || !governed(q.info.type) || !same_job(j, q.info)) {
+      release(k, gone_reason(j), now);
+      if (q.state == JobQuery::State::kRunning) scan_domains_.insert(k.domain);  // its successor
       continue;
     }
-    Job& j = *it->second;
-    tick_job(j, *info, fg.signals[j.storage], !fg.not_idle.count(j.storage), now);
+    tick_job(j, q.info, fg.signals[j.storage], !fg.not_idle.count(j.storage), now);
   }
 }
 
@@ -901,6 +960,7 @@ GovernorStatus Governor::status(TimePoint now) const {
   st.released = released_;
   for (const auto& [k, j] : jobs_) {
     JobStatus js;
+    js.id = j->id;
     js.domain = k.domain;
     js.disk = k.disk;
     js.type = j->type;

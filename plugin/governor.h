@@ -28,6 +28,14 @@
 // Discovery: JOB_STATUS_CHANGE events trigger a scan of the domain at the next step; BLOCK_JOB_2
 // completed/failed/canceled release the state; every `poll` all disks of all running domains
 // are polled (adopts jobs running before start and after reconnects).
+// Races (the event loop dispatches an event only after the calls in flight returned, so a poll or
+// tick can see a job's end, or the next job on the same disk, before the event of the first):
+//  * a job is adopted once: a disk's job whose query fails (JobQuery::kUnknown) is kept as it is,
+//    not released and adopted again when the query works once more;
+//  * a job listed on a governed disk that cannot be the governed one (another type, or its
+//    progress went back) replaces it: the governed one is released, the new one adopted;
+//  * an end event for a job released already (a tick saw it gone first) gives that release its
+//    reason; one for a disk whose next job the daemon already governs leaves that job alone.
 #pragma once
 
 #include <chrono>
@@ -153,6 +161,7 @@ struct GovernorOptions {
 [[nodiscard]] Duration settle_interval_for(std::optional<std::chrono::milliseconds> expire);
 
 struct JobStatus {
+  std::uint64_t id = 0;  // adoption number (1, 2, ...): one per job adopted, kept while governed
   std::string domain;
   std::string disk;
   JobType type = JobType::Unknown;
@@ -175,13 +184,31 @@ struct JobStatus {
   std::string policy_error;   // bad domain metadata (the pool/default policy applies)
 };
 
+// Reasons a job is released for: libvirt's end events, and ends the daemon saw without one.
+inline constexpr const char* kEndCompleted = "completed";
+inline constexpr const char* kEndCanceled = "canceled";
+inline constexpr const char* kEndFailed = "failed";
+inline constexpr const char* kEndPivotFailed = "failed after ready (pivot failed)";
+inline constexpr const char* kEndNotListed = "no longer listed";
+inline constexpr const char* kEndWhileDisconnected = "ended while disconnected";
+// An end event may reach the daemon this long after a poll or tick saw the job gone.
+inline constexpr Duration kLateEndEvent = std::chrono::seconds(10);
+
 struct ReleasedJob {
+  std::uint64_t id = 0;  // JobStatus::id
   std::string domain;
   std::string disk;
   JobType type = JobType::Unknown;
   std::string reason;
   TimePoint at{};
+  bool from_event = false;  // the reason is libvirt's end event (else the daemon saw it gone)
+  bool ready = false;       // the job had become ready (a mirror that failed then: the pivot)
 };
+
+// How a released job ended, in one word: "pivoted" (an active commit or copy completed: libvirt
+// completes them only by pivoting), "completed", "canceled", "failed", "pivot-failed", or "ended"
+// (the daemon saw it gone without libvirt's word on how).
+[[nodiscard]] const char* end_state(const ReleasedJob& r);
 
 struct GovernorStatus {
   bool connected = false;
@@ -231,9 +258,16 @@ class Governor {
   };
 
   void handle_events(TimePoint now);
+  void job_ended(const JobEvent& e, TimePoint now);
+  [[nodiscard]] ReleasedJob* late_end(const std::string& domain, const std::string& disk,
+                                      TimePoint now);
+  // The job the hypervisor lists on j's disk is j (same type, progress not gone back).
+  [[nodiscard]] static bool same_job(const Job& j, const JobInfo& listed);
+  [[nodiscard]] static std::string gone_reason(const Job& j);
   void poll(TimePoint now, const std::set<std::string>* only_domains);
   void adopt(const DomainInfo& dom, const DiskInfo& disk, const JobInfo& info, TimePoint now);
-  void release(const DiskKey& k, const std::string& reason, TimePoint now);
+  void release(const DiskKey& k, const std::string& reason, TimePoint now,
+               bool from_event = false);
   void tick(TimePoint now);
   [[nodiscard]] StorageSignals read_foreground(TimePoint now);
   void tick_job(Job& j, const JobInfo& info, const throttle::ForegroundSignals& s,
@@ -283,6 +317,7 @@ class Governor {
   std::map<DiskKey, throttle::IoCounterSampler> guests_;
   std::map<DiskKey, std::unique_ptr<Job>> jobs_;
   std::deque<ReleasedJob> released_;
+  std::uint64_t adopted_ = 0;  // jobs adopted so far (the last JobStatus::id)
 };
 
 }  // namespace qcommit::plugin

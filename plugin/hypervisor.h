@@ -64,6 +64,15 @@ struct JobInfo {
   std::uint64_t bandwidth_bytes_per_s = 0;  // 0 = unlimited
 };
 
+// What the hypervisor could tell of a disk's block job: one runs, none runs, or nothing is known
+// (the query failed while the connection stayed up: a domain job holding libvirt's lock past its
+// timeout, a domain in transition).  An unknown answer is no evidence that a job ended.
+struct JobQuery {
+  enum class State { kRunning, kNone, kUnknown };
+  State state = State::kNone;
+  JobInfo info;  // when kRunning
+};
+
 enum class JobEventKind {
   StatusChange,  // QEMU JOB_STATUS_CHANGE (created, running, ...): look at the domain now
   Completed,
@@ -101,6 +110,11 @@ class Hypervisor {
                                                               const std::string& disk) = 0;
   [[nodiscard]] virtual std::optional<JobInfo> job_info(const std::string& domain,
                                                         const std::string& disk) = 0;
+  // job_info with "unknown" told apart from "no job"; by default a failed query reads as none.
+  [[nodiscard]] virtual JobQuery query_job(const std::string& domain, const std::string& disk) {
+    std::optional<JobInfo> j = job_info(domain, disk);
+    return j ? JobQuery{JobQuery::State::kRunning, *j} : JobQuery{};
+  }
   // Never called with 0 (0 means unlimited in QEMU).
   [[nodiscard]] virtual bool set_job_speed(const std::string& domain, const std::string& disk,
                                            std::uint64_t bytes_per_s) = 0;

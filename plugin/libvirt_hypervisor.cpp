@@ -395,25 +395,37 @@ std::optional<BlockStats> LibvirtHypervisor::block_stats(const std::string& doma
 
 std::optional<JobInfo> LibvirtHypervisor::job_info(const std::string& domain,
                                                    const std::string& disk) {
+  JobQuery q = query_job(domain, disk);
+  if (q.state != JobQuery::State::kRunning) return std::nullopt;
+  return q.info;
+}
+
+JobQuery LibvirtHypervisor::query_job(const std::string& domain, const std::string& disk) {
   check_alive();
   Domain d(virDomainLookupByName(conn_, domain.c_str()));
   if (!d) {
     check_alive();
-    return std::nullopt;
+    return {};  // no such domain (it stopped): no job
   }
   virDomainBlockJobInfo info{};
   const int rc = virDomainGetBlockJobInfo(d.get(), disk.c_str(), &info,
                                           VIR_DOMAIN_BLOCK_JOB_INFO_BANDWIDTH_BYTES);
-  if (rc <= 0) {
-    if (rc < 0) check_alive();
-    return std::nullopt;
+  if (rc < 0) {
+    // A domain that is no longer running has no jobs; any other failure tells nothing.  (The
+    // error is read first: check_alive's call into libvirt resets it.)
+    virErrorPtr e = virGetLastError();
+    const bool gone = e && (e->code == VIR_ERR_NO_DOMAIN || e->code == VIR_ERR_OPERATION_INVALID);
+    check_alive();
+    return JobQuery{gone ? JobQuery::State::kNone : JobQuery::State::kUnknown, {}};
   }
-  JobInfo j;
-  j.type = job_type(info.type);
-  j.cur = info.cur;
-  j.end = info.end;
-  j.bandwidth_bytes_per_s = info.bandwidth;
-  return j;
+  if (rc == 0) return {};
+  JobQuery q;
+  q.state = JobQuery::State::kRunning;
+  q.info.type = job_type(info.type);
+  q.info.cur = info.cur;
+  q.info.end = info.end;
+  q.info.bandwidth_bytes_per_s = info.bandwidth;
+  return q;
 }
 
 bool LibvirtHypervisor::set_job_speed(const std::string& domain, const std::string& disk,

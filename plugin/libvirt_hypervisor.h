@@ -31,6 +31,7 @@ class LibvirtHypervisor final : public Hypervisor, public BlockJobControl {
                                                       const std::string& disk) override;
   [[nodiscard]] std::optional<JobInfo> job_info(const std::string& domain,
                                                 const std::string& disk) override;
+  [[nodiscard]] JobQuery query_job(const std::string& domain, const std::string& disk) override;
   [[nodiscard]] bool set_job_speed(const std::string& domain, const std::string& disk,
                                    std::uint64_t bytes_per_s) override;
   void set_event_sink(EventSink sink) override { sink_ = std::move(sink); }
