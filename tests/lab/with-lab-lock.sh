@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs a command holding the lab lock (/tmp/qcommit-lab.lock): lab runs share libvirtd, the
 # FUSE storage and the host's latency, so one at a time across ctest, bench-stall and other
-# sessions. Re-entrant through QCOMMIT_LAB_LOCKED: a command started under this wrapper (say
+# users of the host. Re-entrant through QCOMMIT_LAB_LOCKED: a command started under this wrapper (say
 # `tests/lab/with-lab-lock.sh ctest -L lab`) does not wait for itself in the tests it runs.
 #   tests/lab/with-lab-lock.sh COMMAND [ARGS...]
 set -euo pipefail
