@@ -7,6 +7,7 @@
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "common/defaults.h"
 #include "cli/commands.h"
@@ -44,6 +45,56 @@ namespace {
 
 inline constexpr const char* kDefaultWatch = "1s";
 inline constexpr std::chrono::milliseconds kMinWatch{100};
+// A job that ended stays in the table, with how it ended, this long; older ends are listed below
+// it, at most kEarlierEndsShown of them (the JSON has every end qcommitd remembers).
+inline constexpr double kEndedInTableS = 60.0;
+inline constexpr std::size_t kEarlierEndsShown = 5;
+inline constexpr const char* kTableFormat =
+    "%-16s %-5s %-13s %-12s %7s %11s %10s %8s %10s %8s  %s\n";
+
+// How a released job ended, in words: qcommitd's "state" ("pivoted", "completed", "canceled",
+// "failed", "pivot-failed"; "ended" when it saw the job gone without libvirt saying how).
+std::string end_words(const json::Value& r) {
+  const std::string& state = str(r, "state");
+  if (state.empty()) return str(r, "reason");  // a qcommitd from before "state"
+  if (state == "pivot-failed") return "pivot failed";
+  if (state == "ended") return "ended (" + str(r, "reason") + ")";
+  return state;
+}
+
+double age_of(const json::Value& r) {
+  const json::Value* v = json::member(r, "age_s");
+  return v && v->is_number() ? v->get<double>() : 0.0;
+}
+
+void print_header() {
+  std::printf(kTableFormat, "DOMAIN", "DISK", "TYPE", "POOL", "BUDGET", "SPEED", "WINDOW", "P99",
+              "LEFT", "ETA", "PHASE");
+}
+
+void print_job_row(const json::Value& j) {
+  std::string pool = str(j, "pool");
+  if (pool.empty()) pool = "-";
+  const std::string phase =
+      str(j, "phase") +
+      (str(j, "policy_error").empty() ? "" : " (" + str(j, "policy_error") + ")");
+  std::printf(kTableFormat, str(j, "domain").c_str(), str(j, "disk").c_str(),
+              str(j, "type").c_str(), pool.c_str(), num_or_dash(j, "budget_ms", "%.0fms").c_str(),
+              num_or_dash(j, "speed_bytes_per_s", "%.1fMiB/s", 1048576.0).c_str(),
+              num_or_dash(j, "window_bytes", "%.1fMiB", 1048576.0).c_str(),
+              num_or_dash(j, "latency_p99_ms", "%.1fms").c_str(),
+              num_or_dash(j, "bytes_left", "%.1fMiB", 1048576.0).c_str(),
+              num_or_dash(j, "eta_s", "%.0fs").c_str(), phase.c_str());
+}
+
+// A job that ended lately: its row, with how it ended and when.
+void print_ended_row(const json::Value& r) {
+  char ago[32];
+  std::snprintf(ago, sizeof ago, " %.0f s ago", age_of(r));
+  std::printf(kTableFormat, str(r, "domain").c_str(), str(r, "disk").c_str(),
+              str(r, "type").c_str(), "-", "-", "-", "-", "-", "-", "-",
+              (end_words(r) + ago).c_str());
+}
 
 // One request line to qcommitd, one response line back; nullopt after printing why not.
 std::optional<std::string> ask(const std::string& socket_path, const std::string& request) {
@@ -91,34 +142,24 @@ int status_once(const std::string& socket_path, bool json_out) {
     return kExitOk;
   }
   std::printf("libvirt: %s\n", is_true(*v, "connected") ? "connected" : "NOT connected");
+  static const json::Value kNone = json::Value::array();
   const json::Value* jobs = json::member(*v, "jobs");
-  if (!jobs || !jobs->is_array() || jobs->empty()) {
+  if (!jobs || !jobs->is_array()) jobs = &kNone;
+  const json::Value* rel = json::member(*v, "released");
+  if (!rel || !rel->is_array()) rel = &kNone;
+  std::vector<const json::Value*> recent, earlier;  // newest first, as qcommitd lists them
+  for (const auto& r : *rel) (age_of(r) <= kEndedInTableS ? recent : earlier).push_back(&r);
+  if (jobs->empty() && recent.empty()) {
     std::printf("no governed block jobs\n");
   } else {
-    std::printf("%-16s %-5s %-13s %-12s %7s %11s %10s %8s %10s %8s  %s\n", "DOMAIN", "DISK", "TYPE",
-                "POOL", "BUDGET", "SPEED", "WINDOW", "P99", "LEFT", "ETA", "PHASE");
-    for (const auto& j : *jobs) {
-      std::string pool = str(j, "pool");
-      if (pool.empty()) pool = "-";
-      std::printf(
-          "%-16s %-5s %-13s %-12s %7s %11s %10s %8s %10s %8s  %s%s\n", str(j, "domain").c_str(),
-          str(j, "disk").c_str(), str(j, "type").c_str(), pool.c_str(),
-          num_or_dash(j, "budget_ms", "%.0fms").c_str(),
-          num_or_dash(j, "speed_bytes_per_s", "%.1fMiB/s", 1048576.0).c_str(),
-          num_or_dash(j, "window_bytes", "%.1fMiB", 1048576.0).c_str(),
-          num_or_dash(j, "latency_p99_ms", "%.1fms").c_str(),
-          num_or_dash(j, "bytes_left", "%.1fMiB", 1048576.0).c_str(),
-          num_or_dash(j, "eta_s", "%.0fs").c_str(), str(j, "phase").c_str(),
-          str(j, "policy_error").empty() ? "" : (" (" + str(j, "policy_error") + ")").c_str());
-    }
+    print_header();
+    for (const auto& j : *jobs) print_job_row(j);
+    for (const json::Value* r : recent) print_ended_row(*r);
   }
-  const json::Value* rel = json::member(*v, "released");
-  if (rel && rel->is_array()) {
-    for (const auto& r : *rel)
-      std::printf("released: %s %s (%s): %s, %s s ago\n", str(r, "domain").c_str(),
-                  str(r, "disk").c_str(), str(r, "type").c_str(), str(r, "reason").c_str(),
-                  num_or_dash(r, "age_s", "%.0f").c_str());
-  }
+  for (std::size_t i = 0; i < earlier.size() && i < kEarlierEndsShown; ++i)
+    std::printf("earlier: %s %s (%s) %s, %.0f s ago\n", str(*earlier[i], "domain").c_str(),
+                str(*earlier[i], "disk").c_str(), str(*earlier[i], "type").c_str(),
+                end_words(*earlier[i]).c_str(), age_of(*earlier[i]));
   return kExitOk;
 }
 
