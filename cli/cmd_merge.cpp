@@ -154,6 +154,7 @@ struct MergeArgs {
   std::string domain, disk, pool, vol, uri = defaults::kUri;
   bool dry_run = false;
   std::string lock_wait = defaults::lock_wait_text();
+  std::string max_rate;  // --max-rate, "" when not given
 
   [[nodiscard]] bool via_libvirt() const { return !domain.empty() || !pool.empty(); }
   [[nodiscard]] bool governed() const { return budget != "off"; }
@@ -186,6 +187,10 @@ void add_merge_options(po::options_description& opts, MergeArgs& a) {
        "30s; 0: refuse at once (default " +
        defaults::lock_wait_text() + "; a running guest is never waited for)")
           .c_str())(
+      "max-rate", po::value(&a.max_rate),
+      "never copy faster than this many bytes per second, e.g. 50M or 1.5G (a size: K, M, G, T; "
+      "like virsh blockcommit --bandwidth); with a budget it caps the policy's ceiling, with "
+      "--budget off it paces the copy alone")(
       "budget", po::value(&a.budget),
       ("added-latency budget for co-tenants, e.g. 20ms, or 'off' (default: the policy of BASE's "
        "pool in the qcommitd configuration, else its [default], else " +
@@ -218,6 +223,7 @@ void validate(const MergeArgs& a) {
     throw UsageError("give TOP, or --domain DOM --disk DEV, or --pool P --vol V");
   if (!a.domain.empty() && a.disk.empty()) throw UsageError("--domain needs --disk");
   if (!a.pool.empty() != !a.vol.empty()) throw UsageError("--pool and --vol go together");
+  if (!a.max_rate.empty()) (void)parse_max_rate(a.max_rate);
   if (a.no_direct && a.force_direct)
     throw UsageError("--direct and --no-direct exclude each other");
   if (a.governed()) {
@@ -241,11 +247,12 @@ void validate(const MergeArgs& a) {
           "qcommit merge TOP [--base BASE] [--rebase CHILD...] [--delete] [--budget DURATION|off]\n"
           "              [--config FILE] [--connect URI] [--cotenants on|off] [--probe on|off] "
           "[--trace FILE.csv]\n"
-          "              [--dry-run]",
+          "              [--max-rate SIZE] [--dry-run]",
           "examples:\n"
           "  qcommit merge snap1.qcow2                      # into snap1's backing file\n"
           "  qcommit merge snap2.qcow2 --base base.qcow2 --rebase snap3.qcow2\n"
           "  qcommit merge snap.qcow2 --budget off --output=json\n"
+          "  qcommit merge snap.qcow2 --max-rate 50M            # at most 50 MiB/s\n"
           "  qcommit merge snap2.qcow2 --rebase snap3.qcow2 --delete --dry-run   # what it would "
           "do, nothing written\n"
           "  qcommit merge --domain vm1 --disk vda           # shut-off domain: merge and "
@@ -287,6 +294,7 @@ MergePolicyOptions policy_options(const MergeArgs& a) {
   p.uri = a.uri;
   p.domain = a.domain;
   p.cotenants = a.cotenants == "on";
+  if (!a.max_rate.empty()) p.max_rate_bytes_per_s = parse_max_rate(a.max_rate);
   return p;
 }
 
@@ -321,9 +329,29 @@ struct GovernedMerge {
   }
 
   std::shared_ptr<engine::CopyGovernor> governor_for(const std::string& merge_base) {
+    if (!args.governed()) return rate_cap();
     announce_policy(merge_base);
     governor = make_budget_governor(*policy, args.trace, args.probe == "on");
     return governor;
+  }
+
+  // --budget off: the copy paced at --max-rate alone (nullptr without it: unthrottled).
+  std::shared_ptr<engine::CopyGovernor> rate_cap() const {
+    if (!popts.max_rate_bytes_per_s) return nullptr;
+    const std::string line =
+        "no budget; at most " +
+        format_size(static_cast<uint64_t>(*popts.max_rate_bytes_per_s)) + "/s (--max-rate)";
+    if (out == Output::kJson) {
+      json::Ordered event = off_policy_json();
+      event["max-rate"] = whole(*popts.max_rate_bytes_per_s);
+      json::Ordered e{{"event", "policy"}};
+      e.update(event);
+      print_json(e);
+    } else {
+      std::printf("%s\n", line.c_str());
+      std::fflush(stdout);
+    }
+    return make_rate_cap_governor(*popts.max_rate_bytes_per_s);
   }
 };
 
@@ -384,7 +412,7 @@ std::optional<engine::MergeResult> merge_through_libvirt(const MergeArgs& a,
                                                          const engine::MergeOptions& mo,
                                                          GovernedMerge& gm) {
   DomainMergeRequest req = domain_request(a, mo);
-  if (a.governed() && !a.dry_run) {
+  if ((a.governed() || !a.max_rate.empty()) && !a.dry_run) {
     // --domain hands over BASE; --pool/--vol hands over TOP (the volume).
     req.make_governor = [&a, &gm, &mo,
                          dirs = req.merge.allowed_backing_dirs](const std::string& target) {
@@ -495,6 +523,8 @@ int cmd_merge(const Args& args) {
   }
   if (a.governed() && !a.via_libvirt())
     mo.governor = gm.governor_for(merge_base_of(a.top, mo.base, mo.allowed_backing_dirs));
+  else if (!a.via_libvirt())
+    mo.governor = gm.rate_cap();
   MergeProgress shown(gm.out, isatty(2) && gm.out == Output::kHuman, !a.dry_run);
   mo.on_progress = [&shown](const engine::Progress& p) { shown.on_progress(p); };
   mo.on_lock_wait = [&shown](const std::string& message) { shown.on_lock_wait(message); };

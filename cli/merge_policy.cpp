@@ -5,18 +5,22 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <mutex>
 
 #include "cli/json.h"
 #include "cli/options.h"
 #include "cli/units.h"
 #include "plugin/libvirt_hypervisor.h"
 #include "qcow2/chain.h"
+#include "throttle/pacer.h"
 
 namespace qcommit::cli {
 
 namespace fs = std::filesystem;
 
 namespace {
+
+constexpr double kMinMaxRateBytesPerS = 4096.0;  // the smallest floor a policy allows
 
 std::string ms_text(std::chrono::nanoseconds d) {
   char b[32];
@@ -94,6 +98,12 @@ MergePolicy resolve_merge_policy(const MergePolicyOptions& o, const std::string&
     }
   }
   p.resolution = plugin::resolve_policy(cfg, q);
+  if (o.max_rate_bytes_per_s) {
+    plugin::Policy& pol = p.resolution.policy;
+    pol.ceiling_bytes_per_s = std::min(pol.ceiling_bytes_per_s, *o.max_rate_bytes_per_s);
+    pol.floor_bytes_per_s = std::min(pol.floor_bytes_per_s, pol.ceiling_bytes_per_s);
+    p.max_rate_bytes_per_s = o.max_rate_bytes_per_s;
+  }
   if (p.resolution.source == plugin::PolicySource::DomainMetadata)
     p.resolution.detail = "domain " + o.domain;
   if (p.resolution.metadata_error)
@@ -115,6 +125,7 @@ std::string MergePolicy::budget_line() const {
   std::string s = "budget " + ms_text(pol.budget) + " ms " + source_text(resolution);
   s += "; rate " + format_size(static_cast<uint64_t>(pol.floor_bytes_per_s)) + "/s .. " +
        format_size(static_cast<uint64_t>(pol.ceiling_bytes_per_s)) + "/s";
+  if (max_rate_bytes_per_s) s += " (--max-rate)";
   if (pool) s += "; BASE in pool " + pool->name;
   return s;
 }
@@ -142,6 +153,8 @@ json::Ordered MergePolicy::json_fields() const {
       {"budget-detail", resolution.detail},
       {"floor", whole(pol.floor_bytes_per_s)},
       {"ceiling", whole(pol.ceiling_bytes_per_s)},
+      {"max-rate", max_rate_bytes_per_s ? json::Ordered(whole(*max_rate_bytes_per_s))
+                                        : json::Ordered(nullptr)},
       {"pool", pool ? json::Ordered(pool->name) : json::Ordered(nullptr)},
       {"config", config_path},
       {"libvirt", libvirt},
@@ -168,6 +181,43 @@ std::shared_ptr<engine::BudgetGovernor> make_budget_governor(const MergePolicy& 
   if (p.cotenant_state == "on") cfg.cotenants = p.cotenants;
   if (auto err = cfg.validate(); !err.empty()) throw UsageError(err);
   return std::make_shared<engine::BudgetGovernor>(cfg);
+}
+
+double parse_max_rate(const std::string& s) {
+  std::string size = s;
+  if (size.size() > 2 && size.compare(size.size() - 2, 2, "/s") == 0) size.resize(size.size() - 2);
+  const auto rate = static_cast<double>(parse_size(size));
+  if (rate < kMinMaxRateBytesPerS)
+    throw UsageError("--max-rate " + s + ": at least 4K (bytes per second), e.g. 50M");
+  return rate;
+}
+
+namespace {
+
+// A fixed rate: each write waits for its bytes' turn (throttle::Pacer), whatever the latency.
+class RateCapGovernor final : public engine::CopyGovernor {
+ public:
+  explicit RateCapGovernor(double bytes_per_s) : pacer_(bytes_per_s) {}
+  engine::Duration admit(engine::Clock::time_point now, uint64_t bytes, uint64_t) override {
+    std::lock_guard lk(mu_);
+    const throttle::TimePoint t(std::chrono::duration_cast<throttle::Duration>(now - epoch_));
+    const throttle::Duration wait = pacer_.wait_for(t, bytes);  // the engine asks again after it
+    if (wait > throttle::Duration::zero()) return wait;
+    (void)pacer_.reserve(t, bytes);
+    return engine::Duration::zero();
+  }
+  void completed(engine::Clock::time_point, uint64_t, engine::Duration) override {}
+
+ private:
+  std::mutex mu_;
+  const engine::Clock::time_point epoch_ = engine::Clock::now();
+  throttle::Pacer pacer_;
+};
+
+}  // namespace
+
+std::shared_ptr<engine::CopyGovernor> make_rate_cap_governor(double bytes_per_s) {
+  return std::make_shared<RateCapGovernor>(bytes_per_s);
 }
 
 }  // namespace qcommit::cli

@@ -26,6 +26,7 @@ struct MergePolicyOptions {
   std::string uri = defaults::kUri;
   std::string domain;     // --domain: its metadata may override the pool's policy
   bool cotenants = true;  // --cotenants on|off
+  std::optional<double> max_rate_bytes_per_s;  // --max-rate: caps the policy's floor and ceiling
 };
 
 struct MergePolicy {
@@ -39,6 +40,7 @@ struct MergePolicy {
   std::vector<std::string> cotenant_disks;            // at the start, "domain/target"
   std::shared_ptr<plugin::CotenantSource> cotenants;  // handed to the governor when "on"
   std::vector<std::string> notes;                     // e.g. bad domain metadata (ignored)
+  std::optional<double> max_rate_bytes_per_s;         // --max-rate (the ceiling is at most it)
 
   // "budget 7 ms from pool policy [pool:images] in /etc/qcommit/qcommitd.conf; rate 1 MiB/s .. 1
   // GiB/s"
@@ -63,6 +65,14 @@ struct MergePolicy {
 // co-tenants when on.  Throws UsageError on an unusable configuration.
 [[nodiscard]] std::shared_ptr<engine::BudgetGovernor> make_budget_governor(
     const MergePolicy& p, const std::string& trace_path, bool probe);
+
+// --max-rate's value: a size (cli::parse_size's grammar, "50M", "1.5G", "4096"), optionally
+// followed by "/s"; at least the smallest floor a policy allows (4K).  Throws UsageError.
+[[nodiscard]] double parse_max_rate(const std::string& s);
+
+// The governor of a merge without a budget (--budget off) but with --max-rate: no controller,
+// the copy's writes paced at that rate.
+[[nodiscard]] std::shared_ptr<engine::CopyGovernor> make_rate_cap_governor(double bytes_per_s);
 
 // The image a merge of TOP writes into: `base` when given, else TOP's backing file.
 [[nodiscard]] std::string merge_base_of(const std::string& top,
