@@ -156,6 +156,43 @@ lab_storage_stop() {
   LAB_SLOWFS_PID=""
 }
 
+# The test guest's domain XML: NAME, DIR (holding vmlinuz and initramfs.cpio.gz), raw disk BASE,
+# CACHE mode, FILL MiB, probe INTERVAL ms, serial CONSOLE file.
+lab_domain_xml() {
+  local name=$1 dir=$2 base=$3 cache=$4 fill=$5 interval=$6 console=$7
+  cat <<EOF
+<domain type='qemu'>
+  <name>$name</name>
+  <memory unit='MiB'>256</memory>
+  <vcpu>1</vcpu>
+  <os>
+    <type arch='x86_64' machine='pc'>hvm</type>
+    <kernel>$dir/vmlinuz</kernel>
+    <initrd>$dir/initramfs.cpio.gz</initrd>
+    <cmdline>console=ttyS0 quiet panic=1 lab.fill=$fill lab.interval=$interval</cmdline>
+  </os>
+  <features><acpi/></features>
+  <clock offset='utc'><timer name='hpet' present='yes'/></clock>
+  <on_poweroff>destroy</on_poweroff>
+  <on_reboot>destroy</on_reboot>
+  <on_crash>destroy</on_crash>
+  <devices>
+    <emulator>/usr/bin/qemu-system-x86_64</emulator>
+    <disk type='file' device='disk'>
+      <driver name='qemu' type='raw' cache='$cache'/>
+      <source file='$base'/>
+      <target dev='vda' bus='virtio'/>
+    </disk>
+    <serial type='file'>
+      <source path='$console'/>
+      <target port='0'/>
+    </serial>
+    <memballoon model='none'/>
+  </devices>
+</domain>
+EOF
+}
+
 lab_guest_start() {
   local cache=writeback fill=0 interval=100 size=2560M
   while [ $# -gt 0 ]; do
@@ -175,37 +212,8 @@ lab_guest_start() {
   # Per-run copies: libvirt relabels kernel/initrd, so runs must not share them.
   cp "$LAB_CACHE/vmlinuz" "$LAB_CACHE/initramfs.cpio.gz" "$LAB_DIR/"
   : >"$LAB_DIR/console.log"
-  cat >"$LAB_DIR/domain.xml" <<EOF
-<domain type='qemu'>
-  <name>$LAB_DOM</name>
-  <memory unit='MiB'>256</memory>
-  <vcpu>1</vcpu>
-  <os>
-    <type arch='x86_64' machine='pc'>hvm</type>
-    <kernel>$LAB_DIR/vmlinuz</kernel>
-    <initrd>$LAB_DIR/initramfs.cpio.gz</initrd>
-    <cmdline>console=ttyS0 quiet panic=1 lab.fill=$fill lab.interval=$interval</cmdline>
-  </os>
-  <features><acpi/></features>
-  <clock offset='utc'><timer name='hpet' present='yes'/></clock>
-  <on_poweroff>destroy</on_poweroff>
-  <on_reboot>destroy</on_reboot>
-  <on_crash>destroy</on_crash>
-  <devices>
-    <emulator>/usr/bin/qemu-system-x86_64</emulator>
-    <disk type='file' device='disk'>
-      <driver name='qemu' type='raw' cache='$cache'/>
-      <source file='$LAB_BASE'/>
-      <target dev='vda' bus='virtio'/>
-    </disk>
-    <serial type='file'>
-      <source path='$LAB_DIR/console.log'/>
-      <target port='0'/>
-    </serial>
-    <memballoon model='none'/>
-  </devices>
-</domain>
-EOF
+  lab_domain_xml "$LAB_DOM" "$LAB_DIR" "$LAB_BASE" "$cache" "$fill" "$interval" "$LAB_DIR/console.log" \
+    >"$LAB_DIR/domain.xml"
   virsh -q define "$LAB_DIR/domain.xml" >/dev/null
   LAB_DOM_DEFINED=1
   virsh -q start --paused "$LAB_DOM" >/dev/null
@@ -215,6 +223,63 @@ EOF
   virsh -q resume "$LAB_DOM" >/dev/null
   lab_mark guest_resumed
   lab_log "guest $LAB_DOM running (cache=$cache, fill ${fill} MiB, probe every ${interval} ms)"
+}
+
+# A second guest on the run's storage, under another libvirtd (standing for a guest on another
+# host that shares the export): `lab_guest2_start --uri URI [--cache C] [--fill MiB]
+# [--interval ms] [--disk-size S]` starts domain $LAB_DOM-2 on URI with its disk at
+# $LAB_MNT/second/base.raw under an external overlay (second/overlay.qcow2), and returns once its
+# fill is written (its probe then runs every INTERVAL ms; a long interval leaves it idle).
+# Sets LAB2_URI, LAB2_DOM, LAB2_BASE, LAB2_OVERLAY; lab_teardown removes it.
+lab_guest2_start() {
+  local uri="" cache=writeback fill=0 interval=100 size=2560M
+  while [ $# -gt 0 ]; do
+    case $1 in
+      --uri) uri=$2; shift 2 ;;
+      --cache) cache=$2; shift 2 ;;
+      --fill) fill=$2; shift 2 ;;
+      --interval) interval=$2; shift 2 ;;
+      --disk-size) size=$2; shift 2 ;;
+      *) lab_die "lab_guest2_start: unknown option $1" ;;
+    esac
+  done
+  [ -n "$uri" ] || lab_die "lab_guest2_start: --uri is required"
+  local dir=$LAB_DIR/second
+  mkdir -p "$dir" "$LAB_MNT/second"
+  chmod 755 "$dir" "$LAB_MNT/second"
+  LAB2_URI=$uri LAB2_DOM=$LAB_DOM-2
+  LAB2_BASE=$LAB_MNT/second/base.raw LAB2_OVERLAY=$LAB_MNT/second/overlay.qcow2
+  export LAB2_URI LAB2_DOM LAB2_BASE LAB2_OVERLAY
+  truncate -s "$size" "$LAB2_BASE"
+  cp "$LAB_CACHE/vmlinuz" "$LAB_CACHE/initramfs.cpio.gz" "$dir/"
+  : >"$dir/console.log"
+  lab_domain_xml "$LAB2_DOM" "$dir" "$LAB2_BASE" "$cache" "$fill" "$interval" "$dir/console.log" \
+    >"$dir/domain.xml"
+  virsh -q -c "$uri" define "$dir/domain.xml" >/dev/null
+  LAB2_DEFINED=1
+  virsh -q -c "$uri" start --paused "$LAB2_DOM" >/dev/null
+  virsh -q -c "$uri" snapshot-create-as "$LAB2_DOM" --name lab-overlay --disk-only --no-metadata \
+    --atomic --diskspec "vda,snapshot=external,file=$LAB2_OVERLAY" >/dev/null
+  virsh -q -c "$uri" resume "$LAB2_DOM" >/dev/null
+  local deadline=$((SECONDS + 900))
+  until grep -q '^LAB PROBING' "$dir/console.log" 2>/dev/null; do
+    grep -q '^LAB ERROR' "$dir/console.log" 2>/dev/null && lab_die "second guest: $(grep '^LAB ERROR' "$dir/console.log")"
+    [ $SECONDS -lt $deadline ] || lab_die "second guest did not finish its fill in 900 s"
+    sleep 0.5
+  done
+  lab_log "second guest $LAB2_DOM on $uri filled ${fill} MiB (cache=$cache, probe every ${interval} ms)"
+}
+
+lab_guest2_stop() {
+  [ "${LAB2_DEFINED:-0}" = 1 ] || return 0
+  virsh -q -c "$LAB2_URI" destroy "$LAB2_DOM" >/dev/null 2>&1 || true
+  local i
+  for i in $(seq 50); do
+    virsh -q -c "$LAB2_URI" domstate "$LAB2_DOM" 2>/dev/null | grep -q 'shut off' && break
+    sleep 0.2
+  done
+  virsh -q -c "$LAB2_URI" undefine "$LAB2_DOM" >/dev/null 2>&1 || true
+  LAB2_DEFINED=0
 }
 
 # Stamps every console line with the host's wall clock (seconds since the epoch).
@@ -338,6 +403,7 @@ lab_teardown() {
   set +e
   [ -n "${LAB_DIR:-}" ] || return "$rc"
   lab_guest_stop
+  lab_guest2_stop
   if [ -n "${LAB_READER_PID:-}" ]; then
     kill "$LAB_READER_PID" 2>/dev/null
     wait "$LAB_READER_PID" 2>/dev/null
@@ -355,6 +421,9 @@ lab_assert_clean() {
   local bad=0
   if virsh -q list --all --name | grep -qx "$LAB_DOM"; then
     echo "lab: domain $LAB_DOM left behind" >&2; bad=1
+  fi
+  if [ -n "${LAB2_URI:-}" ] && virsh -q -c "$LAB2_URI" list --all --name | grep -qx "$LAB2_DOM"; then
+    echo "lab: domain $LAB2_DOM left behind on $LAB2_URI" >&2; bad=1
   fi
   if grep -q " $LAB_MNT " /proc/mounts; then
     echo "lab: mount $LAB_MNT left behind" >&2; bad=1
