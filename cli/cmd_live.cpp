@@ -23,6 +23,7 @@
 #include "cli/daemon.h"
 #include "cli/json.h"
 #include "cli/options.h"
+#include "cli/merge_policy.h"
 #include "cli/units.h"
 #include "common/defaults.h"
 #include "plugin/config.h"
@@ -69,6 +70,7 @@ struct LiveError : std::runtime_error {
 struct LiveArgs {
   plugin::LiveRequest req;
   std::string uri = defaults::kUri;
+  std::string max_rate;  // --max-rate, "" when not given
   std::string budget = defaults::budget_text();
   std::string wait = defaults::lock_wait_text();
   std::string daemon_socket = defaults::kSocketPath;
@@ -81,6 +83,7 @@ struct LiveArgs {
   std::vector<std::string> pos;
   // Derived by validate().
   bool uri_given = false;
+  std::optional<double> max_rate_bytes_per_s;
   bool budget_given = false;
   bool json_out = false;
   plugin::PageCacheSource page_cache = plugin::PageCacheSource::kAuto;

@@ -229,7 +229,7 @@ Governor::Governor(Hypervisor& hv, TargetFiles& files, DaemonConfig cfg, Governo
       files_(files),
       cfg_(std::move(cfg)),
       opt_(opt),
-      reconnect_backoff_(opt.reconnect_min) {
+      reconnect_(opt.reconnect_min, opt.reconnect_max) {
   hv_.set_event_sink([this](const JobEvent& e) { pending_events_.push_back(e); });
 }
 
@@ -240,18 +240,17 @@ Governor::~Governor() {
 TimePoint Governor::step(TimePoint now) {
   if (connected_ && !hv_.connected()) lost_connection(now);
   if (!connected_) {
-    if (now >= next_reconnect_) {
+    if (reconnect_.due(now)) {
       if (hv_.connect()) {
         connected_ = true;
         was_ever_connected_ = true;
-        reconnect_backoff_ = opt_.reconnect_min;
+        reconnect_.succeeded();
         next_poll_ = now;  // adopt running jobs right away
       } else {
-        next_reconnect_ = now + reconnect_backoff_;
-        reconnect_backoff_ = std::min(reconnect_backoff_ * 2, opt_.reconnect_max);
+        reconnect_.failed(now);
       }
     }
-    if (!connected_) return next_reconnect_;
+    if (!connected_) return reconnect_.next();
   }
   try {
     handle_events(now);
@@ -290,7 +289,7 @@ TimePoint Governor::step(TimePoint now) {
     }
   } catch (const HypervisorDisconnected&) {
     lost_connection(now);
-    return next_reconnect_;
+    return reconnect_.next();
   }
   return std::min({*next_poll_, *next_tick_, *next_pace_});
 }
@@ -312,7 +311,7 @@ void Governor::lost_connection(TimePoint now) {
     j->seen_in_poll = false;
     j->fallback.restart();  // it may be another job when we are back
   }
-  next_reconnect_ = now;  // first retry immediately, then back off
+  reconnect_.retry_now(now);  // first retry immediately, then back off
 }
 
 void Governor::handle_events(TimePoint now) {

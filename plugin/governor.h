@@ -53,6 +53,7 @@
 #include "plugin/config.h"
 #include "plugin/hypervisor.h"
 #include "plugin/writeback.h"
+#include "throttle/backoff.h"
 #include "throttle/chunk_gate.h"
 #include "throttle/controller.h"
 #include "throttle/io_stats.h"
@@ -306,8 +307,7 @@ class Governor {
   std::set<std::string> scan_domains_;
   bool connected_ = false;
   bool was_ever_connected_ = false;
-  TimePoint next_reconnect_{};
-  Duration reconnect_backoff_{};
+  throttle::Backoff reconnect_;
   std::optional<TimePoint> next_poll_;
   std::optional<TimePoint> next_tick_;
   std::optional<TimePoint> next_pace_;
