@@ -35,6 +35,7 @@
 #include "plugin/writeback.h"
 
 namespace qcommit::cli {
+#include "throttle/backoff.h"
 namespace {
 
 using plugin::Duration;
@@ -492,19 +493,15 @@ class DaemonPacing final : public Pacing {
   plugin::Hypervisor& hv_;
   std::string socket_, domain_, disk_;
   // Reconnects back off as the governor's do.
-  Duration reconnect_after_ = plugin::GovernorOptions{}.reconnect_min;
-  TimePoint next_reconnect_{};
+  throttle::Backoff reconnect_{plugin::GovernorOptions{}.reconnect_min,
+                               plugin::GovernorOptions{}.reconnect_max};
 };
 
 TimePoint DaemonPacing::step(TimePoint now) {
-  if (hv_.connected()) {
-    reconnect_after_ = plugin::GovernorOptions{}.reconnect_min;
-  } else if (now >= next_reconnect_) {
-    if (!hv_.connect()) {
-      next_reconnect_ = now + reconnect_after_;
-      reconnect_after_ = std::min(2 * reconnect_after_, plugin::GovernorOptions{}.reconnect_max);
-    }
-  }
+  if (hv_.connected())
+    reconnect_.succeeded();
+  else if (reconnect_.due(now) && !hv_.connect())
+    reconnect_.failed(now);
   return now + kEventWait;
 }
 
