@@ -32,6 +32,7 @@
 #include "plugin/libvirt_hypervisor.h"
 #include "plugin/live.h"
 #include "plugin/qmp_hypervisor.h"
+#include "plugin/mono_clock.h"
 #include "plugin/writeback.h"
 
 namespace qcommit::cli {
@@ -40,17 +41,13 @@ namespace {
 
 using plugin::Duration;
 using plugin::TimePoint;
+using plugin::mono_now;
 
 std::atomic<bool> g_interrupted{false};
 void on_interrupt(int) {
   g_interrupted = true;
 }
 void wake_timer(int, void*) {}
-
-TimePoint mono_now() {
-  return TimePoint(
-      std::chrono::duration_cast<Duration>(std::chrono::steady_clock::now().time_since_epoch()));
-}
 
 // `--qmp`: QEMU serves its QMP socket until it exits, so a connection that cannot be
 // re-established for this long means QEMU is gone.

@@ -23,6 +23,7 @@
 #include "plugin/daemon_log.h"
 #include "plugin/governor.h"
 #include "plugin/libvirt_hypervisor.h"
+#include "plugin/mono_clock.h"
 #include "plugin/writeback.h"
 
 namespace {
@@ -37,11 +38,6 @@ void on_signal(int) {
 }
 
 void wake_timer(int, void*) {}
-
-TimePoint mono_now() {
-  return TimePoint(
-      std::chrono::duration_cast<Duration>(std::chrono::steady_clock::now().time_since_epoch()));
-}
 
 // How fresh the status (control socket, log decisions) and the trace are kept.
 constexpr auto kStatusInterval = std::chrono::milliseconds(50);
