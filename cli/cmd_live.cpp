@@ -311,7 +311,8 @@ LiveBackend LiveConnection::backend() {
 
 // Somebody else's block job on the disk (a backup, an operator's commit, a job a previous run
 // left at its finishing speed) is waited out for at most --wait, saying once what is awaited.
-void wait_for_foreign_job(LiveBackend& be, const LiveArgs& a) {
+// Whether there was one to wait for (the chain may then have changed).
+[[nodiscard]] bool wait_for_foreign_job(LiveBackend& be, const LiveArgs& a) {
   plugin::ForeignJobWait w(be.hv, a.req.domain, a.req.disk, a.wait_limit);
   bool said = false;
   for (;;) {
@@ -321,7 +322,7 @@ void wait_for_foreign_job(LiveBackend& be, const LiveArgs& a) {
     } catch (const plugin::HypervisorDisconnected& e) {
       throw LiveError(e.what());
     }
-    if (st == plugin::ForeignJobWait::State::kClear) return;
+    if (st == plugin::ForeignJobWait::State::kClear) return said;
     if (st == plugin::ForeignJobWait::State::kTimedOut) {
       throw LiveError(w.describe_job() + " was not started by qcommit live and " +
                       (a.wait_limit == Duration::zero() ? std::string("--wait is 0")
@@ -730,10 +731,10 @@ int live(LiveArgs& a) {
                       qcommitd_answers(a.daemon_socket);
   LiveConnection conn(a);
   conn.open();
-  (void)find_disk(conn.domain(), a);  // the disk's target names it from here on
+  plugin::DiskInfo disk = find_disk(conn.domain(), a);  // its target names it from here on
   LiveBackend be = conn.backend();
-  if (!a.dry_run) wait_for_foreign_job(be, a);
-  const plugin::DiskInfo disk = find_disk(conn.domain(), a);  // the chain the wait left
+  if (!a.dry_run && wait_for_foreign_job(be, a))
+    disk = find_disk(conn.domain(), a);  // the chain the awaited job left
   const std::vector<plugin::LiveStep> steps = plan(a, disk);
   print_plan(a, steps, daemon ? "qcommitd (" + a.daemon_socket + ")" : "qcommit live");
   if (a.dry_run) return kExitOk;
