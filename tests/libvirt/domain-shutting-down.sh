@@ -25,28 +25,13 @@ QCOMMIT=$(realpath "$1")
 shift
 scenarios=("$@")
 ((${#scenarios[@]})) || scenarios=(wait wait-json timeout running)
-virsh -q list >/dev/null 2>&1 || { echo "libvirtd is not reachable (start it: virtlogd -d; libvirtd -d)" >&2; exit 1; }
 command -v strace >/dev/null || { echo "strace is needed to slow down QEMU's exit" >&2; exit 1; }
-tag=qcd-$$-$RANDOM
-root=/var/lib/libvirt/images/$tag
 SLOW=${SLOW:-2}
-doms=()
 tracer=
-cleanup() {
+scenario_cleanup_hook() {
   if [[ -n $tracer ]]; then kill "$tracer" 2>/dev/null || true; fi
-  local d
-  for d in "${doms[@]}"; do
-    virsh -q destroy "$d" >/dev/null 2>&1 || true
-    virsh -q undefine "$d" >/dev/null 2>&1 || true
-  done
-  rm -rf "$root"
 }
-trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
-mkdir -p "$root"
-fails=()
-fail() { echo "FAIL [$scen]: $*" >&2; fails+=("$scen: $*"); }
+scenario_test_init qcd
 now_ms() { date +%s%3N; }
 
 # setup: $dir/base.qcow2 <- top.qcow2 with data in both, domain $dom on top.qcow2 (shut off);

@@ -22,30 +22,15 @@ set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 QCOMMIT=$(realpath "$1")
 shift
-virsh -q list >/dev/null 2>&1 || { echo "libvirtd is not reachable (start it: virtlogd -d; libvirtd -d)" >&2; exit 1; }
-tag=qcs-$$-$RANDOM
-root=/var/lib/libvirt/images/$tag
-doms=()
 pid= qio=
-cleanup() {
+scenario_cleanup_hook() {
   if [[ -n $qio ]]; then kill "$qio" 2>/dev/null || true; fi
   if [[ -n $pid ]]; then
     kill -CONT "$pid" 2>/dev/null
     kill -9 "$pid" 2>/dev/null
   fi
-  local d
-  for d in "${doms[@]}"; do
-    virsh -q destroy "$d" >/dev/null 2>&1 || true
-    virsh -q undefine "$d" --snapshots-metadata >/dev/null 2>&1 || true
-  done
-  rm -rf "$root"
 }
-trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
-mkdir -p "$root"
-fails=()
-fail() { echo "FAIL [$scen]: $*" >&2; fails+=("$scen: $*"); }
+scenario_test_init qcs
 
 # setup: $dir/base.qcow2 <- mid.qcow2 <- top.qcow2, data in each, domain $dom on top.qcow2 (shut
 # off), the guest view saved in view0.raw.

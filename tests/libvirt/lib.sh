@@ -57,3 +57,30 @@ start_test_qcommitd() {
   for ((i = 0; i < 100; i++)); do [[ -S $dir/d.sock ]] && break; sleep 0.05; done
   [[ -S $dir/d.sock ]] || fail "qcommitd did not start"
 }
+
+# scenario_test_init PREFIX: the set-up of a test whose scenarios each define a domain of their
+# own: libvirtd reachable, TAG (PREFIX-PID-RANDOM), ROOT (/var/lib/libvirt/images/TAG), DOMS (the
+# domains to remove: add each as it is defined), FAILS and fail() naming the scenario ($scen),
+# and a cleanup on exit that runs scenario_cleanup_hook first when the test defines one (its own
+# processes), then removes DOMS (with their snapshot metadata) and ROOT.
+scenario_test_init() {
+  virsh -q list >/dev/null 2>&1 || { echo "libvirtd is not reachable (start it: virtlogd -d; libvirtd -d)" >&2; exit 1; }
+  tag=$1-$$-$RANDOM
+  root=/var/lib/libvirt/images/$tag
+  doms=()
+  fails=()
+  trap scenario_test_cleanup EXIT
+  trap 'exit 130' INT
+  trap 'exit 143' TERM  # Ctrl-C or kill: cleaned up by the EXIT trap too
+  mkdir -p "$root"
+  fail() { echo "FAIL [$scen]: $*" >&2; fails+=("$scen: $*"); }
+}
+scenario_test_cleanup() {
+  if declare -F scenario_cleanup_hook >/dev/null; then scenario_cleanup_hook || true; fi
+  local d
+  for d in "${doms[@]}"; do
+    virsh -q destroy "$d" >/dev/null 2>&1 || true
+    virsh -q undefine "$d" --snapshots-metadata >/dev/null 2>&1 || true
+  done
+  rm -rf "$root"
+}

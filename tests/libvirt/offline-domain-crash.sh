@@ -22,26 +22,11 @@ set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 QCOMMIT=$(realpath "$1")
 shift
-virsh -q list >/dev/null 2>&1 || { echo "libvirtd is not reachable (start it: virtlogd -d; libvirtd -d)" >&2; exit 1; }
-tag=qcc-$$-$RANDOM
-root=/var/lib/libvirt/images/$tag
-doms=()
 pid=
-cleanup() {
+scenario_cleanup_hook() {
   [[ -n $pid ]] && kill -9 "$pid" 2>/dev/null
-  local d
-  for d in "${doms[@]}"; do
-    virsh -q destroy "$d" >/dev/null 2>&1 || true
-    virsh -q undefine "$d" --snapshots-metadata >/dev/null 2>&1 || true
-  done
-  rm -rf "$root"
 }
-trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM  # Ctrl-C or kill: cleaned up by the EXIT trap too
-mkdir -p "$root"
-fails=()
-fail() { echo "FAIL [$scen]: $*" >&2; fails+=("$scen: $*"); }
+scenario_test_init qcc
 
 kBigMiB=320  # two extents of this size in the active layer
 
