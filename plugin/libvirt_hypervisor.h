@@ -62,8 +62,8 @@ class LibvirtHypervisor final : public Hypervisor, public BlockJobControl {
   [[nodiscard]] std::optional<DomainInfo> describe(virDomainPtr d);
 
   std::string uri_;
-  virConnectPtr conn_ = nullptr;
   Access access_;
+  virConnectPtr conn_ = nullptr;
   bool closed_ = false;
   int block_job_cb_ = -1;
   int qemu_cb_ = -1;
