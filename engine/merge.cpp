@@ -159,6 +159,7 @@ class WindowCopier {
       unthrottled_request -= kChunkBytes % splice_piece;
     }
     pool = std::make_unique<CopyPool>(opt.io_threads, opt.inflight_bytes, opt.governor.get(), splice_piece);
+    defer_jobs = !opt.governor && direct_fd.valid() && writer;
     if (writer) {
       l1_span = base.qcow2->geometry().l1_entry_span();
       max_l2s = std::max<uint64_t>(1, kMaxDirtyMetadataBytes / base.qcow2->cluster_size());
@@ -234,28 +235,48 @@ class WindowCopier {
     window_bytes = 0;
   }
 
-  // kAuto: O_DIRECT for large overwrites of allocated space. Small requests go faster through
-  // the page cache (writeback merges and queues them); so do writes into new space (past BASE's
-  // end or a hole), which O_DIRECT allocates request by request under the inode lock while
-  // writeback allocates in bulk: 512 MiB into a new file took 0.47 s O_DIRECT, 0.38 s buffered
-  // (8 threads), and rand4g's gathered new clusters 0.79 s O_DIRECT vs 0.69 s buffered (medians).
-  bool direct_pays_off(const CopyJob& j) {
-    if (j.length < kMinDirectRequestBytes) return false;
-    const qcow2::AllocationRun a = dst_file->allocation(j.dst_offset, j.length);
-    return a.data && a.length >= j.length;
-  }
-
+  // kAuto: O_DIRECT for every aligned request of at least kMinDirectRequestBytes, in place or
+  // into new space; smaller ones through the page cache. (Through the page cache every byte is
+  // copied once more in the kernel and 16 writers queue on BASE's inode lock: rand4g spent
+  // 1.7-2.0 s of system CPU per GiB that way against 0.43-0.46 s O_DIRECT, and took 2.4x as
+  // long on a busy host; docs/benchmarks.md.)
   void submit_pending() {
-    if (opt.write_mode == WriteMode::kAuto && pending.direct_dst && !direct_pays_off(pending)) {
+    if (opt.write_mode == WriteMode::kAuto && pending.direct_dst && pending.length < kMinDirectRequestBytes) {
       pending.dst_fd = dst_file->fd();  // through the page cache, writeback started at once
       pending.direct_dst = false;
       pending.buffered_dst = true;
     }
     if (pending.length) {
-      point("data");
-      pool->submit(std::move(pending));
+      if (defer_jobs) {
+        deferred.push_back(std::move(pending));
+      } else {
+        point("data");
+        pool->submit(std::move(pending));
+      }
     }
     pending = CopyJob{};
+  }
+
+  // Unthrottled, a window's copies are planned before any is issued, so that the new space they
+  // write past BASE's end is allocated with one fallocate(2): O_DIRECT writes then fill unwritten
+  // extents under the inode's shared lock (ext4, XFS) instead of allocating request by request
+  // under its exclusive lock, and the filesystem lays the new clusters out in one piece. The
+  // space is BASE's file size only: clusters past the last refcounted one are free, a crash
+  // leaves them for the next allocation. Best effort: where fallocate is refused the writes
+  // allocate as before (and report ENOSPC themselves).
+  void issue_deferred() {
+    if (!defer_jobs) return;
+    uint64_t end = 0;
+    for (const CopyJob& j : deferred)
+      if (j.direct_dst) end = std::max(end, j.dst_offset + j.length);
+    struct stat st {};
+    if (end > 0 && ::fstat(dst_file->fd(), &st) == 0 && uint64_t(st.st_size) < end)
+      (void)::fallocate(dst_file->fd(), 0, off_t(st.st_size), off_t(end - uint64_t(st.st_size)));
+    for (CopyJob& j : deferred) {
+      point("data");
+      pool->submit(std::move(j));
+    }
+    deferred.clear();
   }
 
   uint64_t request_bytes() {
@@ -407,6 +428,13 @@ class WindowCopier {
     std::stable_sort(order.begin(), order.end(), [](const Keyed& x, const Keyed& y) {
       return std::tie(x.group, x.major, x.minor) < std::tie(y.group, y.major, y.minor);
     });
+    // The L2 tables the new clusters need, allocated first (in guest order): otherwise each one
+    // lands between the data clusters around the write that first needs it, splitting their
+    // requests (rand1t: a table per 8 data clusters on average) and scattering the tables'
+    // own writes at the commit.
+    if (writer)
+      for (const Piece& p : window)
+        if (!p.e->zero) writer->prepare_l2(p.start);
     for (const Keyed& k : order) {
       const Piece* p = k.p;
       copy_direct(*p->e, p->start, p->end);
@@ -415,6 +443,7 @@ class WindowCopier {
       report(false);
     }
     submit_pending();
+    issue_deferred();
     window.clear();
     window_l2s = 0;
     last_l1 = ~0ull;
@@ -462,6 +491,8 @@ class WindowCopier {
   const Clock::time_point t_copy = Clock::now();
   std::vector<uint8_t> buf;
   CopyJob pending;
+  bool defer_jobs = false;  // see issue_deferred()
+  std::vector<CopyJob> deferred;
   std::vector<Piece> window;
   uint64_t window_l2s = 0, last_l1 = ~0ull;
   uint64_t l1_span = 0, max_l2s = 0;

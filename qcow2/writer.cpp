@@ -266,6 +266,11 @@ void Writer::release_entry(const ClusterState& st) {
 // ---------------------------------------------------------------------------------------------
 // Guest-level writes
 
+void Writer::prepare_l2(uint64_t guest_offset) {
+  uint64_t l2_offset = 0;
+  (void)writable_l2(guest_offset, l2_offset);
+}
+
 std::vector<Writer::HostRun> Writer::prepare_full_write(uint64_t offset, uint64_t length) {
   const uint64_t vsize = image_.virtual_size();
   if (offset % cs_ != 0 || offset + length > vsize ||

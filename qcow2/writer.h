@@ -58,6 +58,11 @@ class Writer {
   // returned runs to data_device() before commit().
   [[nodiscard]] std::vector<HostRun> prepare_full_write(uint64_t offset, uint64_t length);
 
+  // Allocates (or copies, if shared) the L2 table that maps guest_offset now, as
+  // prepare_full_write would: a caller that does this for a batch of writes first gets their L2
+  // tables side by side and the data clusters allocated after them side by side too.
+  void prepare_l2(uint64_t guest_offset);
+
   // Writes an arbitrary range now (partial clusters are filled from `view`).
   void write(uint64_t offset, std::span<const uint8_t> data, const ViewReader& view);
 
