@@ -16,6 +16,7 @@
 #include <ctime>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -113,7 +114,11 @@ void add_live_options(po::options_description& opts, LiveArgs& a) {
       "budget", po::value(&a.budget),
       ("added latency the guests on the same storage may see (default " + defaults::budget_text() +
        ")")
-          .c_str())("pivot", po::bool_switch(&a.req.pivot),
+          .c_str())(
+      "max-rate", po::value(&a.max_rate),
+      "never let the job copy faster than this many bytes per second, e.g. 50M (a size: K, M, "
+      "G, T; at least 64K), like virsh blockcommit --bandwidth, whatever the policy allows")(
+      "pivot", po::bool_switch(&a.req.pivot),
                     "switch the disk to BASE when the active commit is ready (else it is left "
                     "ready)")(
       "strategy", po::value(&a.strategy),
@@ -178,6 +183,12 @@ void validate(LiveArgs& a, const po::variables_map& vm) {
                      : std::chrono::duration_cast<Duration>(parse_duration(a.wait, "--wait"));
   a.uri_given = vm.count("connect") || vm.count("uri");
   a.budget_given = vm.count("budget") > 0;
+  if (!a.max_rate.empty()) {
+    a.max_rate_bytes_per_s = parse_max_rate(a.max_rate);
+    if (*a.max_rate_bytes_per_s < static_cast<double>(plugin::kMinJobSpeedBytesPerS))
+      throw UsageError("--max-rate " + a.max_rate +
+                       ": at least 64K for a block job (the slowest speed the governor sets)");
+  }
   if (!a.overlay_dir.empty()) {
     if (a.req.strategy != plugin::LiveStrategy::TwoPhase)
       throw UsageError("--overlay-dir is for the two-phase strategy (its fresh overlay)");
@@ -611,13 +622,31 @@ class LiveRun {
   std::optional<TimePoint> lost_since_;
 };
 
+// A lost connection (libvirtd restarting, QEMU's QMP socket gone) is waited for: said once when
+// it is lost (a line on stderr, a "wait" event for "connection"), given up after
+// give_up_after (--qmp) or never (libvirt).
 bool LiveRun::connection_given_up(TimePoint now) {
-  if (!be_.give_up_after || be_.hv.connected()) {
+  if (be_.hv.connected()) {
     lost_since_.reset();
     return false;
   }
-  if (!lost_since_) lost_since_ = now;
-  return now - *lost_since_ > *be_.give_up_after;
+  if (!lost_since_) {
+    lost_since_ = now;
+    const std::string m =
+        "lost the connection to " + (a_.qmp.empty() ? "libvirtd (" + a_.uri + ")" : a_.qmp) +
+        "; waiting " +
+        (be_.give_up_after ? "up to " + std::to_string(std::chrono::duration_cast<std::chrono::seconds>(
+                                                             *be_.give_up_after)
+                                                             .count()) +
+                                 " s"
+                           : std::string("for it")) +
+        " while the block job runs on in QEMU";
+    if (a_.json_out)
+      print_json(json::Ordered{{"event", "wait"}, {"for", "connection"}, {"message", m}});
+    else
+      std::fprintf(stderr, "qcommit live: %s\n", m.c_str());
+  }
+  return be_.give_up_after && now - *lost_since_ > *be_.give_up_after;
 }
 
 void LiveRun::show_step() {
@@ -709,6 +738,12 @@ plugin::DaemonConfig live_config(LiveArgs& a) {
   plugin::DaemonConfig cfg;
   cfg.uri = a.uri;
   cfg.defaults.budget = parse_duration(a.budget, "--budget");
+  if (a.max_rate_bytes_per_s) {  // also the commit's starting speed
+    cfg.defaults.ceiling_bytes_per_s =
+        std::min(cfg.defaults.ceiling_bytes_per_s, *a.max_rate_bytes_per_s);
+    cfg.defaults.floor_bytes_per_s =
+        std::min(cfg.defaults.floor_bytes_per_s, cfg.defaults.ceiling_bytes_per_s);
+  }
   if (auto e = cfg.defaults.validate()) throw UsageError(*e);
   a.req.initial_speed_bytes_per_s =
       static_cast<std::uint64_t>(cfg.defaults.controller_config().initial_rate_bytes_per_s);
@@ -719,6 +754,7 @@ plugin::GovernorOptions live_governor_options(const LiveArgs& a) {
   plugin::GovernorOptions opt;
   opt.settle_every = plugin::settle_interval_for(plugin::dirty_expire());
   opt.only_disk = std::make_pair(a.req.domain, a.req.disk);
+  opt.max_rate_bytes_per_s = a.max_rate_bytes_per_s;
   if (auto e = opt.validate()) throw LiveError(*e);
   return opt;
 }
@@ -741,6 +777,10 @@ int live(LiveArgs& a) {
   if (daemon && a.budget_given && !a.json_out)
     std::fprintf(stderr,
                  "qcommit live: qcommitd governs with its own policy: --budget is not used\n");
+  if (daemon && a.max_rate_bytes_per_s)
+    std::fprintf(stderr,
+                 "qcommit live: qcommitd governs with its own policy: --max-rate only sets the "
+                 "job's starting speed (cap it with ceiling= in the policy of its pool or domain)\n");
   std::unique_ptr<Pacing> pacing;
   if (daemon) {
     pacing = std::make_unique<DaemonPacing>(be.hv, a.daemon_socket, a.req.domain, a.req.disk);

@@ -59,6 +59,9 @@ std::optional<std::string> GovernorOptions::validate() const {
   if (reconnect_min <= Duration::zero() || reconnect_max < reconnect_min)
     return "governor reconnect intervals: need 0 < min <= max";
   if (min_speed_bytes_per_s == 0) return "minimum job speed must be > 0 (0 is unlimited in QEMU)";
+  if (max_rate_bytes_per_s && !(*max_rate_bytes_per_s >= static_cast<double>(min_speed_bytes_per_s)))
+    return "a job speed cap must be at least the minimum job speed (" +
+           std::to_string(min_speed_bytes_per_s / 1024) + " KiB/s)";
   if (settle_every < Duration::zero() || settle_max_hold <= Duration::zero())
     return "governor settle interval must be >= 0 (0: off) and its hold > 0";
   if (auto e = chunk_gate_config.validate()) return "chunk gate: " + *e;
@@ -498,7 +501,11 @@ void Governor::adopt(const DomainInfo& dom, const DiskInfo& disk, const JobInfo&
   }
   query.domain_policy_xml = dom.policy_xml;
   const PolicyResolution resolved = resolve_policy(cfg_, query);
-  const Policy policy = resolved.policy;
+  Policy policy = resolved.policy;
+  if (opt_.max_rate_bytes_per_s) {
+    policy.ceiling_bytes_per_s = std::min(policy.ceiling_bytes_per_s, *opt_.max_rate_bytes_per_s);
+    policy.floor_bytes_per_s = std::min(policy.floor_bytes_per_s, policy.ceiling_bytes_per_s);
+  }
   const std::string policy_error = resolved.metadata_error.value_or("");
   auto j = std::make_unique<Job>(k, policy, info.type, disk.cache);
   j->id = ++adopted_;
@@ -936,7 +943,7 @@ void Governor::release_all() {
     double rate = j->decision ? std::max(j->decision->rate_bytes_per_s,
                                          j->decision->drain_estimate_bytes_per_s)
                               : j->policy.floor_bytes_per_s;
-    rate = std::max(rate, j->policy.floor_bytes_per_s);
+    rate = std::clamp(rate, j->policy.floor_bytes_per_s, j->policy.ceiling_bytes_per_s);
     try {
       (void)hv_.set_job_speed(
           k.domain, k.disk,

@@ -149,6 +149,9 @@ struct GovernorOptions {
   // When set, only the job on this domain's disk target is governed (`qcommit live` runs a
   // governor in-process for the job it started); the other disks still give foreground signals.
   std::optional<std::pair<std::string, std::string>> only_disk;
+  // A cap on every governed job's speed whatever its policy says (`qcommit live --max-rate`):
+  // the policy's ceiling (and a higher floor) come down to it.  At least min_speed_bytes_per_s.
+  std::optional<double> max_rate_bytes_per_s;
   // A clock the hosts sharing a storage keep in sync (NTP-disciplined CLOCK_REALTIME, as time
   // since the epoch), read at every tick: the controllers' periodic slowdowns are slotted on it
   // (TickInput::wall_clock), so that the merges of every host drain the storage's queue together.

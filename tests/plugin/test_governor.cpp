@@ -770,3 +770,32 @@ TEST_CASE("plugin.governor.slowdowns_on_the_wall_clock") {
   REQUIRE(starts.size() >= 3);
   for (Duration s : starts) CHECK(s % interval < GovernorOptions{}.tick + 10ms);
 }
+
+TEST_CASE("plugin.governor.max_rate_caps_every_speed") {
+  // `qcommit live --max-rate 2M`: on idle storage (nobody to protect, the job runs free) and
+  // with a domain policy whose ceiling is far higher, no speed the governor sets exceeds the cap,
+  // nor the finishing speed it leaves the job at.
+  constexpr double kCap = 2.0 * 1024 * 1024;
+  World w;
+  w.guest_active = false;
+  w.other_active = false;
+  w.hv.domains[0].policy_xml =
+      "<qcommit:policy xmlns:qcommit=\"https://qcommit.dev/xmlns/1\" ceiling=\"1G\"/>";
+  w.start_job();
+  GovernorOptions opt;
+  opt.max_rate_bytes_per_s = kCap;
+  REQUIRE_FALSE(opt.validate());
+  Governed gv(w, DaemonConfig{}, opt);
+  gv.run(12s);
+  const double rate = gv.progress(5s);
+  MESSAGE("capped at 2 MiB/s: " << rate / 1048576.0 << " MiB/s");
+  CHECK(rate > 0.5 * kCap);
+  CHECK(rate <= 1.05 * kCap);
+  REQUIRE_FALSE(w.hv.speed_calls.empty());
+  for (const SpeedCall& c : w.hv.speed_calls) CHECK(static_cast<double>(c.speed) <= kCap);
+  gv.g.release_all();
+  CHECK(static_cast<double>(w.hv.speed("vm1", "vda")) <= kCap);
+  // Below the governor's minimum job speed the cap could not hold: refused.
+  opt.max_rate_bytes_per_s = 16.0 * 1024;
+  CHECK(opt.validate().has_value());
+}
