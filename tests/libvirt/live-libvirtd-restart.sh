@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# libvirt.live_libvirtd_restart: `qcommit live` (no qcommitd: a socket nobody serves) waits out a
+# libvirtd restart and says so, with --max-rate in force. A running TCG domain on base <- top
+# (40 MiB of data in top), its metadata policy ceiling 1G, a direct active commit with --pivot at
+# --max-rate 4M:
+#   * every progress event's speed, and QEMU's speed while the job runs, is at most 4 MiB/s (on
+#     this host the governor keeps this job near its floor whatever the cap, so this part is weak;
+#     plugin.governor.max_rate_caps_every_speed shows the cap where the governor runs free);
+#   * the disk ends on base.qcow2 with the guest's view.
+# Meanwhile this host's libvirtd (libvirtd -d; never a chroot's) is stopped for 2 s and started
+# again: live says once that it waits for the connection (a "wait" event for "connection"), and
+# carries on to the pivot.  libvirtd is left running whatever happens (the EXIT trap).
+# And --max-rate below 64K is refused (exit 2, one line).
+# usage: live-max-rate.sh QCOMMIT
+set -euo pipefail
+source "$(dirname "$0")/lib.sh"
+QCOMMIT=$(realpath "$1")
+host_libvirtd() {
+  local pid
+  pid=$(cat /run/libvirtd.pid 2>/dev/null) || return 1
+  [[ -n $pid && $(readlink "/proc/$pid/root" 2>/dev/null) == / ]] &&
+    [[ $(cat "/proc/$pid/comm" 2>/dev/null) == libvirtd ]] && echo "$pid"
+}
+host_libvirtd >/dev/null || { echo "libvirtd is not running as a daemon of its own (libvirtd -d); skipped" >&2; exit 77; }
+daemon_test_init libvirt.live_libvirtd_restart qllr
+ensure_libvirtd() {
+  if ! host_libvirtd >/dev/null; then libvirtd -d; fi
+  local i
+  for ((i = 0; i < 100; i++)); do virsh -q list >/dev/null 2>&1 && return 0; sleep 0.1; done
+  return 1
+}
+trap 'ensure_libvirtd || true; daemon_test_cleanup' EXIT
+cap=$((4 * 1024 * 1024))
+qemu-img create -q -f qcow2 base.qcow2 256M
+qemu-io -c 'write -P 1 0 16M' base.qcow2 >/dev/null
+qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2
+qemu-io -c 'write -P 2 8M 40M' top.qcow2 >/dev/null
+qemu-img convert -O raw top.qcow2 view-before.raw
+define_disk_domain "$dom" "$dir/top.qcow2" "$dir"
+virsh -q metadata "$dom" https://qcommit.dev/xmlns/1 --key qcommit --config \
+  --set '<policy ceiling="1G"/>' >/dev/null
+virsh -q start "$dom" >/dev/null
+
+rc=0
+"$QCOMMIT" live "$dom" vda --max-rate 16K --daemon-socket "$dir/none.sock" >out0 2>err0 || rc=$?
+[[ $rc == 2 && $(wc -l <err0) == 1 ]] || fail "--max-rate 16K: exit $rc, expected 2 and one line: $(cat err0)"
+
+t0=$(date +%s.%N)
+"$QCOMMIT" live "$dom" vda --strategy direct --pivot --max-rate 4M --daemon-socket "$dir/none.sock" \
+  --output=json >events 2>err &
+lpid=$!
+for ((i = 0; i < 100; i++)); do grep -q '"progress"' events 2>/dev/null && break; sleep 0.1; done
+grep -q '"progress"' events || fail "no progress from qcommit live: $(cat err)"
+lv=$(host_libvirtd)
+kill -TERM "$lv"
+for ((i = 0; i < 100; i++)); do kill -0 "$lv" 2>/dev/null || break; sleep 0.1; done
+sleep 2
+ensure_libvirtd || fail "libvirtd did not come back"
+echo "libvirtd restarted during the merge"
+qemu_max=0
+while kill -0 "$lpid" 2>/dev/null; do
+  bw=$(virsh -q blockjob "$dom" vda --info --bytes 2>/dev/null | sed -n 's/.*Bandwidth limit: \([0-9]*\).*/\1/p')
+  [[ -n $bw ]] && ((bw > qemu_max)) && qemu_max=$bw
+  sleep 0.2
+done
+wait "$lpid" || fail "qcommit live failed: $(cat err)"
+took=$(echo "$(date +%s.%N) - $t0" | bc)
+top_speed=$(jq -s 'map(select(.event == "progress") | .speed // 0) | max // 0' events)
+echo "40 MiB at --max-rate 4M: ${took} s; largest progress speed $top_speed, largest QEMU speed $qemu_max bytes/s"
+n=$(jq -s 'map(select(.event == "wait" and .for == "connection")) | length' events)
+[[ $n == 1 ]] || fail "$n wait events for the connection, expected 1: $(grep wait events | head -3)"
+jq -se 'map(select(.event == "progress")) | length >= 2' events >/dev/null || fail "fewer than 2 progress events: $(head -c 400 events)"
+[[ $(echo "$top_speed <= $cap" | bc) == 1 ]] || fail "a progress event shows speed $top_speed > $cap"
+((qemu_max <= cap)) || fail "QEMU ran the job at $qemu_max bytes/s > $cap"
+virsh -q domblklist "$dom" | grep -q "base.qcow2" || fail "vda is not on base.qcow2 after the pivot"
+virsh -q destroy "$dom" >/dev/null
+qemu-img compare -q base.qcow2 view-before.raw || fail "base.qcow2 differs from the guest's view"
+echo "libvirt.live_libvirtd_restart: OK"
