@@ -23,8 +23,8 @@
 #include "cli/commands.h"
 #include "cli/daemon.h"
 #include "cli/json.h"
-#include "cli/options.h"
 #include "cli/merge_policy.h"
+#include "cli/options.h"
 #include "cli/units.h"
 #include "common/defaults.h"
 #include "plugin/config.h"
@@ -32,17 +32,17 @@
 #include "plugin/json.h"
 #include "plugin/libvirt_hypervisor.h"
 #include "plugin/live.h"
-#include "plugin/qmp_hypervisor.h"
 #include "plugin/mono_clock.h"
+#include "plugin/qmp_hypervisor.h"
 #include "plugin/writeback.h"
+#include "throttle/backoff.h"
 
 namespace qcommit::cli {
-#include "throttle/backoff.h"
 namespace {
 
 using plugin::Duration;
-using plugin::TimePoint;
 using plugin::mono_now;
+using plugin::TimePoint;
 
 std::atomic<bool> g_interrupted{false};
 void on_interrupt(int) {
@@ -69,8 +69,8 @@ struct LiveError : std::runtime_error {
 struct LiveArgs {
   plugin::LiveRequest req;
   std::string uri = defaults::kUri;
-  std::string max_rate;  // --max-rate, "" when not given
   std::string budget = defaults::budget_text();
+  std::string max_rate;  // --max-rate, "" when not given
   std::string wait = defaults::lock_wait_text();
   std::string daemon_socket = defaults::kSocketPath;
   std::string qmp;
@@ -82,8 +82,8 @@ struct LiveArgs {
   std::vector<std::string> pos;
   // Derived by validate().
   bool uri_given = false;
-  std::optional<double> max_rate_bytes_per_s;
   bool budget_given = false;
+  std::optional<double> max_rate_bytes_per_s;
   bool json_out = false;
   plugin::PageCacheSource page_cache = plugin::PageCacheSource::kAuto;
   Duration wait_limit{};
