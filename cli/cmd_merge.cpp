@@ -8,7 +8,7 @@
 #include <filesystem>
 #include <iostream>
 
-#include "cli/domain_merge.h"
+#include "plugin/domain_merge.h"
 #include "cli/json.h"
 #include "cli/merge_policy.h"
 #include "cli/merge_progress.h"
@@ -20,6 +20,10 @@
 #include "qcow2/error.h"
 
 namespace qcommit::cli {
+
+using plugin::DomainMergeRequest;
+using plugin::DomainMergeResult;
+using plugin::merge_domain;
 
 namespace {
 

@@ -1,4 +1,4 @@
-#include "cli/domain_merge.h"
+#include "plugin/domain_merge.h"
 
 #include <libvirt/libvirt.h>
 #include <libvirt/virterror.h>
@@ -24,7 +24,7 @@
 #include "qcow2/chain.h"
 #include "qcow2/error.h"
 
-namespace qcommit::cli {
+namespace qcommit::plugin {
 
 namespace fs = std::filesystem;
 using qcow2::Error;
@@ -32,13 +32,12 @@ using qcow2::Error;
 namespace {
 
 // --- RAII for libvirt and libxml2 handles ----------------------------------------------------
-using Conn = plugin::lv::Conn;
-using Dom = plugin::lv::Domain;
-using Snap = plugin::lv::Snapshot;
-using Pool = plugin::lv::Pool;
-using Vol = plugin::lv::Vol;
-using CStr = plugin::lv::CString;
-namespace xml = plugin::xml;
+using Conn = lv::Conn;
+using Dom = lv::Domain;
+using Snap = lv::Snapshot;
+using Pool = lv::Pool;
+using Vol = lv::Vol;
+using CStr = lv::CString;
 using Doc = xml::Doc;
 
 // Test-only seams at named points of a domain merge, in order: data-window (after the first
@@ -125,7 +124,7 @@ std::vector<Pool> pools_holding(virConnectPtr conn, const std::string& file) {
   std::vector<Pool> out;
   virStoragePoolPtr* pools = nullptr;
   const int n = virConnectListAllStoragePools(conn, &pools, VIR_CONNECT_LIST_STORAGE_POOLS_ACTIVE);
-  for (Pool& p : plugin::lv::take_list<Pool>(pools, n)) {
+  for (Pool& p : lv::take_list<Pool>(pools, n)) {
     CStr xml(virStoragePoolGetXMLDesc(p.get(), 0));
     if (!xml) continue;
     Doc d = parse_xml(xml.get(), "pool");
@@ -502,7 +501,7 @@ std::vector<std::string> DomainMerge::snapshots_to_remove() const {
   virDomainSnapshotPtr* snaps = nullptr;
   const int ns = virDomainListAllSnapshots(dom_.get(), &snaps, 0);
   std::vector<std::string> affected, problems;
-  for (Snap& s : plugin::lv::take_list<Snap>(snaps, ns)) {
+  for (Snap& s : lv::take_list<Snap>(snaps, ns)) {
     CStr sx(virDomainSnapshotGetXMLDesc(s.get(), 0));
     if (!sx) continue;
     const Doc sd = parse_xml(sx.get(), "snapshot");
@@ -683,4 +682,4 @@ DomainMergeResult merge_domain(DomainMergeRequest req, const Note& note) {
   return DomainMerge(conn.get(), req, note).run();
 }
 
-}  // namespace qcommit::cli
+}  // namespace qcommit::plugin

@@ -13,7 +13,7 @@
 
 #include "engine/merge.h"
 
-namespace qcommit::cli {
+namespace qcommit::plugin {
 
 struct DomainMergeRequest {
   std::string uri = "qemu:///system";
@@ -44,4 +44,4 @@ struct DomainMergeResult {
 // when a refusal is raised before the merge starts.
 DomainMergeResult merge_domain(DomainMergeRequest req, const std::function<void(const std::string&)>& note);
 
-}  // namespace qcommit::cli
+}  // namespace qcommit::plugin
