@@ -32,11 +32,18 @@ qemu-system-x86_64 -machine none -nodefaults -display none -S \
   -drive file=top.qcow2,format=qcow2,if=none,id=d0 >qemu.log 2>&1 &
 qpid=$!
 pids+=("$qpid")
-for ((i = 0; i < 200; i++)); do  # until QEMU holds its locks
-  qemu-io -f qcow2 -c "read 0 512" top.qcow2 >/dev/null 2>&1 || break
+# Until QEMU has TOP open, watched through /proc: a probe that opened TOP itself (as this test
+# once did with qemu-io) held a lock of its own while QEMU started, and QEMU then failed to get
+# its write lock. QEMU takes its locks as it opens the image, before it waits (-S).
+for ((i = 0; i < 200; i++)); do
+  ls -l "/proc/$qpid/fd" 2>/dev/null | grep -q '/top\.qcow2$' && break
+  kill -0 "$qpid" 2>/dev/null || break
   sleep 0.05
 done
+sleep 0.3
 kill -0 "$qpid" || fail "QEMU did not start: $(cat qemu.log)"
+qemu-io -r -f qcow2 -c "read 0 512" top.qcow2 >/dev/null 2>&1 &&
+  fail "QEMU runs but TOP is not locked (qemu-io -r could open it)"
 rc=0
 "$QCOMMIT" merge top.qcow2 --budget off >out.txt 2>err.txt || rc=$?
 msg=$(cat err.txt)
