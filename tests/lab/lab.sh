@@ -193,18 +193,37 @@ lab_domain_xml() {
 EOF
 }
 
-lab_guest_start() {
-  local cache=writeback fill=0 interval=100 size=2560M
+# The options of lab_guest_start and lab_guest2_start (WHO), set in the caller's locals: cache,
+# fill, interval, size, and uri where WHO takes --uri.
+lab_guest_options() {
+  local who=$1
+  shift
   while [ $# -gt 0 ]; do
     case $1 in
+      --uri) [ "$who" = lab_guest2_start ] || lab_die "$who: unknown option $1"; uri=$2; shift 2 ;;
       --cache) cache=$2; shift 2 ;;
       --fill) fill=$2; shift 2 ;;
       --interval) interval=$2; shift 2 ;;
       --disk-size) size=$2; shift 2 ;;
-      *) lab_die "lab_guest_start: unknown option $1" ;;
+      *) lab_die "$who: unknown option $1" ;;
     esac
   done
   case $cache in writeback | none | writethrough | directsync | unsafe) ;; *) lab_die "bad cache mode $cache" ;; esac
+}
+
+# Defines domain NAME from XML on URI and starts it paused under an external disk-only snapshot
+# (its disk's new active layer is OVERLAY); the caller resumes it.
+lab_domain_boot() {
+  local uri=$1 name=$2 xml=$3 overlay=$4
+  virsh -q -c "$uri" define "$xml" >/dev/null
+  virsh -q -c "$uri" start --paused "$name" >/dev/null
+  virsh -q -c "$uri" snapshot-create-as "$name" --name lab-overlay --disk-only --no-metadata \
+    --atomic --diskspec "vda,snapshot=external,file=$overlay" >/dev/null
+}
+
+lab_guest_start() {
+  local cache=writeback fill=0 interval=100 size=2560M
+  lab_guest_options lab_guest_start "$@"
   LAB_BASE=$LAB_MNT/base.raw
   LAB_OVERLAY=$LAB_MNT/overlay.qcow2
   export LAB_BASE LAB_OVERLAY
@@ -214,11 +233,8 @@ lab_guest_start() {
   : >"$LAB_DIR/console.log"
   lab_domain_xml "$LAB_DOM" "$LAB_DIR" "$LAB_BASE" "$cache" "$fill" "$interval" "$LAB_DIR/console.log" \
     >"$LAB_DIR/domain.xml"
-  virsh -q define "$LAB_DIR/domain.xml" >/dev/null
   LAB_DOM_DEFINED=1
-  virsh -q start --paused "$LAB_DOM" >/dev/null
-  virsh -q snapshot-create-as "$LAB_DOM" --name lab-overlay --disk-only --no-metadata --atomic \
-    --diskspec "vda,snapshot=external,file=$LAB_OVERLAY" >/dev/null
+  lab_domain_boot "$LIBVIRT_DEFAULT_URI" "$LAB_DOM" "$LAB_DIR/domain.xml" "$LAB_OVERLAY"
   lab_reader_start
   virsh -q resume "$LAB_DOM" >/dev/null
   lab_mark guest_resumed
@@ -233,16 +249,7 @@ lab_guest_start() {
 # Sets LAB2_URI, LAB2_DOM, LAB2_BASE, LAB2_OVERLAY; lab_teardown removes it.
 lab_guest2_start() {
   local uri="" cache=writeback fill=0 interval=100 size=2560M
-  while [ $# -gt 0 ]; do
-    case $1 in
-      --uri) uri=$2; shift 2 ;;
-      --cache) cache=$2; shift 2 ;;
-      --fill) fill=$2; shift 2 ;;
-      --interval) interval=$2; shift 2 ;;
-      --disk-size) size=$2; shift 2 ;;
-      *) lab_die "lab_guest2_start: unknown option $1" ;;
-    esac
-  done
+  lab_guest_options lab_guest2_start "$@"
   [ -n "$uri" ] || lab_die "lab_guest2_start: --uri is required"
   local dir=$LAB_DIR/second
   mkdir -p "$dir" "$LAB_MNT/second"
@@ -255,11 +262,8 @@ lab_guest2_start() {
   : >"$dir/console.log"
   lab_domain_xml "$LAB2_DOM" "$dir" "$LAB2_BASE" "$cache" "$fill" "$interval" "$dir/console.log" \
     >"$dir/domain.xml"
-  virsh -q -c "$uri" define "$dir/domain.xml" >/dev/null
   LAB2_DEFINED=1
-  virsh -q -c "$uri" start --paused "$LAB2_DOM" >/dev/null
-  virsh -q -c "$uri" snapshot-create-as "$LAB2_DOM" --name lab-overlay --disk-only --no-metadata \
-    --atomic --diskspec "vda,snapshot=external,file=$LAB2_OVERLAY" >/dev/null
+  lab_domain_boot "$uri" "$LAB2_DOM" "$dir/domain.xml" "$LAB2_OVERLAY"
   virsh -q -c "$uri" resume "$LAB2_DOM" >/dev/null
   local deadline=$((SECONDS + 900))
   until grep -q '^LAB PROBING' "$dir/console.log" 2>/dev/null; do
