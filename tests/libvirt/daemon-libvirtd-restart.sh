@@ -14,22 +14,8 @@
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 QCOMMIT=$(realpath "$1") QCOMMITD=$(realpath "$2")
-# This host's libvirtd: the one its pid file names, whose root is / (another libvirtd may run in a
-# chroot, scripts/trixie-platform's: never touched).
-host_libvirtd() {
-  local pid
-  pid=$(cat /run/libvirtd.pid 2>/dev/null) || return 1
-  [[ -n $pid && $(readlink "/proc/$pid/root" 2>/dev/null) == / ]] &&
-    [[ $(cat "/proc/$pid/comm" 2>/dev/null) == libvirtd ]] && echo "$pid"
-}
 host_libvirtd >/dev/null || { echo "libvirtd is not running as a daemon of its own (libvirtd -d); skipped" >&2; exit 77; }
 daemon_test_init libvirt.daemon_libvirtd_restart qlr
-ensure_libvirtd() {
-  if ! host_libvirtd >/dev/null; then libvirtd -d; fi
-  local i
-  for ((i = 0; i < 100; i++)); do virsh -q list >/dev/null 2>&1 && return 0; sleep 0.1; done
-  return 1
-}
 trap 'ensure_libvirtd || true; daemon_test_cleanup' EXIT
 
 status_json() { "$QCOMMIT" status --socket "$dir/d.sock" --output=json; }

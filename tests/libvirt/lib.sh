@@ -25,6 +25,23 @@ XML
 # libvirtd reachable, DIR (/var/lib/libvirt/images/PREFIX-PID-RANDOM, the working directory from
 # here on), DOM (its domain), fail() naming TEST and showing qcommitd's log tail, and a cleanup on
 # exit that stops qcommitd, removes DOM and DIR.
+# This host's libvirtd (for tests that stop and start it): the one its pid file names, whose
+# root is / (another libvirtd may run in a chroot, scripts/trixie-platform's: never touched).
+host_libvirtd() {
+  local pid
+  pid=$(cat /run/libvirtd.pid 2>/dev/null) || return 1
+  [[ -n $pid && $(readlink "/proc/$pid/root" 2>/dev/null) == / ]] &&
+    [[ $(cat "/proc/$pid/comm" 2>/dev/null) == libvirtd ]] && echo "$pid"
+}
+
+# Starts this host's libvirtd unless it runs, and waits until it answers (false after 10 s).
+ensure_libvirtd() {
+  if ! host_libvirtd >/dev/null; then libvirtd -d; fi
+  local i
+  for ((i = 0; i < 100; i++)); do virsh -q list >/dev/null 2>&1 && return 0; sleep 0.1; done
+  return 1
+}
+
 daemon_test_init() {
   virsh -q list >/dev/null 2>&1 || { echo "libvirtd is not reachable (start it: virtlogd -d; libvirtd -d)" >&2; exit 1; }
   TEST_NAME=$1

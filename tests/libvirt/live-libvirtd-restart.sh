@@ -15,20 +15,8 @@
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 QCOMMIT=$(realpath "$1")
-host_libvirtd() {
-  local pid
-  pid=$(cat /run/libvirtd.pid 2>/dev/null) || return 1
-  [[ -n $pid && $(readlink "/proc/$pid/root" 2>/dev/null) == / ]] &&
-    [[ $(cat "/proc/$pid/comm" 2>/dev/null) == libvirtd ]] && echo "$pid"
-}
 host_libvirtd >/dev/null || { echo "libvirtd is not running as a daemon of its own (libvirtd -d); skipped" >&2; exit 77; }
 daemon_test_init libvirt.live_libvirtd_restart qllr
-ensure_libvirtd() {
-  if ! host_libvirtd >/dev/null; then libvirtd -d; fi
-  local i
-  for ((i = 0; i < 100; i++)); do virsh -q list >/dev/null 2>&1 && return 0; sleep 0.1; done
-  return 1
-}
 trap 'ensure_libvirtd || true; daemon_test_cleanup' EXIT
 cap=$((4 * 1024 * 1024))
 qemu-img create -q -f qcow2 base.qcow2 256M
