@@ -12,6 +12,7 @@
 // A process stop keeps the page cache: power loss between flushes is covered by merge.crash_*.
 #include <doctest/doctest.h>
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -20,6 +21,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <optional>
@@ -434,20 +436,43 @@ class SlowFs {
 
  private:
   static constexpr useconds_t kSignalSettleUs = 20 * 1000;
+  // Mounting and unmounting are waited for by polling: every 2 ms, for up to 5 s. A fault matrix
+  // remounts a few hundred times, so a coarser poll is most of its run time.
+  static constexpr useconds_t kPollUs = 2 * 1000;
+  static constexpr int kPolls = 2500;
+
+  // The process started in the background belongs to init once its shell is gone, and init may
+  // reap it seconds after it exits (1-2 s on the CI's VMs, every remount): a zombie has exited.
+  static bool running(pid_t pid) {
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string line;
+    if (!std::getline(stat, line)) return false;
+    const auto paren = line.rfind(')');
+    if (paren == std::string::npos || paren + 2 >= line.size()) return false;
+    const char state = line[paren + 2];
+    return state != 'Z' && state != 'X';
+  }
+
+  // The mount point is on another device than its parent once the FUSE mount is in place.
+  bool mounted() const {
+    struct stat m{}, parent{};
+    return ::stat(mnt().c_str(), &m) == 0 && ::stat(root_.c_str(), &parent) == 0 &&
+           m.st_dev != parent.st_dev;
+  }
 
   void mount() {
     const std::string pidfile = root_ + "/pid";
     must(binary_ + " --backing " + backing() + " --mount " + mnt() +
          " --bandwidth 4G --fail-errno " + errno_name_ + " --pidfile " + pidfile + " >>" + root_ +
          "/slowfs.log 2>&1 &");
-    for (int i = 0; i < 100 && sh("mountpoint -q " + mnt()) != 0; ++i) ::usleep(50 * 1000);
-    REQUIRE(sh("mountpoint -q " + mnt()) == 0);
-    for (int i = 0; i < 100 && pid_ <= 0; ++i) {
+    for (int i = 0; i < kPolls && !mounted(); ++i) ::usleep(kPollUs);
+    REQUIRE(mounted());
+    for (int i = 0; i < kPolls && pid_ <= 0; ++i) {
       if (FILE* f = std::fopen(pidfile.c_str(), "r")) {
         if (std::fscanf(f, "%d", &pid_) != 1) pid_ = 0;
         std::fclose(f);
       }
-      if (pid_ <= 0) ::usleep(20 * 1000);
+      if (pid_ <= 0) ::usleep(kPollUs);
     }
     REQUIRE(pid_ > 0);
     mounted_ = true;
@@ -455,7 +480,7 @@ class SlowFs {
   void unmount() {
     must("fusermount3 -u " + mnt() + " || umount -l " + mnt());
     // The process unmounts its mount point again as it exits: wait for it to be gone.
-    for (int i = 0; i < 200 && ::kill(pid_, 0) == 0; ++i) ::usleep(50 * 1000);
+    for (int i = 0; i < 2 * kPolls && running(pid_); ++i) ::usleep(kPollUs);
     fs::remove(root_ + "/pid");
     pid_ = 0;
     mounted_ = false;
