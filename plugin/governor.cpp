@@ -98,6 +98,9 @@ struct Governor::PacerView {
   IssuedRanges issued;
   std::uint64_t writeback_elsewhere = 0;
   bool ranges_readable = true;  // false: cachestat of a range failed, count issued bytes instead
+  // When a sweep of the whole target last found nothing to write back: the target was clean
+  // then, apart from what was in flight (the settle's signal where dirty counts are bounds).
+  std::optional<TimePoint> clean_sweep_at;
 
   // Whole-file reading (cachestat over the target: CPU in proportion to its cached pages).
   void read_page_cache(TargetFile& file, TimePoint now) {
@@ -791,11 +794,17 @@ void Governor::tick_job(Job& j, const JobInfo& info, const throttle::ForegroundS
   record_tick(j, s, info, backlog, now);
 }
 
+// Whether the target has nothing dirty for a settle started at `hold_since`: its per-file count
+// says so, or, where the count is an upper bound (a memory cgroup's, which the guests' own cached
+// writes keep above zero), a sweep of the whole target since the hold began found nothing to
+// write back.
+bool Governor::clean_for_settle(const Job& j, const PageCacheState& pc, TimePoint hold_since) {
+  if (!pc.dirty_upper_bound) return pc.dirty_bytes == 0;
+  return pc.dirty_bytes == 0 || (j.pacer.clean_sweep_at && *j.pacer.clean_sweep_at >= hold_since);
+}
+
 bool Governor::settle(Job& j, const std::optional<PageCacheState>& pc, TimePoint now) {
-  // An upper bound of the dirty bytes (memory cgroup) never reliably reaches zero: no settle.
-  if (opt_.settle_every == Duration::zero() || !j.file || !pc || !pc->per_file ||
-      pc->dirty_upper_bound)
-    return false;
+  if (opt_.settle_every == Duration::zero() || !j.file || !pc || !pc->per_file) return false;
   SettleState& st = j.settle;
   if (!st.hold_since) {
     if (pc->dirty_bytes > 0 && !st.dirty_since) st.dirty_since = now;
@@ -804,7 +813,7 @@ bool Governor::settle(Job& j, const std::optional<PageCacheState>& pc, TimePoint
     st.started = false;
   }
   if (!st.started) {
-    if (pc->dirty_bytes == 0 && j.file->start_settle()) {
+    if (clean_for_settle(j, *pc, *st.hold_since) && j.file->start_settle()) {
       st.started = true;
     } else if (now - *st.hold_since >= opt_.settle_max_hold) {
       st.hold_since.reset();  // the job kept dirtying (or storage is slow): retry later
@@ -930,6 +939,7 @@ void Governor::pace(TimePoint now) {
     // swept the whole file again (cachestat over every cached page: ~30 % of a core on a
     // 2.5 GiB base in the lab).
     if (plan.lapped && pv.pc) pv.issued_since_pc = std::max(pv.issued_since_pc, pv.pc->dirty_bytes);
+    if (plan.lapped && plan.dirty_bytes_issued == 0) pv.clean_sweep_at = now;
   }
 }
 

@@ -135,7 +135,10 @@ struct GovernorOptions {
   // 230 ms at 50 MB/s) ahead of the guests every 5 s (lab, 1.5 GiB active commit).  Every
   // `settle_every` the governor holds the job at the floor until the target has no dirty pages
   // and fdatasyncs it (the inode is clean, its expiry clock restarts); a hold that does not
-  // reach that within `settle_max_hold` is abandoned and retried an interval later.
+  // reach that within `settle_max_hold` is abandoned and retried an interval later.  Where the
+  // target's dirty count is only an upper bound (a kernel without cachestat: its memory cgroup,
+  // which the guests' own cached writes inflate), "no dirty pages" is a sweep of the whole
+  // target by the pacer that found nothing to write back.
   // Zero disables.  The daemon sets it from the host's dirty_expire (a third of it, <= 10 s).
   Duration settle_every = std::chrono::seconds(10);
   Duration settle_max_hold = std::chrono::seconds(2);
@@ -295,6 +298,8 @@ class Governor {
   void drive_probes(TimePoint now);  // collect and start the shared-queue probes
   // Settling state machine for one job; true while the job is held for it.
   bool settle(Job& j, const std::optional<PageCacheState>& pc, TimePoint now);
+  [[nodiscard]] static bool clean_for_settle(const Job& j, const PageCacheState& pc,
+                                             TimePoint hold_since);
   [[nodiscard]] std::string storage_key(const std::string& path, std::optional<std::uint64_t> dev,
                                         std::optional<PoolInfo>* pool_out);
   [[nodiscard]] std::optional<PoolInfo> resolve_pool(const std::string& path);

@@ -116,7 +116,8 @@ class MemcgTargetFile final : public TargetFile {
     (void)::posix_fadvise(fd_.get(), static_cast<off_t>(r.offset), static_cast<off_t>(r.length),
                           POSIX_FADV_DONTNEED);
   }
-  bool start_settle() override { return false; }
+  // The governor settles once a sweep of the whole target found nothing to write back.
+  bool start_settle() override { return sync_.start(fd_.get()); }
 
   // Pages cached earlier (by other processes) are charged to their cgroups, not QEMU's: they are
   // dropped.  DONTNEED starts writeback of the dirty ones; what stays resident (at most those)
@@ -128,7 +129,7 @@ class MemcgTargetFile final : public TargetFile {
     const ByteRange all{0, n};
     waiter_.issued(all, probe_.resident_in(all, n).value_or(n));
   }
-  bool settling() override { return false; }
+  bool settling() override { return sync_.busy(); }
 
  private:
   UniqueFd fd_;
@@ -136,6 +137,7 @@ class MemcgTargetFile final : public TargetFile {
   ShadowLog shadow_;
   WritebackWaiter waiter_;
   ResidentProbe probe_;
+  BackgroundDatasync sync_;
 };
 
 }  // namespace

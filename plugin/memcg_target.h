@@ -8,7 +8,9 @@
 //   per range: pages resident in the page cache (mincore over a read-only shared mapping, less
 //              what is in flight), an upper bound of the range's dirty pages, since ranges whose
 //              writeback completed are evicted (drop_cached).
-// The readings count as per-file for the governor: it paces in pieces, not with fdatasync.
+// The readings count as per-file for the governor: it paces in pieces, not with fdatasync, and
+// settles (one fdatasync, which restarts the kernel's expiry clock of the inode) only after a
+// sweep of the whole target found nothing resident to write back.
 #pragma once
 
 #include <filesystem>

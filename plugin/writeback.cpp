@@ -214,6 +214,29 @@ bool cachestat_missing(int err) {
   return err == ENOSYS || err == EOPNOTSUPP;
 }
 
+}  // namespace
+
+bool BackgroundDatasync::start(int fd) {
+  if (busy()) return false;
+  const int dup = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);  // the thread may outlive the caller's fd
+  if (dup < 0) return false;
+  busy_->store(true);
+  try {
+    std::thread([dup, busy = busy_] {
+      (void)::fdatasync(dup);  // best effort: a failure leaves the kernel's clock running
+      ::close(dup);
+      busy->store(false);
+    }).detach();
+  } catch (const std::system_error&) {  // no thread: no sync this time
+    ::close(dup);
+    busy_->store(false);
+    return false;
+  }
+  return true;
+}
+
+namespace {
+
 class SystemTargetFile final : public TargetFile {
  public:
   SystemTargetFile(int fd, PageCacheSource source)
@@ -235,25 +258,8 @@ class SystemTargetFile final : public TargetFile {
     if (auto st = page_cache_in(r)) return st->dirty_bytes;
     return r.length;  // unknown: assume dirty (sync_file_range on clean pages is cheap)
   }
-  bool start_settle() override {
-    if (settling()) return false;
-    const int fd = ::fcntl(fd_.get(), F_DUPFD_CLOEXEC, 0);  // the thread may outlive this object
-    if (fd < 0) return false;
-    busy_->store(true);
-    try {
-      std::thread([fd, busy = busy_] {
-        (void)::fdatasync(fd);  // best effort: a failure leaves the kernel's clock running
-        ::close(fd);
-        busy->store(false);
-      }).detach();
-    } catch (const std::system_error&) {  // no thread: no sync this time
-      ::close(fd);
-      busy_->store(false);
-      return false;
-    }
-    return true;
-  }
-  bool settling() override { return busy_->load(); }
+  bool start_settle() override { return sync_.start(fd_.get()); }
+  bool settling() override { return sync_.busy(); }
   void drop_cached(const ByteRange& r) override {
     // Best effort, like start_writeback.
     (void)::posix_fadvise(fd_.get(), static_cast<off_t>(r.offset), static_cast<off_t>(r.length),
@@ -277,7 +283,7 @@ class SystemTargetFile final : public TargetFile {
   }
 
   UniqueFd fd_;
-  std::shared_ptr<std::atomic<bool>> busy_ = std::make_shared<std::atomic<bool>>(false);
+  BackgroundDatasync sync_;
   std::uint64_t page_ = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
   bool no_cachestat_ = false;
 };

@@ -8,6 +8,7 @@
 // /proc/meminfo fallback, sync_file_range(SYNC_FILE_RANGE_WRITE)).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -98,6 +99,18 @@ class IssuedRanges {
  private:
   std::size_t max_;
   std::vector<ByteRange> ranges_;
+};
+
+// One fdatasync of a file at a time, in a thread of its own (a settle, TargetFile::start_settle).
+// The thread syncs a duplicate of the descriptor, so it may outlive its owner.
+class BackgroundDatasync {
+ public:
+  // False while the previous one runs, or when none can be started.
+  [[nodiscard]] bool start(int fd);
+  [[nodiscard]] bool busy() const { return busy_->load(); }
+
+ private:
+  std::shared_ptr<std::atomic<bool>> busy_ = std::make_shared<std::atomic<bool>>(false);
 };
 
 // The size and st_dev of an open target file (0 and nullopt when fstat fails): what every

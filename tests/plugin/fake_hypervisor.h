@@ -135,6 +135,11 @@ struct FakeFileState {
   bool host_wide = false;
   std::uint64_t other_dirty = 0;
   bool sync_running = false;
+  // A kernel without cachestat(2) read through QEMU's memory cgroup: whole-file readings are an
+  // upper bound (dirty_upper_bound), `cgroup_other_dirty` bytes above the file's (the guests'
+  // cached writes); per-range readings stay exact.
+  bool memcg_bound = false;
+  std::uint64_t cgroup_other_dirty = 0;
   // Where the dirty bytes are: spread evenly over the file (default), or all in [0, dirty).
   bool dirty_at_front = false;
   // The kernel's flusher takes every dirty byte right after each whole-file reading (the reading
@@ -226,9 +231,13 @@ class FakeTargetFiles final : public TargetFiles {
     std::optional<std::uint64_t> device() override { return s_->device; }
     std::optional<PageCacheState> page_cache() override {
       ++s_->whole_readings;
-      const PageCacheState st =
+      PageCacheState st =
           s_->host_wide ? PageCacheState{s_->dirty + s_->other_dirty, s_->writeback, false}
                         : PageCacheState{s_->dirty, s_->writeback, true};
+      if (s_->memcg_bound) {
+        st.dirty_bytes += s_->cgroup_other_dirty;
+        st.dirty_upper_bound = true;
+      }
       if (s_->flusher_after_reading) s_->dirty = 0;
       return st;
     }
