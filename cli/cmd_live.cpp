@@ -449,6 +449,13 @@ class Pacing {
   virtual void release_all() = 0;
   // What happens to a job this command leaves running.
   [[nodiscard]] virtual const char* job_left_running() const = 0;
+  // Whether the disk's job may pivot now (plugin::Governor::settled_for_pivot); qcommitd
+  // governing the job: at once.
+  [[nodiscard]] virtual bool settled_for_pivot(const std::string& domain, const std::string& disk,
+                                               TimePoint now) {
+    (void)domain, (void)disk, (void)now;
+    return true;
+  }
 };
 
 // qcommitd's governor, run in this process for this one disk.
@@ -465,6 +472,10 @@ class InProcessPacing final : public Pacing {
   std::vector<JobProgress> progress(TimePoint now) override;
   void release_all() override { gov_.release_all(); }
   const char* job_left_running() const override { return "continues at a finishing speed"; }
+  bool settled_for_pivot(const std::string& domain, const std::string& disk,
+                         TimePoint now) override {
+    return gov_.settled_for_pivot(domain, disk, now);
+  }
 
  private:
   plugin::SystemTargetFiles files_;
@@ -603,7 +614,11 @@ void print_progress_line(const JobProgress& j, std::optional<double> percent) {
 class LiveRun {
  public:
   LiveRun(LiveBackend& be, const LiveArgs& a, std::vector<plugin::LiveStep> steps, Pacing& pacing)
-      : be_(be), a_(a), pacing_(pacing), merge_(be.ctl, be.hv, std::move(steps), a.req) {}
+      : be_(be), a_(a), pacing_(pacing), merge_(be.ctl, be.hv, std::move(steps), a.req) {
+    merge_.set_pivot_gate([this](TimePoint now) {
+      return pacing_.settled_for_pivot(a_.req.domain, a_.req.disk, now);
+    });
+  }
   [[nodiscard]] int run();
 
  private:

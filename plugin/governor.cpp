@@ -135,6 +135,9 @@ struct Governor::SettleState {
   std::optional<TimePoint> hold_since;
   bool started = false;
   std::uint32_t count = 0;
+  // settled_for_pivot: asked when, and whether its settle is over (done or given up).
+  std::optional<TimePoint> pivot_asked;
+  bool pivot_ready = false;
 };
 
 // Without per-file page-cache counts (no cachestat): fdatasyncs of the target while the job
@@ -806,9 +809,11 @@ bool Governor::clean_for_settle(const Job& j, const PageCacheState& pc, TimePoin
 bool Governor::settle(Job& j, const std::optional<PageCacheState>& pc, TimePoint now) {
   if (opt_.settle_every == Duration::zero() || !j.file || !pc || !pc->per_file) return false;
   SettleState& st = j.settle;
+  if (st.pivot_ready) return true;  // held until the pivot ends the job
   if (!st.hold_since) {
     if (pc->dirty_bytes > 0 && !st.dirty_since) st.dirty_since = now;
-    if (!st.dirty_since || now - *st.dirty_since < opt_.settle_every) return false;
+    const bool due = st.dirty_since && now - *st.dirty_since >= opt_.settle_every;
+    if (!due && !st.pivot_asked) return false;
     st.hold_since = now;
     st.started = false;
   }
@@ -818,7 +823,8 @@ bool Governor::settle(Job& j, const std::optional<PageCacheState>& pc, TimePoint
     } else if (now - *st.hold_since >= opt_.settle_max_hold) {
       st.hold_since.reset();  // the job kept dirtying (or storage is slow): retry later
       st.dirty_since = now;
-      return false;
+      if (st.pivot_asked) st.pivot_ready = true;  // the pivot goes ahead as it would have
+      return st.pivot_ready;
     }
     return true;
   }
@@ -827,7 +833,20 @@ bool Governor::settle(Job& j, const std::optional<PageCacheState>& pc, TimePoint
   st.started = false;
   st.dirty_since.reset();
   ++st.count;
-  return false;
+  if (st.pivot_asked) st.pivot_ready = true;
+  return st.pivot_ready;
+}
+
+bool Governor::settled_for_pivot(const std::string& domain, const std::string& disk,
+                                 TimePoint now) {
+  const auto it = jobs_.find(DiskKey{domain, disk});
+  if (it == jobs_.end()) return true;
+  Job& j = *it->second;
+  if (opt_.settle_every == Duration::zero() || !j.file || j.direct_io || j.gate) return true;
+  SettleState& st = j.settle;
+  if (!st.pivot_asked) st.pivot_asked = now;
+  // No reading of the target arrives (it cannot be read): the pivot waits no longer than a hold.
+  return st.pivot_ready || now - *st.pivot_asked >= 2 * opt_.settle_max_hold;
 }
 
 void Governor::pace_gates(TimePoint now) {

@@ -238,6 +238,15 @@ class Governor {
   // stats count from its start, a stopped domain's jobs and stats are dropped.
   void domain_event(const std::string& domain, const std::string& event);
 
+  // An active commit about to pivot: QEMU's last step before the switch flushes the target while
+  // the guest's requests wait (mirror drains, then fdatasync), so whatever the target still has
+  // dirty then is a freeze of the guest.  The first call holds the job at the floor and settles
+  // the target (as settle_every does); true once that settle is done (the job stays held until
+  // it ends), when it could not be done within settle_max_hold, or when there is nothing to
+  // settle (no such job, no target file, settling off).
+  [[nodiscard]] bool settled_for_pivot(const std::string& domain, const std::string& disk,
+                                       TimePoint now);
+
   // Graceful stop: every governed job gets a finishing speed (max(floor, last rate)).
   void release_all();
 

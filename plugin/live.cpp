@@ -164,7 +164,9 @@ bool LiveMerge::step(TimePoint now) {
         break;
       }
       case K::Pivot:
-        if (ctl_.pivot(req_.domain, req_.disk)) {
+        if (pivot_gate_ && !pivot_gate_(now)) {
+          next_try_ = now + kPivotGateRecheck;
+        } else if (ctl_.pivot(req_.domain, req_.disk)) {
           finish_step(now);
         } else {
           next_try_ = now + kPivotRetry;

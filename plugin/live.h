@@ -15,6 +15,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -51,6 +52,7 @@ enum class LiveStrategy { Direct, TwoPhase };
 [[nodiscard]] const char* to_string(LiveStrategy s);
 inline constexpr LiveStrategy kDefaultLiveStrategy = LiveStrategy::TwoPhase;
 inline constexpr auto kPivotRetry = std::chrono::milliseconds(100);
+inline constexpr auto kPivotGateRecheck = std::chrono::milliseconds(5);
 
 struct LiveRequest {
   std::string domain;
@@ -110,6 +112,10 @@ class LiveMerge {
   [[nodiscard]] const std::vector<LiveStep>& steps() const { return steps_; }
   // Active commit reached ready and no pivot was requested: the job is left ready.
   [[nodiscard]] bool left_ready() const { return left_ready_; }
+  // Asked before the pivot until it says true (the pacing settling the target first: QEMU
+  // flushes it at the switch while the guest waits); none: pivot at once.
+  using PivotGate = std::function<bool(TimePoint)>;
+  void set_pivot_gate(PivotGate gate) { pivot_gate_ = std::move(gate); }
   [[nodiscard]] std::optional<JobInfo> last_info() const { return last_info_; }
 
  private:
@@ -126,6 +132,7 @@ class LiveMerge {
   std::optional<TimePoint> next_try_;
   std::optional<JobInfo> last_info_;
   std::optional<std::string> error_;
+  PivotGate pivot_gate_;
 };
 
 }  // namespace qcommit::plugin

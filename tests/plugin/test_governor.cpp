@@ -554,6 +554,40 @@ TEST_CASE("plugin.governor.settles_a_target_whose_dirty_count_is_a_bound") {
   for (std::uint64_t d : w.base->settled_with_dirty) CHECK(d == 0);
 }
 
+TEST_CASE("plugin.governor.settles_the_target_before_the_pivot") {
+  // QEMU flushes the target at the pivot while the guest's requests wait: the job is held and the
+  // target settled first, with nothing dirty left, and the job stays held until it ends.
+  World w;
+  w.base->dirty_at_front = true;
+  w.storage_bytes_per_s = 50.0 * 1024 * 1024;
+  w.start_job();
+  GovernorOptions opt;
+  opt.settle_every = 60s;  // no periodic settle in this test
+  Governed gv(w, DaemonConfig{}, opt);
+  gv.run(5s);
+  REQUIRE(w.base->dirty > 0);
+  REQUIRE(w.base->settled_with_dirty.empty());
+  std::optional<TimePoint> ready_at;
+  const TimePoint asked = w.now;
+  gv.run(3s, [&] {
+    if (!ready_at && gv.g.settled_for_pivot(w.dom, "vda", w.now)) ready_at = w.now;
+  });
+  REQUIRE(ready_at.has_value());
+  MESSAGE("ready to pivot after "
+          << std::chrono::duration_cast<std::chrono::milliseconds>(*ready_at - asked).count()
+          << " ms");
+  REQUIRE(w.base->settled_with_dirty.size() == 1);
+  CHECK(w.base->settled_with_dirty[0] == 0);
+  CHECK(*ready_at - asked <= opt.settle_max_hold);
+  // Held at the floor from then on: the target stays clean for the switch.
+  const std::uint64_t c0 = w.cur();
+  gv.run(1s);
+  CHECK(w.cur() - c0 <= 2 * kMinJobSpeedBytesPerS);
+  CHECK(gv.g.settled_for_pivot(w.dom, "vda", w.now));
+  // A disk without a governed job pivots at once.
+  CHECK(gv.g.settled_for_pivot(w.dom, "vdz", w.now));
+}
+
 TEST_CASE("plugin.governor.settle_gives_up_and_retries") {
   // The fdatasync cannot start (a previous one still running): the hold ends after
   // settle_max_hold and is retried later; the job is never stuck at the floor.

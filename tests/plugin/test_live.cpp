@@ -144,6 +144,37 @@ TEST_CASE("plugin.live.two_phase_runs_in_order") {
   CHECK(ctl.dom.disks[0].source == "/s/base.raw");
 }
 
+TEST_CASE("plugin.live.pivot_waits_for_its_gate") {
+  FakeHypervisor hv;
+  REQUIRE(hv.connect());
+  FakeControl ctl(hv);
+  ctl.pivot_refusals = 0;
+  LiveRequest r;
+  r.domain = "vm1";
+  r.disk = "vda";
+  r.pivot = true;
+  r.strategy = LiveStrategy::Direct;
+  LiveMerge m(ctl, hv, plan_live(r, chain_disk(), "/s/new.qcow2"), r);
+  TimePoint now{};
+  int asked = 0;
+  std::optional<TimePoint> open_at;
+  m.set_pivot_gate([&](TimePoint t) {
+    ++asked;
+    if (asked == 5) open_at = t;
+    return asked >= 5;
+  });
+  int guard = 0;
+  while (m.step(now) && ++guard < 100) {
+    now += 10ms;
+    ctl.job_progresses("vm1", "vda");
+    if (!open_at) CHECK(std::find(ctl.log.begin(), ctl.log.end(), "pivot") == ctl.log.end());
+  }
+  REQUIRE_FALSE(m.error().has_value());
+  CHECK(m.done());
+  CHECK(asked == 5);
+  CHECK(ctl.log.back() == "pivot");
+}
+
 TEST_CASE("plugin.live.commit_that_vanishes_without_merging_is_an_error") {
   FakeHypervisor hv;
   REQUIRE(hv.connect());
