@@ -152,23 +152,15 @@ void print_layer(Chain& chain, size_t i) {
 }  // namespace
 
 int cmd_info(const Args& args) {
-  po::options_description opts("options");
-  std::string image, output = "human";
-  opts.add_options()("image", po::value(&image)->required(), "image file")(
-      "output", po::value(&output), "human or json");
-  std::vector<std::string> allow_dirs;
-  add_backing_policy(opts, allow_dirs);
-  po::positional_options_description pos;
-  pos.add("image", 1);
-  po::variables_map vm;
-  if (!parse(args, opts, pos, vm, "qcommit info IMAGE [--output=json]",
-             "examples:\n  qcommit info vm.qcow2\n  qcommit info --output=json vm.qcow2\n"))
-    return kExitOk;
-  const Output out = parse_output(output);
-  qcow2::ChainOptions copts;
-  copts.allowed_backing_dirs = backing_policy(image, allow_dirs);
-  Chain chain = Chain::open(image, copts);
-  if (out == Output::kJson) {
+  const auto cmd = parse_chain_command(
+      args,
+      {.output_help = "human or json",
+       .synopsis = "qcommit info IMAGE [--output=json]",
+       .examples = "examples:\n  qcommit info vm.qcow2\n  qcommit info --output=json vm.qcow2\n"});
+  if (!cmd) return kExitOk;
+  const std::string& image = cmd->image;
+  Chain chain = Chain::open(image, cmd->chain);
+  if (cmd->output == Output::kJson) {
     json::Ordered layers = json::Ordered::array();
     for (size_t i = 0; i < chain.depth(); ++i) layers.push_back(layer_json(chain, i));
     print_json(json::Ordered{{"filename", image}, {"chain", layers}});

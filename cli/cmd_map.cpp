@@ -26,27 +26,19 @@ std::string qemu_img_layout(const std::string& entry) {
 }  // namespace
 
 int cmd_map(const Args& args) {
-  po::options_description opts("options");
-  std::string image, output = "human";
-  opts.add_options()("image", po::value(&image)->required(), "image file")(
-      "output", po::value(&output), "human or json (same entries as qemu-img map --output=json)");
-  std::vector<std::string> allow_dirs;
-  add_backing_policy(opts, allow_dirs);
-  po::positional_options_description pos;
-  pos.add("image", 1);
-  po::variables_map vm;
-  if (!parse(args, opts, pos, vm, "qcommit map IMAGE [--output=json]",
-             "examples:\n  qcommit map vm.qcow2\n  qcommit map --output=json vm.qcow2 | jq .\n"))
-    return kExitOk;
-  const Output out = parse_output(output);
-  qcow2::ChainOptions copts;
-  copts.allowed_backing_dirs = backing_policy(image, allow_dirs);
-  qcow2::Chain chain = qcow2::Chain::open(image, copts);
+  const auto cmd = parse_chain_command(
+      args,
+      {.output_help = "human or json (same entries as qemu-img map --output=json)",
+       .synopsis = "qcommit map IMAGE [--output=json]",
+       .examples =
+           "examples:\n  qcommit map vm.qcow2\n  qcommit map --output=json vm.qcow2 | jq .\n"});
+  if (!cmd) return kExitOk;
+  qcow2::Chain chain = qcow2::Chain::open(cmd->image, cmd->chain);
   auto entries = chain.map();
   std::string buf;
   buf.reserve(entries.size() * 120);
   char line[320];
-  if (out == Output::kJson) {
+  if (cmd->output == Output::kJson) {
     buf += "[";
     for (size_t i = 0; i < entries.size(); ++i) {
       if (i) buf += ",\n";

@@ -91,4 +91,20 @@ std::vector<std::string> backing_policy(const std::string& image,
   return dirs;
 }
 
+std::optional<ChainCommand> parse_chain_command(const Args& args, const ChainCommandUsage& usage) {
+  po::options_description opts("options");
+  std::string image, output = "human";
+  opts.add_options()("image", po::value(&image)->required(), "image file")(
+      "output", po::value(&output), usage.output_help);
+  std::vector<std::string> allow_dirs;
+  add_backing_policy(opts, allow_dirs);
+  po::positional_options_description pos;
+  pos.add("image", 1);
+  po::variables_map vm;
+  if (!parse(args, opts, pos, vm, usage.synopsis, usage.examples)) return std::nullopt;
+  ChainCommand cmd{.image = image, .output = parse_output(output), .chain = {}};
+  cmd.chain.allowed_backing_dirs = backing_policy(image, allow_dirs);
+  return cmd;
+}
+
 }  // namespace qcommit::cli

@@ -3,10 +3,12 @@
 
 #include <boost/program_options.hpp>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "cli/commands.h"
+#include "qcow2/chain.h"
 
 namespace qcommit::cli {
 
@@ -46,5 +48,20 @@ int run_reporting_failures(const std::string& cmd, const std::function<int()>& b
 void add_backing_policy(po::options_description& opts, std::vector<std::string>& dirs);
 std::vector<std::string> backing_policy(const std::string& image,
                                         const std::vector<std::string>& extra);
+
+// The command line of a command that reads one image's chain (info, map): IMAGE, --output
+// (described by `output_help`) and the backing-file policy.
+struct ChainCommand {
+  std::string image;
+  Output output = Output::kHuman;
+  qcow2::ChainOptions chain;  // allowed_backing_dirs set from the policy
+};
+struct ChainCommandUsage {
+  const char* output_help;
+  const char* synopsis;
+  const char* examples;
+};
+// Empty after --help; throws UsageError on bad options.
+std::optional<ChainCommand> parse_chain_command(const Args& args, const ChainCommandUsage& usage);
 
 }  // namespace qcommit::cli
