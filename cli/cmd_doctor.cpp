@@ -52,7 +52,17 @@ uint64_t mem_total_bytes() {
   return 0;
 }
 
-// Each disk's cache and io modes, and whether the domain has an iothread.
+// A disk no iothread serves: its I/O and a block job on it run in QEMU's main loop.
+Finding main_loop_finding(const plugin::DomainInfo& dom, const std::string& subject) {
+  return {"info", subject, "no iothread: the disk shares QEMU's main loop",
+          std::string(dom.iothreads ? "the domain has <iothreads> but none serves this disk"
+                                    : "the domain has no <iothreads>") +
+              "; block jobs and the guest's I/O then wait on each other. An iothread for the "
+              "disk (<driver iothread='N'/> on a virtio disk or on its virtio-scsi controller) "
+              "keeps the guest's requests moving while a job runs"};
+}
+
+// Each disk's cache and io modes, and whether an iothread serves it.
 void check_domain(const plugin::DomainInfo& dom, std::vector<Finding>& out) {
   for (const plugin::DiskInfo& d : dom.defined_disks) {
     const std::string& cache = d.cache;
@@ -74,11 +84,11 @@ void check_domain(const plugin::DomainInfo& dom, std::vector<Finding>& out) {
       out.push_back(
           {"info", subject, "io mode is '" + (io.empty() ? std::string("threads") : io) + "'",
            "with O_DIRECT, io='native' keeps requests in flight without a thread per request"});
-    if (!dom.iothreads)
-      out.push_back(
-          {"info", "domain " + dom.name, "no <iothreads>",
-           "block jobs and guest I/O share QEMU's main loop; an iothread for the disk keeps "
-           "the guest's requests moving while a job runs"});
+    if (d.iothread.empty())
+      out.push_back(main_loop_finding(dom, subject));
+    else
+      out.push_back({"ok", subject, "iothread " + d.iothread,
+                     "the guest's I/O on it and a block job on it run outside QEMU's main loop"});
   }
 }
 

@@ -30,6 +30,7 @@ struct DiskInfo {
   std::string cache;                      // <driver cache=...> ("" when not given: writeback)
   std::string format;                     // <driver type=...> of the active layer ("" unknown)
   std::string io{};                       // <driver io=...> ("" when not given: threads)
+  std::string iothread{};                 // iothread id serving it ("": QEMU's main loop)
 };
 
 struct DomainInfo {

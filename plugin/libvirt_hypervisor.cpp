@@ -76,12 +76,32 @@ std::string source_path(xmlNodePtr source) {
   return p.empty() ? xml::attr(source, "dev") : p;
 }
 
+// The iothread of a <driver>: its iothread= (virtio-blk, virtio-scsi controllers), or the first of
+// its <iothreads> mapping (virtio-blk with several); "" when it names none.
+std::string driver_iothread(xmlNodePtr driver) {
+  std::string id = xml::attr(driver, "iothread");
+  return id.empty() ? xml::attr(xml::child(xml::child(driver, "iothreads"), "iothread"), "id") : id;
+}
+
+// The iothread serving a disk ("" when QEMU's main loop does): the disk's own, or for a disk on
+// a SCSI bus that of the controller its <address> names (index 0 when it names none).
+std::string disk_iothread(xmlDocPtr doc, xmlNodePtr disk, xmlNodePtr driver) {
+  if (std::string id = driver_iothread(driver); !id.empty()) return id;
+  if (xml::attr(xml::child(disk, "target"), "bus") != "scsi") return {};
+  std::string index = xml::attr(xml::child(disk, "address"), "controller");
+  if (index.empty()) index = "0";
+  for (xmlNodePtr c : xml::select(doc, "/domain/devices/controller[@type='scsi']"))
+    if (xml::attr(c, "index") == index) return driver_iothread(xml::child(c, "driver"));
+  return {};
+}
+
 DiskInfo parse_disk(xmlDocPtr doc, xmlNodePtr disk) {
   DiskInfo d;
   const xmlNodePtr driver = xml::child(disk, "driver");
   d.cache = xml::attr(driver, "cache");
   d.format = xml::attr(driver, "type");
   d.io = xml::attr(driver, "io");
+  d.iothread = disk_iothread(doc, disk, driver);
   d.target = xml::attr(xml::child(disk, "target"), "dev");
   d.source = source_path(xml::child(disk, "source"));
   // The chain nests one <backingStore> in the next, top to bottom (a mirror's own chain is not

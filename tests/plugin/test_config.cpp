@@ -125,6 +125,41 @@ TEST_CASE("plugin.libvirt.parse_domain_xml") {
   CHECK_FALSE(parse_domain_xml("<domain><devices/></domain>").iothreads);
 }
 
+// Which iothread serves each disk: the disk's own (iothread= or, from libvirt 10, the first of its
+// <iothreads> mapping), or for a disk on a SCSI bus that of the controller its address names; none
+// for a disk left to QEMU's main loop, <iothreads> in the domain or not.
+TEST_CASE("plugin.libvirt.parse_domain_xml_iothreads") {
+  const DomainInfo d = parse_domain_xml(R"(<domain type='kvm'><name>d</name>
+    <iothreads>3</iothreads><devices>
+    <disk type='file' device='disk'><driver name='qemu' type='qcow2' iothread='1'/>
+      <source file='/p/a.qcow2'/><target dev='vda' bus='virtio'/></disk>
+    <disk type='file' device='disk'><driver name='qemu' type='qcow2' queues='2'><iothreads>
+      <iothread id='3'><queue id='0'/></iothread><iothread id='2'><queue id='1'/></iothread>
+      </iothreads></driver><source file='/p/b.qcow2'/><target dev='vdb' bus='virtio'/></disk>
+    <disk type='file' device='disk'><driver name='qemu' type='qcow2'/>
+      <source file='/p/c.qcow2'/><target dev='vdc' bus='virtio'/></disk>
+    <disk type='file' device='disk'><driver name='qemu' type='qcow2'/>
+      <source file='/p/d.qcow2'/><target dev='sda' bus='scsi'/>
+      <address type='drive' controller='1' bus='0' target='0' unit='0'/></disk>
+    <disk type='file' device='disk'><driver name='qemu' type='qcow2'/>
+      <source file='/p/e.qcow2'/><target dev='sdb' bus='scsi'/>
+      <address type='drive' controller='0' bus='0' target='0' unit='1'/></disk>
+    <controller type='scsi' index='0' model='virtio-scsi'/>
+    <controller type='scsi' index='1' model='virtio-scsi'><driver iothread='2'/></controller>
+    </devices></domain>)");
+  REQUIRE(d.defined_disks.size() == 5);
+  CHECK(d.defined_disks[0].iothread == "1");
+  CHECK(d.defined_disks[1].iothread == "3");
+  CHECK(d.defined_disks[2].iothread.empty());
+  CHECK(d.defined_disks[3].iothread == "2");
+  CHECK(d.defined_disks[4].iothread.empty());
+  const DomainInfo none = parse_domain_xml(R"(<domain><devices>
+    <disk type='file' device='disk'><source file='/p/a.qcow2'/><target dev='sda' bus='scsi'/></disk>
+    </devices></domain>)");
+  REQUIRE(none.defined_disks.size() == 1);
+  CHECK(none.defined_disks[0].iothread.empty());
+}
+
 TEST_CASE("plugin.libvirt.parse_domain_disks") {
   const auto disks = parse_domain_disks(R"(<domain type='qemu'><name>d</name><devices>
     <disk type='file' device='disk'><driver name='qemu' type='qcow2' cache='none' io='native'/>
