@@ -4,6 +4,11 @@
 # PrivateTmp), block devices of logical-volume pools (PrivateDevices, DevicePolicy), remote libvirt
 # URIs (RestrictAddressFamilies without IP); and it does not pull in libvirtd.service, which hosts
 # with the modular daemons (virtqemud) do not run.
+# qcommitd writes beside the images it governs (the shared-queue probe, policy probe=, creates its
+# file in the directory of a job's target), so those directories must stay writable: the unit's
+# ProtectSystem=, ReadOnlyPaths= and ReadWritePaths= are read as systemd.exec(5) defines them (the
+# most specific path decides) and every directory where images usually live is checked, with
+# /run/qcommit (its socket). This is a reading of the unit file, not a run under systemd.
 #
 # usage: systemd-unit.sh UNIT QCOMMITD
 set -euo pipefail
@@ -18,6 +23,37 @@ for key in ProtectHome PrivateTmp PrivateDevices DevicePolicy InaccessiblePaths 
 done
 grep -Eq '^Wants=.*libvirtd\.service' "$unit" && fail "the unit wants libvirtd.service"
 grep -Eq '^Requires=' "$unit" && fail "the unit requires another unit"
+# The unit's file-system view as rules "PATH ro|rw": ProtectSystem= first, then ReadOnlyPaths=
+# and ReadWritePaths= (a leading - or + only changes what happens when the path is missing).
+view_rules() {
+  local ps key v p
+  ps=$(sed -n 's/^ProtectSystem=//p' "$unit" | tail -n 1)
+  case $ps in
+    strict) printf '%s\n' "/ ro" "/dev rw" "/proc rw" "/sys rw" ;;
+    full) printf '%s\n' "/usr ro" "/boot ro" "/efi ro" "/etc ro" ;;
+    yes | true | on | 1) printf '%s\n' "/usr ro" "/boot ro" "/efi ro" ;;
+  esac
+  for key in ReadOnlyPaths:ro ReadWritePaths:rw; do
+    while read -r v; do
+      for p in $v; do printf '%s %s\n' "${p#[-+]}" "${key#*:}"; done
+    done < <(sed -n "s/^${key%%:*}=//p" "$unit")
+  done
+}
+# writable DIR: whether the unit leaves DIR writable (the longest rule that covers it decides).
+writable() {
+  local dir=$1 best=-1 mode=rw path m
+  while read -r path m; do
+    [[ $dir == "$path" || $dir == "${path%/}/"* ]] || continue
+    ((${#path} > best)) && best=${#path} mode=$m
+  done < <(view_rules)
+  [[ $mode == rw ]]
+}
+# libvirt's default pool, the usual places of other directory pools and NFS mounts, a pool an
+# administrator made at the top level, and qcommitd's runtime directory.
+for dir in /var/lib/libvirt/images /srv/images /mnt/nfs /media/vm /opt/images /home/vm /data/images \
+  /var/tmp /tmp /run/qcommit; do
+  writable "$dir" || fail "the unit makes $dir read-only: qcommitd cannot create its probe file beside an image there"
+done
 families=$(sed -n 's/^RestrictAddressFamilies=//p' "$unit")
 if [[ -n $families ]]; then
   for f in AF_UNIX AF_INET AF_INET6; do [[ " $families " == *" $f "* ]] || fail "RestrictAddressFamilies lacks $f"; done
