@@ -26,6 +26,7 @@
 #include "cli/merge_policy.h"
 #include "cli/options.h"
 #include "cli/units.h"
+#include "cli/wait_event.h"
 #include "common/defaults.h"
 #include "plugin/config.h"
 #include "plugin/governor.h"
@@ -342,12 +343,16 @@ LiveBackend LiveConnection::backend() {
     }
     if (!said) {
       said = true;
-      const std::string m = "waiting up to " + a.wait + " for " + w.describe_job() + " to end";
-      if (a.json_out)
-        print_json(json::Ordered{{"event", "wait"}, {"for", "block-job"}, {"message", m}});
-      else
-        std::fprintf(stderr, "qcommit live: %s\n", m.c_str());
-      std::fflush(stdout);
+      engine::WaitNotice n;
+      n.what = engine::WaitFor::kBlockJob;
+      n.message = "waiting up to " + a.wait + " for " + w.describe_job() + " to end";
+      n.timeout = a.wait_limit;
+      n.domain = a.req.domain;
+      n.disk = a.req.disk;
+      n.job = w.job() ? to_string(w.job()->type) : "unknown";
+      if (w.job() && w.job()->end > 0)
+        n.percent = 100.0 * static_cast<double>(w.job()->cur) / static_cast<double>(w.job()->end);
+      show_wait(n, a.json_out, "qcommit live");
     }
     if (!be.wait_events(std::chrono::duration_cast<std::chrono::milliseconds>(
             plugin::ForeignJobWait::kRecheck)))
@@ -647,7 +652,9 @@ bool LiveRun::connection_given_up(TimePoint now) {
   }
   if (!lost_since_) {
     lost_since_ = now;
-    const std::string m =
+    engine::WaitNotice n;
+    n.what = engine::WaitFor::kConnection;
+    n.message =
         "lost the connection to " + (a_.qmp.empty() ? "libvirtd (" + a_.uri + ")" : a_.qmp) +
         "; waiting " +
         (be_.give_up_after ? "up to " + std::to_string(std::chrono::duration_cast<std::chrono::seconds>(
@@ -656,10 +663,12 @@ bool LiveRun::connection_given_up(TimePoint now) {
                                  " s"
                            : std::string("for it")) +
         " while the block job runs on in QEMU";
-    if (a_.json_out)
-      print_json(json::Ordered{{"event", "wait"}, {"for", "connection"}, {"message", m}});
+    if (be_.give_up_after) n.timeout = *be_.give_up_after;
+    if (a_.qmp.empty())
+      n.uri = a_.uri;
     else
-      std::fprintf(stderr, "qcommit live: %s\n", m.c_str());
+      n.qmp = a_.qmp;
+    show_wait(n, a_.json_out, "qcommit live");
   }
   return be_.give_up_after && now - *lost_since_ > *be_.give_up_after;
 }

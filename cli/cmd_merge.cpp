@@ -531,7 +531,7 @@ int cmd_merge(const Args& args) {
     mo.governor = gm.rate_cap();
   MergeProgress shown(gm.out, isatty(2) && gm.out == Output::kHuman, !a.dry_run);
   mo.on_progress = [&shown](const engine::Progress& p) { shown.on_progress(p); };
-  mo.on_lock_wait = [&shown](const std::string& message) { shown.on_lock_wait(message); };
+  mo.on_lock_wait = [&shown](const engine::WaitNotice& n) { shown.on_lock_wait(n); };
   engine::MergeResult r;
   try {
     if (a.via_libvirt()) {

@@ -5,6 +5,7 @@
 
 #include "cli/json.h"
 #include "cli/units.h"
+#include "cli/wait_event.h"
 
 namespace qcommit::cli {
 namespace {
@@ -72,12 +73,9 @@ void MergeProgress::on_progress(const engine::Progress& p) {
   show(p);
 }
 
-void MergeProgress::on_lock_wait(const std::string& message) {
+void MergeProgress::on_lock_wait(const engine::WaitNotice& notice) {
   std::lock_guard lk(mu_);
-  if (out_ == Output::kJson)
-    print_json(json::Ordered{{"event", "wait"}, {"message", message}});
-  else
-    std::fprintf(stderr, "qcommit: %s\n", message.c_str());
+  show_wait(notice, out_ == Output::kJson, "qcommit");
   shown_at_ = Clock::now();
 }
 

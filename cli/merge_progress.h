@@ -13,6 +13,7 @@
 
 #include "cli/options.h"
 #include "engine/merge.h"
+#include "engine/wait_notice.h"
 
 namespace qcommit::cli {
 
@@ -30,7 +31,7 @@ class MergeProgress {
 
   // engine::MergeOptions::on_progress and on_lock_wait.
   void on_progress(const engine::Progress& p);
-  void on_lock_wait(const std::string& message);
+  void on_lock_wait(const engine::WaitNotice& notice);
   // Ends the heartbeat (before the result is printed).
   void stop();
 

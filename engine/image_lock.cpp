@@ -93,13 +93,18 @@ bool any_guest(const std::vector<Holder>& holders) {
                      [](const Holder& h) { return runs_guest(h.name); });
 }
 
-// "30 s", or "1500 ms" when not whole seconds.
-
-std::string wait_message(const std::string& path, LockClock::duration wait,
-                         const std::vector<Holder>& holders, const std::string& conflict) {
+WaitNotice lock_wait_notice(const std::string& path, LockClock::duration wait,
+                            std::vector<Holder> holders, const std::string& conflict) {
   const std::string who = holders.empty() ? "another process" : describe(holders);
-  return "waiting up to " + wait_duration_text(wait) + " for " + who + " to release " + path + " (" +
-         conflict + ")";
+  WaitNotice n;
+  n.what = WaitFor::kLock;
+  n.message = "waiting up to " + wait_duration_text(wait) + " for " + who + " to release " + path +
+              " (" + conflict + ")";
+  n.timeout = wait;
+  n.path = notice_path(path);
+  n.holders = std::move(holders);
+  n.conflict = conflict;
+  return n;
 }
 
 }  // namespace
@@ -133,9 +138,16 @@ std::vector<Holder> wait_until_closed(const std::string& path, LockClock::durati
     std::vector<Holder> holders = holders_of(path, Access::any);
     const LockClock::time_point now = clock.now();
     if (holders.empty() || now >= deadline || any_guest(holders)) return holders;
-    if (!told && on_wait)
-      on_wait("waiting up to " + wait_duration_text(wait) + " for " + describe(holders) + " to close " +
-              path + " before deleting it");
+    if (!told && on_wait) {
+      WaitNotice n;
+      n.what = WaitFor::kClose;
+      n.message = "waiting up to " + wait_duration_text(wait) + " for " + describe(holders) +
+                  " to close " + path + " before deleting it";
+      n.timeout = wait;
+      n.path = notice_path(path);
+      n.holders = holders;
+      on_wait(n);
+    }
     told = true;
     clock.sleep_for(std::min<LockClock::duration>(kLockRecheckInterval, deadline - now));
   }
@@ -177,7 +189,7 @@ ImageLock ImageLock::acquire(const std::string& path, uint32_t perm, uint32_t sh
       std::vector<Holder> holders = holders_of(path, Access::any);
       if (wait <= LockClock::duration::zero() || now >= deadline || any_guest(holders))
         throw ImageInUse(path, conflict, std::move(holders));
-      if (on_wait) on_wait(wait_message(path, wait, holders, conflict));
+      if (on_wait) on_wait(lock_wait_notice(path, wait, std::move(holders), conflict));
       waiting = true;
       next_holders_walk = now + kLockHoldersRecheckInterval;
     } else if (now >= next_holders_walk) {

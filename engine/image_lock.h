@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "engine/proc_walk.h"
+#include "engine/wait_notice.h"
 #include "qcow2/error.h"
 #include "qcow2/unique_fd.h"
 
@@ -39,10 +40,6 @@ class LockWaitClock {
   virtual void sleep_for(LockClock::duration d) const;
 };
 
-// Told once, when an acquisition starts to wait: "waiting up to 30 s for pid 5087 (qemu-io) to
-// release base.qcow2 (another process holds the consistent read permission)".
-using LockWaitNotice = std::function<void(const std::string& message)>;
-
 // The image is locked by another process: "image is in use: <conflict> (held by pid N (name))".
 // Every process that has the file open is named, since OFD locks do not say whose they are.
 class ImageInUse : public qcow2::Error {
@@ -68,7 +65,9 @@ class ImageLock {
 
   // Like the constructor, but while another process holds a conflicting lock, tries again every
   // kLockRecheckInterval until `wait` has passed, then throws ImageInUse naming the holders then.
-  // `on_wait` (may be empty) is called once, when the first try fails. A QEMU running a guest
+  // `on_wait` (may be empty) is called once, when the first try fails, with a WaitFor::kLock
+  // notice ("waiting up to 30 s for pid 5087 (qemu-io) to release base.qcow2 (another process
+  // holds the consistent read permission)", the holders, the conflict). A QEMU running a guest
   // among the holders is refused at once (ImageInUse::held_by_guest), also when it appears during
   // the wait; holders this process cannot see (another PID namespace, another host) are waited
   // for like any other. wait <= 0: the constructor's behaviour exactly.
@@ -111,7 +110,7 @@ class ImageLock {
 
 // Waits until no other process has `path` open (a monitoring agent's qemu-img info closes it in
 // milliseconds), looking every kLockRecheckInterval for up to `wait`; `on_wait` (may be empty) is
-// told once, when the first look finds a holder. Returns the holders left: none once the file is
+// told once, when the first look finds a holder (a WaitFor::kClose notice). Returns the holders left: none once the file is
 // closed; those of the last look at the deadline; at once, those of a look that finds a QEMU
 // running a guest (no transient holder).
 [[nodiscard]] std::vector<Holder> wait_until_closed(const std::string& path,

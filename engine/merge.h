@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "engine/space.h"
+#include "engine/wait_notice.h"
 #include "qcow2/error.h"
 
 namespace qcommit::engine {
@@ -83,9 +84,11 @@ struct MergeOptions {
   std::vector<std::string> rebase;  // images whose backing file is TOP
   // How long to wait for another process (a backup tool, `qemu-img info`, a monitoring agent)
   // to release an image the merge must lock; 0: refuse at once. A running guest's QEMU is never
-  // waited for. on_lock_wait is told once per image it waits for, with who holds it.
+  // waited for. on_lock_wait is told once per wait (engine/wait_notice.h): a lock (who holds
+  // it), a layer --delete removes that is still open, a device node not there yet; the --domain
+  // form also tells a domain shutting down.
   Duration lock_wait = Duration::zero();
-  std::function<void(const std::string& message)> on_lock_wait;
+  LockWaitNotice on_lock_wait;
   // Backing files must lie inside these directory trees (empty: anywhere).
   std::vector<std::string> allowed_backing_dirs;
   bool delete_merged = false;

@@ -41,9 +41,15 @@ bool wait_for_node(const std::string& path, LockClock::time_point deadline,
   if (!may_appear_late(path)) return false;
   const LockClock::time_point start = clock.now();
   if (start >= deadline) return ready(path);
-  if (on_wait)
-    on_wait("waiting up to " + wait_duration_text(nearest_100ms(deadline - start)) + " for " +
-            path + " to appear (a device node udev may still be creating)");
+  if (on_wait) {
+    WaitNotice n;
+    n.what = WaitFor::kDeviceNode;
+    n.timeout = nearest_100ms(deadline - start);
+    n.message = "waiting up to " + wait_duration_text(*n.timeout) + " for " + path +
+                " to appear (a device node udev may still be creating)";
+    n.path = notice_path(path);
+    on_wait(n);
+  }
   for (;;) {
     if (ready(path)) return true;
     const LockClock::time_point now = clock.now();

@@ -18,8 +18,8 @@ inline constexpr std::chrono::milliseconds kNodeRecheckInterval{20};
 
 // Waits for a missing file under /dev/ until `deadline`: true once `path` exists and has a device
 // behind it (opening it no longer fails with ENXIO), false when it is not under /dev/ or the
-// deadline passed first. `on_wait` (may be empty) is told once, when
-// the wait begins, how long it may last (`deadline` less the clock's time then).
+// deadline passed first. `on_wait` (may be empty) is told once, when the wait begins, with a
+// WaitFor::kDeviceNode notice: how long it may last (`deadline` less the clock's time then).
 [[nodiscard]] bool wait_for_node(const std::string& path, LockClock::time_point deadline,
                                  const LockWaitNotice& on_wait,
                                  const LockWaitClock& clock = LockWaitClock{});

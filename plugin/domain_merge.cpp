@@ -401,9 +401,15 @@ void DomainMerge::wait_until_shut_off() {
                                     " (--wait); run the same command again once it is shut off"
                               : "is shutting down (--wait 0: not waited for); run the same "
                                 "command again once it is shut off");
-    if (!told && req_.merge.on_lock_wait)
-      req_.merge.on_lock_wait("waiting up to " + engine::wait_duration_text(wait) + " for domain " +
-                              req_.domain + " to shut off (it is shutting down)");
+    if (!told && req_.merge.on_lock_wait) {
+      engine::WaitNotice n;
+      n.what = engine::WaitFor::kDomainShutdown;
+      n.message = "waiting up to " + engine::wait_duration_text(wait) + " for domain " +
+                  req_.domain + " to shut off (it is shutting down)";
+      n.timeout = wait;
+      n.domain = req_.domain;
+      req_.merge.on_lock_wait(n);
+    }
     told = true;
     std::this_thread::sleep_for(
         std::min<engine::LockClock::duration>(kShutdownRecheckInterval, deadline - now));

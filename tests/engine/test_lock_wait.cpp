@@ -159,7 +159,7 @@ TEST_CASE("engine.lock_wait.rechecks_until_released") {
   ManualClock clock;
   held.release_after(10, clock);
   std::vector<std::string> notices;
-  const auto notice = [&](const std::string& m) { notices.push_back(m); };
+  const auto notice = [&](const WaitNotice& n) { notices.push_back(n.message); };
   {
     const ImageLock lock = ImageLock::acquire(image, ImageLock::kWriterPerm, ImageLock::kWriterShared,
                                               30s, notice, clock);
@@ -237,7 +237,7 @@ TEST_CASE("engine.lock_wait.deadline") {
   std::ofstream(image) << "x";
   const ImageLock holder = ImageLock::reader(image);
   std::vector<std::string> notices;
-  const auto notice = [&](const std::string& m) { notices.push_back(m); };
+  const auto notice = [&](const WaitNotice& n) { notices.push_back(n.message); };
   const std::string refusal =
       image + ": image is in use: another process holds the consistent read permission";
 
@@ -291,7 +291,11 @@ TEST_CASE("engine.lock_wait.outlasts_qemu_io") {
   const pid_t qio = start_qemu_io_sleep(d, image, 2000);
 
   std::vector<std::string> notices;
-  const auto notice = [&](const std::string& m) { notices.push_back(m); };
+  std::vector<WaitNotice> told;
+  const auto notice = [&](const WaitNotice& n) {
+    notices.push_back(n.message);
+    told.push_back(n);
+  };
   // wait 0 is today's refusal, at once and without a notice.
   const auto t_refused = Clock::now();
   CHECK_THROWS_AS((void)ImageLock::writer(image, 0s, notice), ImageInUse);
@@ -322,6 +326,15 @@ TEST_CASE("engine.lock_wait.outlasts_qemu_io") {
   REQUIRE(notices.size() == 1);
   CHECK(notices[0] == "waiting up to 10 s for pid " + std::to_string(qio) + " (qemu-io) to release " +
                           image + " (another process holds the consistent read permission)");
+  // ... and the same in members: what is awaited, the image, who holds it, for how long at most.
+  REQUIRE(told.size() == 1);
+  CHECK(told[0].what == WaitFor::kLock);
+  CHECK(told[0].path == image);
+  REQUIRE(told[0].holders.size() == 1);
+  CHECK(told[0].holders[0].pid == qio);
+  CHECK(told[0].holders[0].name == "qemu-io");
+  CHECK(told[0].conflict == "another process holds the consistent read permission");
+  CHECK(told[0].timeout == std::optional<std::chrono::nanoseconds>(10s));
   // The lock is held: qemu-io cannot open the image now.
   const std::string probe = "qemu-io -r -f qcow2 -c 'read 0 512' " + image + " >/dev/null 2>&1";
   CHECK(std::system(probe.c_str()) != 0);
@@ -336,7 +349,7 @@ TEST_CASE("engine.lock_wait.deadline_names_qemu_io") {
   std::vector<std::string> notices;
   const auto t0 = Clock::now();
   try {
-    (void)ImageLock::writer(image, 1s, [&](const std::string& m) { notices.push_back(m); });
+    (void)ImageLock::writer(image, 1s, [&](const WaitNotice& n) { notices.push_back(n.message); });
     FAIL_CHECK("acquired the image qemu-io holds");
   } catch (const ImageInUse& e) {
     const auto took = Clock::now() - t0;
@@ -362,7 +375,7 @@ TEST_CASE("engine.lock_wait.guest_refused_at_once") {
   std::vector<std::string> notices;
   const auto t0 = Clock::now();
   try {
-    (void)ImageLock::writer(image, 30s, [&](const std::string& m) { notices.push_back(m); });
+    (void)ImageLock::writer(image, 30s, [&](const WaitNotice& n) { notices.push_back(n.message); });
     FAIL_CHECK("acquired the image a running QEMU holds");
   } catch (const ImageInUse& e) {
     const auto took = Clock::now() - t0;
@@ -388,8 +401,8 @@ TEST_CASE("engine.lock_wait.guest_started_during_wait") {
   std::vector<std::string> notices;
   const auto t0 = Clock::now();
   try {
-    (void)ImageLock::writer(image, 30s, [&](const std::string& m) {
-      notices.push_back(m);
+    (void)ImageLock::writer(image, 30s, [&](const WaitNotice& n) {
+      notices.push_back(n.message);
       qemu = spawn(qemu_system_args(image, true), d / "qemu.log");
     });
     FAIL_CHECK("acquired the image a running QEMU holds");

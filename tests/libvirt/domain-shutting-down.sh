@@ -14,7 +14,8 @@
 #   wait        default --wait (10 s): one line on stderr naming the domain, the merge succeeds
 #               after shut off; merged BASE equals the guest view (qemu-img compare), including
 #               what the guest wrote last; the definition is on BASE.
-#   wait-json   the same with --output=json: one {"event":"wait"} event naming the domain.
+#   wait-json   the same with --output=json: one {"event":"wait"} event naming the domain, with
+#               "for": "domain-shutdown", "domain" and "timeout-s" (10).
 #   timeout     --wait 1s while shutting down takes longer: exit 1 in about a second, one error
 #               line naming the domain, nothing written (BASE unchanged, TOP still the disk).
 #   running     a running domain (no shutdown): refused at once (well under --wait) as before.
@@ -133,6 +134,9 @@ for scen in "${scenarios[@]}"; do
       [[ $rc == 0 ]] || { fail "merge failed (rc=$rc): $(cat err.txt)"; continue; }
       n=$(jq -c 'select(.event == "wait")' out.json | grep -c "for domain $dom to shut off" || true)
       [[ $n == 1 ]] || fail "expected one JSON wait event naming the domain, got $n: $(cat out.json)"
+      jq -se --arg dom "$dom" 'map(select(.event == "wait")) | length == 1 and (.[0] |
+        .for == "domain-shutdown" and .domain == $dom and .["timeout-s"] == 10)' out.json >/dev/null ||
+        fail "the wait event does not say what it waits for (domain-shutdown, $dom, 10 s): $(jq -c 'select(.event == "wait")' out.json)"
       [[ ! -s err.txt ]] || fail "stderr not empty with --output=json: $(cat err.txt)"
       [[ $(jq -r 'select(.event == "result") | .base' out.json) == "$dir/base.qcow2" ]] ||
         fail "no result event for base.qcow2: $(cat out.json)"

@@ -48,6 +48,9 @@ grep -q "waiting up to 30s for the active-commit block job on $dom vda" events |
   fail "the wait event does not name the job"
 [[ $(jq -se 'map(select(.event == "wait" and .for == "block-job")) | length' events) == 1 ]] ||
   fail "expected exactly one wait event: $(cat events)"
+jq -se --arg dom "$dom" 'map(select(.event == "wait"))[0] | .domain == $dom and .disk == "vda" and
+  .job == "active-commit" and (.percent | type) == "number" and .["timeout-s"] == 30' events >/dev/null ||
+  fail "the wait event does not say what it waits for (block-job, $dom vda, active-commit, 30 s): $(jq -c 'select(.event == "wait")' events)"
 jq -se --arg s "$dir/d.sock" 'map(select(.event == "plan"))[0].governor == "qcommitd (\($s))"' events >/dev/null ||
   fail "the plan does not name qcommitd as the governor: $(head -n 2 events)"
 # qcommitd's figures for this disk: a speed it set, a phase, and a percent from the job.

@@ -57,6 +57,8 @@ top_speed=$(jq -s 'map(select(.event == "progress") | .speed // 0) | max // 0' e
 echo "40 MiB at --max-rate 4M: ${took} s; largest progress speed $top_speed, largest QEMU speed $qemu_max bytes/s"
 n=$(jq -s 'map(select(.event == "wait" and .for == "connection")) | length' events)
 [[ $n == 1 ]] || fail "$n wait events for the connection, expected 1: $(grep wait events | head -3)"
+jq -se 'map(select(.event == "wait"))[0] | .uri == "qemu:///system" and has("timeout-s") == false' events >/dev/null ||
+  fail "the connection's wait event does not name the URI (qemu:///system, no timeout): $(grep wait events | head -3)"
 jq -se 'map(select(.event == "progress")) | length >= 2' events >/dev/null || fail "fewer than 2 progress events: $(head -c 400 events)"
 [[ $(echo "$top_speed <= $cap" | bc) == 1 ]] || fail "a progress event shows speed $top_speed > $cap"
 ((qemu_max <= cap)) || fail "QEMU ran the job at $qemu_max bytes/s > $cap"

@@ -4,7 +4,8 @@
 # --wait, not fatal.
 #  (1) TOP's backing file is /dev/loopN, a raw BASE not attached yet; attached 1 s after the merge
 #      started: the merge says once what it waits for, then merges (BASE shows TOP's view);
-#  (2) the same wait as a JSON event with --output=json;
+#  (2) the same wait as a JSON event with --output=json: "for": "device-node", "path": /dev/loopN
+#      and the timeout;
 #  (3) --wait 1s and no device: exit 1 after about 1 s, one line naming /dev/loopN;
 #  (4) a missing regular file is no race: refused at once, no wait announced.
 # The upper time bounds leave room for a loaded machine; each stays below the default --wait
@@ -82,6 +83,9 @@ attach_after 1
 wait
 jq -se --arg dev "$dev" 'map(select(.event == "wait")) | length == 1 and (.[0].message | contains($dev))' out2.json >/dev/null ||
   fail "(2) no wait event in the JSON: $(head -c 300 out2.json)"
+jq -se --arg dev "$dev" 'map(select(.event == "wait")) | .[0] |
+  .for == "device-node" and .path == $dev and .["timeout-s"] > 9 and .["timeout-s"] <= 10' out2.json >/dev/null ||
+  fail "(2) the wait event does not say what it waits for (device-node, $dev, about 10 s): $(jq -c 'select(.event == "wait")' out2.json)"
 jq -se 'map(select(.event == "result")) | length == 1' out2.json >/dev/null || fail "(2) no result"
 [[ -b $dev ]] && qemu-img compare -q -f raw -F raw view.raw "$dev" || fail "(2) BASE ($dev) does not show TOP's view"
 remove_loop

@@ -4,8 +4,9 @@
 #      then merges (BASE shows TOP's view, qemu-img check clean) soon after the release;
 #  (2) with --wait 1s and a 3 s holder: exit 1, one line naming the holder, nothing written;
 #  (3) --wait 0: refused at once, as before;
-#  (4) the same wait as a JSON event with --output=json, and progress events at least once a
-#      second while it lasts.
+#  (4) the same wait as a JSON event with --output=json: "for": "lock", the image's path, the
+#      holder's pid and command, the conflict and the timeout; and progress events at least once
+#      a second while it lasts.
 #
 # usage: merge-lock-wait.sh QCOMMIT
 set -euo pipefail
@@ -31,6 +32,7 @@ make_chain() {
 }
 hold() {  # hold MS: qemu-io keeps BASE's shared read lock for MS milliseconds
   qemu-io -r -c "sleep $1" "$work/base.qcow2" &
+  holder=$!
   sleep 0.3
 }
 
@@ -69,6 +71,11 @@ make_chain
 hold 3000
 "$QCOMMIT" merge top.qcow2 --budget off --output=json >out4.json 2>err4.txt || fail "(4) merge failed: $(cat err4.txt)"
 jq -se 'map(select(.event == "wait")) | length == 1 and (.[0].message | test("qemu-io"))' out4.json >/dev/null || fail "(4) no wait event in the JSON: $(head -c 300 out4.json)"
+jq -se --arg base "$work/base.qcow2" --argjson pid "$holder" '
+  map(select(.event == "wait")) | .[0] |
+  .for == "lock" and .path == $base and .holders == [{"pid": $pid, "command": "qemu-io"}] and
+  (.conflict | test("consistent read")) and .["timeout-s"] == 10' out4.json >/dev/null ||
+  fail "(4) the wait event does not say what it waits for (lock, $work/base.qcow2, pid $holder qemu-io, 10 s): $(jq -c 'select(.event == "wait")' out4.json)"
 jq -se '[.[] | select(.event == "progress" and .phase == "start") | .elapsed] | length >= 2 and . == sort and (.[0] >= 0.9)' out4.json >/dev/null ||
   fail "(4) no progress event each second while waiting: $(jq -c 'select(.event == "progress")' out4.json | head -5)"
 jq -se 'map(select(.event == "result")) | length == 1' out4.json >/dev/null || fail "(4) no result"

@@ -100,8 +100,9 @@ grep -q 'child4.qcow2' err4.txt || fail "(4) the error does not name the child: 
 sha256sum --quiet -c sums4 || fail "(4) files changed although the merge was refused"
 
 # (5) merge --delete while a reader has TOP open (TOP is only read-locked) longer than --wait: TOP
-#     is not deleted under it, the error names the reader; once it is closed the same command
-#     finishes (resumed).
+#     is not deleted under it, the wait is a JSON event ("for": "close", TOP's path, the reader's
+#     pid and command), the error names the reader; once it is closed the same command finishes
+#     (resumed).
 rm -f base.qcow2 top.qcow2
 qemu-img create -q -f qcow2 base.qcow2 64M
 qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2 64M
@@ -110,12 +111,20 @@ qemu-img convert -O raw top.qcow2 view.raw
 # A reader that takes no image lock (qemu-io would lock BASE too, and the merge would wait it out).
 python3 -c 'import time; f = open("top.qcow2", "rb"); time.sleep(3)' &
 reader=$!
-sleep 0.5
-if "$QCOMMIT" merge top.qcow2 --budget off --delete --wait 1s >out5.txt 2>err5.txt; then
+# Until the reader has TOP open (a slow interpreter start must not let the merge go first).
+for ((i = 0; i < 200; i++)); do
+  ls -l "/proc/$reader/fd" 2>/dev/null | grep -q 'top\.qcow2$' && break
+  sleep 0.02
+done
+if "$QCOMMIT" merge top.qcow2 --budget off --delete --wait 1s --output=json >out5.txt 2>err5.txt; then
   fail "(5) merge --delete succeeded while a reader had TOP open"
 fi
 [[ -e top.qcow2 ]] || fail "(5) TOP was deleted while a reader had it open"
 grep -q "pid $reader" err5.txt || fail "(5) the error does not name the reader: $(cat err5.txt)"
+jq -se --arg top "$(pwd -P)/top.qcow2" --argjson pid "$reader" 'map(select(.event == "wait")) | length == 1 and
+  (.[0] | .for == "close" and .path == $top and .holders == [{"pid": $pid, "command": "python3"}] and
+   .["timeout-s"] == 1)' out5.txt >/dev/null ||
+  fail "(5) no wait event saying what it waits for (close, $(pwd -P)/top.qcow2, pid $reader python3, 1 s): $(jq -c 'select(.event == "wait")' out5.txt)"
 wait "$reader" || true
 "$QCOMMIT" merge top.qcow2 --budget off --delete --output=json >out5.json 2>err5b.txt || fail "(5) the re-run failed: $(cat err5b.txt)"
 [[ ! -e top.qcow2 ]] || fail "(5) the re-run did not delete TOP"
