@@ -124,6 +124,22 @@ std::vector<QmpNode> parse_named_block_nodes(const json::Value& ret) {
   return out;
 }
 
+std::vector<std::string> parse_iothreads(const json::Value& ret) {
+  std::vector<std::string> ids;
+  if (!ret.is_array()) return ids;
+  for (const auto& e : ret)
+    if (const std::string& id = str_member(e, "id"); !id.empty()) ids.push_back(id);
+  return ids;
+}
+
+std::string iothread_of_property(const json::Value& value) {
+  if (value.is_array())  // iothread-vq-mapping: [{"iothread": "iot1", "vqs": [...]}, ...]
+    return value.empty() ? "" : str_member(value.front(), "iothread");
+  if (!value.is_string()) return "";
+  const std::string& path = value.get_ref<const std::string&>();  // a link: the QOM path
+  return path.substr(path.rfind('/') + 1);
+}
+
 std::string node_of(const std::vector<QmpNode>& nodes, const std::string& filename,
                     const std::string& format) {
   std::string found;
@@ -422,10 +438,51 @@ std::vector<DomainInfo> QmpHypervisor::running_domains() {
   return {dom};
 }
 
+std::optional<json::Value> QmpHypervisor::qom_get(const std::string& path, const char* property) {
+  try {
+    return call("qom-get", json::Value::object({{"path", path}, {"property", property}}));
+  } catch (const QmpCommandError&) {
+    return std::nullopt;
+  }
+}
+
+std::string QmpHypervisor::device_iothread(const std::string& qdev) {
+  if (qdev.empty()) return "";
+  const std::string path = qdev[0] == '/' ? qdev : "/machine/peripheral/" + qdev;
+  const std::optional<json::Value> link = qom_get(path, "iothread");
+  const std::optional<json::Value> mapping = qom_get(path, "iothread-vq-mapping");
+  if (link || mapping) {
+    const std::string id = link ? iothread_of_property(*link) : "";
+    return id.empty() && mapping ? iothread_of_property(*mapping) : id;
+  }
+  // A device on a controller's bus: the bus is a child of the controller's QOM object.
+  const std::optional<json::Value> bus = qom_get(path, "parent_bus");
+  if (!bus || !bus->is_string()) return "";
+  const std::string& bus_path = bus->get_ref<const std::string&>();
+  const auto slash = bus_path.rfind('/');
+  if (slash == std::string::npos || slash == 0) return "";
+  const std::optional<json::Value> controller = qom_get(bus_path.substr(0, slash), "iothread");
+  return controller ? iothread_of_property(*controller) : "";
+}
+
+void QmpHypervisor::add_iothreads(DomainInfo& dom) {
+  try {
+    dom.iothreads = !parse_iothreads(call("query-iothreads")).empty();
+  } catch (const QmpCommandError&) {
+    dom.iothreads = false;
+  }
+  for (DiskInfo& info : dom.disks) {
+    for (const QmpDisk& d : disks_cache_)
+      if (d.info.target == info.target) info.iothread = device_iothread(d.qdev);
+    dom.defined_disks.push_back(info);
+  }
+}
+
 std::optional<DomainInfo> QmpHypervisor::domain(const std::string& name) {
   if (!ours(name)) return std::nullopt;
-  std::vector<DomainInfo> d = running_domains();
-  return d.front();
+  DomainInfo d = running_domains().front();
+  add_iothreads(d);
+  return d;
 }
 
 std::optional<std::string> QmpHypervisor::resolve_disk(const std::string& name) {

@@ -18,6 +18,12 @@
 // → StatusChange (with on-error=report a BLOCK_JOB_COMPLETED with the error follows; with
 // stop/ignore the job lives on).  Events are delivered by pump().
 //
+// Iothreads (domain(), not the per-tick running_domains()): DomainInfo::iothreads when
+// query-iothreads lists one; each disk's DiskInfo::iothread from its device's QOM properties
+// (qom-get): the "iothread" link or the first of "iothread-vq-mapping" (virtio-blk), else, for a
+// device without them (a SCSI disk), the "iothread" link of the controller its bus belongs to.
+// Every disk is also in defined_disks.
+//
 // QEMU serves one client per QMP socket: while qcommit holds it, other clients (e.g. Proxmox's
 // `qm` commands) wait for their greeting.
 #pragma once
@@ -76,6 +82,11 @@ struct QmpJob {
 // The guest-side (BlockBackend) counters of `disk` in a query-blockstats answer.
 [[nodiscard]] std::optional<BlockStats> parse_blockstats(const json::Value& ret,
                                                          const QmpDisk& disk);
+// The ids of query-iothreads' answer.
+[[nodiscard]] std::vector<std::string> parse_iothreads(const json::Value& ret);
+// The iothread id a qom-get of a device's "iothread" link or "iothread-vq-mapping" names
+// ("/objects/iot1" → "iot1"; the first mapping's iothread), "" when it names none.
+[[nodiscard]] std::string iothread_of_property(const json::Value& value);
 // "/machine/peripheral/ID/virtio-backend" → "ID"; a plain id stays as is; other paths → "".
 [[nodiscard]] std::string qdev_id(const std::string& qdev);
 // Node name of the format node of `filename` (driver `format`), "" when there is none.
@@ -150,6 +161,11 @@ class QmpHypervisor final : public Hypervisor, public BlockJobControl {
   [[nodiscard]] std::optional<QmpDisk> find_disk(const std::string& name, bool cached);
   [[nodiscard]] QmpDisk require_disk(const std::string& domain, const std::string& disk);
   [[nodiscard]] std::optional<QmpJob> job_of(const std::string& target, const QmpDisk* disk);
+  // qom-get of `property` of the object at `path`; empty when QEMU refuses (no such property).
+  [[nodiscard]] std::optional<json::Value> qom_get(const std::string& path, const char* property);
+  // The iothread serving the device query-block names `qdev` ("" for QEMU's main loop).
+  [[nodiscard]] std::string device_iothread(const std::string& qdev);
+  void add_iothreads(DomainInfo& dom);
   void absorb_events();
   void note_event(const QmpEvent& e);
   [[nodiscard]] bool ours(const std::string& domain) const { return domain == name_; }

@@ -2,6 +2,7 @@
 // shapes are QEMU 7.2's (captured from qemu-system-x86_64 7.2, trimmed).
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <limits>
@@ -711,4 +712,86 @@ TEST_CASE("qmp.adapter.failed_job_and_lost_connection") {
   QmpHypervisor gone("/nonexistent/100.qmp", "", quick());
   CHECK_FALSE(gone.connect());
   CHECK(gone.last_error() == "/nonexistent/100.qmp: cannot connect: No such file or directory");
+}
+
+// domain(): which iothread serves each disk, from the devices' QOM properties as QEMU answers
+// qom-get: a virtio-blk "iothread" link, a virtio-blk "iothread-vq-mapping", a SCSI disk's
+// controller (through its "parent_bus"), and a virtio-blk disk left to the main loop.
+TEST_CASE("qmp.adapter.iothreads_from_qom") {
+  std::mutex m;
+  std::string iothreads = R"([{"id": "iot1", "thread-id": 4242, "poll-max-ns": 32768}])";
+  std::vector<std::string> asked;
+  FakeQmp srv([&](const json::Value& cmd) -> std::string {
+    std::lock_guard<std::mutex> g(m);
+    const std::string& c = command_name(cmd);
+    if (c == "query-name") return reply(cmd, R"({"name": "vm-io"})");
+    if (c == "query-block-jobs") return reply(cmd, "[]");
+    if (c == "query-iothreads") return reply(cmd, iothreads);
+    if (c == "query-block")
+      return reply(cmd, R"([
+ {"device": "vda", "qdev": "/machine/peripheral/disk0/virtio-backend",
+  "inserted": {"node-name": "#block1", "image": {"filename": "/s/a.qcow2", "format": "qcow2"}}},
+ {"device": "", "qdev": "/machine/peripheral/vdb/virtio-backend",
+  "inserted": {"node-name": "n2", "image": {"filename": "/s/b.qcow2", "format": "qcow2"}}},
+ {"device": "", "qdev": "scsi0-0-0-0",
+  "inserted": {"node-name": "n3", "image": {"filename": "/s/c.qcow2", "format": "qcow2"}}},
+ {"device": "", "qdev": "/machine/peripheral/vdd/virtio-backend",
+  "inserted": {"node-name": "n4", "image": {"filename": "/s/d.qcow2", "format": "qcow2"}}}])");
+    if (c != "qom-get") return error_reply(cmd, "CommandNotFound", c);
+    const json::Value& args = *json::member(cmd, "arguments");
+    const std::string path = json::string_member(args, "path");
+    const std::string prop = json::string_member(args, "property");
+    asked.push_back(path + " " + prop);
+    const auto not_found = [&] {
+      return error_reply(cmd, "GenericError", "Property '" + prop + "' not found");
+    };
+    if (path == "/machine/peripheral/scsi0-0-0-0") {
+      if (prop != "parent_bus") return not_found();
+      return reply(cmd, R"("/machine/peripheral/scsi0/virtio-backend/scsi0.0")");
+    }
+    if (path == "/machine/peripheral/scsi0/virtio-backend")
+      return prop == "iothread" ? reply(cmd, R"("/objects/iot1")") : not_found();
+    if (prop == "iothread")
+      return reply(
+          cmd, path == "/machine/peripheral/disk0/virtio-backend" ? R"("/objects/iot1")" : R"("")");
+    if (prop == "iothread-vq-mapping")
+      return reply(cmd, path == "/machine/peripheral/vdb/virtio-backend"
+                            ? R"([{"iothread": "iot1", "vqs": [0, 1]}, {"iothread": "iot2"}])"
+                            : "[]");
+    return not_found();
+  });
+  QmpHypervisor hv(srv.path(), "", quick());
+  REQUIRE(hv.connect());
+  const std::optional<DomainInfo> d = hv.domain("vm-io");
+  REQUIRE(d);
+  CHECK(d->iothreads);
+  REQUIRE(d->defined_disks.size() == 4);
+  CHECK(d->defined_disks[0].target == "vda");
+  CHECK(d->defined_disks[0].iothread == "iot1");
+  CHECK(d->defined_disks[1].target == "vdb");
+  CHECK(d->defined_disks[1].iothread == "iot1");
+  CHECK(d->defined_disks[2].target == "scsi0-0-0-0");
+  CHECK(d->defined_disks[2].iothread == "iot1");
+  CHECK(d->defined_disks[3].target == "vdd");
+  CHECK(d->defined_disks[3].iothread.empty());
+  CHECK(d->disks[0].iothread == "iot1");
+  {
+    std::lock_guard<std::mutex> g(m);
+    CHECK(std::find(asked.begin(), asked.end(),
+                    "/machine/peripheral/scsi0/virtio-backend iothread") != asked.end());
+    iothreads = "[]";
+  }
+  // The per-tick view asks QEMU nothing of iothreads.
+  const std::size_t before = asked.size();
+  CHECK(hv.running_domains().front().defined_disks.empty());
+  CHECK(asked.size() == before);
+  CHECK_FALSE(hv.domain("vm-io")->iothreads);
+  CHECK_FALSE(hv.domain("other"));
+
+  CHECK(parse_iothreads(parsed_qmp(R"([{"id": "a"}, {"thread-id": 1}, {"id": "b"}])")) ==
+        std::vector<std::string>{"a", "b"});
+  CHECK(iothread_of_property(parsed_qmp(R"("/objects/iot9")")) == "iot9");
+  CHECK(iothread_of_property(parsed_qmp(R"("")")).empty());
+  CHECK(iothread_of_property(parsed_qmp("[]")).empty());
+  CHECK(iothread_of_property(parsed_qmp("null")).empty());
 }
