@@ -1,6 +1,7 @@
 // The copy pool of the merge engine: a few threads run copy jobs (one contiguous range of BASE,
 // gathered from source extents) from a layer's host offsets to BASE's, in the kernel where it can
-// (splice into O_DIRECT writes, copy_file_range into buffered ones), else through user space.
+// (splice into O_DIRECT writes, copy_file_range into buffered ones), else through user space;
+// clusters that TOP provides only parts of are assembled in the worker's buffer and written once.
 // The engine's governor admits each job; completions are reported back to it.
 #pragma once
 
@@ -18,6 +19,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -90,12 +92,28 @@ struct CopySource {
   const std::string* name = nullptr;
 };
 
+// Bytes of a source laid over an assembled cluster, `at` bytes into it.
+struct ClusterPatch {
+  CopySource source;
+  uint64_t at = 0;
+};
+
+// A cluster of BASE written whole from memory: BASE's view of it (zeros, or `view` when that was
+// read) with the patches laid over it. A cluster that TOP provides only parts of is written once
+// this way instead of once whole and again for every other part.
+struct AssembledCluster {
+  uint64_t length = 0;
+  std::vector<uint8_t> view;  // empty: BASE's view of the cluster reads as zeros
+  std::vector<ClusterPatch> patches;
+};
+
 // A write of one contiguous destination range, gathered from source extents in destination
 // order: pieces adjacent in BASE make one request even where their sources are not adjacent
 // (new clusters are allocated in source order, but their sources interleave with those of
-// clusters written in place).
+// clusters written in place). Either `sources` or `clusters` (back to back), never both.
 struct CopyJob {
   std::vector<CopySource> sources;  // lengths add up to `length`
+  std::vector<AssembledCluster> clusters;  // lengths add up to `length` (at most kChunkBytes)
   int dst_fd = -1;
   uint64_t dst_offset = 0;
   uint64_t length = 0;
@@ -257,32 +275,50 @@ class CopyPool {
   }
 
   static void copy(const CopyJob& j, uint8_t* buf, SplicePipe& pipe) {
-    uint64_t done = j.direct_dst ? splice_copy(j, pipe) : range_copy(j);
-    if (j.direct_dst) done -= done % kDirectAlignment;  // the rest must start aligned
-    if (done < j.length) user_copy(j, done, buf);
+    if (!j.clusters.empty()) {
+      assemble(j, buf);
+      write_out(j, 0, buf);
+    } else {
+      uint64_t done = j.direct_dst ? splice_copy(j, pipe) : range_copy(j);
+      if (j.direct_dst) done -= done % kDirectAlignment;  // the rest must start aligned
+      if (done < j.length) user_copy(j, done, buf);
+    }
     if (j.buffered_dst)
       ::sync_file_range(j.dst_fd, off_t(j.dst_offset), off_t(j.length), SYNC_FILE_RANGE_WRITE);
   }
 
-  // Bytes [from, length) of the job through `buf` (at least one request long).
-  static void user_copy(const CopyJob& j, uint64_t from, uint8_t* buf) {
-    uint64_t pos = 0;  // job offset where the current source starts
-    for (const CopySource& s : j.sources) {
-      const uint64_t end = pos + s.length;
-      for (uint64_t p = std::max(from, pos); p < end;) {
-        const ssize_t n = ::pread(s.fd, buf + (p - from), end - p, off_t(s.offset + (p - pos)));
-        if (n < 0) {
-          if (errno == EINTR) continue;
-          throw qcow2::IoError(*s.name, "read at " + qcow2::hex(s.offset + (p - pos)) + " failed: " + strerror(errno), errno);
-        }
-        if (n == 0) {  // past the end of the source file: zeros
-          std::memset(buf + (p - from), 0, end - p);
-          break;
-        }
-        p += uint64_t(n);
+  // Reads `out.size()` bytes of `s` at `from` bytes into it; zeros past the end of its file.
+  static void read_source(const CopySource& s, uint64_t from, std::span<uint8_t> out) {
+    for (uint64_t p = 0; p < out.size();) {
+      const ssize_t n = ::pread(s.fd, out.data() + p, out.size() - p, off_t(s.offset + from + p));
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        throw qcow2::IoError(*s.name, "read at " + qcow2::hex(s.offset + from + p) + " failed: " + strerror(errno), errno);
       }
-      pos = end;
+      if (n == 0) {
+        std::memset(out.data() + p, 0, out.size() - p);
+        break;
+      }
+      p += uint64_t(n);
     }
+  }
+
+  // The job's clusters, one after the other, into `buf` (kChunkBytes, aligned).
+  static void assemble(const CopyJob& j, uint8_t* buf) {
+    uint64_t pos = 0;
+    for (const AssembledCluster& c : j.clusters) {
+      if (c.view.empty())
+        std::memset(buf + pos, 0, c.length);
+      else
+        std::memcpy(buf + pos, c.view.data(), c.length);
+      for (const ClusterPatch& p : c.patches)
+        read_source(p.source, 0, std::span<uint8_t>(buf + pos + p.at, p.source.length));
+      pos += c.length;
+    }
+  }
+
+  // Bytes [from, length) of the job from `buf` (which holds them from its start).
+  static void write_out(const CopyJob& j, uint64_t from, const uint8_t* buf) {
     for (uint64_t done = from; done < j.length;) {
       const ssize_t n = ::pwrite(j.dst_fd, buf + (done - from), j.length - done, off_t(j.dst_offset + done));
       if (n < 0) {
@@ -291,6 +327,20 @@ class CopyPool {
       }
       done += uint64_t(n);
     }
+  }
+
+  // Bytes [from, length) of the job through `buf` (at least one request long).
+  static void user_copy(const CopyJob& j, uint64_t from, uint8_t* buf) {
+    uint64_t pos = 0;  // job offset where the current source starts
+    for (const CopySource& s : j.sources) {
+      const uint64_t end = pos + s.length;
+      if (end > from) {
+        const uint64_t p = std::max(from, pos);
+        read_source(s, p - pos, std::span<uint8_t>(buf + (p - from), end - p));
+      }
+      pos = end;
+    }
+    write_out(j, from, buf);
   }
 
   uint64_t limit_;

@@ -20,6 +20,7 @@
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <map>
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -45,6 +46,10 @@ using qcow2::MapEntry;
 namespace {
 
 inline constexpr auto kProgressInterval = std::chrono::milliseconds(200);
+// Unthrottled, a window's copies wait to be issued together (issue_deferred); clusters assembled
+// over a view of BASE that had to be read (BASE's backing file shows there, or it holds part of
+// the cluster) keep that view in memory until then. Past this many bytes they are issued early.
+inline constexpr uint64_t kMaxHeldViewBytes = 32ull << 20;
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
@@ -248,6 +253,7 @@ class WindowCopier {
     }
     if (pending.length) {
       if (defer_jobs) {
+        for (const AssembledCluster& c : pending.clusters) held_view_bytes += c.view.size();
         deferred.push_back(std::move(pending));
       } else {
         point("data");
@@ -255,6 +261,7 @@ class WindowCopier {
       }
     }
     pending = CopyJob{};
+    if (held_view_bytes > kMaxHeldViewBytes) issue_deferred();
   }
 
   // Unthrottled, a window's copies are planned before any is issued, so that the new space they
@@ -277,6 +284,7 @@ class WindowCopier {
       pool->submit(std::move(j));
     }
     deferred.clear();
+    held_view_bytes = 0;
   }
 
   uint64_t request_bytes() {
@@ -297,8 +305,8 @@ class WindowCopier {
       const uint64_t n = std::min(chunk, len - p);
       const bool aligned = (dst_off + p) % kDirectAlignment == 0 && n % kDirectAlignment == 0;
       const int fd = aligned ? bulk_fd : dst_file->fd();
-      if (pending.length && pending.dst_fd == fd && pending.dst_offset + pending.length == dst_off + p &&
-          pending.length + n <= chunk) {
+      if (pending.length && pending.clusters.empty() && pending.dst_fd == fd &&
+          pending.dst_offset + pending.length == dst_off + p && pending.length + n <= chunk) {
         CopySource& last = pending.sources.back();
         if (last.fd == src_fd && last.offset + last.length == src_off + p)
           last.length += n;
@@ -307,11 +315,33 @@ class WindowCopier {
         pending.length += n;
       } else {
         submit_pending();
-        pending = CopyJob{{{src_fd, src_off + p, n, &src_name}}, fd, dst_off + p, n, buffered || !aligned,
+        pending = CopyJob{{{src_fd, src_off + p, n, &src_name}}, {}, fd, dst_off + p, n, buffered || !aligned,
                           !buffered && aligned, &dst_name};
       }
       p += n;
     }
+  }
+
+  // A cluster assembled in memory, written whole at `dst_off`; adjacent ones are coalesced like
+  // submit_copy's requests (a job holds one cluster at least, whatever the governor prefers).
+  void submit_cluster(AssembledCluster&& c, uint64_t dst_off) {
+    const uint64_t n = c.length;
+    const bool aligned = dst_off % kDirectAlignment == 0 && n % kDirectAlignment == 0;
+    const int fd = aligned ? bulk_fd : dst_file->fd();
+    if (pending.length && !pending.clusters.empty() && pending.dst_fd == fd &&
+        pending.dst_offset + pending.length == dst_off && pending.length + n <= request_bytes()) {
+      pending.clusters.push_back(std::move(c));
+      pending.length += n;
+      return;
+    }
+    submit_pending();
+    pending.clusters.push_back(std::move(c));
+    pending.dst_fd = fd;
+    pending.dst_offset = dst_off;
+    pending.length = n;
+    pending.buffered_dst = buffered || !aligned;
+    pending.direct_dst = !buffered && aligned;
+    pending.dst_name = &dst_name;
   }
 
   // Reads TOP's view (used where there is no plain host offset, e.g. compressed clusters).
@@ -361,27 +391,96 @@ class WindowCopier {
     }
   }
 
-  // Copies one data piece that has a plain host offset in its source layer.
-  void copy_direct(const MapEntry& e, uint64_t off, uint64_t piece_end) {
+  // Part of a cluster of BASE that one piece provides, with where its bytes are in the source.
+  struct PartialPiece {
+    uint64_t start, end;
+    CopySource source;
+  };
+  using PartialClusters = std::map<uint64_t, std::vector<PartialPiece>>;  // by cluster
+
+  // Where a piece meets BASE's cluster grid: [off, a) is a partial head inside the cluster `off`
+  // is in, [a, b) whole clusters (the last one may end at the virtual size), [b, piece_end) a
+  // partial tail inside the cluster at b.
+  [[nodiscard]] std::pair<uint64_t, uint64_t> cluster_split(uint64_t off, uint64_t piece_end) const {
+    const auto& g = base.qcow2->geometry();
+    const uint64_t a = std::min(g.align_up(off), piece_end);
+    const uint64_t b = std::max(a, piece_end == base.qcow2->virtual_size() ? piece_end : g.align_down(piece_end));
+    return {a, b};
+  }
+
+  [[nodiscard]] CopySource source_of(const MapEntry& e, uint64_t off, uint64_t len) {
     qcow2::Layer& src = chain.layer(e.depth);
     qcow2::BlockDevice& sdev = src.qcow2 ? src.qcow2->data_device() : *src.raw;
     auto* sfile = dynamic_cast<qcow2::FileDevice*>(&sdev);
-    const uint64_t src_off = *e.offset + (off - e.start);
-    if (!writer) {
-      submit_copy(sfile->fd(), sdev.name(), src_off, off, piece_end - off);
+    return {sfile->fd(), *e.offset + (off - e.start), len, &sdev.name()};
+  }
+
+  // The partial heads and tails of the window's pieces, by the cluster of BASE they fall in.
+  void collect_partial(const Piece& p, PartialClusters& partial) {
+    const auto [a, b] = cluster_split(p.start, p.end);
+    const auto& g = base.qcow2->geometry();
+    if (p.start < a) partial[g.align_down(p.start)].push_back({p.start, a, source_of(*p.e, p.start, a - p.start)});
+    if (b < p.end) partial[b].push_back({b, p.end, source_of(*p.e, b, p.end - b)});
+  }
+
+  // True when BASE's view of [c, cend) reads as zeros (no need to read it).
+  [[nodiscard]] bool base_reads_zero(uint64_t c, uint64_t cend) {
+    for (uint64_t z = c; z < cend;) {
+      const MapEntry b = chain.status(z, cend - z, base_depth);
+      if (!b.zero || b.length == 0) return false;
+      z += b.length;
+    }
+    return true;
+  }
+
+  // Every piece of the window that covers part of the cluster at `c`, at once (the first piece
+  // of it met does it; later ones find it gone). A cluster BASE has as plain data is overwritten
+  // where the pieces fall, through the copy pool; any other is written once, whole: BASE's view
+  // of it (read before the cluster is staged) with the pieces laid over it, assembled by the
+  // copy pool (Writer::write would write it whole and then again for each later piece, one by
+  // one through the page cache).
+  void write_partial_cluster(uint64_t c, PartialClusters& partial) {
+    auto it = partial.find(c);
+    if (it == partial.end()) return;
+    std::vector<PartialPiece> pieces = std::move(it->second);
+    partial.erase(it);
+    std::sort(pieces.begin(), pieces.end(), [](const PartialPiece& x, const PartialPiece& y) { return x.start < y.start; });
+    const uint64_t cend = std::min(c + base.qcow2->cluster_size(), base.qcow2->virtual_size());
+    for (const PartialPiece& pp : pieces)
+      if (pp.start < c || pp.end > cend)
+        throw Error(dst_name, "internal: partial piece outside its cluster at " + qcow2::hex(c));
+    if (const auto host = writer->prepare_in_place(c)) {
+      for (const PartialPiece& pp : pieces)
+        submit_copy(pp.source.fd, *pp.source.name, pp.source.offset, *host + (pp.start - c), pp.end - pp.start);
       return;
     }
-    // Split at BASE's cluster grid: partial head/tail through the writer, the middle as full
-    // clusters written straight to their host offsets.
-    const auto& g = base.qcow2->geometry();
-    const uint64_t vsize = base.qcow2->virtual_size();
-    uint64_t a = g.align_up(off), b = piece_end == vsize ? piece_end : g.align_down(piece_end);
-    if (a >= b) a = b = piece_end;
-    if (off < a) copy_through_chain(off, a - off);
-    if (a < b)
+    AssembledCluster ac;
+    ac.length = cend - c;
+    if (!base_reads_zero(c, cend)) {
+      ac.view.resize(ac.length);
+      chain.read(c, ac.view, base_depth);
+    }
+    for (const PartialPiece& pp : pieces) ac.patches.push_back({pp.source, pp.start - c});
+    submit_cluster(std::move(ac), writer->prepare_cluster_rewrite(c));
+  }
+
+  // Copies one data piece that has a plain host offset in its source layer.
+  void copy_direct(const MapEntry& e, uint64_t off, uint64_t piece_end, PartialClusters& partial) {
+    if (!writer) {
+      const CopySource s = source_of(e, off, piece_end - off);
+      submit_copy(s.fd, *s.name, s.offset, off, s.length);
+      return;
+    }
+    // Split at BASE's cluster grid: partial head/tail with the rest of their clusters' pieces,
+    // the middle as full clusters written straight to their host offsets.
+    const auto [a, b] = cluster_split(off, piece_end);
+    if (off < a) write_partial_cluster(base.qcow2->geometry().align_down(off), partial);
+    if (a < b) {
+      const CopySource s = source_of(e, off, piece_end - off);
       for (const auto& r : writer->prepare_full_write(a, b - a))
-        submit_copy(sfile->fd(), sdev.name(), src_off + (r.guest_offset - off), r.host_offset, r.length);
-    if (b < piece_end) copy_through_chain(b, piece_end - b);
+        submit_copy(s.fd, *s.name, s.offset + (r.guest_offset - off), r.host_offset, r.length);
+    }
+    if (b < piece_end) write_partial_cluster(b, partial);
   }
 
   void run_window_body(uint64_t upto) {
@@ -435,9 +534,12 @@ class WindowCopier {
     if (writer)
       for (const Piece& p : window)
         if (!p.e->zero) writer->prepare_l2(p.start);
+    PartialClusters partial;
+    if (writer)
+      for (const Keyed& k : order) collect_partial(*k.p, partial);
     for (const Keyed& k : order) {
       const Piece* p = k.p;
-      copy_direct(*p->e, p->start, p->end);
+      copy_direct(*p->e, p->start, p->end, partial);
       res.copied_bytes += p->end - p->start;
       done_bytes += p->end - p->start;  // submitted; durable at the window's commit
       report(false);
@@ -493,6 +595,7 @@ class WindowCopier {
   CopyJob pending;
   bool defer_jobs = false;  // see issue_deferred()
   std::vector<CopyJob> deferred;
+  uint64_t held_view_bytes = 0;  // of the assembled clusters in `deferred`
   std::vector<Piece> window;
   uint64_t window_l2s = 0, last_l1 = ~0ull;
   uint64_t l1_span = 0, max_l2s = 0;

@@ -304,6 +304,27 @@ std::vector<Writer::HostRun> Writer::prepare_full_write(uint64_t offset, uint64_
   return runs;
 }
 
+std::optional<uint64_t> Writer::prepare_in_place(uint64_t c) {
+  const ClusterState st = cluster_state(c);
+  const auto ph = private_host(st);
+  const bool plain_normal = ph && !(st.entry & kOflagZero) &&
+                            (!geo_.extended_l2 || st.bitmap == kAllSubclustersAllocated);
+  if (!plain_normal) return std::nullopt;
+  if (!(st.entry & kOflagCopied)) set_l2(c, st.entry | kOflagCopied, st.bitmap);
+  data_written_ = true;
+  return ph;
+}
+
+uint64_t Writer::prepare_cluster_rewrite(uint64_t c) {
+  const ClusterState st = cluster_state(c);
+  const auto ph = private_host(st);
+  const uint64_t host = ph ? *ph : allocate(1);
+  set_l2(c, host | kOflagCopied, kAllSubclustersAllocated);
+  if (!ph) release_entry(st);
+  data_written_ = true;
+  return host;
+}
+
 void Writer::write(uint64_t offset, std::span<const uint8_t> data, const ViewReader& view) {
   const uint64_t vsize = image_.virtual_size();
   if (offset + data.size() > vsize)
@@ -316,23 +337,14 @@ void Writer::write(uint64_t offset, std::span<const uint8_t> data, const ViewRea
     const uint64_t cend = std::min(c + cs_, vsize);
     const uint64_t b = std::min(end, cend);
     auto piece = data.subspan(pos - offset, b - pos);
-    ClusterState st = cluster_state(c);
-    auto ph = private_host(st);
-    const bool plain_normal = ph && !(st.entry & kOflagZero) &&
-                              (!geo_.extended_l2 || st.bitmap == kAllSubclustersAllocated);
-    if (plain_normal) {
-      image_.data_device().write(*ph + (pos - c), piece);
-      if (!(st.entry & kOflagCopied)) set_l2(c, st.entry | kOflagCopied, st.bitmap);
+    if (const auto host = prepare_in_place(c)) {
+      image_.data_device().write(*host + (pos - c), piece);
     } else {
       buf.assign(cend - c, 0);
-      if (pos != c || b != cend) view(c, buf);
+      if (pos != c || b != cend) view(c, buf);  // before the cluster is staged
       std::memcpy(buf.data() + (pos - c), piece.data(), piece.size());
-      const uint64_t host = ph ? *ph : allocate(1);
-      image_.data_device().write(host, buf);
-      set_l2(c, host | kOflagCopied, kAllSubclustersAllocated);
-      if (!ph) release_entry(st);
+      image_.data_device().write(prepare_cluster_rewrite(c), buf);
     }
-    data_written_ = true;
     pos = b;
   }
 }

@@ -66,6 +66,17 @@ class Writer {
   // Writes an arbitrary range now (partial clusters are filled from `view`).
   void write(uint64_t offset, std::span<const uint8_t> data, const ViewReader& view);
 
+  // The two halves of write() for one cluster, for a caller that writes the data itself.
+  // prepare_in_place: the host offset of the cluster at `cluster_offset` when part of it can be
+  // overwritten where it is (private, uncompressed, every subcluster plain data; its L2 entry
+  // staged with COPIED), nullopt when it must be written whole (nothing staged then).
+  [[nodiscard]] std::optional<uint64_t> prepare_in_place(uint64_t cluster_offset);
+  // Stages the cluster at `cluster_offset` as written whole and returns its host offset: its own
+  // host cluster when private, else a new one (what it referenced released at the commit). The
+  // caller reads the cluster's current view before this call and writes all of it (up to the
+  // virtual size) at the returned offset before commit().
+  [[nodiscard]] uint64_t prepare_cluster_rewrite(uint64_t cluster_offset);
+
   // Makes [offset, offset+length) read as zeros (zero flags on v3, zero data on v2).
   void write_zeroes(uint64_t offset, uint64_t length, const ViewReader& view);
 
