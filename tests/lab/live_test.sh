@@ -24,7 +24,10 @@ fail() {
 kFillMiB=${LIVE_FILL_MIB:-320}
 kDiskSize=2560M
 kBaselineS=5
-kDiscoverS=1.5           # job listed by qcommitd within this after virsh started it
+# Job listed by qcommitd within this after virsh started it: one poll (0.5 s) plus libvirt's
+# answers, which wait for the domain's job lock while virsh starts the commit (two CI runs on
+# 2026-12-02, same host: 0.85 s and 1.59 s).
+kDiscoverS=2.5
 kMaxGovernedMs=2000      # unthrottled: ~kFillMiB / 50 MB/s ≈ 6.7 s stall
 kMaxBaselineMs=250
 
