@@ -802,8 +802,8 @@ void Governor::tick_job(Job& j, const JobInfo& info, const throttle::ForegroundS
 // writes keep above zero), a sweep of the whole target since the hold began found nothing to
 // write back.
 bool Governor::clean_for_settle(const Job& j, const PageCacheState& pc, TimePoint hold_since) {
-  if (!pc.dirty_upper_bound) return pc.dirty_bytes == 0;
-  return pc.dirty_bytes == 0 || (j.pacer.clean_sweep_at && *j.pacer.clean_sweep_at >= hold_since);
+  if (pc.dirty_bytes == 0) return true;
+  return pc.dirty_upper_bound && j.pacer.clean_sweep_at && *j.pacer.clean_sweep_at >= hold_since;
 }
 
 bool Governor::settle(Job& j, const std::optional<PageCacheState>& pc, TimePoint now) {
