@@ -6,17 +6,10 @@
 # (test:///FILE: a running domain "vm one" whose disk has a backing chain), no libvirtd needed.
 # usage: cli-subcommands.sh QCOMMIT QCOMMITD
 set -euo pipefail
+. "$(dirname "$0")/lib.sh"
 QCOMMIT=$(realpath "$1")
 QCOMMITD=$(realpath "$2")
-work=$(mktemp -d "${TMPDIR:-/var/tmp}/qcommit-cli.XXXXXX")
-daemon=
-cleanup() {
-  [[ -z $daemon ]] || kill "$daemon" 2>/dev/null || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
-cd "$work"
-fail() { echo "cli.subcommands: $*" >&2; exit 1; }
+setup cli.subcommands
 
 # One JSON document on stdout.
 json_doc() {  # json_doc NAME FILE
@@ -52,29 +45,14 @@ for n in m r; do
 done
 cat >node.xml <<EOF
 <node>
-  <domain type='test'>
-    <name>vm one</name>
-    <memory>65536</memory>
-    <os><type>hvm</type></os>
-    <devices>
-      <disk type='file' device='disk'>
-        <driver name='qemu' type='qcow2'/>
-        <source file='$work/top.qcow2'/>
-        <backingStore type='file'>
-          <format type='qcow2'/>
-          <source file='$work/base.qcow2'/>
-          <backingStore/>
-        </backingStore>
-        <target dev='vda' bus='virtio'/>
-      </disk>
-    </devices>
-  </domain>
+$(test_domain "vm one" "    <devices>
+$(file_disk vda virtio "$work/top.qcow2" "$work/base.qcow2")
+    </devices>")
 </node>
 EOF
 uri="test://$work/node.xml"
 # A shut-off domain for merge --domain --dry-run.
-sed -e "s|<domain type='test'>|<domain type='test' xmlns:test='http://libvirt.org/schemas/domain/test/1.0'>|" \
-    -e 's|<name>vm one</name>|<name>vm off</name>|' -e 's|</devices>|</devices><test:runstate>5</test:runstate>|' \
+sed -e 's|<name>vm one</name>|<name>vm off</name>|' -e 's|</devices>|</devices><test:runstate>5</test:runstate>|' \
     node.xml >node-off.xml
 
 [[ $("$QCOMMIT" --version) =~ ^qcommit\ [0-9]+\.[0-9]+\.[0-9]+$ ]] || fail "qcommit --version: $("$QCOMMIT" --version)"
@@ -134,7 +112,22 @@ for cmd in "${cmds[@]}"; do
            [[ $rc == 1 ]] || fail "check --bogus: exit $rc, want 1 (2 would read as corruptions)" ;;
     plan) bad_output plan top.qcow2
           "$QCOMMIT" plan top.qcow2 --output=json >"$out"; json_doc "$cmd" "$out"
-          [[ $(jq -r '."data-bytes"' "$out") == $((2 << 20)) ]] || fail "plan: 2 MiB to copy expected" ;;
+          [[ $(jq -r '."data-bytes"' "$out") == $((2 << 20)) ]] || fail "plan: 2 MiB to copy expected"
+          # --measure rehearses the copy beside BASE (paced by the budget, co-tenants from the
+          # test driver): TOP's file is larger than its data, so the whole copy is rehearsed and
+          # its time is the ETA; nothing is left beside BASE, BASE is unchanged.
+          sum=$(md5sum <base.qcow2)
+          "$QCOMMIT" plan top.qcow2 --measure --budget 20ms --connect "$uri" --output=json >"$out"
+          json_doc "$cmd --measure" "$out"
+          jq -e '."eta-source" == "measured" and .measured.bytes >= 2097152 and .measured.seconds > 0
+                 and ."eta-low-seconds" <= ."eta-seconds" and ."eta-seconds" <= ."eta-high-seconds"
+                 and .measured."paced-by" == "the budget 20ms" and .rate > 0' "$out" >/dev/null ||
+            fail "plan --measure: $(cat "$out")"
+          "$QCOMMIT" plan top.qcow2 --measure --budget off >"$cmd.txt"
+          grep -q '^ETA: *about [0-9.]* s for the copy$' "$cmd.txt" || fail "plan --measure: $(cat "$cmd.txt")"
+          grep -q 'paced by none' "$cmd.txt" || fail "plan --measure --budget off: $(cat "$cmd.txt")"
+          [[ -z $(ls -A | grep qcommit-measure) ]] || fail "plan --measure left its scratch file"
+          [[ $(md5sum <base.qcow2) == "$sum" ]] || fail "plan --measure changed BASE" ;;
     merge) bad_output merge m-top.qcow2 --budget off
            "$QCOMMIT" merge m-top.qcow2 --budget off --output=json >"$out"; json_lines "$cmd" "$out"
            [[ $(tail -1 "$out" | jq -r '.event + " " + (.copied | tostring)') == "result $((16 << 20))" ]] ||
@@ -168,12 +161,12 @@ for cmd in "${cmds[@]}"; do
           [[ $(jq -r '.passed' "$out") == true ]] || fail "demo: not passed"
           [[ $(jq -r '.merge.event' "$out") == result ]] || fail "demo: no merge result" ;;
     status) bad_output status --socket "$work/qcd.sock"
-            "$QCOMMITD" --uri "$uri" --socket "$work/qcd.sock" 2>qcd.log &
+            spawn "$QCOMMITD" --uri "$uri" --socket "$work/qcd.sock" 2>qcd.log
             daemon=$!
             for _ in $(seq 50); do [[ -S $work/qcd.sock ]] && break; sleep 0.1; done
             "$QCOMMIT" status --socket "$work/qcd.sock" --output=json >"$out"; json_doc "$cmd" "$out"
             [[ $(jq -r '.ok' "$out") == true ]] || fail "status: ok is not true"
-            kill "$daemon"; wait "$daemon" || true; daemon= ;;
+            stop "$daemon" ;;
     doctor) bad_output doctor --uri "$uri"
             "$QCOMMIT" doctor --uri "$uri" --socket "$work/none.sock" --output=json >"$out" 2>doctor.err ||
               [[ $? == 1 ]] || fail "doctor exited with $?"

@@ -13,19 +13,12 @@
 # The report of a plain dry run is checked too: what would be copied, rebased and deleted.
 # usage: dry-run.sh QCOMMIT
 set -euo pipefail
+. "$(dirname "$0")/lib.sh"
 QCOMMIT=$(realpath "$1")
-work=$(mktemp -d "${TMPDIR:-/var/tmp}/qcommit-dry.XXXXXX")
+setup cli.dry_run
 img=$work/img  # everything a dry run could write to; checked
 run=$work/run  # this test's own outputs, sockets and logs
 mkdir -p "$img" "$run"
-qpid=
-cleanup() {
-  [[ -n $qpid ]] && kill "$qpid" 2>/dev/null
-  wait 2>/dev/null || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
-fail() { echo "cli.dry_run: FAIL: $*" >&2; exit 1; }
 
 state() {
   (cd "$img" && find . -printf '%p %y %s %m %T@ %C@\n' | LC_ALL=C sort &&
@@ -66,50 +59,22 @@ for p in d l j p; do
 done
 printf '[default]\nbudget=9ms\n' >qcommitd.conf
 disk() {  # disk PREFIX
-  cat <<EOF
-      <disk type='file' device='disk'>
-        <driver name='qemu' type='qcow2'/>
-        <source file='$img/$1-top.qcow2'/>
-        <backingStore type='file'><format type='qcow2'/><source file='$img/$1-base.qcow2'/><backingStore/></backingStore>
-        <target dev='vda' bus='virtio'/>
-      </disk>
-EOF
+  file_disk vda virtio "$img/$1-top.qcow2" "$img/$1-base.qcow2"
 }
 cat >"$run/node.xml" <<EOF
 <node>
-  <domain type='test' xmlns:test='http://libvirt.org/schemas/domain/test/1.0'>
-    <name>vm off</name>
-    <memory>65536</memory>
-    <os><type>hvm</type></os>
-    <devices>
-$(disk d)
-    </devices>
-    <test:runstate>5</test:runstate>
-  </domain>
-  <domain type='test'>
-    <name>vm one</name>
-    <memory>65536</memory>
-    <os><type>hvm</type></os>
-    <devices>
-$(disk l)
-    </devices>
-  </domain>
-  <domain type='test' xmlns:test='http://libvirt.org/schemas/domain/test/1.0'>
-    <name>vm journal</name>
-    <memory>65536</memory>
-    <os><type>hvm</type></os>
-    <metadata>
+$(test_domain "vm off" "    <devices>$(disk d)</devices>
+    <test:runstate>5</test:runstate>")
+$(test_domain "vm one" "    <devices>$(disk l)</devices>")
+$(test_domain "vm journal" "    <metadata>
       <qcommit:merge xmlns:qcommit='urn:qcommit:domain-merge' version='2' disk='vda' switch-source='yes' delete-merged='yes'>
         <qcommit:top>$img/j-top.qcow2</qcommit:top>
         <qcommit:base>$img/j-base.qcow2</qcommit:base>
         <qcommit:merged>$img/j-top.qcow2</qcommit:merged>
       </qcommit:merge>
     </metadata>
-    <devices>
-$(disk j)
-    </devices>
-    <test:runstate>5</test:runstate>
-  </domain>
+    <devices>$(disk j)</devices>
+    <test:runstate>5</test:runstate>")
   <pool type='dir'>
     <name>imgpool</name>
     <uuid>35bb2ad9-388a-cdfe-461a-b8907f6e53fe</uuid>
@@ -176,20 +141,13 @@ dry "live DOMAIN DISK --dry-run --pivot --overlay-dir" 0 \
   "$QCOMMIT" live "vm one" vda --uri "$uri" --dry-run --pivot --overlay-dir "$img" --output=json
 if command -v qemu-system-x86_64 >/dev/null; then
   # A real QEMU, paused, on the chain (it holds its image locks; qcommit only asks over QMP).
-  qemu-system-x86_64 -machine q35,accel=tcg -nodefaults -display none -S \
-    -qmp "unix:$run/q.sock,server=on,wait=off" \
-    -drive "file=$img/l-top.qcow2,if=none,id=vda,format=qcow2" -device virtio-blk-pci,drive=vda,id=disk0 \
-    >"$run/qemu.log" 2>&1 &
-  qpid=$!
-  for ((i = 0; i < 100; i++)); do [[ -S $run/q.sock ]] && break; sleep 0.05; done
-  [[ -S $run/q.sock ]] || fail "QEMU did not start: $(cat "$run/qemu.log")"
+  start_qemu "$run/q.sock" \
+    -drive "file=$img/l-top.qcow2,if=none,id=vda,format=qcow2" -device virtio-blk-pci,drive=vda,id=disk0
   dry "live --qmp SOCKET DISK --dry-run --pivot" 0 "$QCOMMIT" live --qmp "$run/q.sock" vda --dry-run --pivot
   grep -q "^  1\. " "$run/out" || fail "live --qmp --dry-run printed no steps: $(cat "$run/out")"
   dry "live --qmp SOCKET DISK --dry-run --strategy direct" 0 \
     "$QCOMMIT" live --qmp "$run/q.sock" vda --dry-run --strategy direct --output=json
-  kill "$qpid"
-  wait "$qpid" 2>/dev/null || true
-  qpid=
+  stop "$qemu_pid"
 else
   echo "skipped: live --qmp (no qemu-system-x86_64)"
 fi

@@ -6,12 +6,10 @@
 # give the same budget everywhere (`qcommit plan --output=json` reports it in ms).
 # usage: durations.sh QCOMMIT QCOMMITD
 set -euo pipefail
+. "$(dirname "$0")/lib.sh"
 QCOMMIT=$(realpath "$1")
 QCOMMITD=$(realpath "$2")
-work=$(mktemp -d "${TMPDIR:-/var/tmp}/qcommit-dur.XXXXXX")
-trap 'rm -rf "$work"' EXIT
-cd "$work"
-fail() { echo "cli.durations: FAIL: $*" >&2; exit 1; }
+setup cli.durations
 uri=test:///default
 
 qemu-img create -q -f qcow2 base.qcow2 16M

@@ -8,11 +8,9 @@
 #   (3) refused with one line and exit 2: 0, below 4K, a bad unit.
 # usage: max-rate.sh QCOMMIT
 set -euo pipefail
+. "$(dirname "$0")/lib.sh"
 QCOMMIT=$(realpath "$1")
-work=$(mktemp -d "${TMPDIR:-/var/tmp}/qcommit-maxrate.XXXXXX")
-trap 'rm -rf "$work"' EXIT
-cd "$work"
-fail() { echo "cli.max_rate: FAIL: $*" >&2; exit 1; }
+setup cli.max_rate
 uri=test:///default
 mib=$((1024 * 1024))
 
