@@ -1,5 +1,6 @@
 // What qcommitd needs from the hypervisor, without libvirt types.  One adapter implements it with
-// the libvirt C API (plugin/libvirt_hypervisor.*); tests use a scripted fake.
+// the libvirt C API (plugin/libvirt_hypervisor.*), one over a QEMU's QMP socket
+// (plugin/qmp_hypervisor.*); tests use a scripted fake.
 //
 // Every call may fail because the connection is gone: calls then throw HypervisorDisconnected and
 // the caller reconnects (connect()) and re-adopts.  Per-object failures (domain vanished, no job
@@ -30,6 +31,7 @@ struct DiskInfo {
   std::string cache;                      // <driver cache=...> ("" when not given: writeback)
   std::string format;                     // <driver type=...> of the active layer ("" unknown)
   std::string io{};                       // <driver io=...> ("" when not given: threads)
+  bool io_known = true;                   // false: the adapter cannot tell `io` (QMP, see there)
   std::string iothread{};                 // iothread id serving it ("": QEMU's main loop)
 };
 
@@ -39,9 +41,10 @@ struct DomainInfo {
   std::vector<DiskInfo> disks;
   // The <qcommit:policy .../> element of the domain metadata, as libvirt returns it.
   std::optional<std::string> policy_xml;
-  // What `qcommit doctor` reads (the libvirt adapter fills them): whether the definition has
-  // <iothreads>, and every device='disk' disk in the definition's order, also those `disks`
-  // leaves out for having no local path (network and pool-volume disks).
+  // What `qcommit doctor` reads (both adapters fill them in domain()): whether the definition has
+  // <iothreads> (QMP: whether QEMU has an iothread), and every device='disk' disk in the
+  // definition's order, also those `disks` leaves out for having no local path (network and
+  // pool-volume disks); each with its iothread and io mode.
   bool iothreads = false;
   std::vector<DiskInfo> defined_disks{};
 };
@@ -103,6 +106,14 @@ class Hypervisor {
 
   // Running domains with their disks.
   [[nodiscard]] virtual std::vector<DomainInfo> running_domains() = 0;
+  // One running domain, with what the per-tick running_domains() may leave out (defined_disks,
+  // iothreads, each disk's iothread and io: what `qcommit doctor` reads); nullopt when no domain
+  // of that name runs.  By default the running_domains() entry.
+  [[nodiscard]] virtual std::optional<DomainInfo> domain(const std::string& name) {
+    for (DomainInfo& d : running_domains())
+      if (d.name == name) return std::move(d);
+    return std::nullopt;
+  }
   [[nodiscard]] virtual std::vector<PoolInfo> pools() = 0;
   // Pool holding a volume with this path (virStorageVolLookupByPath), when known.
   [[nodiscard]] virtual std::optional<PoolInfo> pool_of_volume(const std::string& path) = 0;

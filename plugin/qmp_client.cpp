@@ -318,6 +318,15 @@ json::Value QmpClient::execute(std::string_view command, const json::Value& argu
   }
 }
 
+std::optional<pid_t> QmpClient::peer_pid() const {
+  ucred cred{};
+  socklen_t len = sizeof cred;
+  if (!fd_.valid() || ::getsockopt(fd_.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 ||
+      cred.pid <= 0)
+    return std::nullopt;
+  return cred.pid;
+}
+
 std::deque<QmpEvent> QmpClient::take_queued_events() {
   std::deque<QmpEvent> out;
   out.swap(events_);

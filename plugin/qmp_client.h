@@ -13,6 +13,8 @@
 // start with the socket's label (its path).
 #pragma once
 
+#include <sys/types.h>
+
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -105,6 +107,10 @@ class QmpClient {
   [[nodiscard]] const std::string& label() const { return label_; }
   [[nodiscard]] const json::Value& greeting() const { return greeting_; }
   [[nodiscard]] std::size_t dropped_events() const { return dropped_events_; }
+  // The process on the other end of the socket (SO_PEERCRED): QEMU, unless a proxy relays the
+  // monitor; nullopt when the kernel does not say (closed, or a process outside this PID
+  // namespace).
+  [[nodiscard]] std::optional<pid_t> peer_pid() const;
 
  private:
   [[noreturn]] void fail(const std::string& what);

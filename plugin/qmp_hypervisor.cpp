@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "plugin/overlay_file.h"
+#include "plugin/qemu_cmdline.h"
 
 namespace qcommit::plugin {
 namespace {
@@ -471,17 +472,34 @@ void QmpHypervisor::add_iothreads(DomainInfo& dom) {
   } catch (const QmpCommandError&) {
     dom.iothreads = false;
   }
+  for (DiskInfo& info : dom.disks)
+    if (const QmpDisk* d = cached_disk(info.target)) info.iothread = device_iothread(d->qdev);
+}
+
+void QmpHypervisor::add_io_modes(DomainInfo& dom) {
+  const std::optional<pid_t> pid = client_ ? client_->peer_pid() : std::nullopt;
+  const QemuCommandLine cl = pid ? parse_qemu_command_line(read_cmdline(*pid)) : QemuCommandLine{};
   for (DiskInfo& info : dom.disks) {
-    for (const QmpDisk& d : disks_cache_)
-      if (d.info.target == info.target) info.iothread = device_iothread(d.qdev);
-    dom.defined_disks.push_back(info);
+    const QmpDisk* d = cached_disk(info.target);
+    const std::optional<std::string> aio =
+        d ? aio_of(cl, DiskNames{d->device, qdev_id(d->qdev), d->root_node}) : std::nullopt;
+    info.io = aio.value_or("");
+    info.io_known = aio.has_value();
   }
+}
+
+const QmpDisk* QmpHypervisor::cached_disk(const std::string& target) const {
+  for (const QmpDisk& d : disks_cache_)
+    if (d.info.target == target) return &d;
+  return nullptr;
 }
 
 std::optional<DomainInfo> QmpHypervisor::domain(const std::string& name) {
   if (!ours(name)) return std::nullopt;
   DomainInfo d = running_domains().front();
   add_iothreads(d);
+  add_io_modes(d);
+  d.defined_disks = d.disks;
   return d;
 }
 

@@ -22,7 +22,10 @@
 // query-iothreads lists one; each disk's DiskInfo::iothread from its device's QOM properties
 // (qom-get): the "iothread" link or the first of "iothread-vq-mapping" (virtio-blk), else, for a
 // device without them (a SCSI disk), the "iothread" link of the controller its bus belongs to.
-// Every disk is also in defined_disks.
+// Each disk's io mode (DiskInfo::io) from the command line of the process on the socket's other
+// end (SO_PEERCRED, /proc/PID/cmdline; plugin/qemu_cmdline.h), since QMP does not report it;
+// io_known is false for a disk the command line does not name.  Every disk is also in
+// defined_disks.
 //
 // QEMU serves one client per QMP socket: while qcommit holds it, other clients (e.g. Proxmox's
 // `qm` commands) wait for their greeting.
@@ -166,6 +169,8 @@ class QmpHypervisor final : public Hypervisor, public BlockJobControl {
   // The iothread serving the device query-block names `qdev` ("" for QEMU's main loop).
   [[nodiscard]] std::string device_iothread(const std::string& qdev);
   void add_iothreads(DomainInfo& dom);
+  void add_io_modes(DomainInfo& dom);
+  [[nodiscard]] const QmpDisk* cached_disk(const std::string& target) const;
   void absorb_events();
   void note_event(const QmpEvent& e);
   [[nodiscard]] bool ours(const std::string& domain) const { return domain == name_; }

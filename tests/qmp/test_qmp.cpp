@@ -2,6 +2,8 @@
 // shapes are QEMU 7.2's (captured from qemu-system-x86_64 7.2, trimmed).
 #include <doctest/doctest.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -11,6 +13,7 @@
 #include <vector>
 
 #include "plugin/json.h"
+#include "plugin/qemu_cmdline.h"
 #include "plugin/qmp_client.h"
 #include "plugin/qmp_hypervisor.h"
 #include "tests/qmp/fake_qmp.h"
@@ -775,6 +778,9 @@ TEST_CASE("qmp.adapter.iothreads_from_qom") {
   CHECK(d->defined_disks[3].target == "vdd");
   CHECK(d->defined_disks[3].iothread.empty());
   CHECK(d->disks[0].iothread == "iot1");
+  // The QMP peer here is this test process, whose command line names no disk: no io mode.
+  CHECK_FALSE(d->defined_disks[0].io_known);
+  CHECK(d->defined_disks[0].io.empty());
   {
     std::lock_guard<std::mutex> g(m);
     CHECK(std::find(asked.begin(), asked.end(),
@@ -794,4 +800,61 @@ TEST_CASE("qmp.adapter.iothreads_from_qom") {
   CHECK(iothread_of_property(parsed_qmp(R"("")")).empty());
   CHECK(iothread_of_property(parsed_qmp("[]")).empty());
   CHECK(iothread_of_property(parsed_qmp("null")).empty());
+}
+
+// A disk's aio mode from QEMU's command line (QMP does not report it), in the spellings QEMU takes:
+// -drive (Proxmox VE 8), -blockdev and -device as JSON (libvirt) or key=value with dotted keys,
+// a filter above the format node, a root node a snapshot replaced, and what stays unknown.
+TEST_CASE("qmp.adapter.aio_from_command_line") {
+  // clang-format off
+  const QemuCommandLine cl = parse_qemu_command_line({
+      "/usr/bin/kvm", "-id", "100", "-name", "vm100,debug-threads=on",
+      "-drive", "file=/dev/pve/vm-100-disk-0,if=none,id=drive-scsi0,aio=io_uring,format=raw,"
+                "cache=none",
+      "-device", "scsi-hd,bus=scsihw0.0,scsi-id=0,drive=drive-scsi0,id=scsi0",
+      "-drive", "file=/srv/a,,b.qcow2,if=none,id=drive-virtio1,format=qcow2",
+      "--drive", "file=/srv/c.qcow2,if=none,id=d2,file.aio=native,cache.direct=on",
+      "-blockdev", R"({"driver":"file","filename":"/var/lib/libvirt/images/v.qcow2",)"
+                   R"("node-name":"libvirt-2-storage","aio":"native",)"
+                   R"("cache":{"direct":true,"no-flush":false}})",
+      "-blockdev", R"({"node-name":"libvirt-2-format","read-only":false,"driver":"qcow2",)"
+                   R"("file":"libvirt-2-storage","backing":null})",
+      "-device", R"({"driver":"virtio-blk-pci","bus":"pci.4","addr":"0x0",)"
+                 R"("drive":"libvirt-2-format","id":"virtio-disk0","bootindex":1})",
+      "-blockdev", "driver=qcow2,node-name=nested,file.driver=file,file.filename=/x.qcow2,"
+                   "file.aio=io_uring",
+      "-object", "throttle-group,id=tg,x-bps-write=8388608",
+      "-blockdev", "driver=file,filename=/t.qcow2,node-name=t-file",
+      "-blockdev", "qcow2,file=t-file,node-name=t-fmt",
+      "-blockdev", "driver=throttle,throttle-group=tg,file=t-fmt,node-name=t-slow",
+      "-device", "virtio-blk-pci,drive=t-slow,id=vdt",
+      "-blockdev", "driver=nbd,server.type=inet,server.host=h,server.port=10809,node-name=net",
+      "-blockdev", "driver=qcow2,node-name=loop-a,file=loop-b",
+      "-blockdev", "driver=raw,node-name=loop-b,file=loop-a",
+      "-blockdev", "{not json",
+      "-drive"});
+  // clang-format on
+  CHECK(cl.drives.size() == 3);
+  CHECK(cl.blockdevs.size() == 9);  // the malformed JSON is left out
+  CHECK(cl.devices.size() == 3);
+  CHECK(cl.drives[1].at("file") == "/srv/a,b.qcow2");
+  CHECK(cl.blockdevs[4].at("driver") == "qcow2");  // the implied first key
+
+  CHECK(aio_of(cl, {"drive-scsi0", "scsi0", "#block123"}) == "io_uring");
+  CHECK(aio_of(cl, {"drive-virtio1", "", "#block456"}) == "");  // set nowhere: QEMU's threads
+  CHECK(aio_of(cl, {"d2", "", ""}) == "native");
+  CHECK(aio_of(cl, {"", "virtio-disk0", "libvirt-2-format"}) == "native");
+  // After an external snapshot the root is the overlay's node: the device's drive still leads.
+  CHECK(aio_of(cl, {"", "virtio-disk0", "libvirt-3-format"}) == "native");
+  CHECK(aio_of(cl, {"", "", "nested"}) == "io_uring");
+  CHECK(aio_of(cl, {"", "vdt", "t-slow"}) == "");  // through the filter and the format node
+  CHECK_FALSE(aio_of(cl, {"", "", "net"}));        // no protocol node with an aio
+  CHECK_FALSE(aio_of(cl, {"", "", "loop-a"}));     // a loop ends
+  CHECK_FALSE(aio_of(cl, {"hotplugged", "sdh", "sdh-fmt"}));
+  CHECK_FALSE(aio_of(QemuCommandLine{}, {"drive-scsi0", "scsi0", ""}));
+
+  const std::vector<std::string> self = read_cmdline(::getpid());
+  REQUIRE_FALSE(self.empty());
+  CHECK(self[0].find("qmp_tests") != std::string::npos);
+  CHECK(read_cmdline(-1).empty());
 }
