@@ -1,7 +1,11 @@
 // qcommit doctor: what on this host makes snapshot merges stall guests, and what to change.
-// Each finding carries its reason. Reads only: libvirt definitions, /proc, /sys, versions.
+// Each finding carries its reason. Reads only: the domains through a hypervisor adapter (libvirt's
+// definitions, or with --qmp one QEMU's monitor), /proc, /sys, versions.
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <fstream>
 #include <memory>
@@ -15,8 +19,10 @@
 #include "cli/options.h"
 #include "cli/units.h"
 #include "common/defaults.h"
+#include "engine/proc_walk.h"
 #include "plugin/libvirt_hypervisor.h"
 #include "plugin/process.h"
+#include "plugin/qmp_hypervisor.h"
 #include "plugin/writeback.h"
 
 namespace qcommit::cli {
@@ -29,11 +35,39 @@ namespace {
 inline constexpr double kAssumedSharedStorageBytesPerS = 100e6;  // a sync NFS export, per the users
 
 struct Finding {
-  std::string level;  // "ok", "warn", "info"
+  std::string level;  // "ok", "warn", "info", or "skip" (a check that does not apply here)
   std::string subject;
   std::string text;
   std::string reason;
 };
+
+// How the findings name a disk's settings: in libvirt's domain XML, or as QEMU's own options
+// (--qmp: a QEMU that libvirt does not manage).
+struct Dialect {
+  const char* writeback;        // a disk through the host page cache
+  const char* direct_fix;       // the settings that open it with O_DIRECT instead
+  const char* native_io;        // the io mode that keeps O_DIRECT requests in flight
+  const char* no_iothreads;     // the domain has no iothread
+  const char* other_iothreads;  // it has some, none for this disk
+  const char* iothread_fix;     // how a disk gets one
+};
+
+constexpr Dialect kLibvirtXml{
+    "cache mode is writeback (libvirt's default when none is set)",
+    "cache='none' (io='native')",
+    "io='native'",
+    "the domain has no <iothreads>",
+    "the domain has <iothreads> but none serves this disk",
+    "<driver iothread='N'/> on a virtio disk or on its virtio-scsi controller"};
+
+constexpr Dialect kQemuOptions{
+    "cache mode is writeback (cache.direct=off)",
+    "cache.direct=on (aio=native)",
+    "aio=native",
+    "QEMU has no iothread",
+    "QEMU has iothreads but none serves this disk",
+    "-object iothread,id=ID and iothread=ID on its virtio-blk device or on its virtio-scsi "
+    "controller"};
 
 uint64_t read_u64(const std::string& path) {
   std::ifstream in(path);
@@ -52,43 +86,156 @@ uint64_t mem_total_bytes() {
   return 0;
 }
 
-// A disk no iothread serves: its I/O and a block job on it run in QEMU's main loop.
-Finding main_loop_finding(const plugin::DomainInfo& dom, const std::string& subject) {
-  return {"info", subject, "no iothread: the disk shares QEMU's main loop",
-          std::string(dom.iothreads ? "the domain has <iothreads> but none serves this disk"
-                                    : "the domain has no <iothreads>") +
-              "; block jobs and the guest's I/O then wait on each other. An iothread for the "
-              "disk (<driver iothread='N'/> on a virtio disk or on its virtio-scsi controller) "
-              "keeps the guest's requests moving while a job runs"};
+// The disk's cache mode.
+void check_cache(const plugin::DiskInfo& d, const std::string& subject, const Dialect& say,
+                 std::vector<Finding>& out) {
+  const std::string& cache = d.cache;
+  if (cache.empty() || cache == "writeback" || cache == "default")
+    out.push_back({"warn", subject, say.writeback,
+                   std::string("a commit job then copies into the host page cache at read speed "
+                               "and the guest's flush waits behind the whole backlog: "
+                               "multi-second stalls. Use ") +
+                       say.direct_fix +
+                       ", or run qcommitd, which paces the writeback of the job's target"});
+  else if (cache == "none" || cache == "directsync")
+    out.push_back({"ok", subject, "cache=" + cache + " (O_DIRECT)",
+                   "the queue ahead of the guest is what the job has in flight, which a speed "
+                   "limit governs"});
+  else
+    out.push_back({"info", subject, "cache=" + cache, "not a mode qcommit has measured"});
 }
 
-// Each disk's cache and io modes, and whether an iothread serves it.
-void check_domain(const plugin::DomainInfo& dom, std::vector<Finding>& out) {
+// With O_DIRECT, the io mode: threads spends a thread per request.
+void check_io(const plugin::DiskInfo& d, const std::string& subject, const Dialect& say,
+              std::vector<Finding>& out) {
+  if (d.cache != "none" && d.cache != "directsync") return;
+  const std::string why = std::string("with O_DIRECT, ") + say.native_io +
+                          " keeps requests in flight without a thread per request";
+  if (!d.io_known)
+    out.push_back({"skip", subject, "io mode not known",
+                   "QMP does not report a disk's aio mode and QEMU's command line does not set "
+                   "this disk (added later, or the command line unreadable); " +
+                       why});
+  else if (d.io != "native" && d.io != "io_uring")
+    out.push_back({"info", subject,
+                   "io mode is '" + (d.io.empty() ? std::string("threads") : d.io) + "'", why});
+}
+
+// Whether an iothread serves the disk: without one its I/O and a block job on it run in QEMU's
+// main loop.
+void check_iothread(const plugin::DomainInfo& dom, const plugin::DiskInfo& d,
+                    const std::string& subject, const Dialect& say, std::vector<Finding>& out) {
+  if (!d.iothread.empty()) {
+    out.push_back({"ok", subject, "iothread " + d.iothread,
+                   "the guest's I/O on it and a block job on it run outside QEMU's main loop"});
+    return;
+  }
+  out.push_back({"info", subject, "no iothread: the disk shares QEMU's main loop",
+                 std::string(dom.iothreads ? say.other_iothreads : say.no_iothreads) +
+                     "; block jobs and the guest's I/O then wait on each other. An iothread for "
+                     "the disk (" +
+                     say.iothread_fix + ") keeps the guest's requests moving while a job runs"});
+}
+
+struct Mount {
+  std::string point, type;
+};
+
+// A mountinfo field with its octal escapes (\040 for a space) undone.
+std::string unescape_mount_field(const std::string& s) {
+  std::string out;
+  for (std::size_t i = 0; i < s.size(); ++i) {
+    const std::string oct = s[i] == '\\' ? s.substr(i + 1, 3) : "";
+    if (oct.size() == 3 && oct.find_first_not_of("01234567") == std::string::npos) {
+      out += static_cast<char>(std::stoi(oct, nullptr, 8));
+      i += 3;
+    } else {
+      out += s[i];
+    }
+  }
+  return out;
+}
+
+// The mount of the filesystem on device `dev` (/proc/self/mountinfo): of its mounts, the deepest
+// under which `path` lies (a filesystem may be mounted more than once).
+std::optional<Mount> mount_of(dev_t dev, const std::string& path) {
+  std::ifstream in("/proc/self/mountinfo");
+  const std::string want = std::to_string(major(dev)) + ":" + std::to_string(minor(dev));
+  std::optional<Mount> found;
+  bool found_under = false;
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream fields(line);
+    std::string id, parent, devno, root, point, field;
+    if (!(fields >> id >> parent >> devno >> root >> point) || devno != want) continue;
+    while (fields >> field && field != "-") {
+    }
+    Mount m{unescape_mount_field(point), ""};
+    fields >> m.type;
+    const bool under = path.rfind(m.point == "/" ? "/" : m.point + "/", 0) == 0;
+    if (!found || (under && (!found_under || m.point.size() > found->point.size()))) {
+      found = m;
+      found_under = under;
+    }
+  }
+  return found;
+}
+
+// Where the disk's layers lie: the filesystems a merge of it reads and writes.
+void check_storage(const plugin::DiskInfo& d, const std::string& subject,
+                   std::vector<Finding>& out) {
+  if (d.source.empty() || d.source[0] != '/') {  // QMP: nbd://..., json:{...}
+    out.push_back({"info", subject,
+                   d.source.empty() ? "no local path (a network or pool-volume disk)"
+                                    : "no local path: " + d.source,
+                   "its files and their storage are not checked"});
+    return;
+  }
+  std::vector<std::string> layers{d.source};
+  layers.insert(layers.end(), d.backing_chain.begin(), d.backing_chain.end());
+  std::vector<std::string> places, missing;
+  bool nfs = false;
+  for (const std::string& layer : layers) {
+    const std::optional<engine::FileId> id =  // cached attributes only
+        layer.empty() || layer[0] != '/' ? std::nullopt : engine::file_id(layer);
+    if (!id) {
+      missing.push_back(layer);
+      continue;
+    }
+    std::string place = "block device " + layer;
+    if (!id->block) {
+      const std::optional<Mount> m = mount_of(id->dev, layer);
+      place = m ? m->type + " at " + m->point
+                : "device " + std::to_string(major(id->dev)) + ":" + std::to_string(minor(id->dev));
+      nfs = nfs || (m && m->type.rfind("nfs", 0) == 0);
+    }
+    if (std::find(places.begin(), places.end(), place) == places.end()) places.push_back(place);
+  }
+  std::string text = std::to_string(layers.size()) + (layers.size() == 1 ? " layer" : " layers");
+  for (std::size_t i = 0; i < places.size(); ++i) text += (i ? " and " : ", on ") + places[i];
+  if (!missing.empty()) {
+    out.push_back({"info", subject, text + "; not found on this host: " + missing.front(),
+                   "the hypervisor names a file this host does not see (a remote connection, "
+                   "another mount namespace, or deleted while open): its storage is not checked"});
+    return;
+  }
+  if (nfs)
+    out.push_back({"info", subject, text,
+                   "a merge of this disk copies over NFS, whose bandwidth the guests on that "
+                   "mount share: qcommitd or qcommit live keep what it queues there within the "
+                   "budget (see the NFS mount findings for the mount's options)"});
+  else
+    out.push_back({"ok", subject, text, "where a merge of this disk reads and writes"});
+}
+
+// Each disk's cache and io modes, whether an iothread serves it, and where its layers lie.
+void check_domain(const plugin::DomainInfo& dom, const Dialect& say, std::vector<Finding>& out) {
   for (const plugin::DiskInfo& d : dom.defined_disks) {
-    const std::string& cache = d.cache;
-    const std::string& io = d.io;
     const std::string subject = "domain " + dom.name + " disk " + d.target;
-    if (cache.empty() || cache == "writeback" || cache == "default")
-      out.push_back(
-          {"warn", subject, "cache mode is writeback (libvirt's default when none is set)",
-           "a commit job then copies into the host page cache at read speed and the guest's "
-           "flush waits behind the whole backlog: multi-second stalls. Use cache='none' "
-           "(io='native'), or run qcommitd, which paces the writeback of the job's target"});
-    else if (cache == "none" || cache == "directsync")
-      out.push_back({"ok", subject, "cache=" + cache + " (O_DIRECT)",
-                     "the queue ahead of the guest is what the job has in flight, which a speed "
-                     "limit governs"});
-    else
-      out.push_back({"info", subject, "cache=" + cache, "not a mode qcommit has measured"});
-    if ((cache == "none" || cache == "directsync") && io != "native" && io != "io_uring")
-      out.push_back(
-          {"info", subject, "io mode is '" + (io.empty() ? std::string("threads") : io) + "'",
-           "with O_DIRECT, io='native' keeps requests in flight without a thread per request"});
-    if (d.iothread.empty())
-      out.push_back(main_loop_finding(dom, subject));
-    else
-      out.push_back({"ok", subject, "iothread " + d.iothread,
-                     "the guest's I/O on it and a block job on it run outside QEMU's main loop"});
+    check_cache(d, subject, say, out);
+    check_io(d, subject, say, out);
+    check_iothread(dom, d, subject, say, out);
+    check_storage(d, subject, out);
   }
 }
 
@@ -143,13 +290,21 @@ void check_nfs_mounts(std::vector<Finding>& f) {
   }
 }
 
-// QEMU version caveats.
-void check_qemu_version(std::vector<Finding>& f) {
-  ProcessResult q = run_process({"qemu-system-x86_64", "--version"});
-  int major = 0, minor = 0;
+// The version of the QEMU binary libvirt starts by default, as Hypervisor::qemu_version() counts
+// (major * 1000000 + minor * 1000 + micro).
+std::optional<std::uint64_t> installed_qemu_version() {
+  const ProcessResult q = run_process({"qemu-system-x86_64", "--version"});
+  unsigned major = 0, minor = 0, micro = 0;
   if (q.exit_code != 0 ||
-      std::sscanf(q.output.c_str(), "QEMU emulator version %d.%d", &major, &minor) != 2)
-    return;
+      std::sscanf(q.output.c_str(), "QEMU emulator version %u.%u.%u", &major, &minor, &micro) < 2)
+    return std::nullopt;
+  return std::uint64_t{major} * 1000000 + std::uint64_t{minor} * 1000 + micro;
+}
+
+// QEMU version caveats.
+void check_qemu_version(std::optional<std::uint64_t> version, std::vector<Finding>& f) {
+  if (!version) return;
+  const std::uint64_t major = *version / 1000000, minor = *version / 1000 % 1000;
   if (major < 8 || (major == 8 && minor < 1))
     f.push_back(
         {"info", "QEMU " + std::to_string(major) + "." + std::to_string(minor),
@@ -169,20 +324,25 @@ void check_qcommitd(const std::string& socket_path, std::vector<Finding>& f) {
            : "virsh blockcommit jobs run unthrottled: start qcommitd (systemctl start qcommitd)"});
 }
 
-// `domain`, or every running domain, read through the libvirt adapter on a read-only connection.
-void check_domains(const std::string& uri, const std::string& domain, std::vector<Finding>& f) {
-  plugin::LibvirtHypervisor hv(uri, plugin::LibvirtHypervisor::Access::kReadOnly);
-  if (!hv.connect()) {
-    f.push_back({"info", "libvirt", "cannot connect to " + uri, "domain checks skipped"});
-    return;
-  }
+// What --qmp leaves out: qcommitd governs the block jobs of libvirt's domains only.
+Finding qcommitd_skipped() {
+  return {"skip", "qcommitd", "not checked (--qmp)",
+          "qcommitd governs the block jobs of libvirt's domains; a job on a QEMU that libvirt "
+          "does not manage is paced only while qcommit live --qmp runs it"};
+}
+
+// `domain`, or every running domain, read through the hypervisor adapter.
+void check_domains(plugin::Hypervisor& hv, const std::string& domain, const Dialect& say,
+                   std::vector<Finding>& f) {
   if (domain.empty()) {
-    for (const plugin::DomainInfo& d : hv.running_domains()) check_domain(d, f);
+    for (const plugin::DomainInfo& running : hv.running_domains())
+      if (const std::optional<plugin::DomainInfo> d = hv.domain(running.name))
+        check_domain(*d, say, f);
     return;
   }
   const std::optional<plugin::DomainInfo> d = hv.domain(domain);
   if (!d) throw std::runtime_error("domain " + domain + ": not found");
-  check_domain(*d, f);
+  check_domain(*d, say, f);
 }
 
 void print_findings(const std::vector<Finding>& f, Output out) {
@@ -199,34 +359,71 @@ void print_findings(const std::vector<Finding>& f, Output out) {
                 x.text.c_str(), x.reason.c_str());
 }
 
-}  // namespace
-
-int cmd_doctor(const Args& args) {
-  po::options_description opts("options");
+struct DoctorArgs {
   std::string domain, output = "human", uri = defaults::kUri, socket_path = defaults::kSocketPath;
-  opts.add_options()("domain", po::value(&domain),
+  std::string qmp;
+};
+
+// False when --help was asked for (and printed).
+[[nodiscard]] bool parse_doctor_args(const Args& args, DoctorArgs& a) {
+  po::options_description opts("options");
+  opts.add_options()("domain", po::value(&a.domain),
                      "only this domain (default: every running domain)")(
-      "connect,c", po::value(&uri), "libvirt connection URI")("uri", po::value(&uri),
-                                                              "the same as --connect")(
-      "socket", po::value(&socket_path), "qcommitd's socket")("output", po::value(&output),
-                                                              "human or json");
+      "connect,c", po::value(&a.uri), "libvirt connection URI")("uri", po::value(&a.uri),
+                                                                "the same as --connect")(
+      "qmp", po::value(&a.qmp),
+      "instead of libvirt's domains, the QEMU on this QMP socket (one that libvirt does not "
+      "manage, e.g. Proxmox VE's /var/run/qemu-server/ID.qmp): its disks, iothreads and QEMU "
+      "version; qcommitd is not checked (it governs libvirt's domains only)")(
+      "socket", po::value(&a.socket_path), "qcommitd's socket")("output", po::value(&a.output),
+                                                                "human or json");
   po::positional_options_description pos;
   pos.add("domain", 1);
   po::variables_map vm;
-  if (!parse(args, opts, pos, vm, "qcommit doctor [DOMAIN] [--output=json]",
-             "Reads the host's settings and the domains' definitions and says what makes merges\n"
-             "stall guests here, each finding with its reason. Writes nothing.\n"
+  if (!parse(args, opts, pos, vm,
+             "qcommit doctor [DOMAIN] [--output=json]\n"
+             "       qcommit doctor --qmp SOCKET [--output=json]",
+             "Reads the host's settings and the domains' definitions (with --qmp: one\n"
+             "QEMU's, over its monitor) and says what makes merges stall guests here, each\n"
+             "finding with its reason. Writes nothing.\n"
              "examples:\n  qcommit doctor\n  qcommit doctor vm1 --output=json | jq '.findings[] | "
-             "select(.level==\"warn\")'\n"))
-    return kExitOk;
-  const Output out = parse_output(output);
+             "select(.level==\"warn\")'\n"
+             "  qcommit doctor --qmp /var/run/qemu-server/100.qmp\n"))
+    return false;
+  if (!a.qmp.empty()) {
+    if (vm.count("connect") || vm.count("uri"))
+      throw UsageError("--qmp and --connect exclude each other");
+    if (!a.domain.empty())
+      throw UsageError("--qmp SOCKET is one QEMU: no DOMAIN with it (see --help)");
+  }
+  return true;
+}
+
+}  // namespace
+
+int cmd_doctor(const Args& args) {
+  DoctorArgs a;
+  if (!parse_doctor_args(args, a)) return kExitOk;
+  const Output out = parse_output(a.output);
   std::vector<Finding> f;
   check_dirty_limit(f);
   check_page_cache_source(f);
   check_nfs_mounts(f);
-  check_qemu_version(f);
-  check_qcommitd(socket_path, f);
-  check_domains(uri, domain, f);
+  if (a.qmp.empty()) {
+    check_qemu_version(installed_qemu_version(), f);
+    check_qcommitd(a.socket_path, f);
+    plugin::LibvirtHypervisor hv(a.uri, plugin::LibvirtHypervisor::Access::kReadOnly);
+    if (hv.connect())
+      check_domains(hv, a.domain, kLibvirtXml, f);
+    else
+      f.push_back({"info", "libvirt", "cannot connect to " + a.uri, "domain checks skipped"});
+  } else {
+    plugin::QmpHypervisor hv(a.qmp);
+    if (!hv.connect()) throw std::runtime_error(hv.last_error());
+    check_qemu_version(hv.qemu_version(), f);
+    f.push_back(qcommitd_skipped());
+    check_domains(hv, "", kQemuOptions, f);
+  }
   print_findings(f, out);
   return kExitOk;
 }
