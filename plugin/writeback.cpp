@@ -18,6 +18,8 @@
 #include "plugin/memcg.h"
 #include "plugin/memcg_target.h"
 #include "plugin/proc_fds.h"
+#include "qcow2/device.h"
+#include "qcow2/image.h"
 #include "qcow2/unique_fd.h"
 
 namespace qcommit::plugin {
@@ -462,6 +464,30 @@ std::string describe_page_cache_source(PageCacheSource source) {
 std::optional<std::string> SystemTargetFiles::commit_base(const std::string& active,
                                                           const std::vector<std::string>& chain) {
   return commit_base_in_use(active, chain);
+}
+
+std::optional<std::vector<ByteRange>> SystemTargetFiles::commit_extents(
+    const std::vector<std::string>& layers) {
+  std::vector<ByteRange> all;
+  try {
+    for (const std::string& path : layers) {
+      std::unique_ptr<qcow2::Image> img = qcow2::Image::open(qcow2::FileDevice::open(path));
+      for (const qcow2::GuestExtent& e : qcow2::own_extents(*img))
+        all.push_back({e.offset, e.length});
+    }
+  } catch (const std::exception&) {  // raw, gone, unreadable: the job's own end is used
+    return std::nullopt;
+  std::sort(all.begin(), all.end(),
+            [](const ByteRange& a, const ByteRange& b) { return a.offset < b.offset; });
+  std::vector<ByteRange> merged;
+  for (const ByteRange& r : all) {
+    if (!merged.empty() && r.offset <= merged.back().offset + merged.back().length)
+      merged.back().length =
+          std::max(merged.back().offset + merged.back().length, r.offset + r.length) -
+          merged.back().offset;
+    else
+      merged.push_back(r);
+  return merged;
 }
 
 }  // namespace qcommit::plugin

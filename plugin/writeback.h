@@ -174,6 +174,12 @@ class TargetFiles {
   // whose backing files are `chain` (top to bottom); nullopt when the host cannot tell.
   [[nodiscard]] virtual std::optional<std::string> commit_base(
       const std::string& active, const std::vector<std::string>& chain) = 0;
+  // The guest ranges a non-active commit of `layers` (qcow2 images) copies: the union of their
+  // qcow2::own_extents, ascending and merged; nullopt when one cannot be read as qcow2.
+  [[nodiscard]] virtual std::optional<std::vector<ByteRange>> commit_extents(
+      const std::vector<std::string>& layers) {
+    (void)layers;
+    return std::nullopt;
 };
 
 // Where a target's page cache is read: auto (cachestat(2) where the kernel has it, else
@@ -204,10 +210,12 @@ class SystemTargetFiles final : public TargetFiles {
       : source_(source), note_(std::move(note)) {}
   [[nodiscard]] std::unique_ptr<TargetFile> open(const std::string& path) override;
   // A file created in the target's directory (when that is the target's filesystem) and
-  // unlinked at once; 4 KiB O_DIRECT writes where the filesystem takes them.
   [[nodiscard]] std::unique_ptr<ProbeFile> open_probe(const std::string& path) override;
+  // the file and strerror(3)'s text: the directory refuses new files (read-only mount, sandboxed
   [[nodiscard]] std::optional<std::string> commit_base(
       const std::string& active, const std::vector<std::string>& chain) override;
+  [[nodiscard]] std::optional<std::vector<ByteRange>> commit_extents(
+      const std::vector<std::string>& layers) override;
 
  private:
   [[nodiscard]] std::unique_ptr<TargetFile> open_without_cachestat(int fd, const std::string& path);

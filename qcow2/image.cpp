@@ -732,4 +732,28 @@ bool Image::metadata_preallocated() {
   return *metadata_prealloc_;
 }
 
+std::vector<GuestExtent> own_extents(Image& img) {
+  const Geometry& geo = img.geometry();
+  const std::vector<uint64_t>& l1 = img.l1_table();
+  std::vector<GuestExtent> out;
+  for (size_t i = 0; i < l1.size(); ++i) {
+    if ((l1[i] & kL1OffsetMask) == 0) continue;
+    const uint64_t begin = i * geo.l1_entry_span();
+    if (begin >= img.virtual_size()) break;
+    const uint64_t end = std::min(img.virtual_size(), begin + geo.l1_entry_span());
+    for (uint64_t off = begin; off < end;) {
+      const Run r = img.lookup(off, end - off);
+      if (r.length == 0) break;
+      if (r.type != SubclusterType::kUnallocatedPlain &&
+          r.type != SubclusterType::kUnallocatedAlloc) {
+        if (!out.empty() && out.back().offset + out.back().length == r.guest_offset)
+          out.back().length += r.length;
+        else
+          out.push_back({r.guest_offset, r.length});
+      }
+      off = r.guest_offset + r.length;
+    }
+  return out;
+}
+
 }  // namespace qcommit::qcow2

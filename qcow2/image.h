@@ -216,4 +216,15 @@ class Image {
   std::vector<uint8_t> decompressed_;
 };
 
+// A range of guest bytes.
+struct GuestExtent {
+  uint64_t offset = 0;
+  uint64_t length = 0;
+};
+
+// The guest ranges the image has contents of its own for (data, zeros, compressed: what does not
+// read from the backing file), ascending and merged.  A commit of the image copies these; QEMU
+// skips the rest without writing.  Reads every L2 table the L1 table names.
+[[nodiscard]] std::vector<GuestExtent> own_extents(Image& img);
+
 }  // namespace qcommit::qcow2

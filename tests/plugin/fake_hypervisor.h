@@ -185,6 +185,7 @@ class FakeTargetFiles final : public TargetFiles {
  public:
   std::map<std::string, std::shared_ptr<FakeFileState>> files;
   std::optional<std::string> commit_base_answer;  // what the host tells of a commit's base
+  std::optional<std::vector<ByteRange>> commit_extents_answer;  // what a commit copies
   std::shared_ptr<FakeProbeState> probe;          // nullptr: no probe file can be opened
 
   std::unique_ptr<ProbeFile> open_probe(const std::string& path) override {
@@ -202,6 +203,8 @@ class FakeTargetFiles final : public TargetFiles {
                                          const std::vector<std::string>&) override {
     return commit_base_answer;
   }
+  std::optional<std::vector<ByteRange>> commit_extents(const std::vector<std::string>&) override {
+    return commit_extents_answer;
 
  private:
   class Probe final : public ProbeFile {

@@ -610,14 +610,16 @@ TEST_CASE("plugin.governor.settle_gives_up_and_retries") {
   CHECK(w.cur() > 100ull << 20);
 }
 
-TEST_CASE("plugin.governor.mirror_end_waits_for_clean_base") {
-  // 8 MiB left of an active commit and 12 MiB of BASE dirty: QEMU will flush BASE right after
-  // its last burst, so the job stays at the floor until the pacer has written the dirty pages
-  // out; then it converges at full speed.
+namespace {
+// 8 MiB left of a job of type `t` and 12 MiB of BASE dirty: QEMU flushes BASE right after the
+// job's last burst (a mirror before ready; a non-active commit as it completes, with the guest's
+// requests drained), so the job stays at the floor until the pacer has written the dirty pages
+// out, and then goes on.
+void job_end_waits_for_clean_base(JobType t) {
   World w;
   w.base->dirty_at_front = true;
   w.storage_bytes_per_s = 50.0 * 1024 * 1024;
-  w.start_job(JobType::ActiveCommit, 64ull << 20);
+  w.start_job(t, 64ull << 20);
   Governed gv(w);
   gv.run(3s);  // adopted, past slow start
   auto& job = w.hv.jobs[{"vm1", "vda"}];
@@ -636,6 +638,49 @@ TEST_CASE("plugin.governor.mirror_end_waits_for_clean_base") {
   });
   CHECK(held_while_dirty);
   CHECK(released);
+}
+}  // namespace
+
+TEST_CASE("plugin.governor.mirror_end_waits_for_clean_base") {
+  job_end_waits_for_clean_base(JobType::ActiveCommit);
+}
+
+TEST_CASE("plugin.governor.commit_end_waits_for_clean_base") {
+  job_end_waits_for_clean_base(JobType::Commit);
+}
+
+TEST_CASE("plugin.governor.commit_data_left_waits_for_clean_base") {
+  // A non-active commit's progress counts the unallocated parts of the image (QEMU skips them
+  // without writing): 8 MiB of its layers' data left (between 504 MiB and 512 MiB, and 4 KiB at
+  // 2.5 GiB, say a guest's probe area), with 12 MiB of BASE dirty, the job is held at the floor
+  // until the pacer has written them out, and then runs no faster than one window per tick, so
+  // that little is dirty when QEMU completes and flushes BASE.
+  World w;
+  w.base->dirty_at_front = true;
+  w.storage_bytes_per_s = 50.0 * 1024 * 1024;
+  w.files.commit_extents_answer =
+      std::vector<ByteRange>{{0, 512ull << 20}, {(5ull << 30) / 2, 4096}};
+  w.start_job(JobType::Commit, 8ull << 30);
+  Governed gv(w);
+  gv.run(3s);  // adopted, past slow start
+  auto& job = w.hv.jobs[{"vm1", "vda"}];
+  job.cur = (512ull - 8) << 20;
+  w.base->dirty = 12ull << 20;
+  bool held_while_dirty = true, released = false, drained = false, within_a_window = true;
+  const TimePoint t0 = w.now;
+  gv.run(3s, [&] {
+    const std::uint64_t speed = w.hv.speed("vm1", "vda");
+    if (w.base->dirty + w.base->writeback == 0) drained = true;
+    if (!drained && w.now - t0 > GovernorOptions{}.tick + 50ms && speed > kMinJobSpeedBytesPerS)
+      held_while_dirty = false;
+    if (drained && speed > kMinJobSpeedBytesPerS) released = true;
+    const std::uint64_t window = gv.g.status(w.now).jobs.at(0).window_bytes;
+    if (drained && speed > std::max<std::uint64_t>(kMinJobSpeedBytesPerS, window * 10 + window / 10))
+      within_a_window = false;  // more than one window per 100 ms tick
+  });
+  CHECK(held_while_dirty);
+  CHECK(released);
+  CHECK(within_a_window);
 }
 
 namespace {

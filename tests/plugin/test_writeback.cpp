@@ -6,11 +6,13 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <cstdlib>
 #include <map>
 #include <random>
 
 #include "plugin/proc_fds.h"
+#include "plugin/process.h"
 #include "plugin/writeback.h"
 
 using namespace qcommit::plugin;
@@ -319,4 +321,29 @@ TEST_CASE("plugin.writeback.system_probe_file") {
   probe.reset();
   unlink(target.c_str());
   rmdir(dir);
+}
+
+TEST_CASE("plugin.writeback.commit_extents_of_layers") {
+  // What a non-active commit of two qcow2 layers copies: the union of what each has of its own
+  // (qemu-img/qemu-io made), merged; a raw layer cannot be read as qcow2: no answer.
+  using qcommit::plugin::run_process;
+  char tmpl[] = "/tmp/qcommit-extents-XXXXXX";
+  REQUIRE(::mkdtemp(tmpl));
+  const std::string dir = tmpl;
+  const std::string base = dir + "/base.raw", mid = dir + "/mid.qcow2", top = dir + "/top.qcow2";
+  auto ok = [](std::vector<std::string> argv) {
+    return run_process(std::move(argv)).exit_code == 0;
+  };
+  REQUIRE(ok({"qemu-img", "create", "-q", "-f", "raw", base, "64M"}));
+  REQUIRE(ok({"qemu-img", "create", "-q", "-f", "qcow2", "-F", "raw", "-b", base, mid}));
+  REQUIRE(ok({"qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", mid, top}));
+  REQUIRE(ok({"qemu-io", "-c", "write 512K 1536K", mid}));
+  REQUIRE(ok({"qemu-io", "-c", "write 0 1M", "-c", "write -z 3M 1M", "-c", "write 60M 64K", top}));
+  qcommit::plugin::SystemTargetFiles files;
+  const auto e = files.commit_extents({top, mid});
+  REQUIRE(e);
+  const std::vector<ByteRange> want{{0, 2u << 20}, {3u << 20, 1u << 20}, {60u << 20, 64u << 10}};
+  CHECK(*e == want);
+  CHECK_FALSE(files.commit_extents({top, base}));
+  std::filesystem::remove_all(dir);
 }

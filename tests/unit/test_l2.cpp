@@ -179,6 +179,28 @@ TEST_CASE("qcow2.l2.unallocated_l2_table_spans") {
   CHECK(r.length == 512);
 }
 
+TEST_CASE("qcow2.l2.own_extents") {
+  ImageSpec s;
+  s.cluster_bits = 9;  // 64 entries per table: 32 KiB per L1 entry
+  s.size = 1ull << 20;
+  {
+    ImageBuilder b(s);
+    auto img = open_image(b);
+    CHECK(qcow2::own_extents(*img).empty());  // nothing of its own
+  ImageBuilder b(s);
+  b.write_cluster(40 * 1024, 0x33);        // L1 index 1
+  b.write_cluster(40 * 1024 + 512, 0x34);  // adjacent: one extent
+  b.set_l2(100 * 1024, 0);                 // L1 index 3: an L2 table with nothing in it
+  b.set_l2(70 * 1024, kZeroFlag);          // zeros of its own count: a commit writes them
+  auto img = open_image(b);
+  const std::vector<qcow2::GuestExtent> e = qcow2::own_extents(*img);
+  REQUIRE(e.size() == 2);
+  CHECK(e[0].offset == 40 * 1024);
+  CHECK(e[0].length == 1024);
+  CHECK(e[1].offset == 70 * 1024);
+  CHECK(e[1].length == 512);
+}
+
 TEST_CASE("qcow2.l2.compressed_descriptor") {
   // Descriptor size encoding for several cluster sizes, streams at aligned and unaligned offsets.
   for (uint32_t bits : {9u, 12u, 16u, 21u}) {
