@@ -93,6 +93,7 @@ std::uint64_t bytes_beyond(const std::vector<ByteRange>& extents, std::uint64_t 
     const std::uint64_t end = it->offset + it->length;
     if (end <= offset) break;
     n += end - std::max(it->offset, offset);
+  }
   return n;
 }
 
@@ -103,6 +104,7 @@ std::vector<std::string> commit_layers(const DiskInfo& disk, const std::string& 
   for (const std::string& image : disk.backing_chain) {
     if (image == base) break;
     layers.push_back(image);
+  }
   return layers;
 }
 

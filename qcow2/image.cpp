@@ -753,6 +753,7 @@ std::vector<GuestExtent> own_extents(Image& img) {
       }
       off = r.guest_offset + r.length;
     }
+  }
   return out;
 }
 

@@ -187,6 +187,7 @@ TEST_CASE("qcow2.l2.own_extents") {
     ImageBuilder b(s);
     auto img = open_image(b);
     CHECK(qcow2::own_extents(*img).empty());  // nothing of its own
+  }
   ImageBuilder b(s);
   b.write_cluster(40 * 1024, 0x33);        // L1 index 1
   b.write_cluster(40 * 1024 + 512, 0x34);  // adjacent: one extent
