@@ -7,6 +7,10 @@
 // on that disk) are ordinary results (std::nullopt / false), not exceptions.
 #pragma once
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -17,6 +21,16 @@
 #include "throttle/io_stats.h"
 
 namespace qcommit::plugin {
+
+// The device of the filesystem holding `path` (a disk's source), from cached attributes only
+// (AT_STATX_DONT_SYNC, as the /proc walk reads them): a disk on an NFS export that stopped
+// answering must not hold the daemon's loop, `qcommit live` or doctor in a getattr.  nullopt when
+// the path cannot be looked up.
+[[nodiscard]] inline std::optional<std::uint64_t> cached_filesystem_device(const std::string& path) {
+  struct statx sx {};
+  if (::statx(AT_FDCWD, path.c_str(), AT_STATX_DONT_SYNC, STATX_TYPE, &sx) != 0) return std::nullopt;
+  return static_cast<std::uint64_t>(makedev(sx.stx_dev_major, sx.stx_dev_minor));
+}
 
 struct HypervisorDisconnected : std::runtime_error {
   using std::runtime_error::runtime_error;

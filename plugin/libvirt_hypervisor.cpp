@@ -164,16 +164,13 @@ std::vector<DiskInfo> defined_disks(xmlDocPtr doc) {
   return disks;
 }
 
-// The disks with a target and a local path, each with its filesystem's device when statx works.
-// Cached attributes only (AT_STATX_DONT_SYNC, as the /proc walk reads them): a disk on an NFS
-// export that stopped answering must not hold the daemon's loop or doctor in a getattr.
+// The disks with a target and a local path, each with its filesystem's device where it can be
+// read from cached attributes (cached_filesystem_device).
 std::vector<DiskInfo> local_disks(const std::vector<DiskInfo>& defined) {
   std::vector<DiskInfo> disks;
   for (DiskInfo d : defined) {
     if (d.target.empty() || d.source.empty()) continue;
-    struct statx sx{};
-    if (::statx(AT_FDCWD, d.source.c_str(), AT_STATX_DONT_SYNC, STATX_TYPE, &sx) == 0)
-      d.device = static_cast<std::uint64_t>(makedev(sx.stx_dev_major, sx.stx_dev_minor));
+    d.device = cached_filesystem_device(d.source);
     disks.push_back(std::move(d));
   }
   return disks;

@@ -107,9 +107,7 @@ std::vector<QmpDisk> parse_query_block(const json::Value& ret) {
     else
       d.info.target = d.root_node;
     if (d.info.target.empty()) continue;
-    struct stat sb {};
-    if (::stat(d.info.source.c_str(), &sb) == 0)
-      d.info.device = static_cast<std::uint64_t>(sb.st_dev);
+    d.info.device = cached_filesystem_device(d.info.source);
     out.push_back(std::move(d));
   }
   return out;
