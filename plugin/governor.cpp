@@ -754,9 +754,10 @@ Governor::JobSpeed Governor::job_speed(const Job& j, const JobInfo& info,
       std::llround(std::clamp(d.rate_bytes_per_s, lo, std::max(lo, j.policy.ceiling_bytes_per_s))));
   if (mirror_unready && info.end > info.cur && info.end - info.cur <= kMirrorConvergeBytes)
     out.speed = static_cast<std::uint64_t>(j.policy.ceiling_bytes_per_s);
-  else if (near_end && j.type == JobType::Commit)
+  else if (near_end && j.type == JobType::Commit && !j.direct_io)
     // One window per tick, what the pacer keeps up with: what is dirty when QEMU completes
-    // stays about one window (not a burst the speed let through between two ticks).
+    // stays about one window (not a burst the speed let through between two ticks).  Not with
+    // cache=none: nothing of the job's is left dirty there.
     out.speed = std::min(out.speed, std::max(opt_.min_speed_bytes_per_s,
                                              static_cast<std::uint64_t>(
                                                  static_cast<double>(d.window_bytes) /
