@@ -173,16 +173,28 @@ class WindowCopier {
 
   // Copies `extents` (what the layers above BASE provide, in guest order) into BASE. Returns the
   // bytes done (those of `extents`).
+  //
+  // A window ends on a cluster boundary of BASE. Inside an extent the cut is aligned below; a full
+  // window whose last piece ends inside a cluster (an extent of TOP ends there, and the cluster's
+  // other pieces, e.g. the next subclusters TOP has, are further extents) first takes the rest
+  // of that cluster's pieces, up to `cut_at`: split over two windows, a cluster new to BASE was
+  // written whole in the first and rewritten in place for its later pieces in the second. The
+  // window is over its bytes by less than a cluster and touches no further L2 table.
   uint64_t run(const std::vector<MapEntry>& extents) {
     report(true);
+    uint64_t cut_at = 0;  // non-zero: the window is full and ends at this guest offset
     for (const MapEntry& e : extents) {
       uint64_t off = e.start;
       const uint64_t end = e.start + e.length;
       while (off < end) {
-        uint64_t piece_end = std::min(end, off + (opt.window_bytes - window_bytes));
+        if (cut_at && off >= cut_at) {  // nothing more of the cluster the full window ended in
+          run_window(cut_at);
+          cut_at = 0;
+        }
+        uint64_t piece_end = cut_at ? std::min(end, cut_at) : std::min(end, off + (opt.window_bytes - window_bytes));
         if (writer) {
           const auto& g = base.qcow2->geometry();
-          if (piece_end < end)
+          if (piece_end < end && !cut_at)
             piece_end = g.align_down(piece_end) > off ? g.align_down(piece_end) : std::min(end, g.align_up(off + 1));
           // Do not let one piece span more L1 entries than the window may still touch.
           const uint64_t l1 = off / l1_span;
@@ -196,7 +208,12 @@ class WindowCopier {
         window.push_back({off, piece_end, &e});
         window_bytes += piece_end - off;
         off = piece_end;
-        if (window_bytes >= opt.window_bytes || (writer && window_l2s >= max_l2s)) run_window(off);
+        if (!cut_at && (window_bytes >= opt.window_bytes || (writer && window_l2s >= max_l2s)))
+          cut_at = writer ? base.qcow2->geometry().align_up(off) : off;
+        if (cut_at && off >= cut_at) {
+          run_window(off);
+          cut_at = 0;
+        }
       }
     }
     if (!window.empty()) run_window(top_size);  // else everything is committed already

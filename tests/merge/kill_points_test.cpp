@@ -339,6 +339,33 @@ Scenario bitmaps_scenario() {
       .delete_merged = true};
 }
 
+// BASE (16M, its first 2M written) <- TOP with extended L2 (2 KiB subclusters), whose guest wrote
+// 4 KiB-granular pieces into every other cluster of the first 12M: at 4-44 KiB, 48-60 KiB and
+// 8 KiB across the cluster's end into the next one. 5.6 MiB in 2 MiB windows (options_for): each
+// window fills at the end of a piece inside a cluster whose next piece follows, and must take
+// that cluster's other pieces before it ends (merge.partial_clusters counts the bytes written).
+// The first 16 clusters are overwritten in place, the rest are new to BASE, assembled.
+Scenario partial_clusters_scenario() {
+  std::string writes = "qemu-io -f qcow2";
+  for (uint64_t c = 0; c < 192; c += 2) {
+    const std::string p = std::to_string(c % 250 + 1);
+    writes += " -c 'write -P " + p + " " + std::to_string(c * 65536 + 4096) + " 40k'";
+    writes += " -c 'write -P " + p + " " + std::to_string(c * 65536 + 49152) + " 12k'";
+    writes += " -c 'write -P " + p + " " + std::to_string(c * 65536 + 61440) + " 8k'";
+  }
+  return Scenario{
+      .name = "partial",
+      .setup = "qemu-img create -q -f qcow2 base.qcow2 16M; qemu-io -f qcow2 -c 'write -P 0x11 0 2M' base.qcow2 "
+               ">/dev/null; qemu-img create -q -f qcow2 -o extended_l2=on,cluster_size=64k -b base.qcow2 "
+               "-F qcow2 top.qcow2 16M; " +
+               writes + " top.qcow2 >/dev/null",
+      .base = std::nullopt,
+      .base_file = "base.qcow2",
+      .children = {},
+      .merged = {"top.qcow2"},
+      .delete_merged = false};
+}
+
 }  // namespace
 
 TEST_CASE("merge.kill_points.grown_base_over_backing") {
@@ -363,6 +390,28 @@ TEST_CASE("merge.kill_points.base_with_stale_bitmaps") {
   s.leaks_before = 3;  // the extension's directory and the two bitmaps' tables
   const Counts n = run_matrix(s);
   expect_points(n, {"data", "header", "checkpoint", "delete"});
+}
+
+// Windows that end inside a cluster's pieces end at the cluster's end instead (every checkpoint of
+// an uninterrupted run on BASE's cluster grid, more than one window), and a stop at any write
+// point of them leaves BASE consistent and the re-run finishing.
+TEST_CASE("merge.kill_points.partial_clusters_over_windows") {
+  const Scenario s = partial_clusters_scenario();
+  {
+    const std::string dir = fs::temp_directory_path() / ("qcommit-kp-" + std::to_string(::getpid()) + "-cuts");
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+    must("cd " + dir + " && set -e; " + s.setup);
+    engine::MergeOptions o = options_for(s, dir);
+    std::vector<uint64_t> cuts;
+    o.on_checkpoint = [&](uint64_t upto) { cuts.push_back(upto); };
+    (void)engine::merge(o);
+    fs::remove_all(dir);
+    CHECK(cuts.size() >= 3);
+    for (const uint64_t upto : cuts) CHECK_MESSAGE(upto % 65536 == 0, "a window ended at " << upto);
+  }
+  const Counts n = run_matrix(s);
+  expect_points(n, {"data", "data-flush", "refcount-blocks", "l2-tables", "l1-table", "checkpoint"});
 }
 
 TEST_CASE("merge.kill_points.base_with_bitmaps") {

@@ -1,11 +1,21 @@
 #!/usr/bin/env bash
 # merge.partial_clusters: a TOP with extended L2 (2 KiB subclusters) whose guest wrote 4 KiB-granular
 # pieces inside BASE's 64 KiB clusters, several per cluster (two apart, and one across the cluster's
-# end into the next), half over clusters BASE has (written in place), half new to BASE. An
-# unthrottled merge writes each new cluster once, whole (BASE's view of it with the pieces laid
-# over it), and only the pieces' bytes into clusters BASE has; BASE then shows TOP's view.
-# The bytes written into each of BASE's data clusters are counted from the merge's own system
-# calls (strace: pwrite64, pwritev, splice and copy_file_range into BASE).
+# end into the next). An unthrottled merge writes each cluster new to BASE once, whole (BASE's view
+# of it with the pieces laid over it), and only the pieces' bytes into clusters BASE has; BASE then
+# shows TOP's view. The bytes written into each of BASE's data clusters are counted from the
+# merge's own system calls (strace: pwrite64, pwritev, splice and copy_file_range into BASE).
+# Two chains:
+# - scattered: 256 clusters of a 64 MiB disk, half over clusters BASE has (written in place), half
+#   new to BASE; one window.
+# - window-split: one cluster in each 512 MiB that one L2 table of BASE maps, over a 136 GiB disk
+#   (272 tables; the first cluster in place, the rest new). A window ends when it has touched
+#   kMaxDirtyMetadataBytes of L2 tables (8 MiB: 128 tables of 64 KiB), right after the first piece
+#   in the next table, and that piece ends inside its cluster while the cluster's other pieces
+#   follow: a window boundary there splits the cluster's pieces. Each cluster is still written
+#   once; the merge must commit more than one window (counted from its checkpoint renames), or the
+#   chain no longer tests what it is for.
+# Runtime: about 3 s.
 # Exit 77 (skipped) where strace cannot trace here.
 #
 # usage: merge-partial-clusters.sh QCOMMIT
@@ -21,36 +31,46 @@ if ! strace -f -o /dev/null true 2>/dev/null; then
   exit 77
 fi
 
-readonly kCluster=65536 kSelected=256
-qemu-img create -q -f qcow2 base.qcow2 64M
-qemu-io -f qcow2 -c "write -P 1 0 32M" base.qcow2 >/dev/null
-qemu-img create -q -f qcow2 -o extended_l2=on,cluster_size=64k -b base.qcow2 -F qcow2 top.qcow2 64M
-# Every 4th of the 1024 clusters in a shuffled order; in cluster c: a piece at 4-12 KiB of 4-16 KiB,
-# one at 32-44 KiB of 4-12 KiB, and 8 KiB across the end of c into c+1 (its first 4 KiB).
-seq 0 4 1023 | awk 'BEGIN { srand(21) } { print rand(), $1 }' | sort -n | head -n $kSelected |
-  awk -v cs=$kCluster '{ c = $2; p = c % 251 + 1
-    printf "write -P %d %d %d\n", p, c * cs + 4096 * (1 + c % 3), 4096 * (1 + c % 4)
-    printf "write -P %d %d %d\n", p, c * cs + 32768 + 4096 * (c % 4), 4096 * (1 + c % 3)
-    printf "write -P %d %d %d\n", p, c * cs + cs - 4096, 8192 }' |
-  qemu-io -f qcow2 top.qcow2 >/dev/null
-qemu-img convert -O raw top.qcow2 view.raw
-qemu-img map --output=json -f qcow2 base.qcow2 >base-before.json
-qemu-img map --output=json -f qcow2 top.qcow2 >top.json
-
-strace -ff -y -s 0 -e trace=pwrite64,pwritev,pwritev2,splice,copy_file_range -o trace \
-  "$QCOMMIT" merge top.qcow2 --budget off --output=json >result.json
-qemu-img map --output=json -f qcow2 base.qcow2 >base-after.json
-
+readonly kCluster=65536
 failures=0
 fail() { echo "FAIL: $*" >&2; failures=$((failures + 1)); }
-qemu-img compare -f raw -F qcow2 view.raw base.qcow2 >/dev/null || fail "BASE does not show TOP's view"
-qemu-img check -q base.qcow2 || fail "qemu-img check: BASE is not clean"
 
-# Per guest cluster TOP provides data in: the bytes written into its host cluster in BASE against
-# what it needs (in place: TOP's bytes in it; new: the cluster, once).
-python3 - "$work/base.qcow2" "$kCluster" trace.* <<'EOF' || failures=$((failures + 1))
+# The guest's writes into cluster c (one number per line on stdin): a piece at 4-12 KiB of 4-16 KiB,
+# one at 32-44 KiB of 4-12 KiB, and 8 KiB across the end of c into c+1 (its first 4 KiB).
+pieces() {
+  awk -v cs=$kCluster '{ c = $1; p = c % 251 + 1
+    printf "write -P %d %.0f %d\n", p, c * cs + 4096 * (1 + c % 3), 4096 * (1 + c % 4)
+    printf "write -P %d %.0f %d\n", p, c * cs + 32768 + 4096 * (c % 4), 4096 * (1 + c % 3)
+    printf "write -P %d %.0f %d\n", p, c * cs + cs - 4096, 8192 }'
+}
+
+# check_chain NAME SIZE MIN_WINDOWS: merges NAME/top.qcow2 (clusters from stdin) into NAME/base.qcow2
+# (SIZE, its first 32 MiB written) under strace and checks the bytes written per cluster. Not in a
+# pipeline: it counts failures in this shell.
+check_chain() {
+  local name=$1 size=$2 min_windows=$3
+  mkdir "$name"
+  (
+    cd "$name"
+    qemu-img create -q -f qcow2 base.qcow2 "$size"
+    qemu-io -f qcow2 -c "write -P 1 0 32M" base.qcow2 >/dev/null
+    qemu-img create -q -f qcow2 -o extended_l2=on,cluster_size=64k -b base.qcow2 -F qcow2 top.qcow2 "$size"
+    pieces | qemu-io -f qcow2 top.qcow2 >/dev/null
+    qemu-img convert -O raw top.qcow2 view.raw
+    qemu-img map --output=json -f qcow2 base.qcow2 >base-before.json
+    qemu-img map --output=json -f qcow2 top.qcow2 >top.json
+    strace -ff -y -s 0 -e trace=pwrite64,pwritev,pwritev2,splice,copy_file_range,rename,renameat,renameat2 \
+      -o trace "$QCOMMIT" merge top.qcow2 --budget off --output=json >result.json
+    qemu-img map --output=json -f qcow2 base.qcow2 >base-after.json
+  )
+  qemu-img compare -f raw -F qcow2 "$name/view.raw" "$name/base.qcow2" >/dev/null || fail "$name: BASE does not show TOP's view"
+  qemu-img check -q "$name/base.qcow2" || fail "$name: qemu-img check: BASE is not clean"
+
+  # Per guest cluster TOP provides data in: the bytes written into its host cluster in BASE against
+  # what it needs (in place: TOP's bytes in it; new: the cluster, once).
+  (cd "$name" && python3 - "$work/$name/base.qcow2" "$kCluster" "$min_windows" "$name" trace.*) <<'EOF' || failures=$((failures + 1))
 import json, re, sys
-base, cs, traces = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+base, cs, min_windows, name, traces = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5:]
 def data_runs(path, depth):
     return [(e["start"], e["length"], e.get("offset")) for e in json.load(open(path))
             if e["data"] and e["depth"] == depth]
@@ -71,11 +91,16 @@ pats = [re.compile(r"^pwrite64\(" + fd + r", .*, (\d+)\) = (\d+)$"),
         re.compile(r"^pwritev2?\(" + fd + r", .*, \d+, (\d+)(?:, \w+)?\) = (\d+)$"),
         re.compile(r"^splice\([^,]+, [^,]+, " + fd + r", \[(\d+)[^\]]*\], \d+, \w+\) = (\d+)$"),
         re.compile(r"^copy_file_range\([^,]+, [^,]+, " + fd + r", \[(\d+)[^\]]*\], \d+, \w+\) = (\d+)$")]
-calls = 0
+checkpoint = re.compile(r'^rename(?:at2?)?\(.*\.qcommit-merge\.tmp", .*\) = 0$')
+calls = checkpoints = 0
 for t in traces:
     for line in open(t):
+        line = line.strip()
+        if checkpoint.match(line):
+            checkpoints += 1
+            continue
         for p in pats:
-            m = p.match(line.strip())
+            m = p.match(line)
             if not m:
                 continue
             calls += 1
@@ -86,7 +111,8 @@ for t in traces:
                 written[c] = written.get(c, 0) + k
                 off, n = off + k, n - k
 if calls == 0:
-    sys.exit("FAIL: no write into BASE found in the trace")
+    sys.exit("FAIL: %s: no write into BASE found in the trace" % name)
+windows = checkpoints - 1  # one checkpoint before the copy, one per committed window
 bad = []
 for c, n in sorted(need.items()):
     want = n if c in had else cs
@@ -95,12 +121,28 @@ for c, n in sorted(need.items()):
         bad.append("guest cluster %#x (%s): %d bytes written into its host cluster %#x, expected %d"
                    % (c * cs, "in place" if c in had else "new", got, host[c], want))
 new = sum(1 for c in need if c not in had)
-print("%d clusters with TOP's data (%d new to BASE), %d writes into BASE traced" % (len(need), new, calls))
+print("%s: %d clusters with TOP's data (%d new to BASE), %d writes into BASE traced, %d windows"
+      % (name, len(need), new, calls, windows))
+ok = True
+if windows < min_windows:
+    print("FAIL: %s: %d windows committed, expected at least %d" % (name, windows, min_windows), file=sys.stderr)
+    ok = False
 if bad:
-    print("FAIL: %d clusters written other than once:" % len(bad), file=sys.stderr)
+    print("FAIL: %s: %d clusters written other than once:" % (name, len(bad)), file=sys.stderr)
     for b in bad[:10]:
         print("  " + b, file=sys.stderr)
-    sys.exit(1)
+    ok = False
+sys.exit(0 if ok else 1)
 EOF
+  rm -rf "$name"
+}
+
+# Every 4th of the 1024 clusters in a shuffled order (cluster 0..511: BASE has them).
+check_chain scattered 64M 1 < <(seq 0 4 1023 | awk 'BEGIN { srand(21) } { print rand(), $1 }' | sort -n |
+  head -n 256 | cut -d' ' -f2)
+# One cluster per 8192 (what an L2 table of BASE maps), at a different place in each; the first
+# one in BASE's data.
+check_chain window-split 136G 2 < <(seq 0 271 | awk '{ print ($1 == 0) ? 5 : $1 * 8192 + ($1 * 37) % 8000 }')
+
 ((failures == 0)) || exit 1
 echo "OK"
