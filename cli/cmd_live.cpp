@@ -442,6 +442,8 @@ struct JobProgress {
   std::optional<double> p99_ms;
   std::optional<double> eta_s;
   std::string phase;
+  std::string probe;             // the shared-queue probe: "on", "off", "disabled" ("" unknown)
+  std::string probe_off_reason;  // "off": why
 };
 
 class Pacing {
@@ -496,7 +498,9 @@ std::vector<JobProgress> InProcessPacing::progress(TimePoint now) {
                   j.window_bytes,
                   std::nullopt,
                   j.eta_s,
-                  j.phase};
+                  j.phase,
+                  plugin::to_string(j.probe),
+                  j.probe_off_reason};
     if (j.latency_p99) p.p99_ms = std::chrono::duration<double, std::milli>(*j.latency_p99).count();
     out.push_back(std::move(p));
   }
@@ -562,6 +566,8 @@ std::vector<JobProgress> DaemonPacing::progress(TimePoint) {
     p.p99_ms = number_member(j, "latency_p99_ms");
     p.eta_s = number_member(j, "eta_s");
     p.phase = json::string_member(j, "phase");
+    p.probe = json::string_member(j, "probe");
+    p.probe_off_reason = json::string_member(j, "probe_off_reason");
     out.push_back(std::move(p));
   }
   return out;
@@ -600,7 +606,9 @@ json::Ordered progress_json(const JobProgress& j, std::optional<double> percent)
                        {"p99-ms", num_or_null(j.p99_ms)},
                        {"phase", j.phase},
                        {"percent", num_or_null(percent)},
-                       {"eta-s", num_or_null(j.eta_s)}};
+                       {"eta-s", num_or_null(j.eta_s)},
+                       {"probe", j.probe},
+                       {"probe-off-reason", j.probe_off_reason}};
 }
 
 // "  commit: 42%, 512.0 MiB left, 12.0 MiB/s, ETA 43 s, guests' p99 4.1 ms, window 4.0 MiB (phase)"
@@ -640,6 +648,7 @@ class LiveRun {
   std::size_t shown_step_ = static_cast<std::size_t>(-1);
   TimePoint next_report_{};
   std::optional<TimePoint> lost_since_;
+  std::string probe_off_shown_;  // the reason the probe is off, once said
 };
 
 // A lost connection (libvirtd restarting, QEMU's QMP socket gone) is waited for: said once when
@@ -689,10 +698,17 @@ void LiveRun::report(TimePoint now) {
   next_report_ = now + kProgressEvery;
   const std::optional<double> pct = percent_done(merge_.last_info());
   for (const auto& j : pacing_.progress(now)) {
-    if (a_.json_out)
+    if (a_.json_out) {
       print_json(progress_json(j, pct));
-    else
+    } else {
       print_progress_line(j, pct);
+      // A probe the policy asks for but that is off: said once (per reason).
+      if (j.probe == "off" && j.probe_off_reason != probe_off_shown_) {
+        std::fprintf(stderr, "qcommit live: shared-queue probe off: %s\n",
+                     j.probe_off_reason.c_str());
+        probe_off_shown_ = j.probe_off_reason;
+      }
+    }
   }
 }
 

@@ -50,7 +50,7 @@ inline constexpr std::chrono::milliseconds kMinWatch{100};
 inline constexpr double kEndedInTableS = 60.0;
 inline constexpr std::size_t kEarlierEndsShown = 5;
 inline constexpr const char* kTableFormat =
-    "%-16s %-5s %-13s %-12s %7s %11s %10s %8s %10s %8s  %s\n";
+    "%-16s %-5s %-13s %-12s %7s %11s %10s %8s %10s %8s  %-11s %s\n";
 
 // How a released job ended, in words: qcommitd's "state" ("pivoted", "completed", "canceled",
 // "failed", "pivot-failed"; "ended" when it saw the job gone without libvirt saying how).
@@ -69,7 +69,21 @@ double age_of(const json::Value& r) {
 
 void print_header() {
   std::printf(kTableFormat, "DOMAIN", "DISK", "TYPE", "POOL", "BUDGET", "SPEED", "WINDOW", "P99",
-              "LEFT", "ETA", "PHASE");
+              "LEFT", "ETA", "PROBE", "PHASE");
+}
+
+// The shared-queue probe in the table: "on" with the latency of the last probe, "off" (why: below
+// the table), "disabled" (by the policy); from a qcommitd before "probe", "on" when it has a
+// period, else "-".
+std::string probe_cell(const json::Value& j) {
+  std::string state = str(j, "probe");
+  if (state.empty()) return json::member(j, "probe_period_ms") &&
+                                    json::member(j, "probe_period_ms")->is_number()
+                                ? "on"
+                                : "-";
+  if (state != "on") return state;
+  const std::string last = num_or_dash(j, "probe_last_ms", "%.1fms");
+  return last == "-" ? state : state + " " + last;
 }
 
 void print_job_row(const json::Value& j) {
@@ -84,7 +98,7 @@ void print_job_row(const json::Value& j) {
               num_or_dash(j, "window_bytes", "%.1fMiB", 1048576.0).c_str(),
               num_or_dash(j, "latency_p99_ms", "%.1fms").c_str(),
               num_or_dash(j, "bytes_left", "%.1fMiB", 1048576.0).c_str(),
-              num_or_dash(j, "eta_s", "%.0fs").c_str(), phase.c_str());
+              num_or_dash(j, "eta_s", "%.0fs").c_str(), probe_cell(j).c_str(), phase.c_str());
 }
 
 // A job that ended lately: its row, with how it ended and when.
@@ -92,7 +106,7 @@ void print_ended_row(const json::Value& r) {
   char ago[32];
   std::snprintf(ago, sizeof ago, " %.0f s ago", age_of(r));
   std::printf(kTableFormat, str(r, "domain").c_str(), str(r, "disk").c_str(),
-              str(r, "type").c_str(), "-", "-", "-", "-", "-", "-", "-",
+              str(r, "type").c_str(), "-", "-", "-", "-", "-", "-", "-", "-",
               (end_words(r) + ago).c_str());
 }
 
@@ -155,6 +169,10 @@ int status_once(const std::string& socket_path, bool json_out) {
     print_header();
     for (const auto& j : *jobs) print_job_row(j);
     for (const json::Value* r : recent) print_ended_row(*r);
+    for (const auto& j : *jobs)
+      if (str(j, "probe") == "off")
+        std::printf("probe off: %s %s: %s\n", str(j, "domain").c_str(), str(j, "disk").c_str(),
+                    str(j, "probe_off_reason").c_str());
   }
   for (std::size_t i = 0; i < earlier.size() && i < kEarlierEndsShown; ++i)
     std::printf("earlier: %s %s (%s) %s, %.0f s ago\n", str(*earlier[i], "domain").c_str(),

@@ -75,8 +75,11 @@ json::Ordered job_json(const JobStatus& j) {
                        {"ready", j.ready},
                        {"settling", j.settling},
                        {"settles", j.settles},
+                       {"probe", to_string(j.probe)},
+                       {"probe_off_reason", j.probe_off_reason},
                        {"probe_period_ms", ms_or_null(j.probe_period)},
                        {"probe_p99_ms", ms_or_null(j.probe_p99)},
+                       {"probe_last_ms", ms_or_null(j.probe_last)},
                        {"policy_error", j.policy_error}};
 }
 

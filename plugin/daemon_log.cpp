@@ -104,6 +104,12 @@ std::string csv_field(std::string_view s) {
 
 void DaemonLog::record(std::string_view message) { sink_(log_escape_controls(message)); }
 
+void DaemonLog::log_probe(const JobStatus& j, Known& k) {
+  if (j.probe != ProbeState::kOff || j.probe_off_reason == k.probe_off) return;
+  record(job_name(j.domain, j.disk) + ": shared-queue probe off: " + j.probe_off_reason);
+  k.probe_off = j.probe_off_reason;
+}
+
 void DaemonLog::observe(const GovernorStatus& st, std::string_view uri,
                         std::string_view last_error) {
   if (!connected_ || *connected_ != st.connected) {
@@ -118,7 +124,7 @@ void DaemonLog::observe(const GovernorStatus& st, std::string_view uri,
     listed.insert(key);
     auto it = jobs_.find(key);
     if (it == jobs_.end()) {
-      Known k{decision_of(j, "adopted"), j.ready};
+      Known k{decision_of(j, "adopted"), j.ready, {}};
       std::string m = "governing " + std::string(to_string(j.type)) + " job on " +
                       job_name(j.domain, j.disk) + " (target " + log_field(j.target) +
                       ", storage " + log_field(j.storage);
@@ -129,10 +135,12 @@ void DaemonLog::observe(const GovernorStatus& st, std::string_view uri,
       if (!j.policy_error.empty())
         m += "; domain policy ignored: " + log_field(j.policy_error);
       record(m);
-      jobs_.emplace(key, std::move(k));
+      it = jobs_.emplace(key, std::move(k)).first;
+      log_probe(j, it->second);
       continue;
     }
     Known& k = it->second;
+    log_probe(j, k);
     const std::string d = decision_of(j, k.decision);
     if (d != k.decision) {
       record(job_name(j.domain, j.disk) + ": " + d + " (was " + k.decision + "), " + figures(j));

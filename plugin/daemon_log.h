@@ -6,7 +6,9 @@
 // fields stay separable.  Nothing in a record is ever passed to a shell.
 //
 // DaemonLog turns successive GovernorStatus snapshots into records: connection changes, one per
-// job adopted, one per decision change, one per job released — never one per tick.  A decision
+// job adopted, one per decision change, one per job released — never one per tick.  A job whose
+// policy asks for the shared-queue probe but that runs without it gets one record saying why
+// (when adopted, or when the probe is given up later).  A decision
 // is the controller's phase (slow-start, steady, paused) or the job becoming ready; the periodic
 // slowdowns (throttle::ControllerConfig::slowdown_interval) are scheduled, not decided, and are
 // not logged.
@@ -52,7 +54,10 @@ class DaemonLog {
   struct Known {
     std::string decision;
     bool ready = false;
+    std::string probe_off;  // the reason logged for a probe that is off
   };
+  // One record when `j`'s probe is off for a reason not logged yet.
+  void log_probe(const JobStatus& j, Known& k);
   LogSink sink_;
   std::optional<bool> connected_;
   std::map<std::pair<std::string, std::string>, Known> jobs_;

@@ -51,6 +51,18 @@ const char* end_state(const ReleasedJob& r) {
   return "failed";
 }
 
+const char* to_string(ProbeState s) {
+  switch (s) {
+    case ProbeState::kDisabled:
+      return "disabled";
+    case ProbeState::kOn:
+      return "on";
+    case ProbeState::kOff:
+      return "off";
+  }
+  return "off";
+}
+
 std::optional<std::string> GovernorOptions::validate() const {
   if (tick <= Duration::zero()) return "governor tick must be > 0";
   if (pace <= Duration::zero() || pace > tick) return "governor pace interval must be in (0, tick]";
@@ -256,6 +268,9 @@ struct Governor::Job {
   std::vector<Duration> probe_samples;
   std::uint32_t probe_failures = 0;
   std::deque<std::pair<TimePoint, Duration>> probe_history;
+  std::optional<Duration> probe_last;
+  bool probe_wanted = false;  // the policy asks for a probe
+  std::string probe_off;      // why there is none although wanted
 };
 
 Governor::Governor(Hypervisor& hv, TargetFiles& files, DaemonConfig cfg, GovernorOptions opt)
@@ -548,7 +563,15 @@ void Governor::adopt(const DomainInfo& dom, const DiskInfo& disk, const JobInfo&
   j->policy_error = policy_error;
   j->file = std::move(file);
   const throttle::ProbeConfig probe = policy.probe_config();
-  if (probe.enabled && !target.empty()) j->probe_file = files_.open_probe(target);
+  j->probe_wanted = probe.enabled;
+  if (probe.enabled && target.empty()) {
+    j->probe_off = "no target file known for this job";
+  } else if (probe.enabled) {
+    ProbeOpening opened = files_.open_probe(target);
+    j->probe_file = std::move(opened.file);
+    if (!j->probe_file)
+      j->probe_off = opened.why_not.empty() ? "no probe file beside " + target : opened.why_not;
+  }
   if (j->probe_file) j->probe.emplace(probe);
   j->planner = WritebackPlanner(opt_.writeback);
   j->info = info;
@@ -919,8 +942,12 @@ void Governor::drive_probes(TimePoint now) {
       if (const std::optional<Duration> l = j->probe_file->take()) {
         j->probe_samples.push_back(*l);
         j->probe_history.emplace_back(now, *l);
+        j->probe_last = *l;
         j->probe_failures = 0;
       } else if (++j->probe_failures >= kMaxProbeFailures) {
+        const std::string last = j->probe_file->failure();
+        j->probe_off = "given up after " + std::to_string(kMaxProbeFailures) +
+                       " failed probes in a row" + (last.empty() ? "" : ", the last: " + last);
         j->probe_file.reset();
         j->probe.reset();
         continue;
@@ -1052,6 +1079,11 @@ GovernorStatus Governor::status(TimePoint now) const {
     js.phase = j->decision ? throttle::to_string(j->decision->phase) : "adopted";
     js.settling = j->settle.hold_since.has_value();
     js.settles = j->settle.count;
+    js.probe = !j->probe_wanted ? ProbeState::kDisabled
+               : j->probe       ? ProbeState::kOn
+                                : ProbeState::kOff;
+    if (js.probe == ProbeState::kOff) js.probe_off_reason = j->probe_off;
+    js.probe_last = j->probe_last;
     if (j->probe) js.probe_period = j->probe->config().period;
     std::vector<Duration> probe_lat;
     for (const auto& [t, l] : j->probe_history)

@@ -20,7 +20,9 @@
 //    beside the target, started when its ProbeSchedule says, at every step; its latencies and the
 //    age of the one running go to the controller (TickInput::probe_latencies/probe_outstanding),
 //    so a job holds back for guests on other hosts sharing the storage.  A probe that fails
-//    kMaxProbeFailures times in a row is given up.
+//    kMaxProbeFailures times in a row is given up.  A probe the policy asks for but that cannot
+//    be had (no file can be created beside the target, the target is a block device) or that
+//    was given up leaves the job running without it: JobStatus::probe is kOff with the reason.
 // Without cachestat(2) (Linux < 6.5) the page-cache reading is host-wide: the backlog is at most
 // what the job copied since the start of the last completed fdatasync of its target, which
 // `pace` runs while the job copies (at most one per kFallbackSyncGap) instead of the planner;
@@ -167,6 +169,12 @@ struct GovernorOptions {
 // [1 s, 10 s]; 10 s when unknown or 0 (expiry off).
 [[nodiscard]] Duration settle_interval_for(std::optional<std::chrono::milliseconds> expire);
 
+// The shared-queue probe of a job: disabled by its policy (probe=off, the default), on, or off
+// although the policy asks for it (JobStatus::probe_off_reason says why).
+enum class ProbeState { kDisabled, kOn, kOff };
+// "disabled", "on", "off".
+[[nodiscard]] const char* to_string(ProbeState s);
+
 struct JobStatus {
   std::uint64_t id = 0;  // adoption number (1, 2, ...): one per job adopted, kept while governed
   std::string domain;
@@ -186,8 +194,11 @@ struct JobStatus {
   bool ready = false;
   bool settling = false;      // held at the floor until the target is clean (not logged)
   std::uint32_t settles = 0;  // times the target was made clean (GovernorOptions::settle_every)
+  ProbeState probe = ProbeState::kDisabled;  // the shared-queue probe
+  std::string probe_off_reason;  // kOff: why, naming the file or target and the error
   std::optional<Duration> probe_period;  // the shared-queue probe's period; nullopt: no probe
   std::optional<Duration> probe_p99;     // its latency (write + fdatasync), last kLatencyHistory
+  std::optional<Duration> probe_last;    // the latency of the last probe that completed
   std::string policy_error;   // bad domain metadata (the pool/default policy applies)
 };
 

@@ -15,6 +15,7 @@
 #include <system_error>
 #include <thread>
 
+#include "plugin/daemon_log.h"
 #include "plugin/memcg.h"
 #include "plugin/memcg_target.h"
 #include "plugin/proc_fds.h"
@@ -295,15 +296,20 @@ constexpr std::int64_t kNoProbeResult = -1;
 
 // What a probe thread shares with its ProbeFile (the thread may outlive it): the file, an
 // aligned page to write, whether a probe runs, and the latency of the last one in ns.
+// `name` (the unlinked file's, for messages) and the errno of the last failure: write_errno
+// from the write, else sync_errno from the fdatasync (0: none failed).
 struct ProbeShared {
-  explicit ProbeShared(int f) : fd(f) {}
+  ProbeShared(int f, std::string n) : fd(f), name(std::move(n)) {}
   ~ProbeShared() { std::free(page); }
   ProbeShared(const ProbeShared&) = delete;
   ProbeShared& operator=(const ProbeShared&) = delete;
   UniqueFd fd;
+  const std::string name;
   void* page = nullptr;
   std::atomic<bool> busy{false};
   std::atomic<std::int64_t> result_ns{kNoProbeResult};
+  std::atomic<int> write_errno{0};
+  std::atomic<int> sync_errno{0};
 };
 
 class SystemProbeFile final : public ProbeFile {
@@ -315,9 +321,16 @@ class SystemProbeFile final : public ProbeFile {
     try {
       std::thread([s = s_] {
         const auto t0 = std::chrono::steady_clock::now();
-        const bool ok = ::pwrite(s->fd.get(), s->page, kProbeWriteBytes, 0) ==
-                            static_cast<ssize_t>(kProbeWriteBytes) &&
-                        ::fdatasync(s->fd.get()) == 0;
+        const ssize_t n = ::pwrite(s->fd.get(), s->page, kProbeWriteBytes, 0);
+        bool ok = n == static_cast<ssize_t>(kProbeWriteBytes);
+        if (!ok) {
+          s->write_errno.store(n < 0 ? errno : ENOSPC);  // a short write: no room
+          s->sync_errno.store(0);
+        } else if (::fdatasync(s->fd.get()) != 0) {
+          ok = false;
+          s->write_errno.store(0);
+          s->sync_errno.store(errno);
+        }
         const auto t1 = std::chrono::steady_clock::now();
         s->result_ns.store(
             ok ? std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count()
@@ -336,6 +349,13 @@ class SystemProbeFile final : public ProbeFile {
     const std::int64_t ns = s_->result_ns.exchange(kNoProbeResult);
     if (ns == kNoProbeResult) return std::nullopt;
     return std::chrono::nanoseconds(ns);
+  }
+  std::string failure() override {
+    if (const int e = s_->write_errno.load())
+      return "write of " + log_field(s_->name) + " (unlinked): " + std::strerror(e);
+    if (const int e = s_->sync_errno.load())
+      return "fdatasync of " + log_field(s_->name) + " (unlinked): " + std::strerror(e);
+    return {};
   }
 
  private:
@@ -383,15 +403,32 @@ std::unique_ptr<TargetFile> SystemTargetFiles::open(const std::string& path) {
   return std::make_unique<SystemTargetFile>(fd, source_);
 }
 
-std::unique_ptr<ProbeFile> SystemTargetFiles::open_probe(const std::string& path) {
+ProbeOpening SystemTargetFiles::open_probe(const std::string& path) {
   // Only beside a regular file, in a directory of the same filesystem: a probe in /dev (an LV's
   // node) or on another mount would measure some other storage.
+  // errno first: building the message may change it.
+  const auto failed = [](int err, const std::string& what) {
+    return ProbeOpening{nullptr, what + ": " + std::strerror(err)};
+  };
   struct stat target = {};
   struct stat dir = {};
   const std::string d = directory_of(path);
-  if (::stat(path.c_str(), &target) != 0 || !S_ISREG(target.st_mode) ||
-      ::stat(d.c_str(), &dir) != 0 || dir.st_dev != target.st_dev)
-    return nullptr;
+  if (::stat(path.c_str(), &target) != 0) {
+    const int err = errno;
+    return failed(err, "cannot stat the target " + log_field(path));
+  }
+  if (!S_ISREG(target.st_mode))
+    return {nullptr, "the target " + log_field(path) +
+                         " is not a regular file (a probe file elsewhere would measure other "
+                         "storage)"};
+  if (::stat(d.c_str(), &dir) != 0) {
+    const int err = errno;
+    return failed(err, "cannot stat the target's directory " + log_field(d));
+  }
+  if (dir.st_dev != target.st_dev)
+    return {nullptr, "the target's directory " + log_field(d) +
+                         " is another filesystem than the target " + log_field(path) +
+                         " (a probe file there would measure other storage)"};
   static std::atomic<unsigned> serial{0};
   const std::string name =
       d + "/.qcommit-probe-" + std::to_string(::getpid()) + "-" + std::to_string(serial++);
@@ -399,15 +436,18 @@ std::unique_ptr<ProbeFile> SystemTargetFiles::open_probe(const std::string& path
   int fd = ::open(name.c_str(), kFlags | O_DIRECT, 0600);
   if (fd < 0 && errno == EINVAL)  // no O_DIRECT here: the fdatasync still waits for the storage
     fd = ::open(name.c_str(), kFlags, 0600);
-  if (fd < 0) return nullptr;
+  if (fd < 0) {
+    const int err = errno;
+    return failed(err, "cannot create the probe file " + log_field(name));
+  }
   (void)::unlink(name.c_str());
-  auto shared = std::make_shared<ProbeShared>(fd);
+  auto shared = std::make_shared<ProbeShared>(fd, name);
   if (::posix_memalign(&shared->page, kProbeWriteBytes, kProbeWriteBytes) != 0) {
     shared->page = nullptr;
-    return nullptr;
+    return {nullptr, "no memory for the probe's page (" + log_field(name) + ")"};
   }
   std::memset(shared->page, 0, kProbeWriteBytes);
-  return std::make_unique<SystemProbeFile>(std::move(shared));
+  return {std::make_unique<SystemProbeFile>(std::move(shared)), {}};
 }
 
 std::unique_ptr<TargetFile> SystemTargetFiles::open_without_cachestat(int fd,
@@ -477,6 +517,7 @@ std::optional<std::vector<ByteRange>> SystemTargetFiles::commit_extents(
     }
   } catch (const std::exception&) {  // raw, gone, unreadable: the job's own end is used
     return std::nullopt;
+  }
   std::sort(all.begin(), all.end(),
             [](const ByteRange& a, const ByteRange& b) { return a.offset < b.offset; });
   std::vector<ByteRange> merged;
@@ -487,6 +528,7 @@ std::optional<std::vector<ByteRange>> SystemTargetFiles::commit_extents(
           merged.back().offset;
     else
       merged.push_back(r);
+  }
   return merged;
 }
 

@@ -157,16 +157,25 @@ class ProbeFile {
   // The latency of the probe that completed last, once (nullopt: none since the last call, or
   // it failed).
   [[nodiscard]] virtual std::optional<std::chrono::nanoseconds> take() = 0;
+  // What went wrong with the last probe that failed, naming the file and the error ("" when
+  // none failed or the implementation cannot tell).
+  [[nodiscard]] virtual std::string failure() { return {}; }
+};
+
+// A probe file, or why there is none: one line naming the file (or the target) and the reason,
+// for the daemon's log and `qcommit status`.
+struct ProbeOpening {
+  std::unique_ptr<ProbeFile> file;
+  std::string why_not;  // set when `file` is nullptr
 };
 
 class TargetFiles {
  public:
   virtual ~TargetFiles() = default;
-  // A probe file on the storage of the target at `path`; nullptr where there is none (the target
-  // is not a file on a filesystem we can write to).
-  [[nodiscard]] virtual std::unique_ptr<ProbeFile> open_probe(const std::string& path) {
-    (void)path;
-    return nullptr;
+  // A probe file on the storage of the target at `path`, or why there is none (the target is not
+  // a file on a filesystem we can write to).
+  [[nodiscard]] virtual ProbeOpening open_probe(const std::string& path) {
+    return {nullptr, "no probe files here (target " + path + ")"};
   }
   // nullptr when the file cannot be opened.
   [[nodiscard]] virtual std::unique_ptr<TargetFile> open(const std::string& path) = 0;
@@ -180,6 +189,7 @@ class TargetFiles {
       const std::vector<std::string>& layers) {
     (void)layers;
     return std::nullopt;
+  }
 };
 
 // Where a target's page cache is read: auto (cachestat(2) where the kernel has it, else
@@ -210,8 +220,10 @@ class SystemTargetFiles final : public TargetFiles {
       : source_(source), note_(std::move(note)) {}
   [[nodiscard]] std::unique_ptr<TargetFile> open(const std::string& path) override;
   // A file created in the target's directory (when that is the target's filesystem) and
-  [[nodiscard]] std::unique_ptr<ProbeFile> open_probe(const std::string& path) override;
+  // unlinked at once; 4 KiB O_DIRECT writes where the filesystem takes them.  Why not, naming
   // the file and strerror(3)'s text: the directory refuses new files (read-only mount, sandboxed
+  // unit, permissions), the target is no regular file, its directory is another filesystem.
+  [[nodiscard]] ProbeOpening open_probe(const std::string& path) override;
   [[nodiscard]] std::optional<std::string> commit_base(
       const std::string& active, const std::vector<std::string>& chain) override;
   [[nodiscard]] std::optional<std::vector<ByteRange>> commit_extents(

@@ -187,11 +187,12 @@ class FakeTargetFiles final : public TargetFiles {
   std::optional<std::string> commit_base_answer;  // what the host tells of a commit's base
   std::optional<std::vector<ByteRange>> commit_extents_answer;  // what a commit copies
   std::shared_ptr<FakeProbeState> probe;          // nullptr: no probe file can be opened
+  std::string probe_refusal = "cannot create the probe file: Read-only file system";
 
-  std::unique_ptr<ProbeFile> open_probe(const std::string& path) override {
-    if (!probe || files.find(path) == files.end()) return nullptr;
+  ProbeOpening open_probe(const std::string& path) override {
+    if (!probe || files.find(path) == files.end()) return {nullptr, probe_refusal};
     ++probe->opened;
-    return std::make_unique<Probe>(probe);
+    return {std::make_unique<Probe>(probe), {}};
   }
 
   std::unique_ptr<TargetFile> open(const std::string& path) override {
@@ -205,6 +206,7 @@ class FakeTargetFiles final : public TargetFiles {
   }
   std::optional<std::vector<ByteRange>> commit_extents(const std::vector<std::string>&) override {
     return commit_extents_answer;
+  }
 
  private:
   class Probe final : public ProbeFile {
@@ -220,6 +222,9 @@ class FakeTargetFiles final : public TargetFiles {
       if (!pending_) return std::nullopt;
       pending_ = false;
       return s_->latency;
+    }
+    std::string failure() override {
+      return s_->latency ? "" : "fdatasync of the probe file: Input/output error";
     }
 
    private:

@@ -112,6 +112,8 @@ TEST_CASE("plugin.control.socket_round_trip") {
   js.latency_p99 = std::chrono::milliseconds(3);
   js.bytes_left = 1000;
   js.eta_s = 2.5;
+  js.probe = ProbeState::kOff;
+  js.probe_off_reason = "cannot create the probe file /p/.qcommit-probe-1-0: Read-only file system";
   st.jobs.push_back(js);
   const std::string snapshot = status_json(st, TimePoint{});
   {
@@ -136,6 +138,10 @@ TEST_CASE("plugin.control.socket_round_trip") {
     CHECK(json::to_uint64(job.at("speed_bytes_per_s")) == 123456u);
     CHECK(job.at("latency_p99_ms").get<double>() == 3);
     CHECK(job.at("eta_s").get<double>() == 2.5);
+    CHECK(json::string_member(job, "probe") == "off");
+    CHECK(json::string_member(job, "probe_off_reason") == js.probe_off_reason);
+    CHECK(job.at("probe_last_ms").is_null());
+    CHECK(job.at("probe_period_ms").is_null());
     CHECK(read_line(fd) == "{\"ok\":true}");
     send_all(fd, "this is not json\n");
     CHECK(read_line(fd).find("malformed request") != std::string::npos);

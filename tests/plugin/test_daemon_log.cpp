@@ -177,3 +177,45 @@ TEST_CASE("plugin.log.one_line_per_decision_change") {
   CHECK(matching(records, " (was paused)").size() == 1);
   CHECK(decisions.back() != "paused");
 }
+
+TEST_CASE("plugin.log.probe_off_once_per_job") {
+  // A job whose policy asks for the probe but that runs without it: one record naming the file
+  // and the reason, when adopted, not once per status; a probe given up later: one more.
+  DaemonConfig with_probe;
+  with_probe.defaults.probe_period = qcommit::throttle::kDefaultProbePeriod;
+  World w;
+  w.files.probe.reset();
+  w.files.probe_refusal =
+      "cannot create the probe file /pool/.qcommit-probe-1-0: Read-only file system";
+  w.start_job();
+  Governed gv(w, with_probe);
+  std::vector<std::string> records;
+  DaemonLog log([&](std::string_view r) { records.emplace_back(r); });
+  gv.run(5s, [&] { log.observe(gv.g.status(w.now), "qemu:///system", ""); });
+  const auto off = matching(records, "probe");
+  REQUIRE(off.size() == 1);
+  CHECK(off[0] ==
+        "domain vm1 disk vda: shared-queue probe off: cannot create the probe file "
+        "/pool/.qcommit-probe-1-0: Read-only file system");
+
+  World g;
+  g.files.probe = std::make_shared<FakeProbeState>();
+  g.files.probe->latency.reset();  // every probe fails: given up after kMaxProbeFailures
+  g.start_job();
+  Governed gv_g(g, with_probe);
+  records.clear();
+  DaemonLog log_g([&](std::string_view r) { records.emplace_back(r); });
+  gv_g.run(5s, [&] { log_g.observe(gv_g.g.status(g.now), "qemu:///system", ""); });
+  const auto given_up = matching(records, "probe");
+  REQUIRE(given_up.size() == 1);
+  CHECK(given_up[0].rfind("domain vm1 disk vda: shared-queue probe off: given up after 3", 0) == 0);
+
+  // Disabled by the policy (the default): nothing said.
+  World quiet;
+  quiet.start_job();
+  Governed gv_q(quiet);
+  records.clear();
+  DaemonLog log_q([&](std::string_view r) { records.emplace_back(r); });
+  gv_q.run(2s, [&] { log_q.observe(gv_q.g.status(quiet.now), "qemu:///system", ""); });
+  CHECK(matching(records, "probe").empty());
+}

@@ -845,6 +845,60 @@ TEST_CASE("plugin.governor.probe_holds_back_for_hidden_guests") {
   CHECK(gv_fail.progress(1s) > 20.0 * DaemonConfig{}.defaults.floor_bytes_per_s);
 }
 
+TEST_CASE("plugin.governor.probe_state_says_why") {
+  // What status shows of the probe: disabled by the policy, on (with its last latency), off with
+  // the reason the probe file could not be had, off after it was given up (with the last error).
+  DaemonConfig with_probe;
+  with_probe.defaults.probe_period = qcommit::throttle::kDefaultProbePeriod;
+
+  World disabled;
+  disabled.files.probe = std::make_shared<FakeProbeState>();
+  disabled.start_job();
+  Governed gv_disabled(disabled);  // probe=off, the default
+  gv_disabled.run(1s);
+  const JobStatus d = gv_disabled.g.status(disabled.now).jobs.at(0);
+  CHECK(d.probe == ProbeState::kDisabled);
+  CHECK(d.probe_off_reason.empty());
+  CHECK_FALSE(d.probe_last.has_value());
+  CHECK(std::string(to_string(d.probe)) == "disabled");
+
+  World on;
+  on.files.probe = std::make_shared<FakeProbeState>();
+  on.files.probe->latency = 3ms;
+  on.start_job();
+  Governed gv_on(on, with_probe);
+  gv_on.run(1s);
+  const JobStatus o = gv_on.g.status(on.now).jobs.at(0);
+  CHECK(o.probe == ProbeState::kOn);
+  CHECK(o.probe_off_reason.empty());
+  REQUIRE(o.probe_last.has_value());
+  CHECK(*o.probe_last == 3ms);
+
+  World refused;
+  refused.files.probe.reset();  // no probe file can be created
+  refused.files.probe_refusal =
+      "cannot create the probe file /pool/.qcommit-probe-1-0: Read-only file system";
+  refused.start_job();
+  Governed gv_refused(refused, with_probe);
+  gv_refused.run(1s);
+  const JobStatus r = gv_refused.g.status(refused.now).jobs.at(0);
+  CHECK(r.probe == ProbeState::kOff);
+  CHECK(r.probe_off_reason == refused.files.probe_refusal);
+  CHECK_FALSE(r.probe_period.has_value());
+  CHECK(std::string(to_string(r.probe)) == "off");
+
+  World failing;
+  failing.files.probe = std::make_shared<FakeProbeState>();
+  failing.files.probe->latency.reset();
+  failing.start_job();
+  Governed gv_failing(failing, with_probe);
+  gv_failing.run(3s);
+  const JobStatus f = gv_failing.g.status(failing.now).jobs.at(0);
+  CHECK(f.probe == ProbeState::kOff);
+  CHECK(f.probe_off_reason == "given up after 3 failed probes in a row, the last: fdatasync of "
+                              "the probe file: Input/output error");
+}
+
 TEST_CASE("plugin.governor.slowdowns_on_the_wall_clock") {
   // The host's synchronised wall clock is 3.7 s ahead of the governor's monotonic one: the
   // periodic slowdowns start at multiples of the interval on the wall clock (where every other

@@ -297,8 +297,10 @@ TEST_CASE("plugin.writeback.system_probe_file") {
   REQUIRE(fd >= 0);
   close(fd);
   SystemTargetFiles files;
-  auto probe = files.open_probe(target);
-  REQUIRE(probe);
+  ProbeOpening opened = files.open_probe(target);
+  REQUIRE(opened.file);
+  CHECK(opened.why_not.empty());
+  std::unique_ptr<ProbeFile> probe = std::move(opened.file);
   CHECK_FALSE(probe->take().has_value());  // none started
   REQUIRE(probe->start());
   for (int i = 0; i < 5000 && probe->busy(); ++i) usleep(1000);
@@ -307,6 +309,7 @@ TEST_CASE("plugin.writeback.system_probe_file") {
   REQUIRE(latency.has_value());
   CHECK(*latency > std::chrono::nanoseconds::zero());
   CHECK_FALSE(probe->take().has_value());  // reported once
+  CHECK(probe->failure().empty());
   // Nothing but the target in the directory: the probe file was unlinked when opened.
   const std::string listing = "ls -A " + std::string(dir) + " | wc -l";
   FILE* p = popen(listing.c_str(), "r");
@@ -315,9 +318,17 @@ TEST_CASE("plugin.writeback.system_probe_file") {
   CHECK(fscanf(p, "%d", &entries) == 1);
   pclose(p);
   CHECK(entries == 1);
-  // No probe where the target is not a regular file (a block device's node in /dev).
-  CHECK_FALSE(files.open_probe(dir));
-  CHECK_FALSE(files.open_probe("/nonexistent/base.qcow2"));
+  // No probe where the target is not a regular file (a block device's node in /dev), and each
+  // refusal says why, naming the file.
+  const ProbeOpening of_dir = files.open_probe(dir);
+  CHECK_FALSE(of_dir.file);
+  CHECK(of_dir.why_not == "the target " + std::string(dir) +
+                              " is not a regular file (a probe file elsewhere would measure "
+                              "other storage)");
+  const ProbeOpening missing = files.open_probe("/nonexistent/base.qcow2");
+  CHECK_FALSE(missing.file);
+  CHECK(missing.why_not ==
+        "cannot stat the target /nonexistent/base.qcow2: No such file or directory");
   probe.reset();
   unlink(target.c_str());
   rmdir(dir);
