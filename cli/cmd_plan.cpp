@@ -1,12 +1,10 @@
 // qcommit plan: what a merge would do, without writing anything (except the optional
-// bandwidth measurement, which writes and removes a scratch file beside BASE).
-#include <fcntl.h>
-#include <unistd.h>
-
+// measurement, --measure, which rehearses the merge's copy into a scratch file beside BASE that
+// is unlinked as soon as it is created: engine/copy_trial.h).
 #include <chrono>
 #include <cinttypes>
+#include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <filesystem>
 #include <optional>
 #include <string>
@@ -17,6 +15,7 @@
 #include "cli/options.h"
 #include "cli/units.h"
 #include "common/defaults.h"
+#include "engine/copy_trial.h"
 #include "engine/merge.h"
 #include "qcow2/device.h"
 #include "qcow2/error.h"
@@ -24,33 +23,6 @@
 namespace qcommit::cli {
 
 namespace {
-
-inline constexpr uint64_t kMeasureBytes = 32ull << 20;
-inline constexpr uint64_t kMeasureChunk = 1ull << 20;
-
-// Sequential O_DIRECT (else O_DSYNC) write bandwidth of the filesystem holding `dir`, bytes/s.
-double measure_write_bandwidth(const std::string& dir) {
-  const std::string path = dir + "/.qcommit-measure-" + std::to_string(getpid());
-  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_DIRECT | O_CLOEXEC, 0600);
-  if (fd < 0) fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_DSYNC | O_CLOEXEC, 0600);
-  if (fd < 0)
-    throw std::runtime_error(path + ": cannot create measurement file: " + std::strerror(errno));
-  ::unlink(path.c_str());
-  void* mem = nullptr;
-  if (posix_memalign(&mem, 4096, kMeasureChunk) != 0) {
-    ::close(fd);
-    throw std::bad_alloc();
-  }
-  std::memset(mem, 0xa5, kMeasureChunk);
-  const auto t0 = std::chrono::steady_clock::now();
-  for (uint64_t off = 0; off < kMeasureBytes; off += kMeasureChunk)
-    if (::pwrite(fd, mem, kMeasureChunk, off_t(off)) != ssize_t(kMeasureChunk)) break;
-  ::fdatasync(fd);
-  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  ::close(fd);
-  free(mem);
-  return s > 0 ? double(kMeasureBytes) / s : 0;
-}
 
 // Where the kernel's resolution of a chain path leads (looked up, not opened), for display.
 std::string resolved(const std::string& path) {
@@ -135,7 +107,8 @@ std::optional<PlanArgs> parse_plan_args(const Args& args) {
   add("rebase", po::value(&a.rebase)->multitoken(), "children of TOP that would be rebased");
   add("rate", po::value(&a.rate), "expected copy rate for the ETA, e.g. 80M (per second)");
   add("measure", po::bool_switch(&a.measure),
-      "measure the target's sequential write bandwidth for the ETA (writes 32 MiB beside BASE)");
+      "rehearse the merge's copy for the ETA: up to 256 MiB (at most 3 s) of TOP copied as the "
+      "merge copies, at its budget, into a scratch file beside BASE");
   add("budget", po::value(&a.budget), budget_help.c_str());
   add("config", po::value(&a.config_path), config_help.c_str());
   add("connect,c", po::value(&a.uri), connect_help.c_str());
@@ -163,24 +136,48 @@ engine::MergePlan plan(const PlanArgs& a) {
   return engine::plan_merge(mo);
 }
 
-// The copy rate the ETA is computed from: given (--rate), measured (--measure) or none.
+// "20ms", "1.5ms"
+std::string ms_text(std::chrono::nanoseconds d) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%gms", std::chrono::duration<double, std::milli>(d).count());
+  return b;
+}
+
+// The ETA: from a rate given (--rate), from a rehearsal of the copy (--measure), or none.
 struct Eta {
+  std::string source;  // "given", "measured" ("": none)
   double bytes_per_s = 0;
-  std::string source;  // "given", "measured"
-  double seconds = -1;
+  engine::CopyEstimate estimate;
+  std::optional<engine::CopyTrial> trial;
+  std::string paced_by;  // the rehearsal's pacing: "budget 20ms", "none"
 };
 
-Eta estimate(const PlanArgs& a, const engine::MergePlan& p) {
+Eta estimate(const PlanArgs& a, const engine::MergePlan& p,
+             const std::optional<MergePolicy>& policy) {
   Eta e;
   if (!a.rate.empty()) {
     e.bytes_per_s = double(parse_size(a.rate));
+    if (!(e.bytes_per_s > 0)) return e;  // no ETA at no rate
     e.source = "given";
+    e.estimate.seconds = e.estimate.low_seconds = e.estimate.high_seconds =
+        double(p.data_bytes) / e.bytes_per_s;
+    e.estimate.rate_bytes_per_s = e.bytes_per_s;
   } else if (a.measure) {
-    e.bytes_per_s =
-        measure_write_bandwidth(std::filesystem::absolute(p.base).parent_path().string());
+    engine::CopyTrialOptions t;
+    t.source = p.layers.front();
+    t.dir = std::filesystem::absolute(p.base).parent_path().string();
+    if (p.base_format != "qcow2") t.grain = 4096;
+    // Paced as the merge would be: its governor, with the probe and the co-tenants.
+    if (policy) {
+      t.governor = make_budget_governor(*policy, "", true);
+      t.ceiling_bytes_per_s = policy->resolution.policy.ceiling_bytes_per_s;
+    }
+    e.paced_by = policy ? "the budget " + ms_text(policy->resolution.policy.budget) : "none";
+    e.trial = engine::run_copy_trial(t);
+    e.estimate = engine::estimate_copy_time(p.data_bytes, *e.trial);
+    e.bytes_per_s = e.estimate.rate_bytes_per_s;
     e.source = "measured";
   }
-  if (e.bytes_per_s > 0) e.seconds = double(p.data_bytes) / e.bytes_per_s;
   return e;
 }
 
@@ -199,10 +196,20 @@ void print_plan_json(const std::string& top, const engine::MergePlan& p,
                      const std::optional<MergePolicy>& policy, const Eta& eta) {
   json::Ordered doc = plan_json(top, p);
   doc.update(policy ? policy->json_fields() : off_policy_json());
-  if (eta.bytes_per_s > 0) {
+  // A rehearsal of nothing (TOP empty, BASE's filesystem full) gives no ETA.
+  if (eta.source == "given" || (eta.trial && eta.trial->bytes > 0)) {
     doc["rate"] = whole(eta.bytes_per_s);
-    doc["eta-seconds"] = rounded(eta.seconds, 1);
+    doc["eta-seconds"] = rounded(eta.estimate.seconds, 1);
+    doc["eta-low-seconds"] = rounded(eta.estimate.low_seconds, 1);
+    doc["eta-high-seconds"] = rounded(eta.estimate.high_seconds, 1);
+    doc["eta-source"] = eta.source;
   }
+  if (eta.trial)
+    doc["measured"] = json::Ordered{{"bytes", eta.trial->bytes},
+                                    {"seconds", rounded(eta.trial->seconds, 3)},
+                                    {"direct-io", eta.trial->direct_io},
+                                    {"request-bytes", eta.trial->request_bytes},
+                                    {"paced-by", eta.paced_by}};
   print_json(doc);
 }
 
@@ -253,6 +260,53 @@ void print_space_and_switch(const engine::MergePlan& p) {
                   p.rebase[i].c_str(), p.base.c_str());
 }
 
+// "8.3 s", "2 min 5 s"
+std::string seconds_text(double s) {
+  char b[48];
+  const long whole_s = std::lround(s);
+  if (whole_s >= 60)
+    std::snprintf(b, sizeof b, "%ld min %ld s", whole_s / 60, whole_s % 60);
+  else
+    std::snprintf(b, sizeof b, "%.1f s", s);
+  return b;
+}
+
+void print_eta(const Eta& eta) {
+  if (eta.source.empty()) {
+    std::printf("ETA:            give --rate or --measure\n");
+    return;
+  }
+  const engine::CopyEstimate& e = eta.estimate;
+  if (eta.source == "given") {
+    std::printf("ETA:            %s at %s/s (given; with a latency budget the copy takes what "
+                "co-tenants leave)\n",
+                seconds_text(e.seconds).c_str(), format_size(uint64_t(eta.bytes_per_s)).c_str());
+    return;
+  }
+  const engine::CopyTrial& t = *eta.trial;
+  if (t.bytes == 0) {
+    std::printf("ETA:            unknown (nothing to rehearse: TOP is empty or BASE's filesystem "
+                "is full)\n");
+    return;
+  }
+  std::string range;
+  if (e.high_seconds - e.low_seconds >= 0.05)
+    range = " (" + seconds_text(e.low_seconds) + " to " + seconds_text(e.high_seconds) + ")";
+  std::printf("ETA:            about %s%s for the copy\n", seconds_text(e.seconds).c_str(),
+              range.c_str());
+  std::printf("                measured: %s of TOP copied beside BASE as the merge copies "
+              "(%s, %s requests, paced by %s) in %.2f s",
+              format_size(t.bytes).c_str(), t.direct_io ? "O_DIRECT" : "buffered",
+              format_size(t.request_bytes).c_str(), eta.paced_by.c_str(), t.seconds);
+  if (e.rate_bytes_per_s > 0 && e.seconds > t.seconds)
+    std::printf(", the rest at %s/s%s", format_size(uint64_t(e.rate_bytes_per_s)).c_str(),
+                t.governed ? " on average (the rate still growing as during the measurement)"
+                           : "");
+  std::printf("\n");
+  if (eta.paced_by != "none")
+    std::printf("                co-tenants busier than during the measurement make it longer\n");
+}
+
 void print_budget_and_eta(const std::optional<MergePolicy>& policy, const Eta& eta) {
   if (policy) {
     std::printf("budget:         %s\n", policy->budget_line().substr(7).c_str());
@@ -260,13 +314,7 @@ void print_budget_and_eta(const std::optional<MergePolicy>& policy, const Eta& e
   } else {
     std::printf("budget:         off (unthrottled)\n");
   }
-  if (eta.bytes_per_s > 0)
-    std::printf(
-        "ETA:            %.1f s at %s/s (%s; with a latency budget the copy takes what co-tenants "
-        "leave)\n",
-        eta.seconds, format_size(uint64_t(eta.bytes_per_s)).c_str(), eta.source.c_str());
-  else
-    std::printf("ETA:            give --rate or --measure\n");
+  print_eta(eta);
 }
 
 void print_plan_human(const engine::MergePlan& p, const std::optional<MergePolicy>& policy,
@@ -284,8 +332,8 @@ int cmd_plan(const Args& args) {
   if (!a) return kExitOk;
   const Output out = parse_output(a->output);
   const engine::MergePlan p = plan(*a);
-  const Eta eta = estimate(*a, p);
   const std::optional<MergePolicy> policy = merge_policy(*a, p);
+  const Eta eta = estimate(*a, p, policy);
   warn_short_space(p);
   if (out == Output::kJson)
     print_plan_json(a->top, p, policy, eta);
