@@ -258,16 +258,20 @@ class WindowCopier {
   }
 
   // kAuto: O_DIRECT for every aligned request of at least kMinDirectRequestBytes, in place or
-  // into new space; smaller ones through the page cache. (Through the page cache every byte is
-  // copied once more in the kernel and 16 writers queue on BASE's inode lock: rand4g spent
-  // 1.7-2.0 s of system CPU per GiB that way against 0.43-0.46 s O_DIRECT, and took 2.4x as
-  // long on a busy host; docs/benchmarks.md.)
+  // into new space, and for the aligned pieces of a cluster overwritten in place whatever their
+  // size (pending_small_direct); other smaller ones through the page cache. (Through the page
+  // cache every byte is copied once more in the kernel and 16 writers queue on BASE's inode
+  // lock: rand4g spent 1.7-2.0 s of system CPU per GiB that way against 0.43-0.46 s O_DIRECT,
+  // and took 2.4x as long on a busy host; rand4g4k's 4-60 KiB pieces in place took 0.23 s of
+  // system CPU O_DIRECT against 0.28 s, in the same time; docs/benchmarks.md.)
   void submit_pending() {
-    if (opt.write_mode == WriteMode::kAuto && pending.direct_dst && pending.length < kMinDirectRequestBytes) {
+    if (opt.write_mode == WriteMode::kAuto && pending.direct_dst && pending.length < kMinDirectRequestBytes &&
+        !pending_small_direct) {
       pending.dst_fd = dst_file->fd();  // through the page cache, writeback started at once
       pending.direct_dst = false;
       pending.buffered_dst = true;
     }
+    pending_small_direct = false;
     if (pending.length) {
       if (defer_jobs) {
         for (const AssembledCluster& c : pending.clusters) held_view_bytes += c.view.size();
@@ -315,8 +319,9 @@ class WindowCopier {
   // number of device requests unthrottled; the destination must be aligned for O_DIRECT, else the
   // buffered fd is used. kAuto sends requests smaller than kMinDirectRequestBytes through the page
   // cache.
+  // small_direct: kAuto writes the request O_DIRECT (where aligned) even when it is small.
   void submit_copy(int src_fd, const std::string& src_name, uint64_t src_off, uint64_t dst_off,
-                         uint64_t len) {
+                   uint64_t len, bool small_direct = false) {
     const uint64_t chunk = request_bytes();
     for (uint64_t p = 0; p < len;) {
       const uint64_t n = std::min(chunk, len - p);
@@ -335,6 +340,7 @@ class WindowCopier {
         pending = CopyJob{{{src_fd, src_off + p, n, &src_name}}, {}, fd, dst_off + p, n, buffered || !aligned,
                           !buffered && aligned, &dst_name};
       }
+      if (small_direct) pending_small_direct = true;
       p += n;
     }
   }
@@ -466,9 +472,14 @@ class WindowCopier {
     for (const PartialPiece& pp : pieces)
       if (pp.start < c || pp.end > cend)
         throw Error(dst_name, "internal: partial piece outside its cluster at " + qcow2::hex(c));
+    // Pieces in place: each 4 KiB-aligned one O_DIRECT whatever its size (spliced from the
+    // source's pages; nothing dirtied in BASE's page cache, no writeback to start), the others
+    // through the page cache, which reads the rest of their first and last pages (never the
+    // pages of an aligned piece: pieces do not overlap).
     if (const auto host = writer->prepare_in_place(c)) {
       for (const PartialPiece& pp : pieces)
-        submit_copy(pp.source.fd, *pp.source.name, pp.source.offset, *host + (pp.start - c), pp.end - pp.start);
+        submit_copy(pp.source.fd, *pp.source.name, pp.source.offset, *host + (pp.start - c), pp.end - pp.start,
+                    true);
       return;
     }
     AssembledCluster ac;
@@ -610,6 +621,7 @@ class WindowCopier {
   const Clock::time_point t_copy = Clock::now();
   std::vector<uint8_t> buf;
   CopyJob pending;
+  bool pending_small_direct = false;  // see submit_pending()
   bool defer_jobs = false;  // see issue_deferred()
   std::vector<CopyJob> deferred;
   uint64_t held_view_bytes = 0;  // of the assembled clusters in `deferred`

@@ -44,10 +44,10 @@ enum class WriteMode : uint8_t {
   kDirect,
   // Page cache, writeback started per request (sync_file_range), a flush per window.
   kBuffered,
-  // O_DIRECT for overwrites of at least kMinDirectRequestBytes (the source's cached pages are
-  // spliced into the write, nothing is copied through user space or dirtied), the page cache
-  // for smaller ones (the kernel merges and queues small scattered writes deeper) and for new
-  // space (writeback allocates it in bulk).
+  // O_DIRECT for aligned requests of at least kMinDirectRequestBytes, in place or into new
+  // space (the source's cached pages are spliced into the write, nothing is copied through user
+  // space or dirtied), and for the aligned pieces of a cluster overwritten in place whatever
+  // their size; the page cache for other smaller requests and for unaligned ones.
   kAuto,
 };
 
