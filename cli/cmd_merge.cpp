@@ -332,10 +332,12 @@ struct GovernedMerge {
     }
   }
 
-  std::shared_ptr<engine::CopyGovernor> governor_for(const std::string& merge_base) {
+  // `top`: TOP as its trace records it (empty where it is not known here).
+  std::shared_ptr<engine::CopyGovernor> governor_for(const std::string& merge_base,
+                                                     const std::string& top) {
     if (!args.governed()) return rate_cap();
     announce_policy(merge_base);
-    governor = make_budget_governor(*policy, args.trace, args.probe == "on");
+    governor = make_budget_governor(*policy, args.trace, args.probe == "on", top);
     return governor;
   }
 
@@ -420,7 +422,8 @@ std::optional<engine::MergeResult> merge_through_libvirt(const MergeArgs& a,
     // --domain hands over BASE; --pool/--vol hands over TOP (the volume).
     req.make_governor = [&a, &gm, &mo,
                          dirs = req.merge.allowed_backing_dirs](const std::string& target) {
-      return gm.governor_for(a.domain.empty() ? merge_base_of(target, mo.base, dirs) : target);
+      if (!a.domain.empty()) return gm.governor_for(target, {});
+      return gm.governor_for(merge_base_of(target, mo.base, dirs), target);
     };
   }
   auto note = [&gm](const std::string& m) { print_note(gm.out, m); };
@@ -526,7 +529,8 @@ int cmd_merge(const Args& args) {
     return kExitOk;
   }
   if (a.governed() && !a.via_libvirt())
-    mo.governor = gm.governor_for(merge_base_of(a.top, mo.base, mo.allowed_backing_dirs));
+    mo.governor = gm.governor_for(merge_base_of(a.top, mo.base, mo.allowed_backing_dirs),
+                                  std::filesystem::absolute(a.top).lexically_normal().string());
   else if (!a.via_libvirt())
     mo.governor = gm.rate_cap();
   MergeProgress shown(gm.out, isatty(2) && gm.out == Output::kHuman, !a.dry_run);
@@ -541,6 +545,7 @@ int cmd_merge(const Args& args) {
     } else {
       r = engine::merge(mo);
     }
+    if (gm.governor) gm.governor->finish_trace(engine::Clock::now());  // the merge's end
   } catch (const engine::NoSpaceError& e) {
     shown.stop();
     if (gm.out == Output::kJson) print_json(no_space_json(e));

@@ -1,13 +1,17 @@
 // qcommit report: a self-contained HTML page (inline SVG, no scripts, no external files) with the
-// latency-vs-time and rate-vs-time plots of a `qcommit merge --trace` CSV.
+// plots of a `qcommit merge --trace` CSV: latency with the budget, pacing rate beside the
+// achieved throughput, bytes done, and the window. The merge's parameters come from the trace's
+// leading "# key=value" lines; a trace without them (older qcommit) says "not recorded".
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "cli/json.h"
@@ -20,10 +24,23 @@ namespace {
 inline constexpr int kPlotWidth = 900;
 inline constexpr int kPlotHeight = 300;
 inline constexpr int kMargin = 60;
+inline constexpr double kMiB = 1024.0 * 1024.0;
+// The latency plot's axis reaches at least this multiple of the budget: the budget line lies
+// below the plot's top, with room for its label.
+inline constexpr double kBudgetHeadroom = 1.2;
+// Achieved throughput at a row: bytes done over (about) the preceding half second.
+inline constexpr double kThroughputWindowSeconds = 0.5;
+inline constexpr const char* kNotRecorded = "not recorded";
 
 struct Series {
-  std::string label, color;
+  std::string id, label, color;
   std::vector<double> y;
+};
+
+// A horizontal line across a plot at `value` (the budget on the latency plot).
+struct Reference {
+  std::string id, label, color;
+  double value;
 };
 
 std::string html_escape(std::string_view s) {
@@ -129,7 +146,13 @@ void draw_frame(Svg& svg, const PlotFrame& f, const std::string& title, const st
   for (int i = 0; i <= 5; ++i) {
     const double yv = f.ymax * i / 5, yy = f.y(yv);
     svg.empty("line", {{"x1", m}, {"y1", yy}, {"x2", w - m}, {"y2", yy}, {"stroke", "#ddd"}})
-        .element("text", {{"x", m - 6}, {"y", yy + 4}, {"text-anchor", "end"}, {"font-size", 11}},
+        .element("text",
+                 {{"class", "ytick"},
+                  {"x", m - 6},
+                  {"y", yy + 4},
+                  {"text-anchor", "end"},
+                  {"font-size", 11},
+                  {"data-y", yy}},
                  number(yv))
         .newline();
     const double xv = f.tmax * i / 5;
@@ -166,7 +189,8 @@ void draw_series(Svg& svg, const PlotFrame& f, const std::vector<double>& t,
     std::ostringstream points;
     for (size_t i = 0; i < t.size() && i < s.y.size(); ++i)
       points << f.x(t[i]) << ',' << f.y(s.y[i]) << ' ';
-    svg.empty("polyline", {{"class", "series"},
+    svg.empty("polyline", {{"id", s.id},
+                           {"class", "series"},
                            {"fill", "none"},
                            {"stroke", s.color},
                            {"stroke-width", "1.5"},
@@ -183,9 +207,32 @@ void draw_series(Svg& svg, const PlotFrame& f, const std::vector<double>& t,
   }
 }
 
+// The reference as a dashed line across the plot, labelled at its right end.
+void draw_reference(Svg& svg, const PlotFrame& f, const Reference& r) {
+  const double yy = f.y(r.value);
+  svg.empty("line", {{"id", r.id},
+                     {"class", "reference"},
+                     {"x1", f.m},
+                     {"y1", yy},
+                     {"x2", f.w - f.m},
+                     {"y2", yy},
+                     {"stroke", r.color},
+                     {"stroke-width", 2},
+                     {"stroke-dasharray", "6 4"}})
+      .element("text",
+               {{"x", f.w - f.m - 4},
+                {"y", yy - 4},
+                {"text-anchor", "end"},
+                {"font-size", 11},
+                {"fill", r.color}},
+               r.label)
+      .newline();
+}
+
 std::string svg_plot(const std::string& id, const std::string& title, const std::string& ylabel,
-                     const std::vector<double>& t, const std::vector<Series>& series) {
-  double ymax = 0;
+                     const std::vector<double>& t, const std::vector<Series>& series,
+                     const std::optional<Reference>& reference = std::nullopt) {
+  double ymax = reference ? reference->value * kBudgetHeadroom : 0;
   for (const auto& s : series)
     for (double v : s.y) ymax = std::max(ymax, v);
   const PlotFrame f{.tmax = t.empty() ? 1 : std::max(1e-9, t.back()), .ymax = nice_ceiling(ymax)};
@@ -199,14 +246,22 @@ std::string svg_plot(const std::string& id, const std::string& title, const std:
       .newline();
   draw_frame(svg, f, title, ylabel);
   draw_series(svg, f, t, series);
+  if (reference) draw_reference(svg, f, *reference);
   svg.close("svg").newline();
   return svg.str();
 }
 
 // A `qcommit merge --trace` CSV: its columns by name and its rows of numbers.
 struct Trace {
+  std::map<std::string, std::string> params;  // the merge's, from "# key=value" lines
   std::map<std::string, size_t> col;
   std::vector<std::vector<double>> rows;
+
+  // The parameter `key` as recorded, or kNotRecorded.
+  [[nodiscard]] std::string param(const std::string& key) const {
+    const auto it = params.find(key);
+    return it == params.end() ? kNotRecorded : it->second;
+  }
 
   // The column `name` of every row, times `scale`.
   [[nodiscard]] std::vector<double> column(const char* name, double scale) const {
@@ -243,14 +298,41 @@ std::vector<double> read_row(const std::string& line) {
   return r;
 }
 
+// A "# key=value" line's value with its escapes (\\, \n, \r) undone.
+std::string unescape_param(std::string_view v) {
+  std::string o;
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (v[i] != '\\' || i + 1 == v.size()) {
+      o += v[i];
+      continue;
+    }
+    const char c = v[++i];
+    o += c == 'n' ? '\n' : c == 'r' ? '\r' : c;
+  }
+  return o;
+}
+
+// "# key=value" → params[key]; a comment line without '=' is skipped.
+void read_param(const std::string& line, std::map<std::string, std::string>& params) {
+  const size_t start = line.find_first_not_of("# ");
+  const size_t eq = line.find('=');
+  if (start == std::string::npos || eq == std::string::npos || eq <= start) return;
+  params[line.substr(start, eq - start)] = unescape_param(std::string_view(line).substr(eq + 1));
+}
+
 Trace read_trace(const std::string& path) {
   std::ifstream in(path);
   if (!in) throw std::runtime_error(path + ": cannot open");
-  std::string line;
-  if (!std::getline(in, line)) throw std::runtime_error(path + ": empty trace");
   Trace t;
+  std::string line;
+  size_t lineno = 0;
+  for (;;) {
+    if (!std::getline(in, line)) throw std::runtime_error(path + ": empty trace");
+    ++lineno;
+    if (line.empty() || line[0] != '#') break;
+    read_param(line, t.params);
+  }
   t.col = read_columns(path, line);
-  size_t lineno = 1;
   while (std::getline(in, line)) {
     ++lineno;
     std::vector<double> r = read_row(line);
@@ -260,8 +342,6 @@ Trace read_trace(const std::string& path) {
   }
   return t;
 }
-
-inline constexpr double kMiB = 1024.0 * 1024.0;
 
 // What the report's table and the printed summary say.
 struct Summary {
@@ -286,33 +366,110 @@ Summary summarize(const Trace& trace) {
   return s;
 }
 
-// The page: the summary's table, then the latency and the rate plots.
-std::string report_html(const std::string& trace_path, const Trace& trace, const Summary& s) {
-  std::ostringstream html;
+// The recorded budget in milliseconds, if the trace has it.
+std::optional<double> budget_ms(const Trace& trace) {
+  const auto it = trace.params.find("budget_ms");
+  if (it == trace.params.end()) return std::nullopt;
+  char* end = nullptr;
+  const double v = std::strtod(it->second.c_str(), &end);
+  if (end == it->second.c_str() || !(v > 0)) return std::nullopt;
+  return v;
+}
+
+// Achieved throughput at each row (bytes/s): the bytes done since the last row at least
+// kThroughputWindowSeconds earlier (or since the merge's start, t = 0), over the time between.
+std::vector<double> throughput(const std::vector<double>& t, const std::vector<double>& done) {
+  std::vector<double> tt{0}, bb{0}, out;
+  tt.insert(tt.end(), t.begin(), t.end());
+  bb.insert(bb.end(), done.begin(), done.end());
+  size_t j = 0;
+  for (size_t i = 1; i < tt.size(); ++i) {
+    while (j + 1 < i && tt[j + 1] <= tt[i] - kThroughputWindowSeconds) ++j;
+    const double dt = tt[i] - tt[j];
+    out.push_back(dt > 0 ? (bb[i] - bb[j]) / dt : 0);
+  }
+  return out;
+}
+
+// The page's head and style.
+void write_head(std::ostringstream& html) {
   html << "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>qcommit merge "
           "report</title>\n"
        << "<style>body{font-family:sans-serif;margin:2em;color:#222} "
-          "table{border-collapse:collapse}"
+          "table{border-collapse:collapse;margin:0.5em 0}"
        << " td,th{border:1px solid #ccc;padding:4px 10px;text-align:right} "
-          ".plot{display:block;margin:1em 0}</style>"
-       << "</head><body>\n<h1>qcommit merge report</h1>\n<p>trace: " << html_escape(trace_path)
-       << "</p>\n"
-       << "<table><tr><th>duration</th><th>copied</th><th>mean rate</th><th>probe "
-          "p50</th><th>probe p99</th>"
-       << "<th>probe max</th></tr><tr>";
-  char b[256];
+          "#merge th,#merge td{text-align:left} .plot{display:block;margin:1em 0}</style>"
+       << "</head><body>\n<h1>qcommit merge report</h1>\n";
+}
+
+// What was merged into what, under which budget, when and for how long.
+void write_merge_header(std::ostringstream& html, const std::string& trace_path, const Trace& trace,
+                        const Summary& s) {
+  const std::optional<double> budget = budget_ms(trace);
+  char duration[64];
+  std::snprintf(duration, sizeof duration, "%.1f s", s.seconds);
+  const std::pair<const char*, std::string> rows[] = {
+      {"TOP", trace.param("top")},
+      {"BASE", trace.param("base")},
+      {"budget", budget ? number(*budget) + "ms" : kNotRecorded},
+      {"start (UTC)", trace.param("start")},
+      {"duration", duration},
+      {"trace", trace_path}};
+  html << "<table id=\"merge\">";
+  for (const auto& [name, value] : rows)
+    html << "<tr><th>" << name << "</th><td>" << html_escape(value) << "</td></tr>";
+  html << "</table>\n";
+}
+
+// The totals: duration, bytes copied (the last row, the merge's end), mean rate, the probe.
+void write_totals(std::ostringstream& html, const Summary& s) {
+  html << "<table id=\"totals\"><tr><th>duration</th><th>copied</th><th>mean rate</th><th>probe "
+          "p50</th><th>probe p99</th><th>probe max</th></tr><tr>";
+  char b[320];
   std::snprintf(b, sizeof b,
-                "<td>%.1f s</td><td>%.1f MiB</td><td>%.1f MiB/s</td><td>%.2f ms</td><td>%.2f "
-                "ms</td><td>%.2f ms</td>",
-                s.seconds, s.copied_bytes / kMiB, s.mean_rate / kMiB, s.p50_ms, s.p99_ms, s.max_ms);
+                "<td>%.1f s</td><td id=\"copied\" data-bytes=\"%.0f\">%.1f MiB</td><td>%.1f "
+                "MiB/s</td><td>%.2f ms</td><td>%.2f ms</td><td>%.2f ms</td>",
+                s.seconds, s.copied_bytes, s.copied_bytes / kMiB, s.mean_rate / kMiB, s.p50_ms,
+                s.p99_ms, s.max_ms);
   html << b << "</tr></table>\n";
+}
+
+// The plots: latency with the budget, pacing rate and achieved throughput, bytes done, window.
+void write_plots(std::ostringstream& html, const Trace& trace) {
   const std::vector<double> t = trace.column("t_s", 1);
+  const std::vector<double> done = trace.column("bytes_done", 1);
+  std::optional<Reference> budget_line;
+  if (const auto b = budget_ms(trace))
+    budget_line = Reference{"budget-line", "budget " + number(*b) + "ms", "#e67e22", *b};
   html << svg_plot("latency", "Latency over time", "ms", t,
-                   {{"probe / foreground max per tick", "#c0392b", trace.column("fg_max_ms", 1)},
-                    {"queueing delay (controller)", "#2980b9", trace.column("queue_delay_ms", 1)}});
-  html << svg_plot("rate", "Rate and window over time", "MiB/s  |  MiB", t,
-                   {{"pacing rate (MiB/s)", "#27ae60", trace.column("rate_bytes_per_s", 1 / kMiB)},
-                    {"window (MiB)", "#8e44ad", trace.column("window_bytes", 1 / kMiB)}});
+                   // the probe drawn last, over the queueing delay where both lie near zero
+                   {{"series-queue-delay", "queueing delay (controller)", "#2980b9",
+                     trace.column("queue_delay_ms", 1)},
+                    {"series-probe", "probe / foreground max per tick", "#c0392b",
+                     trace.column("fg_max_ms", 1)}},
+                   budget_line);
+  if (!budget_line) html << "<p id=\"no-budget\">budget: " << kNotRecorded << "</p>\n";
+  std::vector<double> achieved = throughput(t, done);
+  for (double& v : achieved) v /= kMiB;
+  html << svg_plot(
+      "rate", "Pacing rate and achieved throughput", "MiB/s", t,
+      {{"series-pacing-rate", "pacing rate", "#27ae60", trace.column("rate_bytes_per_s", 1 / kMiB)},
+       {"series-throughput", "achieved throughput (bytes done/s)", "#1f6fb2", achieved}});
+  html << svg_plot(
+      "done", "Bytes done", "MiB", t,
+      {{"series-bytes-done", "bytes done", "#2c3e50", trace.column("bytes_done", 1 / kMiB)}});
+  html << svg_plot(
+      "window", "Window (bytes in flight allowed)", "MiB", t,
+      {{"series-window", "window", "#8e44ad", trace.column("window_bytes", 1 / kMiB)}});
+}
+
+// The page: the merge's header, the totals, then the plots.
+std::string report_html(const std::string& trace_path, const Trace& trace, const Summary& s) {
+  std::ostringstream html;
+  write_head(html);
+  write_merge_header(html, trace_path, trace, s);
+  write_totals(html, s);
+  write_plots(html, trace);
   html << "</body></html>\n";
   return html.str();
 }
@@ -324,13 +481,22 @@ void write_file(const std::string& path, const std::string& text) {
   if (!f) throw std::runtime_error(path + ": cannot write");
 }
 
-void print_summary(const std::string& trace_path, const std::string& html_path, size_t rows,
+void print_summary(const std::string& trace_path, const std::string& html_path, const Trace& trace,
                    const Summary& s, Output out) {
   if (out == Output::kJson) {
+    const auto recorded = [&trace](const char* key) {
+      const auto it = trace.params.find(key);
+      return it == trace.params.end() ? json::Ordered(nullptr) : json::Ordered(it->second);
+    };
+    const std::optional<double> budget = budget_ms(trace);
     print_json(json::Ordered{
         {"trace", trace_path},
         {"html", html_path.empty() ? json::Ordered(nullptr) : json::Ordered(html_path)},
-        {"rows", rows},
+        {"rows", trace.rows.size()},
+        {"top", recorded("top")},
+        {"base", recorded("base")},
+        {"budget-ms", budget ? json::Ordered(rounded(*budget, 3)) : json::Ordered(nullptr)},
+        {"start", recorded("start")},
         {"duration-seconds", rounded(s.seconds, 3)},
         {"copied-bytes", whole(s.copied_bytes)},
         {"mean-rate-bytes-per-second", whole(s.mean_rate)},
@@ -371,7 +537,7 @@ int cmd_report(const Args& args) {
   const Trace trace = read_trace(trace_path);
   const Summary s = summarize(trace);
   if (!html_path.empty()) write_file(html_path, report_html(trace_path, trace, s));
-  print_summary(trace_path, html_path, trace.rows.size(), s, out);
+  print_summary(trace_path, html_path, trace, s, out);
   return kExitOk;
 }
 

@@ -168,7 +168,7 @@ json::Ordered off_policy_json() {
 
 std::shared_ptr<engine::BudgetGovernor> make_budget_governor(const MergePolicy& p,
                                                              const std::string& trace_path,
-                                                             bool probe) {
+                                                             bool probe, const std::string& top) {
   const plugin::Policy& pol = p.resolution.policy;
   engine::BudgetGovernorConfig cfg;
   cfg.budget = pol.budget;
@@ -178,6 +178,8 @@ std::shared_ptr<engine::BudgetGovernor> make_budget_governor(const MergePolicy& 
       std::clamp(engine::kInitialRateBytesPerS, pol.floor_bytes_per_s, pol.ceiling_bytes_per_s);
   if (probe) cfg.probe_dir = fs::path(p.base).parent_path().string();
   cfg.trace_path = trace_path;
+  if (!top.empty()) cfg.trace_params.emplace_back("top", top);
+  cfg.trace_params.emplace_back("base", p.base);
   if (p.cotenant_state == "on") cfg.cotenants = p.cotenants;
   if (auto err = cfg.validate(); !err.empty()) throw UsageError(err);
   return std::make_shared<engine::BudgetGovernor>(cfg);

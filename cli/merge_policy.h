@@ -62,9 +62,10 @@ struct MergePolicy {
                                                const std::string& base);
 
 // The governor of a merge into p.base: p's budget and rate bounds, the probe beside BASE, the
-// co-tenants when on.  Throws UsageError on an unusable configuration.
+// co-tenants when on; its trace (if any) records TOP (when known, else not), BASE and the budget.
+// Throws UsageError on an unusable configuration.
 [[nodiscard]] std::shared_ptr<engine::BudgetGovernor> make_budget_governor(
-    const MergePolicy& p, const std::string& trace_path, bool probe);
+    const MergePolicy& p, const std::string& trace_path, bool probe, const std::string& top = {});
 
 // --max-rate's value: a size (cli::parse_size's grammar, "50M", "1.5G", "4096"), optionally
 // followed by "/s"; at least the smallest floor a policy allows (4K).  Throws UsageError.

@@ -6,7 +6,9 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <map>
+#include <string_view>
 
 namespace qcommit::engine {
 
@@ -16,6 +18,42 @@ inline constexpr auto kWindowFullWait = std::chrono::milliseconds(1);
 
 throttle::TimePoint to_tp(Clock::time_point t) {
   return throttle::TimePoint(std::chrono::duration_cast<throttle::Duration>(t.time_since_epoch()));
+}
+
+// The trace's CSV header: a column per field of a row (trace_row).
+inline constexpr const char* kTraceColumns =
+    "t_s,fg_max_ms,fg_samples,fg_outstanding_ms,copy_max_ms,backlog_bytes,drained_bytes,"
+    "bytes_done,window_bytes,rate_bytes_per_s,paused,phase,queue_delay_ms,"
+    "drain_estimate_bytes_per_s,request_bytes,cotenant_max_ms,cotenant_samples,"
+    "cotenant_outstanding_ms\n";
+
+// A trace parameter's value on one line: backslash, CR and LF escaped.
+std::string trace_value(std::string_view v) {
+  std::string o;
+  for (char c : v) {
+    if (c == '\\')
+      o += "\\\\";
+    else if (c == '\n')
+      o += "\\n";
+    else if (c == '\r')
+      o += "\\r";
+    else
+      o += c;
+  }
+  return o;
+}
+
+// A wall-clock time as ISO 8601 in UTC with milliseconds: 2026-12-02T13:55:00.123Z.
+std::string utc_iso8601(std::chrono::system_clock::time_point t) {
+  const std::time_t secs = std::chrono::system_clock::to_time_t(t);
+  const auto ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(t.time_since_epoch()).count() % 1000;
+  std::tm tm{};
+  gmtime_r(&secs, &tm);
+  char buf[40];
+  const size_t n = std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%S", &tm);
+  std::snprintf(buf + n, sizeof buf - n, ".%03dZ", int(ms));
+  return buf;
 }
 }  // namespace
 
@@ -116,7 +154,8 @@ BudgetGovernor::BudgetGovernor(BudgetGovernorConfig cfg)
       }()),
       ctl_(cfg_.controller),
       pacer_(cfg_.controller.initial_rate_bytes_per_s),
-      epoch_(Clock::now()) {
+      epoch_(Clock::now()),
+      wall_epoch_(std::chrono::system_clock::now()) {
   if (!cfg_.probe_dir.empty()) {
     probe_path_ = cfg_.probe_dir + "/.qcommit-probe-" + std::to_string(getpid());
     probe_fd_ = ::open(probe_path_.c_str(), O_RDWR | O_CREAT | O_DIRECT | O_CLOEXEC, 0600);
@@ -131,14 +170,7 @@ BudgetGovernor::BudgetGovernor(BudgetGovernorConfig cfg)
     feed_ = std::make_shared<Feed>(cfg_.cotenants, cfg_.cotenant_interval);
     if (cfg_.cotenant_thread) feed_thread_ = std::thread([f = feed_] { Feed::run(f); });
   }
-  if (!cfg_.trace_path.empty()) {
-    trace_ = std::fopen(cfg_.trace_path.c_str(), "w");
-    if (trace_)
-      std::fputs("t_s,fg_max_ms,fg_samples,fg_outstanding_ms,copy_max_ms,backlog_bytes,drained_bytes,"
-                 "bytes_done,window_bytes,rate_bytes_per_s,paused,phase,queue_delay_ms,drain_estimate_bytes_per_s,"
-                 "request_bytes,cotenant_max_ms,cotenant_samples,cotenant_outstanding_ms\n",
-                 trace_);
-  }
+  open_trace();
   decision_ = ctl_.tick({.now = tp(Clock::now())});
 }
 
@@ -162,6 +194,37 @@ void BudgetGovernor::trace_row(Clock::time_point now, const throttle::TickInput&
                cot.oldest_outstanding ? ms(*cot.oldest_outstanding) : 0.0);
 }
 
+// The merge's parameters as "# key=value" lines (readers that know only the columns skip a
+// leading '#', as gnuplot and pandas' comment='#' do), then the CSV header.
+void BudgetGovernor::open_trace() {
+  if (cfg_.trace_path.empty()) return;
+  trace_ = std::fopen(cfg_.trace_path.c_str(), "w");
+  if (!trace_) return;
+  std::fprintf(trace_, "# start=%s\n", utc_iso8601(wall_epoch_).c_str());
+  std::fprintf(trace_, "# budget_ms=%g\n",
+               std::chrono::duration<double, std::milli>(cfg_.budget).count());
+  for (const auto& [key, value] : cfg_.trace_params)
+    std::fprintf(trace_, "# %s=%s\n", trace_value(key).c_str(), trace_value(value).c_str());
+  std::fputs(kTraceColumns, trace_);
+}
+
+void BudgetGovernor::finish_trace(Clock::time_point now) {
+  std::lock_guard lk(mu_);
+  if (!trace_) return;
+  throttle::TickInput in;
+  in.now = tp(now);
+  in.foreground_latencies = fg_samples_;
+  in.backlog_bytes = inflight_;
+  in.drained_bytes = drained_;
+  drained_total_ += drained_;
+  trace_row(now, in, copy_samples_, {});
+  fg_samples_.clear();
+  copy_samples_.clear();
+  drained_ = 0;
+  std::fclose(trace_);
+  trace_ = nullptr;
+}
+
 BudgetGovernor::~BudgetGovernor() {
   stop_ = true;
   if (feed_thread_.joinable()) {
@@ -178,7 +241,7 @@ BudgetGovernor::~BudgetGovernor() {
   }
   if (probe_thread_.joinable()) probe_thread_.join();
   if (probe_fd_ >= 0) ::close(probe_fd_);
-  if (trace_) std::fclose(trace_);
+  finish_trace(Clock::now());
 }
 
 throttle::TimePoint BudgetGovernor::tp(Clock::time_point t) const { return to_tp(t); }

@@ -23,10 +23,11 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
-#include "engine/foreground.h"
 #include "common/defaults.h"
+#include "engine/foreground.h"
 #include "engine/merge.h"
 #include "throttle/controller.h"
 #include "throttle/pacer.h"
@@ -58,6 +59,9 @@ struct BudgetGovernorConfig {
   Duration budget = defaults::kBudget;
   std::string probe_dir;  // empty: no probe
   std::string trace_path;  // CSV, one row per controller tick (empty: none)
+  // The merge's parameters, written as "# key=value" lines before the trace's CSV header (a
+  // backslash, CR and LF in a value as \\, \r, \n); the governor adds start (UTC) and budget_ms.
+  std::vector<std::pair<std::string, std::string>> trace_params;
   // Co-tenants' counters (null: none), read every cotenant_interval on the governor's own thread,
   // or, with cotenant_thread false, only when the owner calls sample_cotenants() (tests).
   std::shared_ptr<ForegroundSource> cotenants;
@@ -95,6 +99,10 @@ class BudgetGovernor final : public CopyGovernor {
 
   [[nodiscard]] throttle::Decision last_decision();
 
+  // The trace's last row, at the merge's end: the bytes completed and the samples taken since the
+  // last controller tick, with its decision (no tick is run). Once; the destructor calls it too.
+  void finish_trace(Clock::time_point now);
+
   // Reads the co-tenants' counters once, as at `now` (the sampling thread does this every
   // cotenant_interval).  No-op without cfg.cotenants.
   void sample_cotenants(Clock::time_point now);
@@ -103,6 +111,7 @@ class BudgetGovernor final : public CopyGovernor {
  private:
   struct Feed;
   void probe_loop();
+  void open_trace();
   void trace_row(Clock::time_point now, const throttle::TickInput& in,
                  const std::vector<throttle::CopySample>& copy, const throttle::ForegroundSignals& cot);
   [[nodiscard]] uint64_t request_bytes_locked() const;
@@ -115,6 +124,7 @@ class BudgetGovernor final : public CopyGovernor {
   throttle::Decision decision_;
   Clock::time_point next_tick_{};
   Clock::time_point epoch_;
+  std::chrono::system_clock::time_point wall_epoch_;  // epoch_ on the wall clock (trace's start)
   std::vector<throttle::Duration> fg_samples_;
   std::vector<throttle::CopySample> copy_samples_;
   uint64_t inflight_ = 0;

@@ -145,12 +145,14 @@ for cmd in "${cmds[@]}"; do
             bad_output report trace.csv
             "$QCOMMIT" report trace.csv -o r.html --output=json >"$out"; json_doc "$cmd" "$out"
             [[ -s r.html ]] || fail "report: -o r.html wrote nothing"
-            rows=$(($(wc -l <trace.csv) - 1))
+            rows=$(($(grep -vc '^#' trace.csv) - 1))  # "# key=value" lines, then the header
             [[ $(jq -r '.rows' "$out") == "$rows" ]] || fail "report: rows $(jq .rows "$out") != $rows"
-            done_col=$(head -1 trace.csv | tr ',' '\n' | grep -nx bytes_done | cut -d: -f1)
+            done_col=$(grep -v '^#' trace.csv | head -1 | tr ',' '\n' | grep -nx bytes_done | cut -d: -f1)
             last_done=$(tail -1 trace.csv | cut -d, -f"$done_col")
             ((last_done > 0)) && [[ $(jq -r '."copied-bytes"' "$out") == "$last_done" ]] ||
               fail "report: copied-bytes $(jq '."copied-bytes"' "$out") != the trace's last bytes_done $last_done"
+            [[ $(jq -r '."budget-ms"' "$out") == 20 && $(jq -r .top "$out") == */r-top.qcow2 ]] ||
+              fail "report: the merge's parameters: budget-ms $(jq '."budget-ms"' "$out"), top $(jq .top "$out")"
             # Without -o: the summary only; --output FILE (the old spelling) is a usage error.
             "$QCOMMIT" report trace.csv --output=json >"$out"; json_doc "$cmd (no -o)" "$out"
             [[ $(jq -r '.html' "$out") == null ]] || fail "report: html should be null without -o"

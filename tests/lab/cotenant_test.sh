@@ -74,7 +74,7 @@ ct_disks=$(grep '"event": "policy"' "$LAB_DIR/merge.log" | tail -n1 | jq -r '."c
 ct_result=$(grep '"event": "result"' "$LAB_DIR/merge.log" | tail -n1)
 ct_samples=$(jq -r '."cotenant-samples"' <<<"$ct_result")
 ct_max=$(jq -r '."cotenant-max-ms"' <<<"$ct_result")
-ct_ticks=$(awk -F, 'NR == 1 {for (i = 1; i <= NF; i++) if ($i == "cotenant_samples") c = i; next} c && $c > 0 {n++} END {print n + 0}' \
+ct_ticks=$(awk -F, '/^#/ {next} !h {h = 1; for (i = 1; i <= NF; i++) if ($i == "cotenant_samples") c = i; next} c && $c > 0 {n++} END {print n + 0}' \
   "$LAB_DIR/cotenant-trace.csv")
 [[ ,$ct_disks, == *",$LAB_DOM/"* ]] || fail "the guest's disk is not among the merge's co-tenants: '$ct_disks'"
 [ "$ct_samples" -gt 0 ] && [ "$ct_ticks" -gt 0 ] ||

@@ -62,7 +62,7 @@ check_merged() {
 # field FILE EVENT KEY: the value of KEY in the last JSON line of that event.
 field() { jq -r "select(.event == \"$2\") | .\"$3\"" "$1" | tail -n1; }
 # max_rate TRACE: the largest paced rate in a --trace CSV.
-max_rate() { awk -F, 'NR == 1 {for (i = 1; i <= NF; i++) if ($i == "rate_bytes_per_s") c = i; next} $c > m {m = $c} END {printf "%.0f", m}' "$1"; }
+max_rate() { awk -F, '/^#/ {next} !h {h = 1; for (i = 1; i <= NF; i++) if ($i == "rate_bytes_per_s") c = i; next} $c > m {m = $c} END {printf "%.0f", m}' "$1"; }
 
 # 1. Plan and merge of a chain in the pool: the pool's policy.
 chain "$dir" a

@@ -1,5 +1,10 @@
 #!/usr/bin/env bash
-# report.html: a traced merge's HTML report renders its plots in headless Chromium.
+# report.html: a traced merge's HTML report renders in headless Chromium: a header naming TOP,
+# BASE, the budget, the start (UTC) and the duration; the budget as a line on the latency plot at
+# the y its axis gives the budget; pacing rate beside achieved throughput; bytes done; the window
+# on a plot of its own; totals equal to the bytes the merge wrote (96 MiB, qemu-img map of BASE),
+# the last tick included. A trace without the merge's "# key=value" lines (older qcommit) still
+# renders, its header saying "not recorded". ~8 s.
 # usage: report.sh QCOMMIT
 set -euo pipefail
 QCOMMIT=$(realpath "$1")
@@ -11,21 +16,31 @@ command -v chromium >/dev/null || { echo "chromium is not installed (scripts/boo
 qemu-img create -q -f qcow2 base.qcow2 256M
 qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2
 qemu-io -c 'write -P 3 0 96M' top.qcow2 >/dev/null
+written=$((96 * 1024 * 1024))
 "$QCOMMIT" merge top.qcow2 --budget 20ms --trace trace.csv >/dev/null
-[[ $(wc -l <trace.csv) -ge 3 ]] || { echo "trace has too few rows" >&2; exit 1; }
+[[ $(grep -vc '^#' trace.csv) -ge 3 ]] || { echo "trace has too few rows" >&2; exit 1; }
+mapped=$(qemu-img map --output=json base.qcow2 | jq '[.[] | select(.data) | .length] | add')
+[[ $mapped == "$written" ]] || { echo "BASE maps $mapped data bytes, $written were written" >&2; exit 1; }
 "$QCOMMIT" report trace.csv -o report.html >/dev/null
+# The same trace as an older qcommit wrote it: no "# key=value" lines before the header.
+grep -v '^#' trace.csv >old.csv
+old_done=$(awk -F, 'NR == 1 {for (i = 1; i <= NF; i++) if ($i == "bytes_done") c = i; next} {d = $c} END {print d}' old.csv)
+"$QCOMMIT" report old.csv -o old.html >/dev/null
 # Bad input: a file that is not a trace gets a one-line error naming it.
 echo "a,b" >bad.csv
 if "$QCOMMIT" report bad.csv -o bad.html 2>err.txt; then echo "report accepted a non-trace" >&2; exit 1; fi
 grep -q "bad.csv" err.txt || { echo "error does not name the file: $(cat err.txt)" >&2; exit 1; }
 flags=(--headless --no-sandbox --disable-gpu --disable-quic --no-first-run --disable-background-networking
-       --disable-component-update --disable-sync --user-data-dir="$work/profile" --window-size=1000,1000)
+       --disable-component-update --disable-sync --user-data-dir="$work/profile" --window-size=1000,1800)
 timeout 120 chromium "${flags[@]}" --dump-dom "file://$work/report.html" >dom.html 2>/dev/null
-plots=$(grep -o '<svg id="[a-z]*" class="plot"' dom.html | wc -l)
-series=$(grep -o '<polyline class="series"' dom.html | wc -l)
-[[ $plots == 2 && $series == 4 ]] || { echo "DOM has $plots plots and $series series, expected 2 and 4" >&2; exit 1; }
+python3 "$here/check_dom.py" dom.html new top.qcow2 base.qcow2 20 "$mapped"
+timeout 120 chromium "${flags[@]}" --dump-dom "file://$work/old.html" >old-dom.html 2>/dev/null
+python3 "$here/check_dom.py" old-dom.html old "$old_done"
 timeout 120 chromium "${flags[@]}" --screenshot="$work/shot.png" "file://$work/report.html" >/dev/null 2>&1
-read -r red green < <(python3 "$here/png_colors.py" shot.png c0392b 27ae60 | xargs)
-echo "rendered: probe-latency pixels=$red, rate pixels=$green"
-[[ $red -gt 100 && $green -gt 100 ]] || { echo "the plots did not render (red=$red green=$green)" >&2; exit 1; }
+# probe latency, budget line, pacing rate, throughput, window: each drawn on the screenshot
+read -r red orange green blue purple < <(python3 "$here/png_colors.py" shot.png c0392b e67e22 27ae60 1f6fb2 8e44ad | xargs)
+echo "rendered: probe-latency pixels=$red, budget=$orange, rate=$green, throughput=$blue, window=$purple"
+for n in "$red" "$orange" "$green" "$blue" "$purple"; do
+  ((n > 100)) || { echo "a plot did not render (pixels: $red $orange $green $blue $purple)" >&2; exit 1; }
+done
 echo "report.html: OK"
