@@ -779,12 +779,15 @@ Governor::JobSpeed Governor::job_speed(const Job& j, const JobInfo& info,
     out.speed = static_cast<std::uint64_t>(j.policy.ceiling_bytes_per_s);
   else if (near_end && j.type == JobType::Commit && !j.direct_io)
     // One window per tick, what the pacer keeps up with: what is dirty when QEMU completes
-    // stays about one window (not a burst the speed let through between two ticks).  Not with
-    // cache=none: nothing of the job's is left dirty there.
-    out.speed = std::min(out.speed, std::max(opt_.min_speed_bytes_per_s,
-                                             static_cast<std::uint64_t>(
-                                                 static_cast<double>(d.window_bytes) /
-                                                 std::chrono::duration<double>(opt_.tick).count())));
+    // stays about one window (not a burst the speed let through between two ticks).  At least
+    // kFinishingSpeedBytesPerS (never above the controller's rate): where the controller has
+    // shrunk the window to its minimum, one window per tick (640 KiB/s) took 25 s for the last
+    // 16 MiB (lab, QEMU 10).  Not with cache=none: nothing of the job's is left dirty there.
+    out.speed = std::min(
+        out.speed, std::max({opt_.min_speed_bytes_per_s, kFinishingSpeedBytesPerS,
+                             static_cast<std::uint64_t>(
+                                 static_cast<double>(d.window_bytes) /
+                                 std::chrono::duration<double>(opt_.tick).count())}));
   return out;
 }
 

@@ -84,6 +84,10 @@ inline constexpr Duration kMaxDrainCredit = std::chrono::seconds(2);
 // A mirror with at most this much left (and not paused) runs at the ceiling so that it converges
 // to ready (see Governor::tick).
 inline constexpr std::uint64_t kMirrorConvergeBytes = 1024 * 1024;
+// The least speed of a non-active commit near the end of its data (when the controller allows
+// that much): 0.8 MiB per 100 ms tick, about 17 ms of 50 MB/s storage left dirty for QEMU's
+// completion flush; the last 16 MiB in at most 2 s (see Governor::job_speed).
+inline constexpr std::uint64_t kFinishingSpeedBytesPerS = 8ull * 1024 * 1024;
 // The pacer keeps this fraction of the controller's window under writeback for a mirror (active
 // commit, copy).  The controller's window is a hard cap, and the pacer keeps writeback topped up
 // to what it is given all the time, so a guest request nearly always finds that much ahead of
