@@ -71,7 +71,8 @@ std::optional<std::string> GovernorOptions::validate() const {
   if (reconnect_min <= Duration::zero() || reconnect_max < reconnect_min)
     return "governor reconnect intervals: need 0 < min <= max";
   if (min_speed_bytes_per_s == 0) return "minimum job speed must be > 0 (0 is unlimited in QEMU)";
-  if (max_rate_bytes_per_s && !(*max_rate_bytes_per_s >= static_cast<double>(min_speed_bytes_per_s)))
+  if (max_rate_bytes_per_s &&
+      !(*max_rate_bytes_per_s >= static_cast<double>(min_speed_bytes_per_s)))
     return "a job speed cap must be at least the minimum job speed (" +
            std::to_string(min_speed_bytes_per_s / 1024) + " KiB/s)";
   if (settle_every < Duration::zero() || settle_max_hold <= Duration::zero())
@@ -391,8 +392,7 @@ void Governor::handle_events(TimePoint now) {
 
 // A released job that a late end event may still name: released by the daemon (no event) on
 // that disk within kLateEndEvent.
-ReleasedJob* Governor::late_end(const std::string& domain, const std::string& disk,
-                                TimePoint now) {
+ReleasedJob* Governor::late_end(const std::string& domain, const std::string& disk, TimePoint now) {
   for (ReleasedJob& r : released_)  // newest first
     if (r.domain == domain && r.disk == disk)
       return !r.from_event && now - r.at <= kLateEndEvent ? &r : nullptr;
@@ -596,8 +596,8 @@ void Governor::release(const DiskKey& k, const std::string& reason, TimePoint no
                        bool from_event) {
   auto it = jobs_.find(k);
   if (it == jobs_.end()) return;
-  released_.push_front(ReleasedJob{it->second->id, k.domain, k.disk, it->second->type, reason,
-                                   now, from_event, it->second->ready});
+  released_.push_front(ReleasedJob{it->second->id, k.domain, k.disk, it->second->type, reason, now,
+                                   from_event, it->second->ready});
   while (released_.size() > kMaxReleasedHistory) released_.pop_back();
   jobs_.erase(it);
 }
@@ -764,7 +764,8 @@ Governor::JobSpeed Governor::job_speed(const Job& j, const JobInfo& info,
   const std::uint64_t left = j.type == JobType::Commit && j.commit_extents
                                  ? bytes_beyond(*j.commit_extents, info.cur)
                                  : (info.end > info.cur ? info.end - info.cur : 0);
-  const bool near_end = (mirror_unready || j.type == JobType::Commit) && left <= kDirtyAllowanceBytes;
+  const bool near_end =
+      (mirror_unready || j.type == JobType::Commit) && left <= kDirtyAllowanceBytes;
   const std::uint64_t queued = queued_bytes(pc, near_end ? 0 : kDirtyAllowanceBytes, own_bound);
   JobSpeed out;
   out.held = d.paused || queued > d.window_bytes || holding;
@@ -784,10 +785,10 @@ Governor::JobSpeed Governor::job_speed(const Job& j, const JobInfo& info,
     // shrunk the window to its minimum, one window per tick (640 KiB/s) took 25 s for the last
     // 16 MiB (lab, QEMU 10).  Not with cache=none: nothing of the job's is left dirty there.
     out.speed = std::min(
-        out.speed, std::max({opt_.min_speed_bytes_per_s, kFinishingSpeedBytesPerS,
-                             static_cast<std::uint64_t>(
-                                 static_cast<double>(d.window_bytes) /
-                                 std::chrono::duration<double>(opt_.tick).count())}));
+        out.speed,
+        std::max({opt_.min_speed_bytes_per_s, kFinishingSpeedBytesPerS,
+                  static_cast<std::uint64_t>(static_cast<double>(d.window_bytes) /
+                                             std::chrono::duration<double>(opt_.tick).count())}));
   return out;
 }
 

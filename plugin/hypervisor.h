@@ -26,9 +26,11 @@ namespace qcommit::plugin {
 // (AT_STATX_DONT_SYNC, as the /proc walk reads them): a disk on an NFS export that stopped
 // answering must not hold the daemon's loop, `qcommit live` or doctor in a getattr.  nullopt when
 // the path cannot be looked up.
-[[nodiscard]] inline std::optional<std::uint64_t> cached_filesystem_device(const std::string& path) {
+[[nodiscard]] inline std::optional<std::uint64_t> cached_filesystem_device(
+    const std::string& path) {
   struct statx sx {};
-  if (::statx(AT_FDCWD, path.c_str(), AT_STATX_DONT_SYNC, STATX_TYPE, &sx) != 0) return std::nullopt;
+  if (::statx(AT_FDCWD, path.c_str(), AT_STATX_DONT_SYNC, STATX_TYPE, &sx) != 0)
+    return std::nullopt;
   return static_cast<std::uint64_t>(makedev(sx.stx_dev_major, sx.stx_dev_minor));
 }
 
@@ -37,16 +39,16 @@ struct HypervisorDisconnected : std::runtime_error {
 };
 
 struct DiskInfo {
-  std::string target;                     // "vda"
-  std::string source;                     // active layer path
-  std::vector<std::string> backing_chain; // backing files, top to bottom (may be empty)
-  std::optional<std::string> mirror;      // <mirror> source path while a copy/active commit runs
-  std::optional<std::uint64_t> device;    // st_dev of the source's filesystem, when stat works
-  std::string cache;                      // <driver cache=...> ("" when not given: writeback)
-  std::string format;                     // <driver type=...> of the active layer ("" unknown)
-  std::string io{};                       // <driver io=...> ("" when not given: threads)
-  bool io_known = true;                   // false: the adapter cannot tell `io` (QMP, see there)
-  std::string iothread{};                 // iothread id serving it ("": QEMU's main loop)
+  std::string target;                      // "vda"
+  std::string source;                      // active layer path
+  std::vector<std::string> backing_chain;  // backing files, top to bottom (may be empty)
+  std::optional<std::string> mirror;       // <mirror> source path while a copy/active commit runs
+  std::optional<std::uint64_t> device;     // st_dev of the source's filesystem, when stat works
+  std::string cache;                       // <driver cache=...> ("" when not given: writeback)
+  std::string format;                      // <driver type=...> of the active layer ("" unknown)
+  std::string io{};                        // <driver io=...> ("" when not given: threads)
+  bool io_known = true;                    // false: the adapter cannot tell `io` (QMP, see there)
+  std::string iothread{};                  // iothread id serving it ("": QEMU's main loop)
 };
 
 struct DomainInfo {

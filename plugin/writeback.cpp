@@ -473,9 +473,9 @@ std::unique_ptr<TargetFile> SystemTargetFiles::open_without_cachestat(int fd,
     shadow = [note = note_, path](const PageCacheState& est, const PageCacheState& truth) {
       if (note)
         note("shadow " + path + ": estimate dirty " + std::to_string(est.dirty_bytes) +
-           " writeback " + std::to_string(est.writeback_bytes) + ", cachestat dirty " +
-           std::to_string(truth.dirty_bytes) + " writeback " +
-           std::to_string(truth.writeback_bytes));
+             " writeback " + std::to_string(est.writeback_bytes) + ", cachestat dirty " +
+             std::to_string(truth.dirty_bytes) + " writeback " +
+             std::to_string(truth.writeback_bytes));
     };
   }
   return open_memcg_target(fd, *memcg, std::move(shadow));

@@ -441,7 +441,8 @@ TEST_CASE("plugin.governor.pacer_reads_issued_ranges") {
   std::uint64_t whole = 0, ranges = 0;
   const double tracked = run(true, &whole, &ranges);
   MESSAGE("issued ranges read: " << tracked << " of storage rate, " << whole
-                                 << " whole-file readings in 10 s, " << ranges << " range readings");
+                                 << " whole-file readings in 10 s, " << ranges
+                                 << " range readings");
   CHECK(tracked > 0.7);
   CHECK(whole <= 10 * 11);  // ~ one per tick
   CHECK(ranges > 0);
@@ -463,7 +464,8 @@ TEST_CASE("plugin.governor.pacer_stops_sweeping_a_clean_file") {
   w.base->flusher_after_reading = true;
   gv.run(5s);
   const double per_s = static_cast<double>(w.base->dirty_probes - p0) / 5.0;
-  const double lap = static_cast<double>(w.base->size / (kWritebackPieceBytes * kWritebackSkipPieces));
+  const double lap =
+      static_cast<double>(w.base->size / (kWritebackPieceBytes * kWritebackSkipPieces));
   MESSAGE("probes per second: " << per_s << " (one lap: " << lap << " probes)");
   CHECK(per_s <= 11.0 * lap);  // about one lap per tick
 }
@@ -508,8 +510,10 @@ TEST_CASE("plugin.governor.settles_the_target_before_the_kernel_expires_it") {
       const auto js = gv.g.status(w.now).jobs.at(0);
       if (js.settling && !was) since = w.now;
       if (!js.settling && was)
-        MESSAGE("held " << std::chrono::duration_cast<std::chrono::milliseconds>(w.now - since).count()
-                        << " ms, dirty " << w.base->dirty << " wb " << w.base->writeback << " window " << js.window_bytes);
+        MESSAGE(
+            "held " << std::chrono::duration_cast<std::chrono::milliseconds>(w.now - since).count()
+                    << " ms, dirty " << w.base->dirty << " wb " << w.base->writeback << " window "
+                    << js.window_bytes);
       was = js.settling;
     });
     const double rate = static_cast<double>(w.cur() - c0) / 40.0;
@@ -520,8 +524,8 @@ TEST_CASE("plugin.governor.settles_the_target_before_the_kernel_expires_it") {
   std::vector<std::uint64_t> settled;
   std::uint32_t settles = 0;
   const double with = run(10s, &settled, &settles);
-  MESSAGE("settling every 10 s: " << with / (50.0 * 1024 * 1024) << " of storage rate, "
-                                  << settles << " settles");
+  MESSAGE("settling every 10 s: " << with / (50.0 * 1024 * 1024) << " of storage rate, " << settles
+                                  << " settles");
   CHECK(settles >= 3);  // 40 s: one per ~10 s (a hold that cannot clean in time is retried)
   CHECK(settles <= 5);
   for (std::uint64_t d : settled) CHECK(d == 0);  // only ever synced with nothing dirty
@@ -896,8 +900,9 @@ TEST_CASE("plugin.governor.probe_state_says_why") {
   gv_failing.run(3s);
   const JobStatus f = gv_failing.g.status(failing.now).jobs.at(0);
   CHECK(f.probe == ProbeState::kOff);
-  CHECK(f.probe_off_reason == "given up after 3 failed probes in a row, the last: fdatasync of "
-                              "the probe file: Input/output error");
+  CHECK(f.probe_off_reason ==
+        "given up after 3 failed probes in a row, the last: fdatasync of "
+        "the probe file: Input/output error");
 }
 
 TEST_CASE("plugin.governor.slowdowns_on_the_wall_clock") {

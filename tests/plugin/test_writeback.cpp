@@ -6,8 +6,8 @@
 #include <unistd.h>
 
 #include <cstdio>
-#include <filesystem>
 #include <cstdlib>
+#include <filesystem>
 #include <map>
 #include <random>
 
@@ -45,8 +45,8 @@ TEST_CASE("plugin.writeback.planner_respects_window") {
     if (tick < 200)
       for (int i = 0; i < 512; ++i) c.pages[page(rng)] = 1;
     const std::uint64_t wb = c.total(2);
-    WritebackPlan plan = planner.plan({kSize, wb, window},
-                                      [&](const ByteRange& r) { return c.count(1, r); });
+    WritebackPlan plan =
+        planner.plan({kSize, wb, window}, [&](const ByteRange& r) { return c.count(1, r); });
     std::uint64_t issued = 0;
     for (const auto& r : plan.ranges) {
       issued += c.count(1, r);
@@ -55,8 +55,10 @@ TEST_CASE("plugin.writeback.planner_respects_window") {
     }
     CHECK(issued == plan.dirty_bytes_issued);
     // Never more queued at storage than the window (one piece allowed when idle).
-    if (wb > 0) CHECK(wb + issued <= window);
-    else CHECK(issued <= std::max<std::uint64_t>(window, 64 * 1024));
+    if (wb > 0)
+      CHECK(wb + issued <= window);
+    else
+      CHECK(issued <= std::max<std::uint64_t>(window, 64 * 1024));
     // Storage completes 1 MiB of writeback per tick.
     std::uint64_t done = 0;
     for (auto& p : c.pages)
@@ -73,7 +75,8 @@ TEST_CASE("plugin.writeback.liveness_small_window") {
   WritebackPlanner planner(WritebackConfig{256 * 1024, 16});
   auto plan = planner.plan({1 << 20, 0, 64 * 1024}, [](const ByteRange& r) { return r.length; });
   CHECK(plan.ranges.size() == 1);
-  auto blocked = planner.plan({1 << 20, 4096, 64 * 1024}, [](const ByteRange& r) { return r.length; });
+  auto blocked =
+      planner.plan({1 << 20, 4096, 64 * 1024}, [](const ByteRange& r) { return r.length; });
   CHECK(blocked.ranges.empty());
   CHECK(WritebackConfig{1000, 1}.validate());
 }
