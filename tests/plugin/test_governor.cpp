@@ -688,6 +688,39 @@ TEST_CASE("plugin.governor.commit_data_left_waits_for_clean_base") {
   CHECK(within_a_window);
 }
 
+TEST_CASE("plugin.governor.commit_finishing_speed_has_a_floor") {
+  // A window near the controller's minimum (a 1 ms budget: 64-175 KiB) would give one window per
+  // tick, 0.6-1.7 MB/s, for the last 16 MiB of a non-active commit's data: 25 s (lab, QEMU 10).
+  // Once BASE is clean the job finishes at kFinishingSpeedBytesPerS instead, never above the
+  // controller's rate.  Held every other tick while the pacer writes out what it let through,
+  // the job's last 8 MiB take about 2.5 s (one window per tick: about 10 s).
+  World w;
+  w.base->dirty_at_front = true;
+  w.storage_bytes_per_s = 200.0 * 1024 * 1024;
+  w.files.commit_extents_answer = std::vector<ByteRange>{{0, 512ull << 20}};
+  w.start_job(JobType::Commit, 8ull << 30);
+  DaemonConfig cfg;
+  cfg.defaults.budget = 1ms;
+  Governed gv(w, cfg);
+  gv.run(3s);  // adopted, past slow start
+  auto& job = w.hv.jobs[{"vm1", "vda"}];
+  job.cur = (512ull - 8) << 20;
+  std::uint64_t max_window = 0;
+  std::optional<TimePoint> done;
+  const TimePoint t0 = w.now;
+  gv.run(8s, [&] {
+    max_window = std::max(max_window, gv.g.status(w.now).jobs.at(0).window_bytes);
+    if (!done && job.cur >= 512ull << 20) done = w.now;
+  });
+  MESSAGE("window at most " << max_window << " bytes");
+  REQUIRE(max_window * 10 < kFinishingSpeedBytesPerS / 4);  // the window alone: 5 s or more
+  REQUIRE(done.has_value());
+  MESSAGE(
+      "last 8 MiB in " << std::chrono::duration_cast<std::chrono::milliseconds>(*done - t0).count()
+                       << " ms");
+  CHECK(*done - t0 <= 4s);
+}
+
 namespace {
 // A non-active commit on a cache=none disk (its chunks reach the storage as they are), on
 // storage that takes 50 MB/s.
