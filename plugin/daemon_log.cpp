@@ -11,9 +11,9 @@ namespace {
 constexpr double kBytesPerMiB = 1024.0 * 1024.0;
 
 bool bare_char(char c) {
-  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-         c == '.' || c == '_' || c == ':' || c == '/' || c == '@' || c == '+' || c == '=' ||
-         c == ',' || c == '-';
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+         c == '_' || c == ':' || c == '/' || c == '@' || c == '+' || c == '=' || c == ',' ||
+         c == '-';
 }
 
 bool control_char(char c) {
@@ -23,12 +23,19 @@ bool control_char(char c) {
 
 void append_control(std::string& out, char c) {
   switch (c) {
-    case '\n': out += "\\n"; return;
-    case '\r': out += "\\r"; return;
-    case '\t': out += "\\t"; return;
+    case '\n':
+      out += "\\n";
+      return;
+    case '\r':
+      out += "\\r";
+      return;
+    case '\t':
+      out += "\\t";
+      return;
     default: {
       char buf[8];
-      std::snprintf(buf, sizeof buf, "\\x%02x", static_cast<unsigned>(static_cast<unsigned char>(c)));
+      std::snprintf(buf, sizeof buf, "\\x%02x",
+                    static_cast<unsigned>(static_cast<unsigned char>(c)));
       out += buf;
     }
   }
@@ -84,8 +91,10 @@ std::string log_escape_controls(std::string_view s) {
   std::string out;
   out.reserve(s.size());
   for (char c : s) {
-    if (control_char(c)) append_control(out, c);
-    else out += c;
+    if (control_char(c))
+      append_control(out, c);
+    else
+      out += c;
   }
   return out;
 }
@@ -102,12 +111,26 @@ std::string csv_field(std::string_view s) {
   return out;
 }
 
-void DaemonLog::record(std::string_view message) { sink_(log_escape_controls(message)); }
+void DaemonLog::record(std::string_view message) {
+  sink_(log_escape_controls(message));
+}
 
 void DaemonLog::log_probe(const JobStatus& j, Known& k) {
   if (j.probe != ProbeState::kOff || j.probe_off_reason == k.probe_off) return;
   record(job_name(j.domain, j.disk) + ": shared-queue probe off: " + j.probe_off_reason);
   k.probe_off = j.probe_off_reason;
+}
+
+void DaemonLog::log_target_throttle(const JobStatus& j, Known& k) {
+  if (j.target_throttle == k.target_throttle) return;
+  if (j.target_throttle == "on")
+    record(job_name(j.domain, j.disk) + ": throttle filter under " + j.target + " in");
+  else if (!j.target_throttle.empty())
+    record(job_name(j.domain, j.disk) + ": throttle filter under " + j.target + " " +
+           j.target_throttle);
+  else if (k.target_throttle == "on")
+    record(job_name(j.domain, j.disk) + ": throttle filter under " + j.target + " out");
+  k.target_throttle = j.target_throttle;
 }
 
 void DaemonLog::observe(const GovernorStatus& st, std::string_view uri,
@@ -124,7 +147,7 @@ void DaemonLog::observe(const GovernorStatus& st, std::string_view uri,
     listed.insert(key);
     auto it = jobs_.find(key);
     if (it == jobs_.end()) {
-      Known k{decision_of(j, "adopted"), j.ready, {}};
+      Known k{decision_of(j, "adopted"), j.ready, {}, {}};
       std::string m = "governing " + std::string(to_string(j.type)) + " job on " +
                       job_name(j.domain, j.disk) + " (target " + log_field(j.target) +
                       ", storage " + log_field(j.storage);
@@ -132,15 +155,16 @@ void DaemonLog::observe(const GovernorStatus& st, std::string_view uri,
       m += ", budget " +
            std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(j.budget).count()) +
            " ms): " + k.decision + ", " + figures(j);
-      if (!j.policy_error.empty())
-        m += "; domain policy ignored: " + log_field(j.policy_error);
+      if (!j.policy_error.empty()) m += "; domain policy ignored: " + log_field(j.policy_error);
       record(m);
       it = jobs_.emplace(key, std::move(k)).first;
       log_probe(j, it->second);
+      log_target_throttle(j, it->second);
       continue;
     }
     Known& k = it->second;
     log_probe(j, k);
+    log_target_throttle(j, k);
     const std::string d = decision_of(j, k.decision);
     if (d != k.decision) {
       record(job_name(j.domain, j.disk) + ": " + d + " (was " + k.decision + "), " + figures(j));

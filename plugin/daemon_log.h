@@ -54,10 +54,13 @@ class DaemonLog {
   struct Known {
     std::string decision;
     bool ready = false;
-    std::string probe_off;  // the reason logged for a probe that is off
+    std::string probe_off;        // the reason logged for a probe that is off
+    std::string target_throttle;  // the filter's state logged last
   };
   // One record when `j`'s probe is off for a reason not logged yet.
   void log_probe(const JobStatus& j, Known& k);
+  // One record when the throttle filter under `j`'s target goes in, out, or is not used.
+  void log_target_throttle(const JobStatus& j, Known& k);
   LogSink sink_;
   std::optional<bool> connected_;
   std::map<std::pair<std::string, std::string>, Known> jobs_;

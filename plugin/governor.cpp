@@ -1,5 +1,7 @@
 #include "plugin/governor.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -261,6 +263,13 @@ struct Governor::Job {
   SettleState settle;
   FallbackSync fallback;
   std::optional<GateState> gate;
+  // The throttle filter under the target, while it is in; why not, when it applies but is not.
+  std::optional<TargetThrottle> throttle;
+  FormatNodeOptions throttle_options;
+  std::string throttle_off;
+  // Held at the floor until its requests in flight are done, so that the reopen that puts the
+  // filter in (which drains the target and with it the guest's disk) waits for nothing.
+  std::optional<TimePoint> throttle_pending_since;
   History history;
   // The shared-queue probe: its file, schedule, latencies since the last tick, failures in a row,
   // and what status() shows.
@@ -576,26 +585,105 @@ void Governor::adopt(const DomainInfo& dom, const DiskInfo& disk, const JobInfo&
   j->planner = WritebackPlanner(opt_.writeback);
   j->info = info;
   j->has_info = false;
-  (void)now;
   Job& ref = *j;
   jobs_.emplace(k, std::move(j));
   // Start slowly right away: an unlimited job (speed 0) fills the page cache within a tick.
   const double initial = ref.ctl.config().initial_rate_bytes_per_s;
   const std::optional<std::uint64_t> qemu = hv_.qemu_version();
+  if (opt_.target_throttle && info.type == JobType::ActiveCommit && ref.direct_io) {
+    if (!qemu || *qemu < kThrottleFilterFromQemuVersion) {
+      ref.throttle_off = "not used with QEMU before 8.1";
+    } else if (disk.format_options_known) {
+      ref.throttle_options.discard = disk.discard == "unmap" ? "unmap" : "ignore";
+      ref.throttle_pending_since = now;
+      set_speed(ref, opt_.min_speed_bytes_per_s);
+      return;
+    } else {
+      ref.throttle_off = "the disk's driver or source has options this cannot reopen its node with";
+    }
+  }
   if (opt_.chunk_gate && Job::direct_chunks(info.type, disk.cache) && qemu &&
       *qemu < kChunkGateBeforeQemuVersion) {
     ref.gate.emplace(opt_.chunk_gate_config);
     ref.gate->rate = initial;
     set_gate_speed(ref, false);
+  } else if (ref.throttle) {
+    set_speed(ref, static_cast<std::uint64_t>(ref.policy.ceiling_bytes_per_s));
+    ref.speed_set = ref.throttle->bytes_per_s;
   } else {
     set_speed(ref, static_cast<std::uint64_t>(initial));
   }
+}
+
+// The filter goes in at the controller's initial rate.  The job's requests (1 MiB each) are what
+// a guest's request may find ahead of it: the controller's delay target is never below one.
+void Governor::insert_target_throttle(Job& j) {
+  j.throttle_pending_since.reset();
+  const auto initial = static_cast<std::uint64_t>(j.ctl.config().initial_rate_bytes_per_s);
+  const std::uint64_t rate = throttle_rate_for(initial);
+  const QmpCall qmp = [this, &j](std::string_view command, const json::Value& args,
+                                 std::string* error) {
+    return hv_.qmp_command(j.key.domain, command, args, error);
+  };
+  const std::string tag = std::to_string(::getpid()) + "-" + std::to_string(j.id);
+  auto r = plugin::insert_target_throttle(qmp, j.target, j.throttle_options, tag, rate);
+  if (auto* e = std::get_if<std::string>(&r)) {
+    j.throttle_off = *e;
+    return;
+  }
+  j.throttle = std::get<TargetThrottle>(std::move(r));
+  throttle::ControllerConfig c = j.ctl.config();
+  c.copy_request_bytes = kQemuMirrorRequestBytes;
+  j.ctl = throttle::Controller(c);
+  set_speed(j, initial);
+}
+
+// The filter's rate for a job paced at `speed`: the job's bursts leave the filter at this rate.
+std::uint64_t Governor::throttle_rate_for(std::uint64_t speed) const {
+  return std::max(kMinThrottleRateBytesPerS,
+                  static_cast<std::uint64_t>(kThrottleRateFactor * static_cast<double>(speed)));
+}
+
+// A new rate only when the job's speed has moved it by more than kThrottleRateHysteresis either
+// way: QEMU restarts the group's buckets empty on every change, which lets out up to a tenth of a
+// second's worth of requests at once.
+void Governor::follow_target_throttle(Job& j) {
+  const std::uint64_t want = throttle_rate_for(j.speed_set);
+  const auto have = static_cast<double>(j.throttle->bytes_per_s);
+  if (static_cast<double>(want) <= have * kThrottleRateHysteresis &&
+      static_cast<double>(want) * kThrottleRateHysteresis >= have)
+    return;
+  const QmpCall qmp = [this, &j](std::string_view command, const json::Value& args,
+                                 std::string* error) {
+    return hv_.qmp_command(j.key.domain, command, args, error);
+  };
+  (void)plugin::set_target_throttle(qmp, *j.throttle, want);
+}
+
+// At ready and at the job's end QEMU's mirror has nothing in flight, so nothing waits in the
+// filter when the reopen drains it.  Failures are not retried: the filter stays (at its last
+// rate) until the domain stops; status says so.
+void Governor::remove_target_throttle(Job& j) {
+  if (!j.throttle) return;
+  const QmpCall qmp = [this, &j](std::string_view command, const json::Value& args,
+                                 std::string* error) {
+    return hv_.qmp_command(j.key.domain, command, args, error);
+  };
+  try {
+    if (auto e = plugin::remove_target_throttle(qmp, *j.throttle, j.throttle_options))
+      j.throttle_off = "could not take the filter " + j.throttle->filter_node + " out: " + *e;
+  } catch (const HypervisorDisconnected&) {
+    j.throttle_off =
+        "could not take the filter " + j.throttle->filter_node + " out: the connection was lost";
+  }
+  j.throttle.reset();
 }
 
 void Governor::release(const DiskKey& k, const std::string& reason, TimePoint now,
                        bool from_event) {
   auto it = jobs_.find(k);
   if (it == jobs_.end()) return;
+  remove_target_throttle(*it->second);
   released_.push_front(ReleasedJob{it->second->id, k.domain, k.disk, it->second->type, reason, now,
                                    from_event, it->second->ready});
   while (released_.size() > kMaxReleasedHistory) released_.pop_back();
@@ -814,6 +902,7 @@ void Governor::apply_speed(Job& j, const JobInfo& info, JobSpeed js) {
       info.bandwidth_bytes_per_s != j.speed_set ||
       (js.speed == opt_.min_speed_bytes_per_s && j.speed_set != js.speed))
     set_speed(j, js.speed);
+  if (j.throttle) follow_target_throttle(j);
 }
 
 // What status() reports: the guests' latencies over kLatencyHistory and the job's progress over
@@ -838,6 +927,27 @@ void Governor::record_tick(Job& j, const throttle::ForegroundSignals& s, const J
 // job's speed, the history status() shows.
 void Governor::tick_job(Job& j, const JobInfo& info, const throttle::ForegroundSignals& s,
                         bool storage_idle, TimePoint now) {
+  if (j.throttle_pending_since) {
+    // Quiet (no progress over a tick at the floor: its last requests are done), or waited long
+    // enough: the filter goes in; until then the job stays at the floor.
+    const bool quiet = j.has_info && info.cur == j.info.cur;
+    if (quiet || now - *j.throttle_pending_since >= kThrottleQuietWait || j.ready) {
+      if (!j.ready)
+        insert_target_throttle(j);
+      else
+        j.throttle_pending_since.reset();
+      if (!j.throttle)
+        set_speed(j, static_cast<std::uint64_t>(j.ctl.config().initial_rate_bytes_per_s));
+    } else {
+      record_tick(j, s, info, j.backlog, now);
+      return;
+    }
+  }
+  if (j.throttle && (j.ready || info.cur >= info.end)) {
+    // In sync: the mirror copies only what the guest writes now; the filter goes before the
+    // pivot, and the job's speed paces it from here.
+    remove_target_throttle(j);
+  }
   std::optional<PageCacheState> pc;
   if (j.file) {
     j.pacer.read_page_cache(*j.file, now);  // the pacer works from this reading until the next one
@@ -1048,6 +1158,14 @@ void Governor::release_all() {
                               : j->policy.floor_bytes_per_s;
     rate = std::clamp(rate, j->policy.floor_bytes_per_s, j->policy.ceiling_bytes_per_s);
     try {
+      if (j->throttle) {  // let out what the filter holds, then take it out
+        (void)plugin::set_target_throttle(
+            [this, &k](std::string_view command, const json::Value& args, std::string* error) {
+              return hv_.qmp_command(k.domain, command, args, error);
+            },
+            *j->throttle, static_cast<std::uint64_t>(j->policy.ceiling_bytes_per_s));
+        remove_target_throttle(*j);
+      }
       (void)hv_.set_job_speed(
           k.domain, k.disk,
           std::max<std::uint64_t>(opt_.min_speed_bytes_per_s, static_cast<std::uint64_t>(rate)));
@@ -1100,6 +1218,10 @@ GovernorStatus Governor::status(TimePoint now) const {
     }
     js.ready = j->ready;
     js.policy_error = j->policy_error;
+    if (j->throttle)
+      js.target_throttle = "on";
+    else if (!j->throttle_off.empty())
+      js.target_throttle = "off: " + j->throttle_off;
     std::vector<Duration> lat;
     for (const auto& [t, l] : j->history.latencies)
       if (t >= now - kLatencyHistory) lat.push_back(l);

@@ -16,8 +16,10 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
+#include "plugin/json.h"
 #include "throttle/io_stats.h"
 
 namespace qcommit::plugin {
@@ -49,6 +51,12 @@ struct DiskInfo {
   std::string io{};                        // <driver io=...> ("" when not given: threads)
   bool io_known = true;                    // false: the adapter cannot tell `io` (QMP, see there)
   std::string iothread{};                  // iothread id serving it ("": QEMU's main loop)
+  std::string discard{};                   // <driver discard=...> ("" when not given: ignore)
+  // Whether every option QEMU's format nodes of this disk were opened with is known from what
+  // QEMU reports plus `discard` (plugin/target_throttle.h reopens the target's node with them):
+  // libvirt, when <driver> and <source> carry nothing beyond the usual (no metadata_cache, slices,
+  // encryption, ...).
+  bool format_options_known = false;
 };
 
 struct DomainInfo {
@@ -146,6 +154,19 @@ class Hypervisor {
   // Never called with 0 (0 means unlimited in QEMU).
   [[nodiscard]] virtual bool set_job_speed(const std::string& domain, const std::string& disk,
                                            std::uint64_t bytes_per_s) = 0;
+
+  // One QMP command to the domain's QEMU: its "return", or nullopt with *error set to one line
+  // (QEMU's error, or why it could not be sent).  By default not available.
+  [[nodiscard]] virtual std::optional<json::Value> qmp_command(const std::string& domain,
+                                                               std::string_view command,
+                                                               const json::Value& args,
+                                                               std::string* error) {
+    (void)domain;
+    (void)command;
+    (void)args;
+    *error = "QMP commands are not available through this connection";
+    return std::nullopt;
+  }
 
   // Events are delivered by the implementation's event loop on the thread that runs it.
   using EventSink = std::function<void(const JobEvent&)>;

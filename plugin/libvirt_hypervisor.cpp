@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <set>
 
 #include "plugin/config.h"
 #include "plugin/libvirt_handles.h"
@@ -29,12 +30,18 @@ void silent_error(void*, virErrorPtr) {}
 
 JobType job_type(int t) {
   switch (t) {
-    case VIR_DOMAIN_BLOCK_JOB_TYPE_PULL: return JobType::Pull;
-    case VIR_DOMAIN_BLOCK_JOB_TYPE_COPY: return JobType::Copy;
-    case VIR_DOMAIN_BLOCK_JOB_TYPE_COMMIT: return JobType::Commit;
-    case VIR_DOMAIN_BLOCK_JOB_TYPE_ACTIVE_COMMIT: return JobType::ActiveCommit;
-    case VIR_DOMAIN_BLOCK_JOB_TYPE_BACKUP: return JobType::Backup;
-    default: return JobType::Unknown;
+    case VIR_DOMAIN_BLOCK_JOB_TYPE_PULL:
+      return JobType::Pull;
+    case VIR_DOMAIN_BLOCK_JOB_TYPE_COPY:
+      return JobType::Copy;
+    case VIR_DOMAIN_BLOCK_JOB_TYPE_COMMIT:
+      return JobType::Commit;
+    case VIR_DOMAIN_BLOCK_JOB_TYPE_ACTIVE_COMMIT:
+      return JobType::ActiveCommit;
+    case VIR_DOMAIN_BLOCK_JOB_TYPE_BACKUP:
+      return JobType::Backup;
+    default:
+      return JobType::Unknown;
   }
 }
 
@@ -42,11 +49,20 @@ void on_block_job(virConnectPtr, virDomainPtr dom, const char* disk, int type, i
                   void* opaque) {
   JobEvent e;
   switch (status) {
-    case VIR_DOMAIN_BLOCK_JOB_COMPLETED: e.kind = JobEventKind::Completed; break;
-    case VIR_DOMAIN_BLOCK_JOB_FAILED: e.kind = JobEventKind::Failed; break;
-    case VIR_DOMAIN_BLOCK_JOB_CANCELED: e.kind = JobEventKind::Canceled; break;
-    case VIR_DOMAIN_BLOCK_JOB_READY: e.kind = JobEventKind::Ready; break;
-    default: return;
+    case VIR_DOMAIN_BLOCK_JOB_COMPLETED:
+      e.kind = JobEventKind::Completed;
+      break;
+    case VIR_DOMAIN_BLOCK_JOB_FAILED:
+      e.kind = JobEventKind::Failed;
+      break;
+    case VIR_DOMAIN_BLOCK_JOB_CANCELED:
+      e.kind = JobEventKind::Canceled;
+      break;
+    case VIR_DOMAIN_BLOCK_JOB_READY:
+      e.kind = JobEventKind::Ready;
+      break;
+    default:
+      return;
   }
   const char* name = virDomainGetName(dom);
   e.domain = name ? name : "";
@@ -95,12 +111,33 @@ std::string disk_iothread(xmlDocPtr doc, xmlNodePtr disk, xmlNodePtr driver) {
   return {};
 }
 
+// Whether the disk's format nodes were opened with nothing beyond what QEMU reports back and
+// <driver discard>: a <driver> with only the usual attributes and no elements, a <source> (and
+// every <backingStore>'s) without slices, encryption or reservations.
+bool format_options_known(xmlDocPtr doc, xmlNodePtr disk, xmlNodePtr driver) {
+  static const std::set<std::string> plain = {
+      "name",     "type",         "cache",         "io",          "discard", "detect_zeroes",
+      "iothread", "error_policy", "rerror_policy", "copy_on_read"};
+  if (driver) {
+    for (xmlAttrPtr a = driver->properties; a; a = a->next)
+      if (!plain.count(reinterpret_cast<const char*>(a->name))) return false;
+    if (!xml::children(driver).empty()) return false;
+  }
+  return xml::select(doc,
+                     "descendant::source/slices | descendant::encryption | "
+                     "descendant::source/reservations",
+                     disk)
+      .empty();
+}
+
 DiskInfo parse_disk(xmlDocPtr doc, xmlNodePtr disk) {
   DiskInfo d;
   const xmlNodePtr driver = xml::child(disk, "driver");
   d.cache = xml::attr(driver, "cache");
   d.format = xml::attr(driver, "type");
   d.io = xml::attr(driver, "io");
+  d.discard = xml::attr(driver, "discard");
+  d.format_options_known = format_options_known(doc, disk, driver);
   d.iothread = disk_iothread(doc, disk, driver);
   d.target = xml::attr(xml::child(disk, "target"), "dev");
   d.source = source_path(xml::child(disk, "source"));
@@ -196,7 +233,9 @@ LibvirtHypervisor::LibvirtHypervisor(std::string uri, Access access)
   virSetErrorFunc(nullptr, silent_error);
 }
 
-LibvirtHypervisor::~LibvirtHypervisor() { disconnect(); }
+LibvirtHypervisor::~LibvirtHypervisor() {
+  disconnect();
+}
 
 void LibvirtHypervisor::disconnect() {
   if (!conn_) return;
@@ -225,15 +264,17 @@ bool LibvirtHypervisor::connect() {
   virConnectRegisterCloseCallback(conn_, on_close, this, nullptr);
   if (access_ == Access::kReadOnly) return true;
   virConnectSetKeepAlive(conn_, 5, 3);
-  block_job_cb_ = virConnectDomainEventRegisterAny(
-      conn_, nullptr, VIR_DOMAIN_EVENT_ID_BLOCK_JOB_2, VIR_DOMAIN_EVENT_CALLBACK(on_block_job),
-      this, nullptr);
+  block_job_cb_ =
+      virConnectDomainEventRegisterAny(conn_, nullptr, VIR_DOMAIN_EVENT_ID_BLOCK_JOB_2,
+                                       VIR_DOMAIN_EVENT_CALLBACK(on_block_job), this, nullptr);
   qemu_cb_ = virConnectDomainQemuMonitorEventRegister(conn_, nullptr, "JOB_STATUS_CHANGE",
-                                                     on_qemu_event, this, nullptr, 0);
+                                                      on_qemu_event, this, nullptr, 0);
   return true;
 }
 
-bool LibvirtHypervisor::connected() const { return conn_ && !closed_ && virConnectIsAlive(conn_) == 1; }
+bool LibvirtHypervisor::connected() const {
+  return conn_ && !closed_ && virConnectIsAlive(conn_) == 1;
+}
 
 void LibvirtHypervisor::throw_disconnected() {
   throw HypervisorDisconnected(uri_ + ": connection to libvirtd lost");
@@ -299,8 +340,8 @@ void LibvirtHypervisor::start_commit(const std::string& domain, const std::strin
   if (!d) throw_job_error(domain);
   unsigned int flags = VIR_DOMAIN_BLOCK_COMMIT_BANDWIDTH_BYTES;
   if (active) flags |= VIR_DOMAIN_BLOCK_COMMIT_ACTIVE;
-  if (virDomainBlockCommit(d.get(), disk.c_str(), base.c_str(), top.c_str(),
-                           bandwidth_bytes_per_s, flags) < 0)
+  if (virDomainBlockCommit(d.get(), disk.c_str(), base.c_str(), top.c_str(), bandwidth_bytes_per_s,
+                           flags) < 0)
     throw_job_error(domain + " " + disk + ": block commit of " + top + " into " + base);
 }
 
@@ -403,14 +444,21 @@ std::optional<BlockStats> LibvirtHypervisor::block_stats(const std::string& doma
   for (int i = 0; i < n; ++i) {
     const virTypedParameter& p = params[static_cast<size_t>(i)];
     std::int64_t v = 0;
-    if (p.type == VIR_TYPED_PARAM_LLONG) v = p.value.l;
-    else if (p.type == VIR_TYPED_PARAM_ULLONG) v = static_cast<std::int64_t>(p.value.ul);
-    else continue;
+    if (p.type == VIR_TYPED_PARAM_LLONG)
+      v = p.value.l;
+    else if (p.type == VIR_TYPED_PARAM_ULLONG)
+      v = static_cast<std::int64_t>(p.value.ul);
+    else
+      continue;
     const std::string f = p.field;
-    if (f == VIR_DOMAIN_BLOCK_STATS_WRITE_REQ) s.wr_reqs = v;
-    else if (f == VIR_DOMAIN_BLOCK_STATS_WRITE_TOTAL_TIMES) s.wr_total_times_ns = v;
-    else if (f == VIR_DOMAIN_BLOCK_STATS_FLUSH_REQ) s.flush_reqs = v;
-    else if (f == VIR_DOMAIN_BLOCK_STATS_FLUSH_TOTAL_TIMES) s.flush_total_times_ns = v;
+    if (f == VIR_DOMAIN_BLOCK_STATS_WRITE_REQ)
+      s.wr_reqs = v;
+    else if (f == VIR_DOMAIN_BLOCK_STATS_WRITE_TOTAL_TIMES)
+      s.wr_total_times_ns = v;
+    else if (f == VIR_DOMAIN_BLOCK_STATS_FLUSH_REQ)
+      s.flush_reqs = v;
+    else if (f == VIR_DOMAIN_BLOCK_STATS_FLUSH_TOTAL_TIMES)
+      s.flush_total_times_ns = v;
   }
   return s;
 }
@@ -465,6 +513,40 @@ bool LibvirtHypervisor::set_job_speed(const std::string& domain, const std::stri
     return false;
   }
   return true;
+}
+
+// Through libvirt's QEMU monitor passthrough (libvirt-qemu): libvirt marks the domain tainted
+// ("custom-monitor") in its log the first time.
+std::optional<json::Value> LibvirtHypervisor::qmp_command(const std::string& domain,
+                                                          std::string_view command,
+                                                          const json::Value& args,
+                                                          std::string* error) {
+  check_alive();
+  Domain d(virDomainLookupByName(conn_, domain.c_str()));
+  if (!d) {
+    check_alive();
+    *error = "no running domain " + domain;
+    return std::nullopt;
+  }
+  json::Value cmd = json::Value::object();
+  cmd["execute"] = std::string(command);
+  cmd["arguments"] = args;
+  char* reply = nullptr;
+  if (virDomainQemuMonitorCommand(d.get(), json::dump(cmd).c_str(), &reply, 0) < 0) {
+    check_alive();
+    const virErrorPtr e = virGetLastError();
+    *error = e && e->message ? e->message : "libvirt refused the monitor command";
+    return std::nullopt;
+  }
+  const std::string text = reply ? reply : "";
+  std::free(reply);
+  const std::optional<json::Value> r = json::parse<json::Value>(text, json::kQmpLimits, error);
+  if (!r) return std::nullopt;
+  if (const json::Value* ret = json::member(*r, "return")) return *ret;
+  const json::Value* err = json::member(*r, "error");
+  *error = err ? json::string_member(*err, "desc") : "no return in QEMU's reply";
+  if (error->empty()) *error = "QEMU refused the command";
+  return std::nullopt;
 }
 
 }  // namespace qcommit::plugin

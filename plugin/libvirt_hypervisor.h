@@ -35,6 +35,10 @@ class LibvirtHypervisor final : public Hypervisor, public BlockJobControl {
   [[nodiscard]] bool set_job_speed(const std::string& domain, const std::string& disk,
                                    std::uint64_t bytes_per_s) override;
   void set_event_sink(EventSink sink) override { sink_ = std::move(sink); }
+  [[nodiscard]] std::optional<json::Value> qmp_command(const std::string& domain,
+                                                       std::string_view command,
+                                                       const json::Value& args,
+                                                       std::string* error) override;
 
   // BlockJobControl (`qcommit live`).
   [[nodiscard]] std::optional<DomainInfo> domain(const std::string& name) override;

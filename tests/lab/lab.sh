@@ -25,11 +25,12 @@
 #   lab_assert_clean                  fails if anything of this run is left behind
 #
 # Environment: QCOMMIT_BUILD_DIR (default <repo>/build), LAB_KEEP=1 keeps the backing data,
-# LAB_VERBOSE=1 logs more. LAB_RUN_ROOT puts the runs elsewhere than <build>/lab-run (a
-# directory another libvirtd's QEMU sees at the same path), LAB_ID_PREFIX names them (default
-# qcl), LAB_LOCAL_DAEMONS=0 leaves this host's libvirtd alone and LAB_URI names the libvirtd
-# the runs use (default qemu:///system; tests/lab/platform.sh sets these for the Debian 13
-# platform). Needs root, /dev/fuse, qemu-system-x86, libvirt.
+# LAB_VERBOSE=1 logs more, LAB_BASE_FORMAT=qcow2 gives the guest a qcow2 base (default raw).
+# LAB_RUN_ROOT puts the runs elsewhere than <build>/lab-run (a directory another libvirtd's QEMU
+# sees at the same path), LAB_ID_PREFIX names them (default qcl), LAB_LOCAL_DAEMONS=0 leaves
+# this host's libvirtd alone and LAB_URI names the libvirtd the runs use (default
+# qemu:///system; tests/lab/platform.sh sets these for the Debian 13 platform). Needs root,
+# /dev/fuse, qemu-system-x86, libvirt.
 
 LAB_SOURCE_DIR=${QCOMMIT_SOURCE_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}
 LAB_BUILD_DIR=$(realpath -m "${QCOMMIT_BUILD_DIR:-$LAB_SOURCE_DIR/build}")
@@ -179,7 +180,7 @@ lab_domain_xml() {
   <devices>
     <emulator>/usr/bin/qemu-system-x86_64</emulator>
     <disk type='file' device='disk'>
-      <driver name='qemu' type='raw' cache='$cache'/>
+      <driver name='qemu' type='${LAB_BASE_FORMAT:-raw}' cache='$cache'/>
       <source file='$base'/>
       <target dev='vda' bus='virtio'/>
     </disk>
@@ -224,10 +225,14 @@ lab_domain_boot() {
 lab_guest_start() {
   local cache=writeback fill=0 interval=100 size=2560M
   lab_guest_options lab_guest_start "$@"
-  LAB_BASE=$LAB_MNT/base.raw
+  LAB_BASE=$LAB_MNT/base.${LAB_BASE_FORMAT:-raw}
   LAB_OVERLAY=$LAB_MNT/overlay.qcow2
   export LAB_BASE LAB_OVERLAY
-  truncate -s "$size" "$LAB_BASE"
+  if [ "${LAB_BASE_FORMAT:-raw}" = qcow2 ]; then
+    qemu-img create -q -f qcow2 "$LAB_BASE" "$size"
+  else
+    truncate -s "$size" "$LAB_BASE"
+  fi
   # Per-run copies: libvirt relabels kernel/initrd, so runs must not share them.
   cp "$LAB_CACHE/vmlinuz" "$LAB_CACHE/initramfs.cpio.gz" "$LAB_DIR/"
   : >"$LAB_DIR/console.log"

@@ -10,13 +10,18 @@
 #   --wait` of a filled overlay; qcommitd must list the job and set its speed (libvirt reports
 #   a bandwidth), the pivot must land on base.raw.
 # Case live: `qcommit live DOM vda --pivot --uri <trixie>` (no qcommitd); pivot on base.raw.
-# Both: the fill written before the merge and every probe write completed before and during it
+# Case filter: as virsh with cache=none and a qcow2 base (libvirt 11 opens a raw image without a
+#   format node, which the filter goes under): qcommitd's log says its throttle filter went in
+#   and came out, QEMU had it (a throttle node qcommit-tf-*) while the job copied, and after the
+#   pivot no qcommit node or throttle group is left in QEMU; data read from a raw copy of the base
+#   (qemu-img convert).
+# All: the fill written before the merge and every probe write completed before and during it
 # read back from base.raw after the domain is shut down (tests/lab/live_verify.py); the probe's
 # max latency and the longest gap between two probe completions are reported.
 #
 # Skips (exit 77) unless QCOMMIT_TEST_TRIXIE=1 and the platform is started
 # (scripts/trixie-platform setup && scripts/trixie-platform start).
-#   trixie_test.sh [virsh|live|all]
+#   trixie_test.sh [virsh|live|filter|all]
 # Environment: QCOMMIT_LAB_CACHE (guest kernel/initramfs cache, default <build>/lab-cache),
 # TRIXIE_FILL_MIB (default 128: unthrottled, its writeback alone would freeze the guest for
 # ~2.7 s at the lab's 50 MB/s).
@@ -60,7 +65,7 @@ fail() {
 prepare_guest() {
   lab_storage_start --bandwidth 50M
   lab_storage_set 5G
-  lab_guest_start --cache writeback --fill "$kFill" --interval 100 --disk-size 1024M
+  lab_guest_start --cache "${1:-writeback}" --fill "$kFill" --interval 100 --disk-size 1024M
   lab_wait_probing 300
   lab_storage_set 50M
   lab_storage_wait_idle 90
@@ -69,15 +74,67 @@ prepare_guest() {
 
 verify_data() {
   virsh -q domblklist "$LAB_DOM" | grep -q "vda *$LAB_BASE\$" ||
-    fail "domain does not run on base.raw after the pivot: $(virsh -q domblklist "$LAB_DOM")"
+    fail "domain does not run on $LAB_BASE after the pivot: $(virsh -q domblklist "$LAB_DOM")"
   sleep 1
   lab_collect "$1" 3 2
   awk -v g="$LAB_STATS_max_gap" -v l="$kMaxGapMs" 'BEGIN {exit !(g >= 0 && g < l)}' ||
     fail "the guest froze: ${LAB_STATS_max_gap} ms between two probe completions (limit ${kMaxGapMs} ms)"
   lab_guest_stop
   sync
-  python3 "$here/live_verify.py" "$LAB_BASE" "$kFill" "$LAB_DIR/console.log" ||
-    fail "data written before/during the merge does not read back from base.raw"
+  local image=$LAB_BASE
+  if [ "${LAB_BASE_FORMAT:-raw}" = qcow2 ]; then
+    image=$LAB_DIR/base-flat.raw
+    qemu-img convert -f qcow2 -O raw "$LAB_BASE" "$image"
+  fi
+  python3 "$here/live_verify.py" "$image" "$kFill" "$LAB_DIR/console.log" ||
+    fail "data written before/during the merge does not read back from $LAB_BASE"
+  [ "$image" = "$LAB_BASE" ] || rm -f "$image"
+}
+
+qmp() { virsh -q qemu-monitor-command "$LAB_DOM" "$1"; }
+# QEMU's block nodes now, one a line: "name drv file".
+qemu_nodes() {
+  qmp '{"execute":"query-named-block-nodes","arguments":{"flat":true}}' |
+    python3 -c 'import json,sys
+for n in json.load(sys.stdin)["return"]: print(n["node-name"], n["drv"], n["file"])'
+}
+
+run_filter() {
+  export LAB_BASE_FORMAT=qcow2
+  lab_init filter
+  trap 'live_cleanup; lab_teardown' EXIT
+  live_qcd_start --budget 20ms
+  prepare_guest none
+  (lab_merge virsh blockcommit "$LAB_DOM" vda --active --pivot --wait --verbose; echo "$LAB_MERGE_RC" >"$LAB_DIR/merge.rc") &
+  local merge_pid=$! seen=""
+  while kill -0 "$merge_pid" 2>/dev/null; do
+    seen=$(qemu_nodes 2>/dev/null | grep '^qcommit-tf-[^ ]* throttle ' || true)
+    [ -n "$seen" ] && break
+    sleep 0.1
+  done
+  wait "$merge_pid" || true
+  [ "$(cat "$LAB_DIR/merge.rc")" = 0 ] || fail "virsh blockcommit --active --pivot failed"
+  [ -n "$seen" ] || fail "QEMU never had a qcommit throttle node while the job copied"
+  grep -q "throttle filter under $LAB_BASE in" "$LAB_DIR/qcommitd.log" ||
+    fail "qcommitd's log does not say the filter went in"
+  local left="" groups=""
+  for _ in $(seq 30); do
+    left=$(qemu_nodes | grep '^qcommit-' || true)
+    groups=$(qmp '{"execute":"qom-list","arguments":{"path":"/objects"}}' | grep -o '"name":"qcommit-[^"]*"' || true)
+    [ -z "$left$groups" ] && break
+    sleep 0.1
+  done
+  [ -z "$left" ] || fail "qcommit nodes left in QEMU after the pivot: $left"
+  [ -z "$groups" ] || fail "qcommit throttle groups left in QEMU after the pivot: $groups"
+  grep -q "throttle filter under $LAB_BASE out" "$LAB_DIR/qcommitd.log" ||
+    fail "qcommitd's log does not say the filter came out"
+  verify_data filter
+  echo "filter: in ($(cut -d' ' -f1 <<<"$seen")) and out, merge ${LAB_STATS_merge_s} s," \
+    "probe p99 ${LAB_STATS_p99} ms max ${LAB_STATS_max} ms gap ${LAB_STATS_max_gap} ms, pivot OK, data intact" |
+    tee "$LAB_DIR/result"
+  live_cleanup
+  lab_teardown
+  lab_assert_clean || fail "run $LAB_ID left resources behind"
 }
 
 run_virsh() {
@@ -130,10 +187,12 @@ run_live() {
 case ${1:-all} in
   virsh) (run_virsh) || exit 1 ;;
   live) (run_live) || exit 1 ;;
+  filter) (run_filter) || exit 1 ;;
   all)
     (run_virsh) || exit 1
     (run_live) || exit 1
+    (run_filter) || exit 1
     ;;
-  *) echo "usage: trixie_test.sh [virsh|live|all]" >&2; exit 2 ;;
+  *) echo "usage: trixie_test.sh [virsh|live|filter|all]" >&2; exit 2 ;;
 esac
 echo "PASS lab-trixie ($SECONDS s)"

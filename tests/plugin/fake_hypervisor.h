@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
@@ -36,6 +37,9 @@ class FakeHypervisor final : public Hypervisor {
   int job_queries = 0;
   std::optional<std::uint64_t> version = 7002000;  // QEMU 7.2, Debian 12's
   int connects = 0;
+  // QMP commands (qmp_command): answered by `qmp` when set, else refused; every one is logged.
+  std::function<std::optional<json::Value>(std::string_view, const json::Value&, std::string*)> qmp;
+  std::vector<std::pair<std::string, json::Value>> qmp_log;
 
   void libvirtd_stops() {
     daemon_up = false;
@@ -105,6 +109,14 @@ class FakeHypervisor final : public Hypervisor {
     return true;
   }
   void set_event_sink(EventSink sink) override { sink_ = std::move(sink); }
+  std::optional<json::Value> qmp_command(const std::string& domain, std::string_view command,
+                                         const json::Value& args, std::string* error) override {
+    check();
+    (void)domain;
+    qmp_log.emplace_back(std::string(command), args);
+    if (!qmp) return Hypervisor::qmp_command(domain, command, args, error);
+    return qmp(command, args, error);
+  }
 
  private:
   void check() const {
@@ -122,13 +134,13 @@ struct FakeFileState {
   std::uint64_t dirty = 0;
   std::uint64_t writeback = 0;  // total; `queue` holds where (what start_writeback issued)
   std::uint64_t writeback_started = 0;
-  std::uint64_t range_readings = 0;  // page_cache_in calls
-  std::uint64_t whole_readings = 0;  // page_cache calls
-  std::uint64_t dirty_probes = 0;    // dirty_in calls
-  std::vector<ByteRange> dropped;    // drop_cached calls
+  std::uint64_t range_readings = 0;               // page_cache_in calls
+  std::uint64_t whole_readings = 0;               // page_cache calls
+  std::uint64_t dirty_probes = 0;                 // dirty_in calls
+  std::vector<ByteRange> dropped;                 // drop_cached calls
   std::vector<std::uint64_t> settled_with_dirty;  // dirty bytes at each start_settle
-  bool settle_busy = false;          // a test can hold a settle "in progress"
-  bool ranges_readable = true;       // false: page_cache_in fails (no per-range cachestat)
+  bool settle_busy = false;                       // a test can hold a settle "in progress"
+  bool ranges_readable = true;  // false: page_cache_in fails (no per-range cachestat)
   // A kernel without cachestat(2): whole-file readings are host-wide (per_file false, plus
   // `other_dirty` bytes of other writers), ranges cannot be read, and a settle is a real
   // fdatasync: it starts writeback of every dirty byte and lasts until none is left.
@@ -186,7 +198,7 @@ class FakeTargetFiles final : public TargetFiles {
   std::map<std::string, std::shared_ptr<FakeFileState>> files;
   std::optional<std::string> commit_base_answer;  // what the host tells of a commit's base
   std::optional<std::vector<ByteRange>> commit_extents_answer;  // what a commit copies
-  std::shared_ptr<FakeProbeState> probe;          // nullptr: no probe file can be opened
+  std::shared_ptr<FakeProbeState> probe;  // nullptr: no probe file can be opened
   std::string probe_refusal = "cannot create the probe file: Read-only file system";
 
   ProbeOpening open_probe(const std::string& path) override {
@@ -239,9 +251,9 @@ class FakeTargetFiles final : public TargetFiles {
     std::optional<std::uint64_t> device() override { return s_->device; }
     std::optional<PageCacheState> page_cache() override {
       ++s_->whole_readings;
-      PageCacheState st =
-          s_->host_wide ? PageCacheState{s_->dirty + s_->other_dirty, s_->writeback, false}
-                        : PageCacheState{s_->dirty, s_->writeback, true};
+      PageCacheState st = s_->host_wide
+                              ? PageCacheState{s_->dirty + s_->other_dirty, s_->writeback, false}
+                              : PageCacheState{s_->dirty, s_->writeback, true};
       if (s_->memcg_bound) {
         st.dirty_bytes += s_->cgroup_other_dirty;
         st.dirty_upper_bound = true;
@@ -270,7 +282,8 @@ class FakeTargetFiles final : public TargetFiles {
       if (s_->dirty_at_front)
         return r.offset >= s_->dirty ? 0 : std::min(r.length, s_->dirty - r.offset);
       const double share = static_cast<double>(r.length) / static_cast<double>(s_->size);
-      return std::min(s_->dirty, static_cast<std::uint64_t>(static_cast<double>(s_->dirty) * share + 0.5));
+      return std::min(s_->dirty,
+                      static_cast<std::uint64_t>(static_cast<double>(s_->dirty) * share + 0.5));
     }
     void drop_cached(const ByteRange& r) override { s_->dropped.push_back(r); }
     bool start_settle() override {

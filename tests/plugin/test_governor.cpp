@@ -1,11 +1,13 @@
 // Governor against the scripted FakeHypervisor, in virtual time.
 #include <doctest/doctest.h>
+#include <unistd.h>
 
 #include <algorithm>
 
 #include "plugin/control.h"
 #include "plugin/governor.h"
 #include "tests/plugin/fake_hypervisor.h"
+#include "tests/plugin/fake_qemu_graph.h"
 #include "tests/plugin/world.h"
 
 using namespace qcommit::plugin;
@@ -992,4 +994,104 @@ TEST_CASE("plugin.governor.max_rate_caps_every_speed") {
   // Below the governor's minimum job speed the cap could not hold: refused.
   opt.max_rate_bytes_per_s = 16.0 * 1024;
   CHECK(opt.validate().has_value());
+}
+
+namespace {
+// An active commit into a cache=none base whose node options libvirt's XML fully gives, on a
+// QEMU 10 that takes QMP commands (fake_qemu_graph.h).
+void start_direct_active_commit(World& w, FakeQemu& q) {
+  w.hv.domains[0].disks[0].cache = "none";
+  w.hv.domains[0].disks[0].format_options_known = true;
+  w.hv.qmp = q.qmp();
+  w.hv.version = 10000013;  // QEMU 10.0.13, Debian 13's
+  w.job_max_bytes_per_s = 50.0 * 1024 * 1024;
+  w.start_job(JobType::ActiveCommit, 4ull << 30);
+}
+bool filter_in(FakeQemu& q) {
+  return q.nodes["libvirt-1-format"].children["file"].rfind("qcommit-tf-", 0) == 0;
+}
+}  // namespace
+
+TEST_CASE("plugin.governor.throttle_filter_under_a_direct_active_commit") {
+  // QEMU's mirror copies 16 MiB bursts whatever its speed: a throttle filter under BASE lets each
+  // burst out at 1.5x the job's speed.  It goes in once the job, held at the floor, has nothing
+  // in flight (a tick without progress), follows the speed only on large changes (every change
+  // empties QEMU's buckets), and comes out when the job is ready.
+  World w;
+  FakeQemu q(kBase, kTop);
+  start_direct_active_commit(w, q);
+  Governed gv(w);
+  gv.run(50ms);  // adopted
+  REQUIRE(!w.hv.speed_calls.empty());
+  CHECK(w.hv.speed_calls.front().speed == kMinJobSpeedBytesPerS);
+  CHECK_FALSE(filter_in(q));
+  gv.run(500ms);
+  REQUIRE(filter_in(q));
+  const std::string group = "qcommit-tg-" + std::to_string(::getpid()) + "-1";
+  REQUIRE(q.groups.count(group) == 1);
+  CHECK(gv.g.status(w.now).jobs.at(0).target_throttle == "on");
+  // After every step the filter's rate is within the hysteresis of 1.5x the job's speed.
+  std::uint64_t max_speed = 0;
+  double lo = 1e9, hi = 0;
+  gv.run(10s, [&] {
+    const std::uint64_t speed = w.hv.speed("vm1", "vda");
+    max_speed = std::max(max_speed, speed);
+    const double ratio = static_cast<double>(q.groups[group]) /
+                         static_cast<double>(std::max(speed, kMinThrottleRateBytesPerS));
+    lo = std::min(lo, ratio);
+    hi = std::max(hi, ratio);
+  });
+  MESSAGE("speed up to " << max_speed << " B/s; filter/speed " << lo << ".." << hi);
+  CHECK(max_speed > 16ull << 20);
+  CHECK(hi <= kThrottleRateFactor * kThrottleRateHysteresis + 0.01);
+  CHECK(lo * kThrottleRateHysteresis >= kThrottleRateFactor - 0.01);
+  std::size_t sets = 0;
+  for (const auto& [c, a] : w.hv.qmp_log) sets += c == "qom-set";
+  CHECK(sets <= 10);  // not one per tick (100 in 10 s)
+  w.hv.jobs[{"vm1", "vda"}].cur = w.hv.jobs[{"vm1", "vda"}].end;
+  w.hv.emit(JobEvent{JobEventKind::Ready, "vm1", "vda", JobType::ActiveCommit, ""});
+  gv.run(300ms);
+  CHECK_FALSE(filter_in(q));
+  CHECK(q.nodes.count("qcommit-tf-" + std::to_string(::getpid()) + "-1") == 0);
+  CHECK(q.groups.empty());
+}
+
+TEST_CASE("plugin.governor.throttle_filter_only_where_it_applies") {
+  // Writeback (the page cache takes the bursts), QEMU before 8.1, options the XML does not give,
+  // QMP refused, or the daemon told not to: no filter; the job is governed by its speed as before.
+  struct Case {
+    const char* name;
+    std::string cache;
+    std::uint64_t qemu;
+    bool known;
+    bool qmp;
+    bool option;
+    const char* why;  // status: "" or the start of "off: ..."
+  };
+  for (const Case& c :
+       {Case{"writeback", "", 10000013, true, true, true, ""},
+        Case{"QEMU 7.2", "none", 7002022, true, true, true, "off: not used with QEMU before 8.1"},
+        Case{"unknown options", "none", 10000013, false, true, true, "off: the disk's"},
+        Case{"no QMP", "none", 10000013, true, false, true, "off: query-named-block-nodes"},
+        Case{"off", "none", 10000013, true, true, false, ""}}) {
+    const std::string name = c.name;
+    CAPTURE(name);
+    World w;
+    FakeQemu q(kBase, kTop);
+    start_direct_active_commit(w, q);
+    w.hv.domains[0].disks[0].cache = c.cache;
+    w.hv.domains[0].disks[0].format_options_known = c.known;
+    w.hv.version = c.qemu;
+    if (!c.qmp) w.hv.qmp = nullptr;
+    GovernorOptions opt;
+    opt.target_throttle = c.option;
+    Governed gv(w, DaemonConfig{}, opt);
+    gv.run(3s);
+    CHECK_FALSE(filter_in(q));
+    CHECK(q.groups.empty());
+    const std::string state = gv.g.status(w.now).jobs.at(0).target_throttle;
+    CAPTURE(state);
+    CHECK(state.rfind(c.why, 0) == 0);
+    CHECK(w.hv.speed("vm1", "vda") > kMinJobSpeedBytesPerS);
+  }
 }

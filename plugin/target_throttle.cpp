@@ -1,0 +1,227 @@
+#include "plugin/target_throttle.h"
+
+#include <map>
+#include <vector>
+
+namespace qcommit::plugin {
+
+namespace {
+
+// Format drivers whose node this reopens: their options beyond the generic ones (qcow2's cache
+// sizes, raw's offset/size) are not reported by QEMU, and the caller vouches that the node was
+// opened without them (FormatNodeOptions, DiskInfo::format_options_known).
+bool known_format(const std::string& drv) {
+  return drv == "qcow2" || drv == "raw";
+}
+
+const json::Value* find_named(const json::Value& named_nodes, const std::string& name) {
+  if (!named_nodes.is_array()) return nullptr;
+  for (const json::Value& n : named_nodes)
+    if (n.is_object() && json::string_member(n, "node-name") == name) return &n;
+  return nullptr;
+}
+
+// The graph's children of the node named `parent`, by edge name ("file", "backing"), as node
+// names.
+std::map<std::string, std::string> children_of(const json::Value& graph,
+                                               const std::string& parent) {
+  std::map<std::string, std::string> out;
+  const json::Value* nodes = json::member(graph, "nodes");
+  const json::Value* edges = json::member(graph, "edges");
+  if (!nodes || !edges || !nodes->is_array() || !edges->is_array()) return out;
+  std::map<std::int64_t, std::string> names;
+  std::optional<std::int64_t> parent_id;
+  for (const json::Value& n : *nodes) {
+    const json::Value* id = json::member(n, "id");
+    const std::optional<std::int64_t> v = id ? json::to_int64(*id) : std::nullopt;
+    if (!v) continue;
+    names[*v] = json::string_member(n, "name");
+    if (json::string_member(n, "type") == "block-driver" && names[*v] == parent) parent_id = v;
+  }
+  if (!parent_id) return out;
+  for (const json::Value& e : *edges) {
+    const json::Value* p = json::member(e, "parent");
+    const json::Value* c = json::member(e, "child");
+    const std::optional<std::int64_t> pv = p ? json::to_int64(*p) : std::nullopt;
+    const std::optional<std::int64_t> cv = c ? json::to_int64(*c) : std::nullopt;
+    if (pv == parent_id && cv && names.count(*cv)) out[json::string_member(e, "name")] = names[*cv];
+  }
+  return out;
+}
+
+bool bool_member(const json::Value& v, std::string_view key) {
+  const json::Value* m = json::member(v, key);
+  return m && m->is_boolean() && m->get<bool>();
+}
+
+// The reopen options of a format node as it is open now (without `file`).
+json::Value reopen_options(const json::Value& node, const std::map<std::string, std::string>& kids,
+                           const FormatNodeOptions& given) {
+  json::Value o = json::Value::object();
+  const std::string drv = json::string_member(node, "drv");
+  o["driver"] = drv;
+  o["node-name"] = json::string_member(node, "node-name");
+  o["read-only"] = bool_member(node, "ro");
+  const json::Value* cache = json::member(node, "cache");
+  json::Value c = json::Value::object();
+  c["direct"] = cache ? bool_member(*cache, "direct") : false;
+  c["no-flush"] = cache ? bool_member(*cache, "no-flush") : false;
+  o["cache"] = c;
+  const std::string dz = json::string_member(node, "detect_zeroes");
+  o["detect-zeroes"] = dz.empty() ? "off" : dz;
+  o["discard"] = given.discard;
+  if (drv == "qcow2") {
+    auto b = kids.find("backing");
+    o["backing"] = b == kids.end() ? json::Value(nullptr) : json::Value(b->second);
+  }
+  return o;
+}
+
+std::optional<json::Value> call(const QmpCall& qmp, std::string_view command,
+                                const json::Value& args, std::string* error) {
+  std::string e;
+  std::optional<json::Value> r = qmp(command, args, &e);
+  if (!r) *error = std::string(command) + ": " + e;
+  return r;
+}
+
+json::Value reopen_args(const TargetNodes& n, const std::string& file) {
+  json::Value o = n.reopen_options;
+  o["file"] = file;
+  json::Value args = json::Value::object();
+  args["options"] = json::Value::array({o});
+  return args;
+}
+
+}  // namespace
+
+std::variant<TargetNodes, std::string> find_target_nodes(const json::Value& named_nodes,
+                                                         const json::Value& graph,
+                                                         const std::string& target_path,
+                                                         const FormatNodeOptions& given) {
+  if (!named_nodes.is_array()) return std::string("query-named-block-nodes: not a list");
+  std::vector<const json::Value*> formats;
+  for (const json::Value& n : named_nodes) {
+    if (!n.is_object() || json::string_member(n, "file") != target_path) continue;
+    const std::string drv = json::string_member(n, "drv");
+    if (drv == "file" || drv == "host_device" || drv == "mirror_top" || drv == "commit_top" ||
+        drv == "throttle")
+      continue;
+    formats.push_back(&n);
+  }
+  if (formats.empty()) return "no format node of " + target_path + " in QEMU";
+  if (formats.size() > 1) return "more than one format node of " + target_path + " in QEMU";
+  const json::Value& fmt = *formats.front();
+  const std::string name = json::string_member(fmt, "node-name");
+  const std::string drv = json::string_member(fmt, "drv");
+  if (!known_format(drv)) return "the format node " + name + " of " + target_path + " is " + drv;
+  const std::map<std::string, std::string> kids = children_of(graph, name);
+  for (const auto& [role, child] : kids)
+    if (role != "file" && role != "backing")
+      return "the format node " + name + " has a '" + role + "' child";
+  auto file = kids.find("file");
+  if (file == kids.end()) return "the format node " + name + " has no file child";
+  const json::Value* fnode = find_named(named_nodes, file->second);
+  if (!fnode || json::string_member(*fnode, "file") != target_path)
+    return "the file child " + file->second + " of " + name + " is not " + target_path;
+  const std::string fdrv = json::string_member(*fnode, "drv");
+  if (fdrv != "file" && fdrv != "host_device")
+    return "the file child " + file->second + " of " + name + " is " + fdrv;
+  return TargetNodes{name, file->second, reopen_options(fmt, kids, given)};
+}
+
+json::Value throttle_limits(std::uint64_t bytes_per_s) {
+  json::Value l = json::Value::object();
+  l["bps-write"] = bytes_per_s;
+  return l;
+}
+
+std::variant<TargetThrottle, std::string> insert_target_throttle(const QmpCall& qmp,
+                                                                 const std::string& target_path,
+                                                                 const FormatNodeOptions& given,
+                                                                 const std::string& tag,
+                                                                 std::uint64_t bytes_per_s) {
+  std::string error;
+  json::Value flat = json::Value::object();
+  flat["flat"] = true;
+  const std::optional<json::Value> named = call(qmp, "query-named-block-nodes", flat, &error);
+  if (!named) return error;
+  const std::optional<json::Value> graph =
+      call(qmp, "x-debug-query-block-graph", json::Value::object(), &error);
+  if (!graph) return error;
+  auto found = find_target_nodes(*named, *graph, target_path, given);
+  if (auto* e = std::get_if<std::string>(&found)) return *e;
+  TargetThrottle t{std::get<TargetNodes>(std::move(found)), "qcommit-tg-" + tag,
+                   "qcommit-tf-" + tag, bytes_per_s};
+
+  json::Value group = json::Value::object();
+  group["qom-type"] = "throttle-group";
+  group["id"] = t.group_id;
+  group["limits"] = throttle_limits(bytes_per_s);
+  if (!call(qmp, "object-add", group, &error)) return error;
+  json::Value del_group = json::Value::object();
+  del_group["id"] = t.group_id;
+
+  json::Value filter = json::Value::object();
+  filter["driver"] = "throttle";
+  filter["node-name"] = t.filter_node;
+  filter["throttle-group"] = t.group_id;
+  filter["file"] = t.nodes.file_node;
+  if (!call(qmp, "blockdev-add", filter, &error)) {
+    std::string ignored;
+    (void)call(qmp, "object-del", del_group, &ignored);
+    return error;
+  }
+  if (!call(qmp, "blockdev-reopen", reopen_args(t.nodes, t.filter_node), &error)) {
+    std::string ignored;
+    json::Value del_node = json::Value::object();
+    del_node["node-name"] = t.filter_node;
+    (void)call(qmp, "blockdev-del", del_node, &ignored);
+    (void)call(qmp, "object-del", del_group, &ignored);
+    return error;
+  }
+  return t;
+}
+
+std::optional<std::string> set_target_throttle(const QmpCall& qmp, TargetThrottle& t,
+                                               std::uint64_t bytes_per_s) {
+  json::Value args = json::Value::object();
+  args["path"] = t.group_id;
+  args["property"] = "limits";
+  args["value"] = throttle_limits(bytes_per_s);
+  std::string error;
+  if (!call(qmp, "qom-set", args, &error)) return error;
+  t.bytes_per_s = bytes_per_s;
+  return std::nullopt;
+}
+
+std::optional<std::string> remove_target_throttle(const QmpCall& qmp, const TargetThrottle& t,
+                                                  const FormatNodeOptions& given) {
+  std::string error;
+  json::Value flat = json::Value::object();
+  flat["flat"] = true;
+  const std::optional<json::Value> named = call(qmp, "query-named-block-nodes", flat, &error);
+  if (!named) return error;
+  const std::optional<json::Value> graph =
+      call(qmp, "x-debug-query-block-graph", json::Value::object(), &error);
+  if (!graph) return error;
+  // The node as it is now (the pivot may have made it the guest's active layer; libvirt may have
+  // reopened it read-only after a cancelled job, with its own file node, leaving the filter
+  // without a parent): reopened only while the filter is still its file child.
+  const json::Value* fmt = find_named(*named, t.nodes.format_node);
+  const std::map<std::string, std::string> kids =
+      fmt ? children_of(*graph, t.nodes.format_node) : std::map<std::string, std::string>{};
+  if (auto f = kids.find("file"); fmt && f != kids.end() && f->second == t.filter_node) {
+    TargetNodes now{t.nodes.format_node, t.nodes.file_node, reopen_options(*fmt, kids, given)};
+    if (!call(qmp, "blockdev-reopen", reopen_args(now, t.nodes.file_node), &error)) return error;
+  }
+  json::Value del_node = json::Value::object();
+  del_node["node-name"] = t.filter_node;
+  if (!call(qmp, "blockdev-del", del_node, &error)) return error;
+  json::Value del_group = json::Value::object();
+  del_group["id"] = t.group_id;
+  if (!call(qmp, "object-del", del_group, &error)) return error;
+  return std::nullopt;
+}
+
+}  // namespace qcommit::plugin

@@ -1,0 +1,99 @@
+// plugin/target_throttle: the QMP steps that put a throttle filter under a job's target and take
+// it out, against a model of QEMU's block graph (fake_qemu_graph.h).
+#include <doctest/doctest.h>
+
+#include <string>
+
+#include "plugin/target_throttle.h"
+#include "tests/plugin/fake_qemu_graph.h"
+
+namespace qcommit::plugin::test {
+
+TEST_CASE("plugin.target_throttle.in_and_out") {
+  FakeQemu q;
+  FormatNodeOptions given;
+  given.discard = "unmap";
+  auto r = insert_target_throttle(q.qmp(), "/s/base.qcow2", given, "77-1", 4u << 20);
+  REQUIRE(std::holds_alternative<TargetThrottle>(r));
+  TargetThrottle t = std::get<TargetThrottle>(r);
+  CHECK(t.nodes.format_node == "libvirt-1-format");
+  CHECK(t.nodes.file_node == "libvirt-1-storage");
+  // The base's format node reads through the filter, the filter from the base's file node.
+  CHECK(q.nodes["libvirt-1-format"].children["file"] == "qcommit-tf-77-1");
+  CHECK(q.nodes["qcommit-tf-77-1"].children["file"] == "libvirt-1-storage");
+  CHECK(q.groups["qcommit-tg-77-1"] == 4u << 20);
+  // The reopen named the node's options as they were: read-write, O_DIRECT, no backing.
+  const json::Value& o = q.nodes["libvirt-1-format"].opened;
+  CHECK(json::string_member(o, "discard") == "unmap");
+  CHECK(o.at("backing").is_null());
+  CHECK(o.at("cache").at("direct").get<bool>());
+  CHECK_FALSE(set_target_throttle(q.qmp(), t, 9u << 20).has_value());
+  CHECK(q.groups["qcommit-tg-77-1"] == 9u << 20);
+  CHECK(t.bytes_per_s == 9u << 20);
+  CHECK_FALSE(remove_target_throttle(q.qmp(), t, given).has_value());
+  CHECK(q.nodes["libvirt-1-format"].children["file"] == "libvirt-1-storage");
+  CHECK(q.nodes.count("qcommit-tf-77-1") == 0);
+  CHECK(q.groups.empty());
+}
+
+TEST_CASE("plugin.target_throttle.middle_of_a_chain_keeps_its_backing") {
+  // Committing the top into the middle layer: the middle's reopen names its own backing.
+  FakeQemu q;
+  auto r = insert_target_throttle(q.qmp(), "/s/top.qcow2", FormatNodeOptions{}, "1-2", 1u << 20);
+  REQUIRE(std::holds_alternative<TargetThrottle>(r));
+  CHECK(q.nodes["libvirt-2-format"].children["backing"] == "libvirt-1-format");
+  CHECK(json::string_member(q.nodes["libvirt-2-format"].opened, "backing") == "libvirt-1-format");
+  CHECK(json::string_member(q.nodes["libvirt-2-format"].opened, "discard") == "ignore");
+}
+
+TEST_CASE("plugin.target_throttle.a_failed_step_leaves_nothing") {
+  for (const char* step : {"blockdev-add", "blockdev-reopen"}) {
+    CAPTURE(step);
+    FakeQemu q;
+    q.refuse.insert(step);
+    auto r = insert_target_throttle(q.qmp(), "/s/base.qcow2", FormatNodeOptions{}, "5-1", 1u << 20);
+    REQUIRE(std::holds_alternative<std::string>(r));
+    CHECK(std::get<std::string>(r).rfind(std::string(step) + ": ", 0) == 0);
+    CHECK(q.nodes.count("qcommit-tf-5-1") == 0);
+    CHECK(q.groups.empty());
+    CHECK(q.nodes["libvirt-1-format"].children["file"] == "libvirt-1-storage");
+  }
+}
+
+TEST_CASE("plugin.target_throttle.no_node_to_put_it_under") {
+  // libvirt 11 opens a raw image without a format node: the job writes to the protocol node.
+  FakeQemu q;
+  q.nodes.erase("libvirt-1-format");
+  q.nodes["libvirt-2-format"].children["backing"] = "libvirt-1-storage";
+  q.nodes["libvirt-1-storage"].file = "/s/base.raw";
+  auto r = insert_target_throttle(q.qmp(), "/s/base.raw", FormatNodeOptions{}, "1-1", 1u << 20);
+  REQUIRE(std::holds_alternative<std::string>(r));
+  CHECK(std::get<std::string>(r) == "no format node of /s/base.raw in QEMU");
+  CHECK(q.groups.empty());
+  // An unknown format driver is refused, not reopened with guessed options.
+  FakeQemu q2;
+  q2.nodes["libvirt-1-format"].drv = "vmdk";
+  auto r2 = insert_target_throttle(q2.qmp(), "/s/base.qcow2", FormatNodeOptions{}, "1-1", 1u << 20);
+  REQUIRE(std::holds_alternative<std::string>(r2));
+  CHECK(std::get<std::string>(r2).find("is vmdk") != std::string::npos);
+}
+
+TEST_CASE("plugin.target_throttle.removal_after_libvirt_reopened_the_node") {
+  // A cancelled commit: libvirt reopened the base read-only with its own file node, leaving the
+  // filter without a parent.  Removal deletes the filter and group without reopening the node
+  // (which would make it read-write again).
+  FakeQemu q;
+  auto r = insert_target_throttle(q.qmp(), "/s/base.qcow2", FormatNodeOptions{}, "3-1", 1u << 20);
+  REQUIRE(std::holds_alternative<TargetThrottle>(r));
+  q.nodes["libvirt-1-format"].children["file"] = "libvirt-1-storage";
+  q.nodes["libvirt-1-format"].ro = true;
+  const std::size_t before = q.commands.size();
+  CHECK_FALSE(remove_target_throttle(q.qmp(), std::get<TargetThrottle>(r), {}).has_value());
+  for (std::size_t i = before; i < q.commands.size(); ++i)
+    CHECK(q.commands[i] != "blockdev-reopen");
+  CHECK(q.nodes["libvirt-1-format"].ro);
+  CHECK(q.nodes.count("qcommit-tf-3-1") == 0);
+  CHECK(q.groups.empty());
+}
+
+}  // namespace qcommit::plugin::test
