@@ -1,8 +1,10 @@
 #include "plugin/governor.h"
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <limits>
 
@@ -303,6 +305,7 @@ TimePoint Governor::step(TimePoint now) {
       if (hv_.connect()) {
         connected_ = true;
         was_ever_connected_ = true;
+        sweep_orphans_ = opt_.target_throttle;
         reconnect_.succeeded();
         next_poll_ = now;  // adopt running jobs right away
       } else {
@@ -468,6 +471,7 @@ std::string Governor::storage_key(const std::string& path, std::optional<std::ui
 void Governor::poll(TimePoint now, const std::set<std::string>* only) {
   std::vector<DomainInfo> doms = hv_.running_domains();
   if (!only) pools_ = hv_.pools();
+  if (!only && sweep_orphans_) sweep_orphan_throttles(doms);
   std::set<DiskKey> listed;
   for (const auto& dom : doms) {
     if (only && !only->count(dom.name)) continue;
@@ -677,6 +681,37 @@ void Governor::remove_target_throttle(Job& j) {
         "could not take the filter " + j.throttle->filter_node + " out: the connection was lost";
   }
   j.throttle.reset();
+}
+
+// Once per connection, before any job is adopted: a qcommit process killed while its filter was
+// in left it there, and after the job's pivot it would keep metering the guest's own writes.
+// Only domains with a cache=none/directsync disk whose node options are known can have one.
+void Governor::sweep_orphan_throttles(const std::vector<DomainInfo>& doms) {
+  sweep_orphans_ = false;
+  for (const DomainInfo& dom : doms) {
+    const auto direct = [](const DiskInfo& d) {
+      return Job::direct_cache(d.cache) && d.format_options_known;
+    };
+    if (std::none_of(dom.disks.begin(), dom.disks.end(), direct)) continue;
+    const QmpCall qmp = [this, &dom](std::string_view command, const json::Value& args,
+                                     std::string* error) {
+      return hv_.qmp_command(dom.name, command, args, error);
+    };
+    const auto alive = [](long pid) {
+      return ::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM;
+    };
+    const auto options_for = [&dom](const std::string& file) -> std::optional<FormatNodeOptions> {
+      for (const DiskInfo& d : dom.disks) {
+        if (!d.format_options_known) continue;
+        if (d.source == file || std::find(d.backing_chain.begin(), d.backing_chain.end(), file) !=
+                                    d.backing_chain.end())
+          return FormatNodeOptions{d.discard == "unmap" ? "unmap" : "ignore"};
+      }
+      return std::nullopt;
+    };
+    for (const std::string& line : remove_orphan_throttles(qmp, alive, options_for))
+      if (opt_.notice) opt_.notice("domain " + dom.name + ": throttle filter " + line);
+  }
 }
 
 void Governor::release(const DiskKey& k, const std::string& reason, TimePoint now,

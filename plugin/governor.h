@@ -179,6 +179,9 @@ struct GovernorOptions {
   // QMP commands and the target's node options are known.  The job's own speed is then its
   // policy's ceiling: the filter alone paces it.
   bool target_throttle = true;
+  // Where the governor says what it did outside a job's figures (filters a dead process left in
+  // QEMU, removed or not); empty: not said.
+  std::function<void(const std::string&)> notice;
   throttle::ChunkGateConfig chunk_gate_config{kQemuChunkBytes, std::chrono::milliseconds(2)};
   WritebackConfig writeback;
   // When set, only the job on this domain's disk target is governed (`qcommit live` runs a
@@ -356,12 +359,14 @@ class Governor {
                                         std::optional<PoolInfo>* pool_out);
   [[nodiscard]] std::optional<PoolInfo> resolve_pool(const std::string& path);
   void set_speed(Job& j, std::uint64_t speed);
-  void set_gate_speed(Job& j, bool open);
-  void insert_target_throttle(Job& j);  // the filter under the target
-  void follow_target_throttle(Job& j);  // its rate after the job's speed
+  void set_gate_speed(Job& j, bool open);  // the chunk gate's open or closed speed
+  // The throttle filter under a job's target: in, its rate after the job's speed, out (ready,
+  // end, stop); and those a dead qcommit process left in QEMU.
+  void insert_target_throttle(Job& j);
+  void follow_target_throttle(Job& j);
   [[nodiscard]] std::uint64_t throttle_rate_for(std::uint64_t speed) const;
-  void remove_target_throttle(
-      Job& j);  // taken out (ready, end, stop)  // the chunk gate's open or closed speed
+  void remove_target_throttle(Job& j);
+  void sweep_orphan_throttles(const std::vector<DomainInfo>& doms);
   void lost_connection(TimePoint now);
 
   Hypervisor& hv_;
@@ -371,6 +376,7 @@ class Governor {
   std::vector<JobEvent> pending_events_;
   std::set<std::string> scan_domains_;
   bool connected_ = false;
+  bool sweep_orphans_ = false;  // at the next full poll: filters a dead process left in QEMU
   bool was_ever_connected_ = false;
   throttle::Backoff reconnect_;
   std::optional<TimePoint> next_poll_;

@@ -223,9 +223,10 @@ DaemonConfig daemon_config(const DaemonArgs& a) {
   return cfg;
 }
 
-GovernorOptions governor_options(const DaemonArgs& a) {
+GovernorOptions governor_options(const DaemonArgs& a, DaemonLog& log) {
   GovernorOptions opt;
   opt.target_throttle = a.throttle_filter == "on";
+  opt.notice = [&log](const std::string& m) { log.record(m); };
   opt.settle_every = settle_interval_for(dirty_expire());
   // GovernorOptions::wall_clock stays unset: slotted on CLOCK_REALTIME, the lab's qcd-commit row
   // took 78-82 s against 59 s (2026-12-02, quiet host, with the shared-queue probe on or off).
@@ -334,7 +335,7 @@ int main(int argc, char** argv) {
   if (std::optional<int> rc = parse_daemon_args(argc, argv, args, log)) return *rc;
   try {
     const DaemonConfig cfg = daemon_config(args);
-    const GovernorOptions opt = governor_options(args);
+    const GovernorOptions opt = governor_options(args, log);
     install_signal_handlers();
     set_up_event_loop();
     Daemon d(args, cfg, opt, log);

@@ -1,5 +1,6 @@
 #include "plugin/target_throttle.h"
 
+#include <cstdlib>
 #include <map>
 #include <vector>
 
@@ -47,6 +48,30 @@ std::map<std::string, std::string> children_of(const json::Value& graph,
     if (pv == parent_id && cv && names.count(*cv)) out[json::string_member(e, "name")] = names[*cv];
   }
   return out;
+}
+
+// The node whose `edge` child is `child` (node names), when there is one.
+std::optional<std::string> parent_of(const json::Value& graph, const std::string& child,
+                                     std::string_view edge) {
+  const json::Value* nodes = json::member(graph, "nodes");
+  const json::Value* edges = json::member(graph, "edges");
+  if (!nodes || !edges || !nodes->is_array() || !edges->is_array()) return std::nullopt;
+  std::map<std::int64_t, std::string> names;
+  for (const json::Value& n : *nodes) {
+    const json::Value* id = json::member(n, "id");
+    if (const std::optional<std::int64_t> v = id ? json::to_int64(*id) : std::nullopt)
+      names[*v] = json::string_member(n, "name");
+  }
+  for (const json::Value& e : *edges) {
+    const json::Value* p = json::member(e, "parent");
+    const json::Value* c = json::member(e, "child");
+    const std::optional<std::int64_t> pv = p ? json::to_int64(*p) : std::nullopt;
+    const std::optional<std::int64_t> cv = c ? json::to_int64(*c) : std::nullopt;
+    if (pv && cv && names.count(*cv) && names[*cv] == child &&
+        json::string_member(e, "name") == edge)
+      return names[*pv];
+  }
+  return std::nullopt;
 }
 
 bool bool_member(const json::Value& v, std::string_view key) {
@@ -222,6 +247,71 @@ std::optional<std::string> remove_target_throttle(const QmpCall& qmp, const Targ
   del_group["id"] = t.group_id;
   if (!call(qmp, "object-del", del_group, &error)) return error;
   return std::nullopt;
+}
+
+std::vector<std::string> remove_orphan_throttles(
+    const QmpCall& qmp, const std::function<bool(long)>& alive,
+    const std::function<std::optional<FormatNodeOptions>(const std::string&)>& options_for) {
+  std::vector<std::string> out;
+  std::string error;
+  json::Value flat = json::Value::object();
+  flat["flat"] = true;
+  const std::optional<json::Value> named = call(qmp, "query-named-block-nodes", flat, &error);
+  if (!named || !named->is_array()) return {named ? "query-named-block-nodes: not a list" : error};
+  const std::optional<json::Value> graph =
+      call(qmp, "x-debug-query-block-graph", json::Value::object(), &error);
+  if (!graph) return {error};
+  static constexpr std::string_view kPrefix = "qcommit-tf-";
+  for (const json::Value& n : *named) {
+    const std::string name = json::string_member(n, "node-name");
+    if (json::string_member(n, "drv") != "throttle" || name.rfind(kPrefix, 0) != 0) continue;
+    const std::string tag = name.substr(kPrefix.size());  // PID-N
+    const long pid = std::strtol(tag.c_str(), nullptr, 10);
+    if (pid <= 0 || alive(pid)) continue;
+    const std::optional<std::string> parent = parent_of(*graph, name, "file");
+    const std::map<std::string, std::string> own = children_of(*graph, name);
+    if (parent) {
+      // The parent's own filename names its child (the filter) now: the image's path is the
+      // filter's child's.
+      const json::Value* fmt = find_named(*named, *parent);
+      auto child = own.find("file");
+      const json::Value* storage = child == own.end() ? nullptr : find_named(*named, child->second);
+      const std::optional<FormatNodeOptions> given =
+          fmt && storage ? options_for(json::string_member(*storage, "file")) : std::nullopt;
+      if (!fmt || child == own.end() || !given) {
+        out.push_back(name + " (left by process " + std::to_string(pid) + ") under " + *parent +
+                      ": its options are not known, left in");
+        continue;
+      }
+      // What the filter holds goes first, unmetered: the reopen drains the node, and with it
+      // the guest's disk, until the filter has let out everything queued at its last rate (in
+      // the lab, 1.8 s without a probe completion before this).
+      json::Value unlimited = json::Value::object();
+      unlimited["path"] = "qcommit-tg-" + tag;
+      unlimited["property"] = "limits";
+      unlimited["value"] = throttle_limits(0);
+      std::string ignored;
+      (void)call(qmp, "qom-set", unlimited, &ignored);
+      const TargetNodes now{*parent, child->second,
+                            reopen_options(*fmt, children_of(*graph, *parent), *given)};
+      if (!call(qmp, "blockdev-reopen", reopen_args(now, child->second), &error)) {
+        out.push_back(name + ": " + error);
+        continue;
+      }
+    }
+    json::Value del_node = json::Value::object();
+    del_node["node-name"] = name;
+    json::Value del_group = json::Value::object();
+    del_group["id"] = "qcommit-tg-" + tag;
+    if (!call(qmp, "blockdev-del", del_node, &error) ||
+        !call(qmp, "object-del", del_group, &error)) {
+      out.push_back(name + ": " + error);
+      continue;
+    }
+    out.push_back("removed " + name + " (left by process " + std::to_string(pid) + ")" +
+                  (parent ? " from under " + *parent : ""));
+  }
+  return out;
 }
 
 }  // namespace qcommit::plugin

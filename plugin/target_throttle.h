@@ -26,6 +26,7 @@
 #include <string>
 #include <string_view>
 #include <variant>
+#include <vector>
 
 #include "plugin/json.h"
 
@@ -80,5 +81,16 @@ struct TargetThrottle {
 [[nodiscard]] std::optional<std::string> remove_target_throttle(const QmpCall& qmp,
                                                                 const TargetThrottle& t,
                                                                 const FormatNodeOptions& given);
+
+// Filters a qcommit process that is gone left in QEMU (killed before it could take them out):
+// throttle nodes named qcommit-tf-PID-N whose PID `alive` says runs no more.  Each is set
+// unlimited (what it holds goes to storage at once: up to one 16 MiB burst), then taken out
+// of its parent's file edge (the parent reopened with the filter's own child and the options
+// `options_for(the image's path: the filter's child's filename)` gives; none: left in, with an
+// error line) and deleted with its group.  One line per filter removed ("removed ...") or not
+// ("...: why").
+[[nodiscard]] std::vector<std::string> remove_orphan_throttles(
+    const QmpCall& qmp, const std::function<bool(long)>& alive,
+    const std::function<std::optional<FormatNodeOptions>(const std::string&)>& options_for);
 
 }  // namespace qcommit::plugin

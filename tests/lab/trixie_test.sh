@@ -11,10 +11,11 @@
 #   a bandwidth), the pivot must land on base.raw.
 # Case live: `qcommit live DOM vda --pivot --uri <trixie>` (no qcommitd); pivot on base.raw.
 # Case filter: as virsh with cache=none and a qcow2 base (libvirt 11 opens a raw image without a
-#   format node, which the filter goes under): qcommitd's log says its throttle filter went in
-#   and came out, QEMU had it (a throttle node qcommit-tf-*) while the job copied, and after the
-#   pivot no qcommit node or throttle group is left in QEMU; data read from a raw copy of the base
-#   (qemu-img convert).
+#   format node, which the filter goes under): qcommitd's log says its throttle filter went in,
+#   QEMU has it (a throttle node qcommit-tf-*) while the job copies; qcommitd is then killed
+#   (SIGKILL) and started again, and the new one must remove the filter the dead one left;
+#   after the pivot no qcommit node or throttle group is left in QEMU; data read from a raw copy
+#   of the base (qemu-img convert).
 # All: the fill written before the merge and every probe write completed before and during it
 # read back from base.raw after the domain is shut down (tests/lab/live_verify.py); the probe's
 # max latency and the longest gap between two probe completions are reported.
@@ -112,11 +113,25 @@ run_filter() {
     [ -n "$seen" ] && break
     sleep 0.1
   done
-  wait "$merge_pid" || true
-  [ "$(cat "$LAB_DIR/merge.rc")" = 0 ] || fail "virsh blockcommit --active --pivot failed"
   [ -n "$seen" ] || fail "QEMU never had a qcommit throttle node while the job copied"
   grep -q "throttle filter under $LAB_BASE in" "$LAB_DIR/qcommitd.log" ||
     fail "qcommitd's log does not say the filter went in"
+  # qcommitd killed with its filter in: the next one removes that filter when it connects (and
+  # puts its own in if the job still copies).
+  local old_pid
+  old_pid=$(sed -n 's/^qcommit-tf-\([0-9]*\)-.*/\1/p' <<<"$seen")
+  live_qcd_stop KILL
+  kill -KILL "$old_pid" 2>/dev/null || true
+  for _ in $(seq 50); do kill -0 "$old_pid" 2>/dev/null || break; sleep 0.1; done
+  live_qcd_start --budget 20ms
+  for _ in $(seq 100); do
+    grep -q "throttle filter removed qcommit-tf-$old_pid-" "$LAB_DIR/qcommitd.log" && break
+    sleep 0.1
+  done
+  grep -q "throttle filter removed qcommit-tf-$old_pid-" "$LAB_DIR/qcommitd.log" ||
+    fail "the filter of the killed qcommitd ($old_pid) was not removed by the next one"
+  wait "$merge_pid" || true
+  [ "$(cat "$LAB_DIR/merge.rc")" = 0 ] || fail "virsh blockcommit --active --pivot failed"
   local left="" groups=""
   for _ in $(seq 30); do
     left=$(qemu_nodes | grep '^qcommit-' || true)
@@ -126,10 +141,8 @@ run_filter() {
   done
   [ -z "$left" ] || fail "qcommit nodes left in QEMU after the pivot: $left"
   [ -z "$groups" ] || fail "qcommit throttle groups left in QEMU after the pivot: $groups"
-  grep -q "throttle filter under $LAB_BASE out" "$LAB_DIR/qcommitd.log" ||
-    fail "qcommitd's log does not say the filter came out"
   verify_data filter
-  echo "filter: in ($(cut -d' ' -f1 <<<"$seen")) and out, merge ${LAB_STATS_merge_s} s," \
+  echo "filter: in ($(cut -d' ' -f1 <<<"$seen")), removed after a kill -9 of its qcommitd, merge ${LAB_STATS_merge_s} s," \
     "probe p99 ${LAB_STATS_p99} ms max ${LAB_STATS_max} ms gap ${LAB_STATS_max_gap} ms, pivot OK, data intact" |
     tee "$LAB_DIR/result"
   live_cleanup

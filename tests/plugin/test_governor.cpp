@@ -1056,6 +1056,28 @@ TEST_CASE("plugin.governor.throttle_filter_under_a_direct_active_commit") {
   CHECK(q.groups.empty());
 }
 
+TEST_CASE("plugin.governor.throttle_filter_left_by_a_killed_daemon") {
+  // A qcommitd killed (pid 4000001, gone) left its filter under the base: a new one removes it
+  // when it connects, says so, and puts its own in for the job it adopts.
+  World w;
+  FakeQemu q(kBase, kTop);
+  start_direct_active_commit(w, q);
+  q.add_filter("qcommit-tf-4000001-1", "qcommit-tg-4000001-1", "libvirt-1-format", 1u << 20);
+  std::vector<std::string> said;
+  GovernorOptions opt;
+  opt.notice = [&said](const std::string& m) { said.push_back(m); };
+  Governed gv(w, DaemonConfig{}, opt);
+  gv.run(600ms);
+  REQUIRE(said.size() == 1);
+  CHECK(said[0] ==
+        "domain vm1: throttle filter removed qcommit-tf-4000001-1 (left by process "
+        "4000001) from under libvirt-1-format");
+  CHECK(q.nodes.count("qcommit-tf-4000001-1") == 0);
+  CHECK(q.groups.count("qcommit-tg-4000001-1") == 0);
+  CHECK(filter_in(q));
+  CHECK(gv.g.status(w.now).jobs.at(0).target_throttle == "on");
+}
+
 TEST_CASE("plugin.governor.throttle_filter_only_where_it_applies") {
   // Writeback (the page cache takes the bursts), QEMU before 8.1, options the XML does not give,
   // QMP refused, or the daemon told not to: no filter; the job is governed by its speed as before.

@@ -2,6 +2,7 @@
 // it out, against a model of QEMU's block graph (fake_qemu_graph.h).
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <string>
 
 #include "plugin/target_throttle.h"
@@ -94,6 +95,41 @@ TEST_CASE("plugin.target_throttle.removal_after_libvirt_reopened_the_node") {
   CHECK(q.nodes["libvirt-1-format"].ro);
   CHECK(q.nodes.count("qcommit-tf-3-1") == 0);
   CHECK(q.groups.empty());
+}
+
+TEST_CASE("plugin.target_throttle.orphans_of_dead_processes_removed") {
+  // A qcommitd killed with its filter in (pid 4000001, gone) left it under the base, which after
+  // the pivot meters the guest's own writes; another process's live filter stays.
+  FakeQemu q;
+  q.add_filter("qcommit-tf-4000001-3", "qcommit-tg-4000001-3", "libvirt-1-format", 1u << 20);
+  q.add_filter("qcommit-tf-77-1", "qcommit-tg-77-1", "libvirt-2-format", 1u << 20);
+  const auto alive = [](long pid) { return pid == 77; };
+  const auto options = [](const std::string& file) -> std::optional<FormatNodeOptions> {
+    if (file == "/s/base.qcow2") return FormatNodeOptions{"unmap"};
+    return std::nullopt;
+  };
+  const std::vector<std::string> said = remove_orphan_throttles(q.qmp(), alive, options);
+  REQUIRE(said.size() == 1);
+  CHECK(said[0] ==
+        "removed qcommit-tf-4000001-3 (left by process 4000001) from under libvirt-1-format");
+  CHECK(q.nodes["libvirt-1-format"].children["file"] == "libvirt-1-storage");
+  CHECK(json::string_member(q.nodes["libvirt-1-format"].opened, "discard") == "unmap");
+  // Set unlimited before the reopen (which waits for what the filter holds).
+  const auto set = std::find(q.commands.begin(), q.commands.end(), "qom-set");
+  const auto reopen = std::find(q.commands.begin(), q.commands.end(), "blockdev-reopen");
+  CHECK(set < reopen);
+  CHECK(q.unlimited_before_reopen);
+  CHECK(q.nodes.count("qcommit-tf-4000001-3") == 0);
+  CHECK(q.groups.count("qcommit-tg-4000001-3") == 0);
+  CHECK(q.nodes["libvirt-2-format"].children["file"] == "qcommit-tf-77-1");
+  CHECK(q.groups.count("qcommit-tg-77-1") == 1);
+  // Under a node whose options are not known: left in, and said so.
+  FakeQemu q2;
+  q2.add_filter("qcommit-tf-4000001-1", "qcommit-tg-4000001-1", "libvirt-2-format", 1u << 20);
+  const std::vector<std::string> said2 = remove_orphan_throttles(q2.qmp(), alive, options);
+  REQUIRE(said2.size() == 1);
+  CHECK(said2[0].find("options are not known, left in") != std::string::npos);
+  CHECK(q2.nodes["libvirt-2-format"].children["file"] == "qcommit-tf-4000001-1");
 }
 
 }  // namespace qcommit::plugin::test
