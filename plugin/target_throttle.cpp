@@ -110,6 +110,24 @@ std::optional<json::Value> call(const QmpCall& qmp, std::string_view command,
   return r;
 }
 
+// QEMU's block nodes (query-named-block-nodes, flat) and the edges between them
+// (x-debug-query-block-graph), read one after the other.
+struct BlockGraph {
+  json::Value named;
+  json::Value graph;
+};
+
+std::optional<BlockGraph> read_graph(const QmpCall& qmp, std::string* error) {
+  json::Value flat = json::Value::object();
+  flat["flat"] = true;
+  std::optional<json::Value> named = call(qmp, "query-named-block-nodes", flat, error);
+  if (!named) return std::nullopt;
+  std::optional<json::Value> graph =
+      call(qmp, "x-debug-query-block-graph", json::Value::object(), error);
+  if (!graph) return std::nullopt;
+  return BlockGraph{std::move(*named), std::move(*graph)};
+}
+
 json::Value reopen_args(const TargetNodes& n, const std::string& file) {
   json::Value o = n.reopen_options;
   o["file"] = file;
@@ -167,13 +185,10 @@ std::variant<TargetThrottle, std::string> insert_target_throttle(const QmpCall& 
                                                                  const std::string& tag,
                                                                  std::uint64_t bytes_per_s) {
   std::string error;
-  json::Value flat = json::Value::object();
-  flat["flat"] = true;
-  const std::optional<json::Value> named = call(qmp, "query-named-block-nodes", flat, &error);
-  if (!named) return error;
-  const std::optional<json::Value> graph =
-      call(qmp, "x-debug-query-block-graph", json::Value::object(), &error);
-  if (!graph) return error;
+  const std::optional<BlockGraph> g = read_graph(qmp, &error);
+  if (!g) return error;
+  const json::Value* named = &g->named;
+  const json::Value* graph = &g->graph;
   auto found = find_target_nodes(*named, *graph, target_path, given);
   if (auto* e = std::get_if<std::string>(&found)) return *e;
   TargetThrottle t{std::get<TargetNodes>(std::move(found)), "qcommit-tg-" + tag,
@@ -223,13 +238,10 @@ std::optional<std::string> set_target_throttle(const QmpCall& qmp, TargetThrottl
 std::optional<std::string> remove_target_throttle(const QmpCall& qmp, const TargetThrottle& t,
                                                   const FormatNodeOptions& given) {
   std::string error;
-  json::Value flat = json::Value::object();
-  flat["flat"] = true;
-  const std::optional<json::Value> named = call(qmp, "query-named-block-nodes", flat, &error);
-  if (!named) return error;
-  const std::optional<json::Value> graph =
-      call(qmp, "x-debug-query-block-graph", json::Value::object(), &error);
-  if (!graph) return error;
+  const std::optional<BlockGraph> g = read_graph(qmp, &error);
+  if (!g) return error;
+  const json::Value* named = &g->named;
+  const json::Value* graph = &g->graph;
   // The node as it is now (the pivot may have made it the guest's active layer; libvirt may have
   // reopened it read-only after a cancelled job, with its own file node, leaving the filter
   // without a parent): reopened only while the filter is still its file child.
@@ -254,13 +266,11 @@ std::vector<std::string> remove_orphan_throttles(
     const std::function<std::optional<FormatNodeOptions>(const std::string&)>& options_for) {
   std::vector<std::string> out;
   std::string error;
-  json::Value flat = json::Value::object();
-  flat["flat"] = true;
-  const std::optional<json::Value> named = call(qmp, "query-named-block-nodes", flat, &error);
-  if (!named || !named->is_array()) return {named ? "query-named-block-nodes: not a list" : error};
-  const std::optional<json::Value> graph =
-      call(qmp, "x-debug-query-block-graph", json::Value::object(), &error);
-  if (!graph) return {error};
+  const std::optional<BlockGraph> g = read_graph(qmp, &error);
+  if (!g) return {error};
+  if (!g->named.is_array()) return {"query-named-block-nodes: not a list"};
+  const json::Value* named = &g->named;
+  const json::Value* graph = &g->graph;
   static constexpr std::string_view kPrefix = "qcommit-tf-";
   for (const json::Value& n : *named) {
     const std::string name = json::string_member(n, "node-name");
