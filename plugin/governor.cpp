@@ -619,16 +619,20 @@ void Governor::adopt(const DomainInfo& dom, const DiskInfo& disk, const JobInfo&
   }
 }
 
+// QMP commands to `domain`'s QEMU through the hypervisor.
+QmpCall Governor::qmp_for(const std::string& domain) {
+  return [this, domain](std::string_view command, const json::Value& args, std::string* error) {
+    return hv_.qmp_command(domain, command, args, error);
+  };
+}
+
 // The filter goes in at the controller's initial rate.  The job's requests (1 MiB each) are what
 // a guest's request may find ahead of it: the controller's delay target is never below one.
 void Governor::insert_target_throttle(Job& j) {
   j.throttle_pending_since.reset();
   const auto initial = static_cast<std::uint64_t>(j.ctl.config().initial_rate_bytes_per_s);
   const std::uint64_t rate = throttle_rate_for(initial);
-  const QmpCall qmp = [this, &j](std::string_view command, const json::Value& args,
-                                 std::string* error) {
-    return hv_.qmp_command(j.key.domain, command, args, error);
-  };
+  const QmpCall qmp = qmp_for(j.key.domain);
   const std::string tag = std::to_string(::getpid()) + "-" + std::to_string(j.id);
   auto r = plugin::insert_target_throttle(qmp, j.target, j.throttle_options, tag, rate);
   if (auto* e = std::get_if<std::string>(&r)) {
@@ -657,10 +661,7 @@ void Governor::follow_target_throttle(Job& j) {
   if (static_cast<double>(want) <= have * kThrottleRateHysteresis &&
       static_cast<double>(want) * kThrottleRateHysteresis >= have)
     return;
-  const QmpCall qmp = [this, &j](std::string_view command, const json::Value& args,
-                                 std::string* error) {
-    return hv_.qmp_command(j.key.domain, command, args, error);
-  };
+  const QmpCall qmp = qmp_for(j.key.domain);
   (void)plugin::set_target_throttle(qmp, *j.throttle, want);
 }
 
@@ -669,10 +670,7 @@ void Governor::follow_target_throttle(Job& j) {
 // rate) until the domain stops; status says so.
 void Governor::remove_target_throttle(Job& j) {
   if (!j.throttle) return;
-  const QmpCall qmp = [this, &j](std::string_view command, const json::Value& args,
-                                 std::string* error) {
-    return hv_.qmp_command(j.key.domain, command, args, error);
-  };
+  const QmpCall qmp = qmp_for(j.key.domain);
   try {
     if (auto e = plugin::remove_target_throttle(qmp, *j.throttle, j.throttle_options))
       j.throttle_off = "could not take the filter " + j.throttle->filter_node + " out: " + *e;
@@ -693,10 +691,7 @@ void Governor::sweep_orphan_throttles(const std::vector<DomainInfo>& doms) {
       return Job::direct_cache(d.cache) && d.format_options_known;
     };
     if (std::none_of(dom.disks.begin(), dom.disks.end(), direct)) continue;
-    const QmpCall qmp = [this, &dom](std::string_view command, const json::Value& args,
-                                     std::string* error) {
-      return hv_.qmp_command(dom.name, command, args, error);
-    };
+    const QmpCall qmp = qmp_for(dom.name);
     const auto alive = [](long pid) {
       return ::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM;
     };
@@ -1195,10 +1190,8 @@ void Governor::release_all() {
     try {
       if (j->throttle) {  // let out what the filter holds, then take it out
         (void)plugin::set_target_throttle(
-            [this, &k](std::string_view command, const json::Value& args, std::string* error) {
-              return hv_.qmp_command(k.domain, command, args, error);
-            },
-            *j->throttle, static_cast<std::uint64_t>(j->policy.ceiling_bytes_per_s));
+            qmp_for(k.domain), *j->throttle,
+            static_cast<std::uint64_t>(j->policy.ceiling_bytes_per_s));
         remove_target_throttle(*j);
       }
       (void)hv_.set_job_speed(

@@ -362,6 +362,7 @@ class Governor {
   void set_gate_speed(Job& j, bool open);  // the chunk gate's open or closed speed
   // The throttle filter under a job's target: in, its rate after the job's speed, out (ready,
   // end, stop); and those a dead qcommit process left in QEMU.
+  [[nodiscard]] QmpCall qmp_for(const std::string& domain);
   void insert_target_throttle(Job& j);
   void follow_target_throttle(Job& j);
   [[nodiscard]] std::uint64_t throttle_rate_for(std::uint64_t speed) const;

@@ -22,55 +22,57 @@ const json::Value* find_named(const json::Value& named_nodes, const std::string&
   return nullptr;
 }
 
-// The graph's children of the node named `parent`, by edge name ("file", "backing"), as node
-// names.
-std::map<std::string, std::string> children_of(const json::Value& graph,
-                                               const std::string& parent) {
-  std::map<std::string, std::string> out;
+// One edge of x-debug-query-block-graph with its ends as node names ("" for an id the graph does
+// not list), and whether its parent is a node (not a block backend or job).
+struct Edge {
+  std::string parent;
+  bool parent_is_node = false;
+  std::string child;
+  std::string name;  // "file", "backing", ...
+};
+
+// The graph's edges whose child is a listed node.
+std::vector<Edge> edges_of(const json::Value& graph) {
+  std::vector<Edge> out;
   const json::Value* nodes = json::member(graph, "nodes");
   const json::Value* edges = json::member(graph, "edges");
   if (!nodes || !edges || !nodes->is_array() || !edges->is_array()) return out;
-  std::map<std::int64_t, std::string> names;
-  std::optional<std::int64_t> parent_id;
+  std::map<std::int64_t, std::pair<std::string, bool>> names;  // id -> name, is a node
   for (const json::Value& n : *nodes) {
     const json::Value* id = json::member(n, "id");
-    const std::optional<std::int64_t> v = id ? json::to_int64(*id) : std::nullopt;
-    if (!v) continue;
-    names[*v] = json::string_member(n, "name");
-    if (json::string_member(n, "type") == "block-driver" && names[*v] == parent) parent_id = v;
+    if (const std::optional<std::int64_t> v = id ? json::to_int64(*id) : std::nullopt)
+      names[*v] = {json::string_member(n, "name"),
+                   json::string_member(n, "type") == "block-driver"};
   }
-  if (!parent_id) return out;
   for (const json::Value& e : *edges) {
     const json::Value* p = json::member(e, "parent");
     const json::Value* c = json::member(e, "child");
     const std::optional<std::int64_t> pv = p ? json::to_int64(*p) : std::nullopt;
     const std::optional<std::int64_t> cv = c ? json::to_int64(*c) : std::nullopt;
-    if (pv == parent_id && cv && names.count(*cv)) out[json::string_member(e, "name")] = names[*cv];
+    if (!pv || !cv || !names.count(*cv)) continue;
+    const auto parent = names.find(*pv);
+    out.push_back(Edge{parent == names.end() ? "" : parent->second.first,
+                       parent != names.end() && parent->second.second, names[*cv].first,
+                       json::string_member(e, "name")});
   }
+  return out;
+}
+
+// The graph's children of the node named `parent`, by edge name ("file", "backing"), as node
+// names.
+std::map<std::string, std::string> children_of(const json::Value& graph,
+                                               const std::string& parent) {
+  std::map<std::string, std::string> out;
+  for (const Edge& e : edges_of(graph))
+    if (e.parent_is_node && e.parent == parent) out[e.name] = e.child;
   return out;
 }
 
 // The node whose `edge` child is `child` (node names), when there is one.
 std::optional<std::string> parent_of(const json::Value& graph, const std::string& child,
                                      std::string_view edge) {
-  const json::Value* nodes = json::member(graph, "nodes");
-  const json::Value* edges = json::member(graph, "edges");
-  if (!nodes || !edges || !nodes->is_array() || !edges->is_array()) return std::nullopt;
-  std::map<std::int64_t, std::string> names;
-  for (const json::Value& n : *nodes) {
-    const json::Value* id = json::member(n, "id");
-    if (const std::optional<std::int64_t> v = id ? json::to_int64(*id) : std::nullopt)
-      names[*v] = json::string_member(n, "name");
-  }
-  for (const json::Value& e : *edges) {
-    const json::Value* p = json::member(e, "parent");
-    const json::Value* c = json::member(e, "child");
-    const std::optional<std::int64_t> pv = p ? json::to_int64(*p) : std::nullopt;
-    const std::optional<std::int64_t> cv = c ? json::to_int64(*c) : std::nullopt;
-    if (pv && cv && names.count(*cv) && names[*cv] == child &&
-        json::string_member(e, "name") == edge)
-      return names[*pv];
-  }
+  for (const Edge& e : edges_of(graph))
+    if (e.child == child && e.name == edge) return e.parent;
   return std::nullopt;
 }
 
