@@ -146,20 +146,13 @@ void DaemonLog::observe(const GovernorStatus& st, std::string_view uri,
     const auto key = std::make_pair(j.domain, j.disk);
     listed.insert(key);
     auto it = jobs_.find(key);
+    if (it != jobs_.end() && it->second.id != j.id) {  // the next job on this disk already
+      log_end(key, it->second.id, st);
+      jobs_.erase(it);
+      it = jobs_.end();
+    }
     if (it == jobs_.end()) {
-      Known k{decision_of(j, "adopted"), j.ready, {}, {}};
-      std::string m = "governing " + std::string(to_string(j.type)) + " job on " +
-                      job_name(j.domain, j.disk) + " (target " + log_field(j.target) +
-                      ", storage " + log_field(j.storage);
-      if (!j.pool.empty()) m += ", pool " + log_field(j.pool);
-      m += ", budget " +
-           std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(j.budget).count()) +
-           " ms): " + k.decision + ", " + figures(j);
-      if (!j.policy_error.empty()) m += "; domain policy ignored: " + log_field(j.policy_error);
-      record(m);
-      it = jobs_.emplace(key, std::move(k)).first;
-      log_probe(j, it->second);
-      log_target_throttle(j, it->second);
+      log_adopted(j);
       continue;
     }
     Known& k = it->second;
@@ -178,15 +171,36 @@ void DaemonLog::observe(const GovernorStatus& st, std::string_view uri,
       ++it;
       continue;
     }
-    std::string reason = "released";
-    for (const auto& r : st.released)  // newest first
-      if (r.domain == it->first.first && r.disk == it->first.second) {
-        reason = r.reason;
-        break;
-      }
-    record(job_name(it->first.first, it->first.second) + ": " + reason);
+    log_end(it->first, it->second.id, st);
     it = jobs_.erase(it);
   }
+}
+
+void DaemonLog::log_adopted(const JobStatus& j) {
+  Known k{j.id, decision_of(j, "adopted"), j.ready, {}, {}};
+  std::string m = "governing " + std::string(to_string(j.type)) + " job on " +
+                  job_name(j.domain, j.disk) + " (target " + log_field(j.target) + ", storage " +
+                  log_field(j.storage);
+  if (!j.pool.empty()) m += ", pool " + log_field(j.pool);
+  m += ", budget " +
+       std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(j.budget).count()) +
+       " ms): " + k.decision + ", " + figures(j);
+  if (!j.policy_error.empty()) m += "; domain policy ignored: " + log_field(j.policy_error);
+  record(m);
+  Known& known = jobs_.insert_or_assign({j.domain, j.disk}, std::move(k)).first->second;
+  log_probe(j, known);
+  log_target_throttle(j, known);
+}
+
+void DaemonLog::log_end(const std::pair<std::string, std::string>& key, std::uint64_t id,
+                        const GovernorStatus& st) {
+  std::string reason = "released";
+  for (const auto& r : st.released)  // newest first
+    if (r.id == id) {
+      reason = r.reason;
+      break;
+    }
+  record(job_name(key.first, key.second) + ": " + reason);
 }
 
 }  // namespace qcommit::plugin

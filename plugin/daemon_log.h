@@ -52,11 +52,17 @@ class DaemonLog {
 
  private:
   struct Known {
+    std::uint64_t id = 0;  // JobStatus::id: a new id on the same disk is the next job
     std::string decision;
     bool ready = false;
     std::string probe_off;        // the reason logged for a probe that is off
     std::string target_throttle;  // the filter's state logged last
   };
+  // The record of a job adopted: its type, target, storage, budget, first decision and figures.
+  void log_adopted(const JobStatus& j);
+  // The record of job `id` on `key` (domain, disk) ending, with the reason the governor gave.
+  void log_end(const std::pair<std::string, std::string>& key, std::uint64_t id,
+               const GovernorStatus& st);
   // One record when `j`'s probe is off for a reason not logged yet.
   void log_probe(const JobStatus& j, Known& k);
   // One record when the throttle filter under `j`'s target goes in, out, or is not used.

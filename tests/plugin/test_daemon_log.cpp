@@ -219,3 +219,40 @@ TEST_CASE("plugin.log.probe_off_once_per_job") {
   gv_q.run(2s, [&] { log_q.observe(gv_q.g.status(quiet.now), "qemu:///system", ""); });
   CHECK(matching(records, "probe").empty());
 }
+
+TEST_CASE("plugin.log.next_job_on_the_same_disk") {
+  // A job ends and the next one on the same disk is adopted between two looks at the status
+  // (libvirt's end event and the next poll in one step): the log says the first ended and names
+  // the second, with its type, instead of carrying the first one's record over to it.
+  World w;
+  w.start_job(JobType::ActiveCommit);
+  Governed gv(w);
+  std::vector<std::string> records;
+  DaemonLog log([&](std::string_view r) { records.emplace_back(r); });
+  gv.run(3s, [&] { log.observe(gv.g.status(w.now), "qemu:///system", ""); });
+  REQUIRE(gv.g.job_count() == 1);
+  const std::uint64_t first = gv.g.status(w.now).jobs.at(0).id;
+  w.hv.jobs.clear();
+  w.hv.emit(JobEvent{JobEventKind::Canceled, w.dom, "vda", JobType::ActiveCommit, ""});
+  w.start_job(JobType::Commit, 1ull << 30);
+  gv.run(3s);  // the log does not look in between
+  const GovernorStatus st = gv.g.status(w.now);
+  REQUIRE(st.jobs.size() == 1);
+  REQUIRE(st.jobs[0].type == JobType::Commit);
+  REQUIRE(st.jobs[0].id != first);
+  log.observe(st, "qemu:///system", "");
+  INFO("records: " << [&] {
+    std::string s;
+    for (const auto& r : records) s += r + " | ";
+    return s;
+  }());
+  CHECK(matching(records, "governing active-commit job on domain vm1 disk vda").size() == 1);
+  CHECK(matching(records, "governing commit job on domain vm1 disk vda").size() == 1);
+  CHECK(matching(records, "domain vm1 disk vda: canceled").size() == 1);
+  // The end comes before the next job's adoption.
+  const auto at = [&](const std::string& part) {
+    return std::find_if(records.begin(), records.end(),
+                        [&](const std::string& r) { return r.find(part) != std::string::npos; });
+  };
+  CHECK(at(": canceled") < at("governing commit job"));
+}
