@@ -263,66 +263,107 @@ std::optional<std::string> remove_target_throttle(const QmpCall& qmp, const Targ
   return std::nullopt;
 }
 
+namespace {
+
+constexpr std::string_view kFilterPrefix = "qcommit-tf-";
+constexpr std::string_view kGroupPrefix = "qcommit-tg-";
+
+// The process a qcommit name (PREFIX + PID-N) was made by, when it has that prefix.
+std::optional<long> maker_of(const std::string& name, std::string_view prefix) {
+  if (name.rfind(prefix, 0) != 0) return std::nullopt;
+  const long pid = std::strtol(name.c_str() + prefix.size(), nullptr, 10);
+  if (pid <= 0) return std::nullopt;
+  return pid;
+}
+
+// Takes one orphaned filter `name` (tag PID-N) out of its parent's file edge and deletes it with
+// its group; the line to log.
+std::string remove_orphan_filter(
+    const QmpCall& qmp, const BlockGraph& g, const std::string& name, long pid,
+    const std::function<std::optional<FormatNodeOptions>(const std::string&)>& options_for) {
+  const std::string tag = name.substr(kFilterPrefix.size());
+  const std::string group = std::string(kGroupPrefix) + tag;
+  const std::string by = " (left by process " + std::to_string(pid) + ")";
+  std::string error;
+  const std::optional<std::string> parent = parent_of(g.graph, name, "file");
+  if (parent) {
+    // The parent's own filename names its child (the filter) now: the image's path is the
+    // filter's child's.
+    const std::map<std::string, std::string> own = children_of(g.graph, name);
+    const json::Value* fmt = find_named(g.named, *parent);
+    auto child = own.find("file");
+    const json::Value* storage = child == own.end() ? nullptr : find_named(g.named, child->second);
+    const std::optional<FormatNodeOptions> given =
+        fmt && storage ? options_for(json::string_member(*storage, "file")) : std::nullopt;
+    if (!fmt || child == own.end() || !given)
+      return name + by + " under " + *parent + ": its options are not known, left in";
+    // What the filter holds goes first, unmetered: the reopen drains the node, and with it the
+    // guest's disk, until the filter has let out everything queued at its last rate (in the
+    // lab, 1.8 s without a probe completion before this).
+    json::Value unlimited = json::Value::object();
+    unlimited["path"] = group;
+    unlimited["property"] = "limits";
+    unlimited["value"] = throttle_limits(0);
+    std::string ignored;
+    (void)call(qmp, "qom-set", unlimited, &ignored);
+    const TargetNodes now{*parent, child->second,
+                          reopen_options(*fmt, children_of(g.graph, *parent), *given)};
+    if (!call(qmp, "blockdev-reopen", reopen_args(now, child->second), &error))
+      return name + ": " + error;
+  }
+  json::Value del_node = json::Value::object();
+  del_node["node-name"] = name;
+  json::Value del_group = json::Value::object();
+  del_group["id"] = group;
+  if (!call(qmp, "blockdev-del", del_node, &error) || !call(qmp, "object-del", del_group, &error))
+    return name + ": " + error;
+  return "removed " + name + by + (parent ? " from under " + *parent : "");
+}
+
+// Deletes the throttle groups of gone processes that no filter uses (a process that died between
+// object-add and blockdev-add); one line each.  A group still in use stays (QEMU refuses).
+std::vector<std::string> remove_lone_groups(const QmpCall& qmp, const BlockGraph& g,
+                                            const std::function<bool(long)>& alive) {
+  std::vector<std::string> out;
+  std::string error;
+  const std::optional<json::Value> objects =
+      call(qmp, "qom-list", json::Value{{"path", "/objects"}}, &error);
+  if (!objects) return {"qom-list /objects: " + error};
+  if (!objects->is_array()) return {"qom-list /objects: not a list"};
+  for (const json::Value& o : *objects) {
+    const std::string id = json::string_member(o, "name");
+    const std::optional<long> pid = maker_of(id, kGroupPrefix);
+    if (json::string_member(o, "type") != "child<throttle-group>" || !pid || alive(*pid)) continue;
+    const std::string filter = std::string(kFilterPrefix) + id.substr(kGroupPrefix.size());
+    if (find_named(g.named, filter)) continue;  // its filter is there: removed with it or left
+    if (!call(qmp, "object-del", json::Value{{"id", id}}, &error)) {
+      out.push_back(id + ": " + error);
+      continue;
+    }
+    out.push_back("removed the lone throttle group " + id + " (left by process " +
+                  std::to_string(*pid) + ")");
+  }
+  return out;
+}
+
+}  // namespace
+
 std::vector<std::string> remove_orphan_throttles(
     const QmpCall& qmp, const std::function<bool(long)>& alive,
     const std::function<std::optional<FormatNodeOptions>(const std::string&)>& options_for) {
-  std::vector<std::string> out;
   std::string error;
   const std::optional<BlockGraph> g = read_graph(qmp, &error);
   if (!g) return {error};
   if (!g->named.is_array()) return {"query-named-block-nodes: not a list"};
-  const json::Value* named = &g->named;
-  const json::Value* graph = &g->graph;
-  static constexpr std::string_view kPrefix = "qcommit-tf-";
-  for (const json::Value& n : *named) {
+  std::vector<std::string> out;
+  for (const json::Value& n : g->named) {
     const std::string name = json::string_member(n, "node-name");
-    if (json::string_member(n, "drv") != "throttle" || name.rfind(kPrefix, 0) != 0) continue;
-    const std::string tag = name.substr(kPrefix.size());  // PID-N
-    const long pid = std::strtol(tag.c_str(), nullptr, 10);
-    if (pid <= 0 || alive(pid)) continue;
-    const std::optional<std::string> parent = parent_of(*graph, name, "file");
-    const std::map<std::string, std::string> own = children_of(*graph, name);
-    if (parent) {
-      // The parent's own filename names its child (the filter) now: the image's path is the
-      // filter's child's.
-      const json::Value* fmt = find_named(*named, *parent);
-      auto child = own.find("file");
-      const json::Value* storage = child == own.end() ? nullptr : find_named(*named, child->second);
-      const std::optional<FormatNodeOptions> given =
-          fmt && storage ? options_for(json::string_member(*storage, "file")) : std::nullopt;
-      if (!fmt || child == own.end() || !given) {
-        out.push_back(name + " (left by process " + std::to_string(pid) + ") under " + *parent +
-                      ": its options are not known, left in");
-        continue;
-      }
-      // What the filter holds goes first, unmetered: the reopen drains the node, and with it
-      // the guest's disk, until the filter has let out everything queued at its last rate (in
-      // the lab, 1.8 s without a probe completion before this).
-      json::Value unlimited = json::Value::object();
-      unlimited["path"] = "qcommit-tg-" + tag;
-      unlimited["property"] = "limits";
-      unlimited["value"] = throttle_limits(0);
-      std::string ignored;
-      (void)call(qmp, "qom-set", unlimited, &ignored);
-      const TargetNodes now{*parent, child->second,
-                            reopen_options(*fmt, children_of(*graph, *parent), *given)};
-      if (!call(qmp, "blockdev-reopen", reopen_args(now, child->second), &error)) {
-        out.push_back(name + ": " + error);
-        continue;
-      }
-    }
-    json::Value del_node = json::Value::object();
-    del_node["node-name"] = name;
-    json::Value del_group = json::Value::object();
-    del_group["id"] = "qcommit-tg-" + tag;
-    if (!call(qmp, "blockdev-del", del_node, &error) ||
-        !call(qmp, "object-del", del_group, &error)) {
-      out.push_back(name + ": " + error);
-      continue;
-    }
-    out.push_back("removed " + name + " (left by process " + std::to_string(pid) + ")" +
-                  (parent ? " from under " + *parent : ""));
+    const std::optional<long> pid = maker_of(name, kFilterPrefix);
+    if (json::string_member(n, "drv") != "throttle" || !pid || alive(*pid)) continue;
+    out.push_back(remove_orphan_filter(qmp, *g, name, *pid, options_for));
   }
+  // A filter removed above took its group along; one left in keeps it.
+  for (std::string& line : remove_lone_groups(qmp, *g, alive)) out.push_back(std::move(line));
   return out;
 }
 

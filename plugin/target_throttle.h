@@ -87,8 +87,9 @@ struct TargetThrottle {
 // unlimited (what it holds goes to storage at once: up to one 16 MiB burst), then taken out
 // of its parent's file edge (the parent reopened with the filter's own child and the options
 // `options_for(the image's path: the filter's child's filename)` gives; none: left in, with an
-// error line) and deleted with its group.  One line per filter removed ("removed ...") or not
-// ("...: why").
+// error line) and deleted with its group.  Then throttle groups named qcommit-tg-PID-N of gone
+// processes that no filter uses (the process died between adding the group and the filter) are
+// deleted.  One line per filter or group removed ("removed ...") or not ("...: why").
 [[nodiscard]] std::vector<std::string> remove_orphan_throttles(
     const QmpCall& qmp, const std::function<bool(long)>& alive,
     const std::function<std::optional<FormatNodeOptions>(const std::string&)>& options_for);

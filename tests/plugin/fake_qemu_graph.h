@@ -126,6 +126,21 @@ struct FakeQemu {
     if (refuse.count(std::string(command))) return fail("refused by the test");
     if (command == "query-named-block-nodes") return named();
     if (command == "x-debug-query-block-graph") return graph();
+    if (command == "qom-list") {  // /objects: the groups, and one object not ours
+      if (json::string_member(a, "path") != "/objects") return fail("path not found");
+      json::Value list = json::Value::array();
+      json::Value other = json::Value::object();
+      other["name"] = "iothread0";
+      other["type"] = "child<iothread>";
+      list.push_back(other);
+      for (const auto& [id, _] : groups) {
+        json::Value o = json::Value::object();
+        o["name"] = id;
+        o["type"] = "child<throttle-group>";
+        list.push_back(o);
+      }
+      return list;
+    }
     if (command == "object-add") {
       const std::string id = json::string_member(a, "id");
       if (groups.count(id)) return fail("duplicate ID '" + id + "'");

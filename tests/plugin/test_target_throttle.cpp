@@ -132,4 +132,27 @@ TEST_CASE("plugin.target_throttle.orphans_of_dead_processes_removed") {
   CHECK(q2.nodes["libvirt-2-format"].children["file"] == "qcommit-tf-4000001-1");
 }
 
+TEST_CASE("plugin.target_throttle.lone_groups_of_dead_processes_removed") {
+  // A process that died between object-add and blockdev-add left a group without a filter; a
+  // live process's group in the same state (it may be putting its filter in now) stays, and so
+  // does a dead process's group whose filter could not be taken out.
+  FakeQemu q;
+  q.groups["qcommit-tg-4000001-2"] = 1u << 20;  // dead, no filter
+  q.groups["qcommit-tg-77-4"] = 1u << 20;       // alive, no filter yet
+  q.add_filter("qcommit-tf-4000002-1", "qcommit-tg-4000002-1", "libvirt-2-format", 1u << 20);
+  const auto alive = [](long pid) { return pid == 77; };
+  const auto options = [](const std::string&) -> std::optional<FormatNodeOptions> {
+    return std::nullopt;  // libvirt-2's options are not known: that filter stays in
+  };
+  const std::vector<std::string> said = remove_orphan_throttles(q.qmp(), alive, options);
+  REQUIRE(said.size() == 2);
+  CHECK(said[0].find("qcommit-tf-4000002-1") != std::string::npos);
+  CHECK(said[1] ==
+        "removed the lone throttle group qcommit-tg-4000001-2 (left by process 4000001)");
+  CHECK(q.groups.count("qcommit-tg-4000001-2") == 0);
+  CHECK(q.groups.count("qcommit-tg-77-4") == 1);
+  CHECK(q.groups.count("qcommit-tg-4000002-1") == 1);
+  CHECK(q.nodes.count("qcommit-tf-4000002-1") == 1);
+}
+
 }  // namespace qcommit::plugin::test
