@@ -9,11 +9,11 @@
 #include <utility>
 #include <vector>
 
-#include "common/defaults.h"
 #include "cli/commands.h"
 #include "cli/daemon.h"
 #include "cli/options.h"
 #include "cli/units.h"
+#include "common/defaults.h"
 #include "plugin/json.h"
 
 namespace qcommit::cli {
@@ -77,10 +77,10 @@ void print_header() {
 // period, else "-".
 std::string probe_cell(const json::Value& j) {
   std::string state = str(j, "probe");
-  if (state.empty()) return json::member(j, "probe_period_ms") &&
-                                    json::member(j, "probe_period_ms")->is_number()
-                                ? "on"
-                                : "-";
+  if (state.empty())
+    return json::member(j, "probe_period_ms") && json::member(j, "probe_period_ms")->is_number()
+               ? "on"
+               : "-";
   if (state != "on") return state;
   const std::string last = num_or_dash(j, "probe_last_ms", "%.1fms");
   return last == "-" ? state : state + " " + last;
@@ -90,8 +90,7 @@ void print_job_row(const json::Value& j) {
   std::string pool = str(j, "pool");
   if (pool.empty()) pool = "-";
   const std::string phase =
-      str(j, "phase") +
-      (str(j, "policy_error").empty() ? "" : " (" + str(j, "policy_error") + ")");
+      str(j, "phase") + (str(j, "policy_error").empty() ? "" : " (" + str(j, "policy_error") + ")");
   std::printf(kTableFormat, str(j, "domain").c_str(), str(j, "disk").c_str(),
               str(j, "type").c_str(), pool.c_str(), num_or_dash(j, "budget_ms", "%.0fms").c_str(),
               num_or_dash(j, "speed_bytes_per_s", "%.1fMiB/s", 1048576.0).c_str(),
@@ -173,6 +172,10 @@ int status_once(const std::string& socket_path, bool json_out) {
       if (str(j, "probe") == "off")
         std::printf("probe off: %s %s: %s\n", str(j, "domain").c_str(), str(j, "disk").c_str(),
                     str(j, "probe_off_reason").c_str());
+    for (const auto& j : *jobs)  // "on", or "off: why"; absent where the filter does not apply
+      if (!str(j, "target_throttle").empty())
+        std::printf("throttle filter: %s %s: %s\n", str(j, "domain").c_str(),
+                    str(j, "disk").c_str(), str(j, "target_throttle").c_str());
   }
   for (std::size_t i = 0; i < earlier.size() && i < kEarlierEndsShown; ++i)
     std::printf("earlier: %s %s (%s) %s, %.0f s ago\n", str(*earlier[i], "domain").c_str(),
@@ -201,7 +204,8 @@ const std::string kStatusHelp =
     "--watch: redraw every INTERVAL (a duration: 1s by default, at least 100ms) until interrupted\n"
     "--domain-event: tell qcommitd that DOMAIN started/stopped/reconnect/release\n"
     "  (what the libvirt hook does; qcommitd then looks at that domain at once)\n"
-    "examples:\n  qcommit status\n  qcommit status --watch 500ms\n  qcommit status --output=json | jq .\n";
+    "examples:\n  qcommit status\n  qcommit status --watch 500ms\n  qcommit status --output=json | "
+    "jq .\n";
 
 // The words Program_options cannot take as they come: --domain-event's two arguments are taken
 // verbatim (a domain name may start with '-'), and --watch's optional INTERVAL is the next word
@@ -229,8 +233,8 @@ std::optional<StatusArgs> parse_status_args(const Args& args) {
   const Args rest = take_verbatim_words(args, sa);
   std::string output = "human", watch;
   po::options_description opts("options");
-  opts.add_options()("output", po::value(&output), "human or json")(
-      "socket", po::value(&sa.socket), "qcommitd's control socket")(
+  opts.add_options()("output", po::value(&output), "human or json")("socket", po::value(&sa.socket),
+                                                                    "qcommitd's control socket")(
       "watch", po::value(&watch)->implicit_value(kDefaultWatch), "redraw every INTERVAL");
   po::positional_options_description pos;
   po::variables_map vm;

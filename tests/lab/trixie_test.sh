@@ -11,9 +11,11 @@
 #   a bandwidth), the pivot must land on base.raw.
 # Case live: `qcommit live DOM vda --pivot --uri <trixie>` (no qcommitd); pivot on base.raw.
 # Case filter: as virsh with cache=none and a qcow2 base (libvirt 11 opens a raw image without a
-#   format node, which the filter goes under): qcommitd's log says its throttle filter went in,
-#   QEMU has it (a throttle node qcommit-tf-*) while the job copies; qcommitd is then killed
-#   (SIGKILL) and started again, and the new one must remove the filter the dead one left;
+#   format node, which the filter goes under): qcommitd's log and `qcommit status` say its
+#   throttle filter is in, QEMU has it (a throttle node qcommit-tf-*) while the job copies;
+#   qcommitd is then killed (SIGKILL) and started again, and the new one must remove the filter
+#   the dead one left, and a lone throttle group named as the dead one's (as if killed between
+#   adding the group and the filter);
 #   after the pivot no qcommit node or throttle group is left in QEMU; data read from a raw copy
 #   of the base (qemu-img convert).
 # All: the fill written before the merge and every probe write completed before and during it
@@ -116,6 +118,9 @@ run_filter() {
   [ -n "$seen" ] || fail "QEMU never had a qcommit throttle node while the job copied"
   grep -q "throttle filter under $LAB_BASE in" "$LAB_DIR/qcommitd.log" ||
     fail "qcommitd's log does not say the filter went in"
+  "$LIVE_QCOMMIT" status --socket "$LIVE_SOCK" >"$LAB_DIR/status.txt" || fail "qcommit status failed"
+  grep -qxF "throttle filter: $LAB_DOM vda: on" "$LAB_DIR/status.txt" ||
+    fail "qcommit status does not show the filter: $(cat "$LAB_DIR/status.txt")"
   # qcommitd killed with its filter in: the next one removes that filter when it connects (and
   # puts its own in if the job still copies).
   local old_pid
@@ -123,6 +128,9 @@ run_filter() {
   live_qcd_stop KILL
   kill -KILL "$old_pid" 2>/dev/null || true
   for _ in $(seq 50); do kill -0 "$old_pid" 2>/dev/null || break; sleep 0.1; done
+  # A group the killed qcommitd added without its filter yet (killed between the two steps).
+  qmp '{"execute":"object-add","arguments":{"qom-type":"throttle-group","id":"qcommit-tg-'"$old_pid"'-99","limits":{}}}' >/dev/null ||
+    fail "could not add a lone throttle group"
   live_qcd_start --budget 20ms
   for _ in $(seq 100); do
     grep -q "throttle filter removed qcommit-tf-$old_pid-" "$LAB_DIR/qcommitd.log" && break

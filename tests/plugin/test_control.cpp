@@ -114,6 +114,7 @@ TEST_CASE("plugin.control.socket_round_trip") {
   js.eta_s = 2.5;
   js.probe = ProbeState::kOff;
   js.probe_off_reason = "cannot create the probe file /p/.qcommit-probe-1-0: Read-only file system";
+  js.target_throttle = "off: blockdev-reopen refused";
   st.jobs.push_back(js);
   const std::string snapshot = status_json(st, TimePoint{});
   {
@@ -142,6 +143,7 @@ TEST_CASE("plugin.control.socket_round_trip") {
     CHECK(json::string_member(job, "probe_off_reason") == js.probe_off_reason);
     CHECK(job.at("probe_last_ms").is_null());
     CHECK(job.at("probe_period_ms").is_null());
+    CHECK(json::string_member(job, "target_throttle") == js.target_throttle);
     CHECK(read_line(fd) == "{\"ok\":true}");
     send_all(fd, "this is not json\n");
     CHECK(read_line(fd).find("malformed request") != std::string::npos);

@@ -1,7 +1,6 @@
 // qcommitd's log (plugin/daemon_log.*) with the governor against the fake hypervisor: hostile
 // names stay data on one line, and a long job logs per decision change, not per tick.
 #include <doctest/doctest.h>
-
 #include <unistd.h>
 
 #include <algorithm>
@@ -27,7 +26,8 @@ bool has_control_char(const std::string& s) {
   });
 }
 
-std::vector<std::string> matching(const std::vector<std::string>& records, const std::string& part) {
+std::vector<std::string> matching(const std::vector<std::string>& records,
+                                  const std::string& part) {
   std::vector<std::string> out;
   for (const auto& r : records)
     if (r.find(part) != std::string::npos) out.push_back(r);
@@ -38,7 +38,8 @@ std::vector<std::string> matching(const std::vector<std::string>& records, const
 
 TEST_CASE("plugin.log.fields") {
   CHECK(log_field("vm1") == "vm1");
-  CHECK(log_field("/var/lib/libvirt/images/vm-1_a.qcow2") == "/var/lib/libvirt/images/vm-1_a.qcow2");
+  CHECK(log_field("/var/lib/libvirt/images/vm-1_a.qcow2") ==
+        "/var/lib/libvirt/images/vm-1_a.qcow2");
   CHECK(log_field("pool:aaaa-01") == "pool:aaaa-01");
   CHECK(log_field("") == "\"\"");
   CHECK(log_field("vm one") == "\"vm one\"");
@@ -53,13 +54,14 @@ TEST_CASE("plugin.log.fields") {
 }
 
 TEST_CASE("plugin.log.hostile_names") {
-  const std::string dir = std::filesystem::temp_directory_path().string() + "/qcommit-log-" +
-                          std::to_string(getpid());
+  const std::string dir =
+      std::filesystem::temp_directory_path().string() + "/qcommit-log-" + std::to_string(getpid());
   std::filesystem::create_directories(dir);
   const std::string m1 = dir + "/pwned1", m2 = dir + "/pwned2", m3 = dir + "/pwned3";
   // Spaces, quotes, $(...), backticks, ';', a forged second record after a newline, CR, tab, ^A.
-  const std::string dom = "vm one 'sq' \"dq\" $(touch " + m1 + ") `touch " + m2 + "`; touch " +
-                          m3 + "\nqcommitd: governing forged job\r\t\x01" "end";
+  const std::string dom = "vm one 'sq' \"dq\" $(touch " + m1 + ") `touch " + m2 + "`; touch " + m3 +
+                          "\nqcommitd: governing forged job\r\t\x01"
+                          "end";
   const std::string dom_logged = "\"vm one 'sq' \\\"dq\\\" $(touch " + m1 + ") `touch " + m2 +
                                  "`; touch " + m3 +
                                  "\\nqcommitd: governing forged job\\r\\t\\x01end\"";
@@ -103,12 +105,13 @@ TEST_CASE("plugin.log.hostile_names") {
   }
   CHECK(records.front() == "not connected to qemu:///system: no domain '" +
                                std::string("vm one 'sq' \"dq\" $(touch ") + m1 + ") `touch " + m2 +
-                               "`; touch " + m3 + "\\nqcommitd: governing forged job\\r\\t\\x01end'");
+                               "`; touch " + m3 +
+                               "\\nqcommitd: governing forged job\\r\\t\\x01end'");
   const auto adopted = matching(records, "governing active-commit job on");
   REQUIRE(adopted.size() == 1);
-  CHECK(adopted[0].rfind("governing active-commit job on domain " + dom_logged + " disk vda (target " +
-                             target_logged + ", storage \"pool:" + pool_logged.substr(1) +
-                             ", pool " + pool_logged + ", budget 20 ms): ",
+  CHECK(adopted[0].rfind("governing active-commit job on domain " + dom_logged +
+                             " disk vda (target " + target_logged + ", storage \"pool:" +
+                             pool_logged.substr(1) + ", pool " + pool_logged + ", budget 20 ms): ",
                          0) == 0);
   CHECK(records.back() == "domain " + dom_logged + " disk vda: completed");
   CHECK(matching(records, "connected to qemu:///system").size() == 2);
