@@ -395,7 +395,12 @@ std::optional<std::chrono::milliseconds> dirty_expire() {
 
 std::unique_ptr<TargetFile> SystemTargetFiles::open(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return nullptr;
+  if (fd < 0) {
+    const int err = errno;
+    tell("target " + path + ": cannot open it (" + std::strerror(err) +
+         "): its page cache is not counted and its writeback not paced (a sandbox that hides it?)");
+    return nullptr;
+  }
   const bool without = source_ == PageCacheSource::kNoCachestat ||
                        source_ == PageCacheSource::kNoCachestatShadow ||
                        (source_ == PageCacheSource::kAuto && !cachestat_available());
@@ -496,7 +501,8 @@ std::string describe_page_cache_source(PageCacheSource source) {
       break;
   }
   if (cachestat_available()) return "cachestat: per-file counts (cachestat(2), Linux >= 6.5)";
-  return "no-cachestat: this kernel has no cachestat(2) (before 6.5); a target's writeback is "
+  return "no-cachestat: cachestat(2) is not there (a kernel before 6.5, or a system call filter, "
+         "e.g. a container's, that does not know it); a target's writeback is "
          "counted by completion (sync_file_range per piece) and its dirty pages bounded by "
          "QEMU's memory cgroup (/proc/meminfo where neither is found)";
 }

@@ -151,6 +151,19 @@ TEST_CASE("plugin.writeback.system_file") {
   unlink(path);
 }
 
+TEST_CASE("plugin.writeback.target_that_cannot_be_opened_is_said") {
+  // A target the daemon cannot open (a unit's sandbox hiding /home, permissions): one note
+  // naming it and why, instead of governing silently without its page cache.
+  std::vector<std::string> notes;
+  SystemTargetFiles files(PageCacheSource::kAuto,
+                          [&](const std::string& s) { notes.push_back(s); });
+  CHECK_FALSE(files.open("/nonexistent-qcommit-dir/base.qcow2"));
+  REQUIRE(notes.size() == 1);
+  CHECK(notes[0].rfind("target /nonexistent-qcommit-dir/base.qcow2: cannot open it (No such file "
+                       "or directory): ",
+                       0) == 0);
+}
+
 TEST_CASE("plugin.writeback.commit_base_from_proc") {
   // A process holding the files as QEMU does during `--top mid2 --base mid`: the active layer
   // and mid read-write, mid2 and base read-only; its command name starts with "qemu".  Started
