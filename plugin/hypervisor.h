@@ -24,15 +24,17 @@
 
 namespace qcommit::plugin {
 
-// The device of the filesystem holding `path` (a disk's source), from cached attributes only
-// (AT_STATX_DONT_SYNC, as the /proc walk reads them): a disk on an NFS export that stopped
-// answering must not hold the daemon's loop, `qcommit live` or doctor in a getattr.  nullopt when
-// the path cannot be looked up.
-[[nodiscard]] inline std::optional<std::uint64_t> cached_filesystem_device(
-    const std::string& path) {
+// The device of the storage holding `path` (a disk's source): the block device itself for a
+// block device node (an LV, a partition: every node in /dev shares devtmpfs's device), else the
+// device of its filesystem.  From cached attributes only (AT_STATX_DONT_SYNC, as the /proc walk
+// reads them): a disk on an NFS export that stopped answering must not hold the daemon's loop,
+// `qcommit live` or doctor in a getattr.  nullopt when the path cannot be looked up.
+[[nodiscard]] inline std::optional<std::uint64_t> cached_storage_device(const std::string& path) {
   struct statx sx {};
   if (::statx(AT_FDCWD, path.c_str(), AT_STATX_DONT_SYNC, STATX_TYPE, &sx) != 0)
     return std::nullopt;
+  if (S_ISBLK(sx.stx_mode))
+    return static_cast<std::uint64_t>(makedev(sx.stx_rdev_major, sx.stx_rdev_minor));
   return static_cast<std::uint64_t>(makedev(sx.stx_dev_major, sx.stx_dev_minor));
 }
 
@@ -45,7 +47,7 @@ struct DiskInfo {
   std::string source;                      // active layer path
   std::vector<std::string> backing_chain;  // backing files, top to bottom (may be empty)
   std::optional<std::string> mirror;       // <mirror> source path while a copy/active commit runs
-  std::optional<std::uint64_t> device;     // st_dev of the source's filesystem, when stat works
+  std::optional<std::uint64_t> device;     // cached_storage_device(source), when stat works
   std::string cache;                       // <driver cache=...> ("" when not given: writeback)
   std::string format;                      // <driver type=...> of the active layer ("" unknown)
   std::string io{};                        // <driver io=...> ("" when not given: threads)

@@ -202,12 +202,12 @@ std::vector<DiskInfo> defined_disks(xmlDocPtr doc) {
 }
 
 // The disks with a target and a local path, each with its filesystem's device where it can be
-// read from cached attributes (cached_filesystem_device).
+// read from cached attributes (cached_storage_device).
 std::vector<DiskInfo> local_disks(const std::vector<DiskInfo>& defined) {
   std::vector<DiskInfo> disks;
   for (DiskInfo d : defined) {
     if (d.target.empty() || d.source.empty()) continue;
-    d.device = cached_filesystem_device(d.source);
+    d.device = cached_storage_device(d.source);
     disks.push_back(std::move(d));
   }
   return disks;

@@ -107,7 +107,7 @@ std::vector<QmpDisk> parse_query_block(const json::Value& ret) {
     else
       d.info.target = d.root_node;
     if (d.info.target.empty()) continue;
-    d.info.device = cached_filesystem_device(d.info.source);
+    d.info.device = cached_storage_device(d.info.source);
     out.push_back(std::move(d));
   }
   return out;

@@ -184,7 +184,8 @@ std::uint64_t target_size(int fd) {
 std::optional<std::uint64_t> target_device(int fd) {
   struct stat st {};
   if (::fstat(fd, &st) != 0) return std::nullopt;
-  return static_cast<std::uint64_t>(st.st_dev);
+  // A block device is its own storage (as cached_storage_device says).
+  return static_cast<std::uint64_t>(S_ISBLK(st.st_mode) ? st.st_rdev : st.st_dev);
 }
 
 namespace {

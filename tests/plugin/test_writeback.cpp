@@ -1,6 +1,8 @@
 #include <doctest/doctest.h>
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <sys/utsname.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -8,9 +10,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <random>
 
+#include "plugin/hypervisor.h"
 #include "plugin/proc_fds.h"
 #include "plugin/process.h"
 #include "plugin/writeback.h"
@@ -162,6 +166,50 @@ TEST_CASE("plugin.writeback.target_that_cannot_be_opened_is_said") {
   CHECK(notes[0].rfind("target /nonexistent-qcommit-dir/base.qcow2: cannot open it (No such file "
                        "or directory): ",
                        0) == 0);
+}
+
+TEST_CASE("plugin.writeback.block_device_is_its_own_storage") {
+  // Two block device nodes in one directory (as LVs in /dev, all on devtmpfs) are two storages,
+  // each its own device; a regular file beside them is its filesystem's.
+  if (::geteuid() != 0) {
+    MESSAGE("skipped: mknod needs root");
+    return;
+  }
+  char dir[] = "/tmp/qcommit-blk-XXXXXX";
+  REQUIRE(mkdtemp(dir));
+  const std::string a = std::string(dir) + "/lv-a", b = std::string(dir) + "/lv-b",
+                    f = std::string(dir) + "/file";
+  REQUIRE(::mknod(a.c_str(), S_IFBLK | 0600, makedev(7, 240)) == 0);
+  REQUIRE(::mknod(b.c_str(), S_IFBLK | 0600, makedev(7, 241)) == 0);
+  { std::ofstream(f) << "x"; }
+  struct stat d {};
+  REQUIRE(::stat(dir, &d) == 0);
+  CHECK(cached_storage_device(a) == std::optional<std::uint64_t>(makedev(7, 240)));
+  CHECK(cached_storage_device(b) == std::optional<std::uint64_t>(makedev(7, 241)));
+  CHECK(cached_storage_device(f) == std::optional<std::uint64_t>(d.st_dev));
+  const int fd = ::open(f.c_str(), O_RDONLY);
+  REQUIRE(fd >= 0);
+  CHECK(target_device(fd) == std::optional<std::uint64_t>(d.st_dev));
+  ::close(fd);
+  // An open block device (the nodes above name no driver): a loop device's own number.
+  { std::ofstream(f) << std::string(1 << 20, '\0'); }
+  const std::string attach = "losetup -f --show " + f + " > " + dir + "/loop 2>/dev/null";
+  if (std::system(attach.c_str()) == 0) {
+    std::string loop;
+    std::ifstream(std::string(dir) + "/loop") >> loop;
+    struct stat st {};
+    REQUIRE(::stat(loop.c_str(), &st) == 0);
+    const int lfd = ::open(loop.c_str(), O_RDONLY | O_CLOEXEC);
+    CHECK(lfd >= 0);
+    if (lfd >= 0) {
+      CHECK(target_device(lfd) == std::optional<std::uint64_t>(st.st_rdev));
+      ::close(lfd);
+    }
+    CHECK(std::system(("losetup -d " + loop).c_str()) == 0);
+  } else {
+    MESSAGE("no loop device: the open block device is not checked");
+  }
+  std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("plugin.writeback.commit_base_from_proc") {
