@@ -29,13 +29,17 @@ namespace qcommit::plugin {
 // device of its filesystem.  From cached attributes only (AT_STATX_DONT_SYNC, as the /proc walk
 // reads them): a disk on an NFS export that stopped answering must not hold the daemon's loop,
 // `qcommit live` or doctor in a getattr.  nullopt when the path cannot be looked up.
+// The one rule for both: a block device node is its own storage (`rdev`); any other file is on
+// its filesystem's device (`dev`).
+[[nodiscard]] inline std::uint64_t storage_device_of(mode_t mode, dev_t dev, dev_t rdev) {
+  return static_cast<std::uint64_t>(S_ISBLK(mode) ? rdev : dev);
+}
 [[nodiscard]] inline std::optional<std::uint64_t> cached_storage_device(const std::string& path) {
   struct statx sx {};
   if (::statx(AT_FDCWD, path.c_str(), AT_STATX_DONT_SYNC, STATX_TYPE, &sx) != 0)
     return std::nullopt;
-  if (S_ISBLK(sx.stx_mode))
-    return static_cast<std::uint64_t>(makedev(sx.stx_rdev_major, sx.stx_rdev_minor));
-  return static_cast<std::uint64_t>(makedev(sx.stx_dev_major, sx.stx_dev_minor));
+  return storage_device_of(sx.stx_mode, makedev(sx.stx_dev_major, sx.stx_dev_minor),
+                           makedev(sx.stx_rdev_major, sx.stx_rdev_minor));
 }
 
 struct HypervisorDisconnected : std::runtime_error {

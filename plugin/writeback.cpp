@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "plugin/daemon_log.h"
+#include "plugin/hypervisor.h"
 #include "plugin/memcg.h"
 #include "plugin/memcg_target.h"
 #include "plugin/proc_fds.h"
@@ -184,8 +185,7 @@ std::uint64_t target_size(int fd) {
 std::optional<std::uint64_t> target_device(int fd) {
   struct stat st {};
   if (::fstat(fd, &st) != 0) return std::nullopt;
-  // A block device is its own storage (as cached_storage_device says).
-  return static_cast<std::uint64_t>(S_ISBLK(st.st_mode) ? st.st_rdev : st.st_dev);
+  return storage_device_of(st.st_mode, st.st_dev, st.st_rdev);
 }
 
 namespace {

@@ -113,8 +113,9 @@ class BackgroundDatasync {
   std::shared_ptr<std::atomic<bool>> busy_ = std::make_shared<std::atomic<bool>>(false);
 };
 
-// The size and storage device (st_dev, or st_rdev for a block device) of an open target file (0 and
-// nullopt when fstat fails): what every TargetFile reports as size() and device().
+// The size and storage device (storage_device_of: st_rdev for a block device, else st_dev) of an
+// open target file (0 and nullopt when fstat fails): what every TargetFile reports as size() and
+// device().
 [[nodiscard]] std::uint64_t target_size(int fd);
 [[nodiscard]] std::optional<std::uint64_t> target_device(int fd);
 
