@@ -419,11 +419,10 @@ std::optional<engine::MergeResult> merge_through_libvirt(const MergeArgs& a,
                                                          GovernedMerge& gm) {
   DomainMergeRequest req = domain_request(a, mo);
   if ((a.governed() || !a.max_rate.empty()) && !a.dry_run) {
-    // --domain hands over BASE; --pool/--vol hands over TOP (the volume).
-    req.make_governor = [&a, &gm, &mo,
-                         dirs = req.merge.allowed_backing_dirs](const std::string& target) {
-      if (!a.domain.empty()) return gm.governor_for(target, {});
-      return gm.governor_for(merge_base_of(target, mo.base, dirs), target);
+    // --domain hands over TOP and BASE; --pool/--vol hands over TOP (the volume) alone.
+    req.make_governor = [&gm, &mo, dirs = req.merge.allowed_backing_dirs](
+                            const std::string& top, const std::string& base) {
+      return gm.governor_for(base.empty() ? merge_base_of(top, mo.base, dirs) : base, top);
     };
   }
   auto note = [&gm](const std::string& m) { print_note(gm.out, m); };

@@ -280,7 +280,7 @@ DomainMergeResult merge_pool_volume(virConnectPtr conn, DomainMergeRequest& req,
     res.would_delete = req.merge.delete_merged;
     return res;
   }
-  if (req.make_governor) req.merge.governor = req.make_governor(top);
+  if (req.make_governor) req.merge.governor = req.make_governor(top, {});
   res.merge = engine::merge(req.merge);
   res.base = res.merge.base;
   if (Pool p = find_pool(conn, req.pool))
@@ -579,7 +579,7 @@ void DomainMerge::merge_data() {
   m.rebase.clear();
   if (*t_ > 0) m.rebase = {paths_[*t_ - 1]};
   m.delete_merged = false;
-  if (req_.make_governor) m.governor = req_.make_governor(paths_[*b_]);
+  if (req_.make_governor) m.governor = req_.make_governor(paths_[*t_], paths_[*b_]);
   m.on_checkpoint = [inner = m.on_checkpoint](uint64_t done) {
     if (inner) inner(done);
     test_kill_point("data-window");

@@ -23,8 +23,12 @@ struct DomainMergeRequest {
   std::optional<std::string> top, base;
   engine::MergeOptions merge;    // budget/governor, progress, policy (top/base/rebase filled in here)
   bool dry_run = false;
-  // Builds the pacing governor once the target (BASE) is known; null: keep merge.governor.
-  std::function<std::shared_ptr<engine::CopyGovernor>(const std::string& base)> make_governor;
+  // Builds the pacing governor once TOP is known, with BASE where it is known here (a domain's
+  // chain; empty for a pool's volume: BASE then follows from TOP's chain); null: keep
+  // merge.governor.
+  std::function<std::shared_ptr<engine::CopyGovernor>(const std::string& top,
+                                                      const std::string& base)>
+      make_governor;
 };
 
 struct DomainMergeResult {

@@ -114,7 +114,11 @@ check_merged "$other" d
 chain "$dir" e
 define_disk_domain "$dom" "$dir/e.qcow2"
 virsh -q metadata "$dom" https://qcommit.dev/xmlns/1 --key qcommit --set '<policy budget="4ms"/>' --config >/dev/null
-"$QCOMMIT" merge --domain "$dom" --disk vda --config "$conf" --output=json >e.json 2>e.err || fail "merge --domain failed: $(cat e.err)"
+"$QCOMMIT" merge --domain "$dom" --disk vda --config "$conf" --output=json --trace e.csv >e.json 2>e.err ||
+  fail "merge --domain failed: $(cat e.err)"
+# The trace names TOP and BASE (qcommit report's header).
+grep -qxF "# top=$dir/e.qcow2" e.csv || fail "merge --domain: the trace does not name TOP: $(grep '^#' e.csv)"
+grep -qxF "# base=$dir/e.base.qcow2" e.csv || fail "merge --domain: the trace does not name BASE: $(grep '^#' e.csv)"
 [[ $(field e.json result budget-ms) == 4 && $(field e.json result budget-source) == domain-metadata ]] ||
   fail "merge --domain result: $(grep '"result"' e.json)"
 [[ $(field e.json policy ceiling) == "$kCeiling" ]] || fail "merge --domain: the pool's ceiling is lost: $(grep '"policy"' e.json)"
