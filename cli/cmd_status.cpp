@@ -260,6 +260,8 @@ int cmd_status(const Args& args) {
     const int rc = status_once(sa->socket, sa->json_out);
     std::fflush(stdout);
     if (rc != kExitOk) return rc;
+    if (std::ferror(stdout))
+      return kExitOk;  // the reader went away (`| head`): nothing to draw for
     std::this_thread::sleep_for(*sa->watch);
   }
 }

@@ -1,4 +1,5 @@
 // qcommit: merge qcow2 snapshots without stalling the guests that share the storage.
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -40,6 +41,11 @@ int main(int argc, char** argv) {
     usage(stderr);
     return kExitUsage;
   }
+  // A peer that goes away (libvirtd restarting, qcommitd stopping, a reader of our output that
+  // exits) is an error a command reports or waits out, not a silent death: libvirt's client
+  // writes to its socket without MSG_NOSIGNAL, so libvirtd closing the connection between two
+  // calls killed `qcommit live` with SIGPIPE (exit 141, nothing said).
+  std::signal(SIGPIPE, SIG_IGN);
   const std::string cmd = argv[1];
   Args args(argv + 2, argv + argc);
   return run_reporting_failures(cmd, [&]() -> int {

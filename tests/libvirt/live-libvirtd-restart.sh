@@ -51,7 +51,9 @@ while kill -0 "$lpid" 2>/dev/null; do
   [[ -n $bw ]] && ((bw > qemu_max)) && qemu_max=$bw
   sleep 0.2
 done
-wait "$lpid" || fail "qcommit live failed: $(cat err)"
+lrc=0
+wait "$lpid" || lrc=$?
+((lrc == 0)) || fail "qcommit live failed (exit $lrc): $(cat err) $(tail -n 3 events)"
 took=$(echo "$(date +%s.%N) - $t0" | bc)
 top_speed=$(jq -s 'map(select(.event == "progress") | .speed // 0) | max // 0' events)
 echo "40 MiB at --max-rate 4M: ${took} s; largest progress speed $top_speed, largest QEMU speed $qemu_max bytes/s"

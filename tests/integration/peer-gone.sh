@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# cli.peer_gone: a libvirt socket whose server closes every connection at once (libvirtd going
+# away between two calls). live and merge --domain say so in one line on stderr and exit 1;
+# doctor reports it among its findings ("libvirt: cannot connect to URI"). None dies of SIGPIPE (exit 141, nothing said). The close races the client's first write, so
+# each command is run 20 times: before SIGPIPE was ignored, about one run in three died silently.
+# With SIGPIPE ignored, `status --watch` must still end when its reader does (`| head`).
+# usage: peer-gone.sh QCOMMIT QCOMMITD
+set -euo pipefail
+. "$(dirname "$0")/lib.sh"
+QCOMMIT=$(realpath "$1")
+QCOMMITD=$(realpath "$2")
+setup cli.peer_gone
+kRuns=20
+
+cat >closer.py <<'PY'
+import os, socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.bind(sys.argv[1])
+s.listen(64)
+open(sys.argv[2], "w").close()
+while True:
+    c, _ = s.accept()
+    c.close()
+PY
+spawn python3 closer.py "$work/libvirt-sock" ready
+for ((i = 0; i < 50; i++)); do [[ -e ready ]] && break; sleep 0.1; done
+[[ -e ready ]] || fail "the closing socket did not start"
+uri="qemu:///system?socket=$work/libvirt-sock"
+
+# expect_one_line NAME CMD...: exit 1 and one line on stderr naming the URI, kRuns times.
+expect_one_line() {
+  local name=$1 i rc
+  shift
+  for ((i = 0; i < kRuns; i++)); do
+    rc=0
+    "$@" >out 2>err </dev/null || rc=$?
+    ((rc != 141)) || fail "$name: killed by SIGPIPE (exit 141) in run $((i + 1)), nothing said"
+    [[ $rc == 1 && $(wc -l <err) == 1 ]] || fail "$name: exit $rc, expected 1 and one line: $(head -c 300 err)"
+    grep -qF "$work/libvirt-sock" err || fail "$name: the error does not name the socket: $(cat err)"
+  done
+}
+
+expect_one_line live "$QCOMMIT" live nodom vda -c "$uri"
+expect_one_line "merge --domain" "$QCOMMIT" merge --domain nodom --disk vda -c "$uri"
+for ((i = 0; i < kRuns; i++)); do
+  rc=0
+  "$QCOMMIT" doctor nodom -c "$uri" >out 2>err </dev/null || rc=$?
+  ((rc != 141)) || fail "doctor: killed by SIGPIPE (exit 141) in run $((i + 1)), nothing said"
+  grep -qF "libvirt: cannot connect to $uri" out || fail "doctor: exit $rc, no 'cannot connect' finding: $(cat out err | head -c 400)"
+done
+# status --watch into a pipe whose reader exits: it ends rather than redrawing into the void.
+spawn "$QCOMMITD" --uri test:///default --socket "$work/qcd.sock" 2>qcd.log
+for ((i = 0; i < 50; i++)); do [[ -S $work/qcd.sock ]] && break; sleep 0.1; done
+[[ -S $work/qcd.sock ]] || fail "qcommitd did not start: $(cat qcd.log)"
+set +o pipefail
+timeout 20 "$QCOMMIT" status --watch 100ms --socket "$work/qcd.sock" | head -c 1 >/dev/null
+rc=${PIPESTATUS[0]}
+set -o pipefail
+((rc != 124)) || fail "status --watch went on drawing for 20 s after its reader exited"
+
+echo "cli.peer_gone: OK ($kRuns runs each of live, merge --domain, doctor; status --watch | head ends)"
