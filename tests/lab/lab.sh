@@ -26,6 +26,8 @@
 #
 # Environment: QCOMMIT_BUILD_DIR (default <repo>/build), LAB_KEEP=1 keeps the backing data,
 # LAB_VERBOSE=1 logs more, LAB_BASE_FORMAT=qcow2 gives the guest a qcow2 base (default raw).
+# LAB_DIRECT_READERS=1 mounts the storage with slowfs --direct-readers: a read-only open (qcommitd's
+# fd on a job's target) then leaves QEMU's O_DIRECT writes to that file parallel, as on NFS.
 # LAB_RUN_ROOT puts the runs elsewhere than <build>/lab-run (a directory another libvirtd's QEMU
 # sees at the same path), LAB_ID_PREFIX names them (default qcl), LAB_LOCAL_DAEMONS=0 leaves
 # this host's libvirtd alone and LAB_URI names the libvirtd the runs use (default
@@ -105,6 +107,7 @@ lab_storage_start() {
     --control "$LAB_DIR/slowfs.control" --log "$LAB_DIR/slowfs.csv" --stats "$LAB_DIR/slowfs.stats"
     --pidfile "$LAB_DIR/slowfs.pid")
   [ -n "$maxbg" ] && args+=(--max-background "$maxbg")
+  [ "${LAB_DIRECT_READERS:-0}" = 1 ] && args+=(--direct-readers)
   "$LAB_SLOWFS" "${args[@]}" </dev/null >>"$LAB_DIR/slowfs.err" 2>&1 &
   LAB_SLOWFS_PID=$!
   local i

@@ -4,11 +4,12 @@
 // so a flush waits behind every write queued before it, as on a sync NFS server. Reads are served
 // from the backing directory without throttling. The kernel page cache sits above (writeback_cache,
 // max_write 1 MiB) and the bdi gets max_ratio=100/strict_limit=0 so dirty data piles up as on an
-// NFS client. O_DIRECT opens get FOPEN_DIRECT_IO + FOPEN_PARALLEL_DIRECT_WRITES.
+// NFS client. O_DIRECT opens get FOPEN_DIRECT_IO + FOPEN_PARALLEL_DIRECT_WRITES, read-only opens
+// FOPEN_DIRECT_IO (see set_open_mode).
 //
 // Usage: qcommit-slowfs --backing DIR --mount DIR [--bandwidth 50M] [--latency-ms 0]
 //                       [--control FILE] [--log FILE] [--stats FILE] [--pidfile FILE]
-//                       [--max-background N] [--real-fsync] [--fsname NAME]
+//                       [--max-background N] [--real-fsync] [--fsname NAME] [--direct-readers]
 //                       [--fail-errno EIO|ENOSPC]
 // --fsname sets the mount's source as /proc/mounts shows it (default "qcommit-slowfs"); e.g.
 // `lab:/export` makes the mount look like an NFS export to libvirt's netfs pool, which takes a
@@ -98,6 +99,7 @@ struct Config {
   double latency_ms = 0;
   unsigned max_background = 0;  // 0 = kernel default
   bool real_fsync = false;
+  bool direct_readers = false;  // read-only opens get FOPEN_DIRECT_IO (see set_open_mode)
 
   [[nodiscard]] std::optional<std::string> validate() const {
     if (backing.empty()) return "--backing is required";
@@ -446,10 +448,20 @@ int backing_flags(int flags) {
   return flags;
 }
 
+// O_DIRECT opens: direct I/O with parallel writes.  With --direct-readers, read-only opens get
+// direct I/O as well (without it, a read sees what the page cache holds, as on a local file).  Since
+// Linux 6.9 one open of an inode in FUSE's caching mode (any open without FOPEN_DIRECT_IO) makes
+// the kernel take the inode's lock exclusively for every O_DIRECT write, so a reader such as
+// qcommitd's page-cache fd on the target would serialise QEMU's cache=none writes to one request
+// at a time; an NFS client lets them run in parallel whoever else holds the file open.  The
+// page cache they leave alone is the inode's, which cachestat(2) and fadvise still reach.
 void set_open_mode(fuse_file_info* fi) {
   if (fi->flags & O_DIRECT) {
     fi->direct_io = 1;
     t_mark_parallel = true;  // FOPEN_PARALLEL_DIRECT_WRITES, see io_writev
+  } else if (g_fs->cfg.direct_readers && (fi->flags & O_ACCMODE) == O_RDONLY) {
+    fi->direct_io = 1;
+    fi->keep_cache = 1;
   } else {
     fi->keep_cache = 1;  // all writes come through this mount
   }
@@ -772,6 +784,8 @@ Config parse_args(int argc, char** argv) {
       c.pidfile = val();
     else if (a == "--max-background")
       c.max_background = static_cast<unsigned>(std::stoul(val()));
+    else if (a == "--direct-readers")
+      c.direct_readers = true;
     else if (a == "--real-fsync")
       c.real_fsync = true;
     else if (a == "--fsname")
