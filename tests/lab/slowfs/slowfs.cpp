@@ -449,7 +449,7 @@ int backing_flags(int flags) {
 }
 
 // O_DIRECT opens: direct I/O with parallel writes.  With --direct-readers, read-only opens get
-// direct I/O as well (without it, a read sees what the page cache holds, as on a local file).  Since
+// direct I/O as well (without it, a read sees what the page cache holds, as on a local file). Since
 // Linux 6.9 one open of an inode in FUSE's caching mode (any open without FOPEN_DIRECT_IO) makes
 // the kernel take the inode's lock exclusively for every O_DIRECT write, so a reader such as
 // qcommitd's page-cache fd on the target would serialise QEMU's cache=none writes to one request
