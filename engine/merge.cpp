@@ -456,12 +456,27 @@ class WindowCopier {
     return true;
   }
 
+  // The pieces of a cluster at `dst` (BASE's host offset of the cluster at guest offset `c`),
+  // each 4 KiB-aligned one O_DIRECT whatever its size (spliced from the source's pages; nothing
+  // dirtied in BASE's page cache, no writeback to start), the others through the page cache,
+  // which reads the rest of their first and last pages (never the pages of an aligned piece:
+  // pieces do not overlap).
+  void submit_pieces(const std::vector<PartialPiece>& pieces, uint64_t c, uint64_t dst) {
+    for (const PartialPiece& pp : pieces)
+      submit_copy(pp.source.fd, *pp.source.name, pp.source.offset, dst + (pp.start - c),
+                  pp.end - pp.start, true);
+  }
+
   // Every piece of the window that covers part of the cluster at `c`, at once (the first piece
   // of it met does it; later ones find it gone). A cluster BASE has as plain data is overwritten
-  // where the pieces fall, through the copy pool; any other is written once, whole: BASE's view
-  // of it (read before the cluster is staged) with the pieces laid over it, assembled by the
-  // copy pool (Writer::write would write it whole and then again for each later piece, one by
-  // one through the page cache).
+  // where the pieces fall, through the copy pool. Any other is written once: where BASE's view
+  // of it reads as zeros and the writer gives it space that reads as zeros too (new, past the
+  // file's end when the merge opened it), only its pieces (rand4g4k: 4-60 KiB of each new
+  // 64 KiB cluster); else whole, BASE's view of it (read before the cluster is staged) with the
+  // pieces laid over it, assembled by the copy pool (Writer::write would write it whole and then
+  // again for each later piece, one by one through the page cache). Space reused inside the
+  // file, a zero-flagged cluster's own host cluster and a cluster over BASE's backing file's
+  // data are written whole.
   void write_partial_cluster(uint64_t c, PartialClusters& partial) {
     auto it = partial.find(c);
     if (it == partial.end()) return;
@@ -472,24 +487,27 @@ class WindowCopier {
     for (const PartialPiece& pp : pieces)
       if (pp.start < c || pp.end > cend)
         throw Error(dst_name, "internal: partial piece outside its cluster at " + qcow2::hex(c));
-    // Pieces in place: each 4 KiB-aligned one O_DIRECT whatever its size (spliced from the
-    // source's pages; nothing dirtied in BASE's page cache, no writeback to start), the others
-    // through the page cache, which reads the rest of their first and last pages (never the
-    // pages of an aligned piece: pieces do not overlap).
     if (const auto host = writer->prepare_in_place(c)) {
-      for (const PartialPiece& pp : pieces)
-        submit_copy(pp.source.fd, *pp.source.name, pp.source.offset, *host + (pp.start - c), pp.end - pp.start,
-                    true);
+      submit_pieces(pieces, c, *host);
       return;
     }
     AssembledCluster ac;
     ac.length = cend - c;
-    if (!base_reads_zero(c, cend)) {
+    const bool view_zero = base_reads_zero(c, cend);
+    if (!view_zero) {
       ac.view.resize(ac.length);
       chain.read(c, ac.view, base_depth);
     }
+    const qcow2::Writer::ClusterRewrite rewrite = writer->prepare_cluster_rewrite(c);
+    if (view_zero && rewrite.reads_zeros) {
+      submit_pieces(pieces, c, rewrite.host_offset);
+      uint64_t piece_bytes = 0;
+      for (const PartialPiece& pp : pieces) piece_bytes += pp.end - pp.start;
+      res.zeros_left_unwritten += ac.length - piece_bytes;
+      return;
+    }
     for (const PartialPiece& pp : pieces) ac.patches.push_back({pp.source, pp.start - c});
-    submit_cluster(std::move(ac), writer->prepare_cluster_rewrite(c));
+    submit_cluster(std::move(ac), rewrite.host_offset);
   }
 
   // Copies one data piece that has a plain host offset in its source layer.

@@ -122,6 +122,9 @@ struct MergeResult {
   uint64_t copied_bytes = 0;
   uint64_t zeroed_bytes = 0;
   uint64_t skipped_zero_bytes = 0;  // zero ranges BASE already read as zeros
+  // Of clusters new to BASE that TOP provides only part of: the bytes around TOP's pieces, not
+  // written because BASE's view there is zeros and the space the cluster got reads as zeros.
+  uint64_t zeros_left_unwritten = 0;
   bool resumed = false;             // an interrupted run of this same merge was found and finished
   uint64_t resumed_from = 0;        // guest offset a previous run had checkpointed
   uint64_t leaks_repaired = 0;

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <map>
 
+#include "qcow2/device.h"
 #include "qcow2/error.h"
 
 namespace qcommit::qcow2 {
@@ -48,6 +49,8 @@ Writer::Writer(Image& image)
     // v2 with internal snapshots is handled like v3: refcounts tell what is shared.
   }
   file_end_cluster_ = (image_.file().size() + cs_ - 1) / cs_;
+  const auto* file = dynamic_cast<const FileDevice*>(&image_.file());
+  zeros_past_end_ = file && !file->is_block_device();
   find_refcounted_end();
 }
 
@@ -315,14 +318,21 @@ std::optional<uint64_t> Writer::prepare_in_place(uint64_t c) {
   return ph;
 }
 
-uint64_t Writer::prepare_cluster_rewrite(uint64_t c) {
+// A new cluster reads as zeros when it lies at or past file_end_cluster_ as it was before the
+// allocation: that is past the file's end at opening and past every cluster handed out since
+// (data, tables, refcount blocks: each raises it), so nothing of this run wrote there either.
+// Everything the file holds past its end at opening reads as zeros once the file is extended
+// (truncate, fallocate, a write further on), whatever an interrupted run did before: what such a
+// run wrote is inside the file's end by the time this writer opens it.
+Writer::ClusterRewrite Writer::prepare_cluster_rewrite(uint64_t c) {
   const ClusterState st = cluster_state(c);
   const auto ph = private_host(st);
+  const uint64_t untouched_from = file_end_cluster_;
   const uint64_t host = ph ? *ph : allocate(1);
   set_l2(c, host | kOflagCopied, kAllSubclustersAllocated);
   if (!ph) release_entry(st);
   data_written_ = true;
-  return host;
+  return {host, !ph && zeros_past_end_ && host / cs_ >= untouched_from};
 }
 
 void Writer::write(uint64_t offset, std::span<const uint8_t> data, const ViewReader& view) {
@@ -343,7 +353,7 @@ void Writer::write(uint64_t offset, std::span<const uint8_t> data, const ViewRea
       buf.assign(cend - c, 0);
       if (pos != c || b != cend) view(c, buf);  // before the cluster is staged
       std::memcpy(buf.data() + (pos - c), piece.data(), piece.size());
-      image_.data_device().write(prepare_cluster_rewrite(c), buf);
+      image_.data_device().write(prepare_cluster_rewrite(c).host_offset, buf);
     }
     pos = b;
   }

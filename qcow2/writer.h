@@ -71,11 +71,23 @@ class Writer {
   // overwritten where it is (private, uncompressed, every subcluster plain data; its L2 entry
   // staged with COPIED), nullopt when it must be written whole (nothing staged then).
   [[nodiscard]] std::optional<uint64_t> prepare_in_place(uint64_t cluster_offset);
+  // A cluster staged as written whole (prepare_cluster_rewrite).
+  struct ClusterRewrite {
+    uint64_t host_offset = 0;
+    // The host cluster is new to the image, lies past the end the file had when this writer was
+    // made, and nothing was written there since (no cluster before it was handed out there): it
+    // reads as zeros, so the caller need write only the bytes of the cluster that are not zeros.
+    // Never on a block device (its unused clusters hold whatever was there before), nor for a
+    // cluster reused from freed space inside the file, nor for space past the end that an
+    // interrupted run wrote into (the file's end at opening covers it).
+    bool reads_zeros = false;
+  };
   // Stages the cluster at `cluster_offset` as written whole and returns its host offset: its own
   // host cluster when private, else a new one (what it referenced released at the commit). The
   // caller reads the cluster's current view before this call and writes all of it (up to the
-  // virtual size) at the returned offset before commit().
-  [[nodiscard]] uint64_t prepare_cluster_rewrite(uint64_t cluster_offset);
+  // virtual size) at the returned offset before commit(); where reads_zeros, the bytes that are
+  // zeros in what it writes may be left out.
+  [[nodiscard]] ClusterRewrite prepare_cluster_rewrite(uint64_t cluster_offset);
 
   // Makes [offset, offset+length) read as zeros (zero flags on v3, zero data on v2).
   void write_zeroes(uint64_t offset, uint64_t length, const ViewReader& view);
@@ -148,6 +160,8 @@ class Writer {
   const Geometry geo_;
   const uint64_t cs_;
   uint64_t file_end_cluster_ = 0;  // first cluster index past everything allocated
+  // Clusters past the file's end read as zeros until written (a regular file, not a device).
+  bool zeros_past_end_ = false;
   uint64_t refcounted_end_cluster_ = 0;  // past the file's last cluster with a refcount
   uint64_t free_hint_ = 0;
   std::set<uint64_t> reserved_;  // picked for a new refcount block, refcount not yet set

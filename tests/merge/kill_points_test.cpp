@@ -30,7 +30,9 @@
 #include <vector>
 
 #include "engine/merge.h"
+#include "qcow2/device.h"
 #include "qcow2/error.h"
+#include "qcow2/image.h"
 
 namespace qcommit::test {
 namespace {
@@ -60,6 +62,8 @@ struct Scenario {
   // BASE has leaked clusters before the merge (a stale bitmaps extension's): the merge need not
   // repair them (a resumed run does), but never leaves more.
   uint64_t leaks_before = 0;
+  // Run on BASE's file after each stop, before the re-run.
+  std::function<void(const std::string& base_path)> after_stop = nullptr;
 };
 
 engine::MergeOptions options_for(const Scenario& s, const std::string& dir) {
@@ -194,6 +198,7 @@ void check_final(const Scenario& s, const std::string& dir, const std::string& w
 
 struct Counts {
   int stops = 0, resumed = 0, reruns = 0;
+  int reruns_leaving_zeros = 0;  // re-runs that wrote only the pieces of some new clusters
   std::map<std::string, int> by_point;
 };
 
@@ -224,6 +229,7 @@ Counts run_matrix(const Scenario& s) {
     check_unchanged_views(s, dir, at);
     const int rc = check_base(dir, s);
     CHECK_MESSAGE((rc == 0 || rc == 3), s.name << ": BASE corrupt after a stop at " << at);
+    if (s.after_stop) s.after_stop(dir + "/" + s.base_file);
     // The same command again.
     if (!fs::exists(dir + "/" + s.top) && !s.base) {
       // Stopped after TOP was deleted (merged into its own backing file, no --base: the re-run
@@ -241,6 +247,7 @@ Counts run_matrix(const Scenario& s) {
       continue;
     }
     ++n.reruns;
+    if (r.zeros_left_unwritten > 0) ++n.reruns_leaving_zeros;
     CHECK_MESSAGE(r.resumed == had_checkpoint, s.name << ": re-run after a stop at " << at
                                                       << " resumed=" << r.resumed
                                                       << " with checkpoint=" << had_checkpoint);
@@ -366,6 +373,31 @@ Scenario partial_clusters_scenario() {
       .delete_merged = false};
 }
 
+// What an interrupted run, or anything before it, may leave in BASE's file that its tables do not
+// use: every cluster of the file with refcount 0 is filled with garbage, and garbage clusters are
+// appended past its end (a run stopped after it wrote data past the last cluster in use extends
+// the file). A re-run must take none of it for zeros. BASE's view does not change.
+void plant_garbage(const std::string& path) {
+  constexpr uint8_t kGarbage = 0xa5;
+  constexpr uint64_t kAppendedClusters = 8;
+  std::vector<uint64_t> free_clusters;
+  uint64_t cs = 0, end = 0;
+  {
+    auto img = qcow2::Image::open(qcow2::FileDevice::open(path));
+    cs = img->cluster_size();
+    end = (fs::file_size(path) + cs - 1) / cs;
+    for (uint64_t c = 1; c < end; ++c)
+      if (img->refcount(c) == 0) free_clusters.push_back(c);
+  }
+  for (uint64_t i = 0; i < kAppendedClusters; ++i) free_clusters.push_back(end + i);
+  const std::vector<uint8_t> garbage(cs, kGarbage);
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+  REQUIRE(fd >= 0);
+  for (const uint64_t c : free_clusters)
+    REQUIRE(::pwrite(fd, garbage.data(), cs, off_t(c * cs)) == ssize_t(cs));
+  ::close(fd);
+}
+
 }  // namespace
 
 TEST_CASE("merge.kill_points.grown_base_over_backing") {
@@ -412,6 +444,30 @@ TEST_CASE("merge.kill_points.partial_clusters_over_windows") {
   }
   const Counts n = run_matrix(s);
   expect_points(n, {"data", "data-flush", "refcount-blocks", "l2-tables", "l1-table", "checkpoint"});
+}
+
+// The clusters new to BASE get only TOP's pieces where the space they are given reads as zeros
+// (past the end of BASE's file as the merge found it). After each stop every byte of BASE's file
+// that its tables do not use is garbage (plant_garbage): the re-run must write whole every new
+// cluster it places there, and still write only the pieces past the file's new end.
+TEST_CASE("merge.kill_points.partial_clusters_over_garbage") {
+  Scenario s = partial_clusters_scenario();
+  s.name = "partial-garbage";
+  s.after_stop = plant_garbage;
+  {
+    const std::string dir =
+        fs::temp_directory_path() / ("qcommit-kp-" + std::to_string(::getpid()) + "-zeros");
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+    must("cd " + dir + " && set -e; " + s.setup);
+    const engine::MergeResult r = engine::merge(options_for(s, dir));
+    fs::remove_all(dir);
+    CHECK_MESSAGE(r.zeros_left_unwritten > 0, "every new cluster was written whole");
+  }
+  const Counts n = run_matrix(s);
+  expect_points(n,
+                {"data", "data-flush", "refcount-blocks", "l2-tables", "l1-table", "checkpoint"});
+  CHECK_MESSAGE(n.reruns_leaving_zeros > 0, "no re-run wrote only the pieces of a new cluster");
 }
 
 TEST_CASE("merge.kill_points.base_with_bitmaps") {

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # merge.partial_clusters: a TOP with extended L2 (2 KiB subclusters) whose guest wrote 4 KiB-granular
 # pieces inside BASE's 64 KiB clusters, several per cluster (two apart, and one across the cluster's
-# end into the next). An unthrottled merge writes each cluster new to BASE once, whole (BASE's view
-# of it with the pieces laid over it), and only the pieces' bytes into clusters BASE has; BASE then
-# shows TOP's view. The bytes written into each of BASE's data clusters are counted from the
-# merge's own system calls (strace: pwrite64, pwritev, splice and copy_file_range into BASE).
-# Two chains:
+# end into the next). An unthrottled merge writes each of BASE's clusters once: only the pieces'
+# bytes into clusters BASE has; into a cluster new to BASE, only the pieces where BASE's view of it
+# reads as zeros and its new host cluster lies past the end of BASE's file as the merge found it
+# (space that reads as zeros: fallocated or a hole); else the whole cluster (BASE's view with the
+# pieces laid over it). BASE then shows TOP's view. The bytes written into each of BASE's data
+# clusters are counted from the merge's own system calls (strace: pwrite64, pwritev, splice and
+# copy_file_range into BASE).
+# Chains:
 # - scattered: 256 clusters of a 64 MiB disk, half over clusters BASE has (written in place), half
-#   new to BASE; one window. The pieces in place are 4 KiB-aligned: they are written O_DIRECT
-#   however small (kAuto), so after the merge BASE has no more in the page cache than its
-#   metadata (fincore; skipped where O_DIRECT is not available).
+#   new to BASE (pieces only). The pieces are 4 KiB-aligned: they are written O_DIRECT however
+#   small (kAuto), so after the merge BASE has no more in the page cache than its metadata
+#   (fincore; skipped where O_DIRECT is not available).
 # - window-split: one cluster in each 512 MiB that one L2 table of BASE maps, over a 136 GiB disk
 #   (272 tables; the first cluster in place, the rest new). A window ends when it has touched
 #   kMaxDirtyMetadataBytes of L2 tables (8 MiB: 128 tables of 64 KiB), right after the first piece
@@ -17,7 +20,12 @@
 #   follow: a window boundary there splits the cluster's pieces. Each cluster is still written
 #   once; the merge must commit more than one window (counted from its checkpoint renames), or the
 #   chain no longer tests what it is for.
-# Runtime: about 3 s.
+# - reused: BASE's file has 8 MiB of freed clusters that still hold old data (discarded without
+#   passing the discard to the file); new clusters placed there must be written whole, or the old
+#   bytes would show around the pieces.
+# - backing: BASE has a backing file of its own with data under part of the new clusters: there
+#   BASE's view is not zeros and the cluster is written whole; elsewhere pieces only.
+# Runtime: about 5 s.
 # Exit 77 (skipped) where strace cannot trace here.
 #
 # usage: merge-partial-clusters.sh QCOMMIT
@@ -46,17 +54,40 @@ pieces() {
     printf "write -P %d %.0f %d\n", p, c * cs + cs - 4096, 8192 }'
 }
 
-# check_chain NAME SIZE MIN_WINDOWS [MAX_CACHED]: merges NAME/top.qcow2 (clusters from stdin) into
-# NAME/base.qcow2 (SIZE, its first 32 MiB written) under strace and checks the bytes written per
-# cluster, and that the merge left at most MAX_CACHED bytes of BASE in the page cache. Not in a
+# BASE of SIZE with its first 32 MiB written (the default), and its variants.
+plain_base() {
+  qemu-img create -q -f qcow2 base.qcow2 "$1"
+  qemu-io -f qcow2 -c "write -P 1 0 32M" base.qcow2 >/dev/null
+}
+# 8 MiB of its data freed inside the file, the old bytes left there.
+reused_base() {
+  plain_base "$1"
+  qemu-io --image-opts "driver=qcow2,file.filename=base.qcow2,pass-discard-request=off" \
+    -c "discard 8M 8M" >/dev/null
+}
+# On a backing file of its own with data (0x7e) at 40-48 MiB.
+backing_base() {
+  qemu-img create -q -f qcow2 below.qcow2 "$1"
+  qemu-io -f qcow2 -c "write -P 0x7e 40M 8M" below.qcow2 >/dev/null
+  qemu-img create -q -f qcow2 -b below.qcow2 -F qcow2 base.qcow2 "$1"
+  qemu-io -f qcow2 -c "write -P 1 0 32M" base.qcow2 >/dev/null
+}
+base_setup=plain_base
+
+# check_chain NAME SIZE MIN_WINDOWS MIN_PIECES MIN_REUSED MIN_OVER_BACKING [MAX_CACHED]: merges
+# NAME/top.qcow2 (clusters from stdin) into NAME/base.qcow2 (SIZE, made by $base_setup) under
+# strace and checks the bytes written per cluster; at least MIN_PIECES new clusters must have got
+# their pieces only, MIN_REUSED clusters placed inside BASE's old file and MIN_OVER_BACKING over
+# BASE's backing file's data must have been written whole (else the chain does not test what it is
+# for), and the merge must leave at most MAX_CACHED bytes of BASE in the page cache. Not in a
 # pipeline: it counts failures in this shell.
 check_chain() {
-  local name=$1 size=$2 min_windows=$3 max_cached=${4:-}
+  local name=$1 size=$2 min_windows=$3 min_pieces=$4 min_reused=$5 min_backing=$6 max_cached=${7:-}
   mkdir "$name"
   (
     cd "$name"
-    qemu-img create -q -f qcow2 base.qcow2 "$size"
-    qemu-io -f qcow2 -c "write -P 1 0 32M" base.qcow2 >/dev/null
+    "$base_setup" "$size"
+    stat -c %s base.qcow2 >base-size-before
     qemu-img create -q -f qcow2 -o extended_l2=on,cluster_size=64k -b base.qcow2 -F qcow2 top.qcow2 "$size"
     pieces | qemu-io -f qcow2 top.qcow2 >/dev/null
     qemu-img convert -O raw top.qcow2 view.raw
@@ -80,15 +111,22 @@ check_chain() {
 
   # Per guest cluster TOP provides data in: the bytes written into its host cluster in BASE against
   # what it needs (in place: TOP's bytes in it; new: the cluster, once).
-  (cd "$name" && python3 - "$work/$name/base.qcow2" "$kCluster" "$min_windows" "$name" trace.*) <<'EOF' || failures=$((failures + 1))
+  (cd "$name" && python3 - "$work/$name/base.qcow2" "$kCluster" "$min_windows" "$name" \
+    "$min_pieces" "$min_reused" "$min_backing" trace.*) <<'EOF' || failures=$((failures + 1))
 import json, re, sys
-base, cs, min_windows, name, traces = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5:]
+base, cs, min_windows, name = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+min_pieces, min_reused, min_backing = (int(a) for a in sys.argv[5:8])
+traces = sys.argv[8:]
 def data_runs(path, depth):
     return [(e["start"], e["length"], e.get("offset")) for e in json.load(open(path))
-            if e["data"] and e["depth"] == depth]
+            if e["data"] and (e["depth"] == depth if depth is not None else e["depth"] > 0)]
 had = set()
 for s, n, _ in data_runs("base-before.json", 0):
     had.update(range(s // cs, (s + n + cs - 1) // cs))
+below = set()  # guest clusters where BASE's backing file shows data
+for s, n, _ in data_runs("base-before.json", None):
+    below.update(range(s // cs, (s + n + cs - 1) // cs))
+old_end = (int(open("base-size-before").read()) + cs - 1) // cs * cs  # BASE's file, cluster-rounded
 need = {}  # guest cluster -> TOP's data bytes in it
 for s, n, _ in data_runs("top.json", 0):
     for c in range(s // cs, (s + n + cs - 1) // cs):
@@ -126,19 +164,35 @@ if calls == 0:
     sys.exit("FAIL: %s: no write into BASE found in the trace" % name)
 windows = checkpoints - 1  # one checkpoint before the copy, one per committed window
 bad = []
+kinds = {"in place": 0, "new, pieces only": 0, "new, reused space": 0, "new, over backing data": 0}
 for c, n in sorted(need.items()):
-    want = n if c in had else cs
+    # Pieces only where the bytes around them read as zeros without being written: in place, or
+    # a new cluster with nothing under it in BASE's chain and space past BASE's old file end.
+    if c in had:
+        kind = "in place"
+    elif c in below:
+        kind = "new, over backing data"
+    elif host[c] < old_end:
+        kind = "new, reused space"
+    else:
+        kind = "new, pieces only"
+    kinds[kind] += 1
+    want = n if kind in ("in place", "new, pieces only") else cs
     got = written.get(host[c], 0)
     if got != want:
         bad.append("guest cluster %#x (%s): %d bytes written into its host cluster %#x, expected %d"
-                   % (c * cs, "in place" if c in had else "new", got, host[c], want))
-new = sum(1 for c in need if c not in had)
-print("%s: %d clusters with TOP's data (%d new to BASE), %d writes into BASE traced, %d windows"
-      % (name, len(need), new, calls, windows))
+                   % (c * cs, kind, got, host[c], want))
+print("%s: %d clusters with TOP's data (%s), %d writes into BASE traced, %d windows"
+      % (name, len(need), ", ".join("%s %d" % kv for kv in kinds.items()), calls, windows))
 ok = True
 if windows < min_windows:
     print("FAIL: %s: %d windows committed, expected at least %d" % (name, windows, min_windows), file=sys.stderr)
     ok = False
+for kind, least in (("new, pieces only", min_pieces), ("new, reused space", min_reused),
+                    ("new, over backing data", min_backing)):
+    if kinds[kind] < least:
+        print("FAIL: %s: %d clusters %s, expected at least %d" % (name, kinds[kind], kind, least), file=sys.stderr)
+        ok = False
 if bad:
     print("FAIL: %s: %d clusters written other than once:" % (name, len(bad)), file=sys.stderr)
     for b in bad[:10]:
@@ -150,11 +204,16 @@ EOF
 }
 
 # Every 4th of the 1024 clusters in a shuffled order (cluster 0..511: BASE has them).
-check_chain scattered 64M 1 $((1 << 20)) < <(seq 0 4 1023 | awk 'BEGIN { srand(21) } { print rand(), $1 }' | sort -n |
-  head -n 256 | cut -d' ' -f2)
+scattered() { seq 0 4 1023 | awk 'BEGIN { srand(21) } { print rand(), $1 }' | sort -n | head -n 256 | cut -d' ' -f2; }
+check_chain scattered 64M 1 100 0 0 $((1 << 20)) < <(scattered)
 # One cluster per 8192 (what an L2 table of BASE maps), at a different place in each; the first
 # one in BASE's data.
-check_chain window-split 136G 2 < <(seq 0 271 | awk '{ print ($1 == 0) ? 5 : $1 * 8192 + ($1 * 37) % 8000 }')
+check_chain window-split 136G 2 200 0 0 < <(seq 0 271 | awk '{ print ($1 == 0) ? 5 : $1 * 8192 + ($1 * 37) % 8000 }')
+# The scattered clusters over BASE's freed space (8-16 MiB, 128 clusters): the new clusters take it
+# first, the rest go past the end.
+base_setup=reused_base check_chain reused 64M 1 20 60 0 < <(scattered)
+# The scattered clusters over a BASE whose backing file has data at 40-48 MiB (about 32 of them).
+base_setup=backing_base check_chain backing 64M 1 60 0 10 < <(scattered)
 
 ((failures == 0)) || exit 1
 echo "OK"
