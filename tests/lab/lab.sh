@@ -28,6 +28,8 @@
 # LAB_VERBOSE=1 logs more, LAB_BASE_FORMAT=qcow2 gives the guest a qcow2 base (default raw).
 # LAB_DIRECT_READERS=1 mounts the storage with slowfs --direct-readers: a read-only open (qcommitd's
 # fd on a job's target) then leaves QEMU's O_DIRECT writes to that file parallel, as on NFS.
+# LAB_BASE_PREEXTEND=1 (with LAB_BASE_FORMAT=qcow2) makes the base file long enough that the
+# merge's cluster allocations never write past its end, which FUSE would serialise.
 # LAB_RUN_ROOT puts the runs elsewhere than <build>/lab-run (a directory another libvirtd's QEMU
 # sees at the same path), LAB_ID_PREFIX names them (default qcl), LAB_LOCAL_DAEMONS=0 leaves
 # this host's libvirtd alone and LAB_URI names the libvirtd the runs use (default
@@ -233,6 +235,10 @@ lab_guest_start() {
   export LAB_BASE LAB_OVERLAY
   if [ "${LAB_BASE_FORMAT:-raw}" = qcow2 ]; then
     qemu-img create -q -f qcow2 "$LAB_BASE" "$size"
+    # LAB_BASE_PREEXTEND=1: the file is made sparse-long enough for every cluster the merge
+    # allocates, so no write goes past its end. FUSE takes the inode's lock exclusively for an
+    # O_DIRECT write past the end of file (one at a time); an NFS client does not.
+    if [ "${LAB_BASE_PREEXTEND:-0}" = 1 ]; then truncate -s "$((2 * $(numfmt --from=iec "$size")))" "$LAB_BASE"; fi
   else
     truncate -s "$size" "$LAB_BASE"
   fi
