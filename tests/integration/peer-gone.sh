@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # cli.peer_gone: a libvirt socket whose server closes every connection at once (libvirtd going
 # away between two calls). live and merge --domain say so in one line on stderr and exit 1;
-# doctor reports it among its findings ("libvirt: cannot connect to URI"). None dies of SIGPIPE (exit 141, nothing said). The close races the client's first write, so
-# each command is run 20 times: before SIGPIPE was ignored, about one run in three died silently.
+# doctor reports it among its findings ("libvirt: cannot connect to URI"). None dies of SIGPIPE
+# (exit 141, nothing said). The close races the client's first write, so each command is run 20
+# times: with SIGPIPE not ignored, about one run in three died silently.
 # With SIGPIPE ignored, `status --watch` must still end when its reader does (`| head`).
 # usage: peer-gone.sh QCOMMIT QCOMMITD
 set -euo pipefail
@@ -27,27 +28,31 @@ for ((i = 0; i < 50; i++)); do [[ -e ready ]] && break; sleep 0.1; done
 [[ -e ready ]] || fail "the closing socket did not start"
 uri="qemu:///system?socket=$work/libvirt-sock"
 
-# expect_one_line NAME CMD...: exit 1 and one line on stderr naming the URI, kRuns times.
-expect_one_line() {
-  local name=$1 i rc
-  shift
+# each_run NAME CHECK CMD...: runs CMD kRuns times; none may die of SIGPIPE, and after each
+# CHECK (a function, given the exit code) judges out/err.
+each_run() {
+  local name=$1 check=$2 i rc
+  shift 2
   for ((i = 0; i < kRuns; i++)); do
     rc=0
     "$@" >out 2>err </dev/null || rc=$?
     ((rc != 141)) || fail "$name: killed by SIGPIPE (exit 141) in run $((i + 1)), nothing said"
-    [[ $rc == 1 && $(wc -l <err) == 1 ]] || fail "$name: exit $rc, expected 1 and one line: $(head -c 300 err)"
-    grep -qF "$work/libvirt-sock" err || fail "$name: the error does not name the socket: $(cat err)"
+    "$check" "$name" "$rc"
   done
 }
+# One line on stderr naming the socket, exit 1.
+one_line() {
+  [[ $2 == 1 && $(wc -l <err) == 1 ]] || fail "$1: exit $2, expected 1 and one line: $(head -c 300 err)"
+  grep -qF "$work/libvirt-sock" err || fail "$1: the error does not name the socket: $(cat err)"
+}
+# doctor's finding on stdout.
+cannot_connect_finding() {
+  grep -qF "libvirt: cannot connect to $uri" out || fail "$1: exit $2, no 'cannot connect' finding: $(cat out err | head -c 400)"
+}
 
-expect_one_line live "$QCOMMIT" live nodom vda -c "$uri"
-expect_one_line "merge --domain" "$QCOMMIT" merge --domain nodom --disk vda -c "$uri"
-for ((i = 0; i < kRuns; i++)); do
-  rc=0
-  "$QCOMMIT" doctor nodom -c "$uri" >out 2>err </dev/null || rc=$?
-  ((rc != 141)) || fail "doctor: killed by SIGPIPE (exit 141) in run $((i + 1)), nothing said"
-  grep -qF "libvirt: cannot connect to $uri" out || fail "doctor: exit $rc, no 'cannot connect' finding: $(cat out err | head -c 400)"
-done
+each_run live one_line "$QCOMMIT" live nodom vda -c "$uri"
+each_run "merge --domain" one_line "$QCOMMIT" merge --domain nodom --disk vda -c "$uri"
+each_run doctor cannot_connect_finding "$QCOMMIT" doctor nodom -c "$uri"
 # status --watch into a pipe whose reader exits: it ends rather than redrawing into the void.
 spawn "$QCOMMITD" --uri test:///default --socket "$work/qcd.sock" 2>qcd.log
 for ((i = 0; i < 50; i++)); do [[ -S $work/qcd.sock ]] && break; sleep 0.1; done

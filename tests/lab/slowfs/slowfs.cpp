@@ -4,8 +4,8 @@
 // so a flush waits behind every write queued before it, as on a sync NFS server. Reads are served
 // from the backing directory without throttling. The kernel page cache sits above (writeback_cache,
 // max_write 1 MiB) and the bdi gets max_ratio=100/strict_limit=0 so dirty data piles up as on an
-// NFS client. O_DIRECT opens get FOPEN_DIRECT_IO + FOPEN_PARALLEL_DIRECT_WRITES, read-only opens
-// FOPEN_DIRECT_IO (see set_open_mode).
+// NFS client. O_DIRECT opens get FOPEN_DIRECT_IO + FOPEN_PARALLEL_DIRECT_WRITES; with
+// --direct-readers, read-only opens get FOPEN_DIRECT_IO too (see set_open_mode).
 //
 // Usage: qcommit-slowfs --backing DIR --mount DIR [--bandwidth 50M] [--latency-ms 0]
 //                       [--control FILE] [--log FILE] [--stats FILE] [--pidfile FILE]
@@ -449,12 +449,13 @@ int backing_flags(int flags) {
 }
 
 // O_DIRECT opens: direct I/O with parallel writes.  With --direct-readers, read-only opens get
-// direct I/O as well (without it, a read sees what the page cache holds, as on a local file). Since
-// Linux 6.9 one open of an inode in FUSE's caching mode (any open without FOPEN_DIRECT_IO) makes
-// the kernel take the inode's lock exclusively for every O_DIRECT write, so a reader such as
-// qcommitd's page-cache fd on the target would serialise QEMU's cache=none writes to one request
-// at a time; an NFS client lets them run in parallel whoever else holds the file open.  The
-// page cache they leave alone is the inode's, which cachestat(2) and fadvise still reach.
+// direct I/O as well (without it, a read sees what the page cache holds, as on a local file). With
+// FUSE's inode I/O modes (seen on Linux 6.18) one open of an inode in caching mode (any open
+// without FOPEN_DIRECT_IO) makes the kernel take the inode's lock exclusively for every O_DIRECT
+// write, so a reader such as qcommitd's page-cache fd on the target would serialise QEMU's
+// cache=none writes to one request at a time; an NFS client lets them run in parallel whoever
+// else holds the file open.  The page cache they leave alone is the inode's, which cachestat(2)
+// and fadvise still reach.
 void set_open_mode(fuse_file_info* fi) {
   if (fi->flags & O_DIRECT) {
     fi->direct_io = 1;
