@@ -52,21 +52,32 @@ lab_cotenant_check() {
 }
 
 # Storage-side share of the guest's latency during the last merge: for each request on the
-# guest's disk (its active layer, overlay.qcow2 after lab_guest_start's snapshot: writes and
-# flushes; a guest sync write is one of each) issued from merge_start to merge_end + SETTLE_S,
-# the bytes queued ahead of it in the slowfs FIFO when it arrived, as time at the storage
-# bandwidth, plus its own service: the delay the queue causes (the budget's meaning), free of
-# guest CPU noise (TCG on a loaded host) and of the emulator's own stalls when the host starves
-# it (its measured wait then exceeds this; the max of wait + service is LAB_FIFO_wait_max).
-# Sets LAB_FIFO_{n,p99,max,wait_max} (ms).
+# guest's disk issued from merge_start to merge_end + SETTLE_S, the bytes queued ahead of it in
+# the slowfs FIFO when it arrived, as time at the storage bandwidth, plus its own service: the
+# delay the queue causes (the budget's meaning), free of guest CPU noise (TCG on a loaded host)
+# and of the emulator's own stalls when the host starves it (its measured wait then exceeds this;
+# the max of wait + service is LAB_FIFO_wait_max).  The guest's disk: its overlay (writes and
+# flushes; a guest sync write is one of each), and any file made during the merge and gone by
+# now that was written beyond offset 0 (`qcommit live`'s fresh overlay, which the guest writes
+# from the snapshot to the pivot).  Not the guest's: every other file still on the storage (a
+# merge's target, a co-tenant's chain) and files written only at offset 0 (the shared-queue
+# probes of qcommitd and qcommit merge).  Sets LAB_FIFO_{n,p99,max,wait_max} (ms).
 lab_cotenant_fifo_wait() {
-  local settle=${1:-0} ino out kv
+  local settle=${1:-0} ino others out kv
   ino=$(stat -c %i "$LAB_DIR/backing/$(basename "$LAB_OVERLAY")")
-  out=$(awk -F, -v ino="$ino" -v bw="$LAB_BW_BPS" -v ms="$(lab_event merge_start)" -v me="$(lab_event merge_end)" -v st="$settle" '
-    NR > 1 && $3 == ino && $1 >= ms && $1 <= me + st {
-      n++; v[n] = 1000 * $7 / bw + $9; if ($8 + $9 > wmax) wmax = $8 + $9
+  others=$(find "$LAB_DIR/backing" -type f -printf '%i\n' | grep -vx "$ino" | paste -sd' ' || true)
+  out=$(awk -F, -v ino="$ino" -v others="$others" -v bw="$LAB_BW_BPS" -v ms="$(lab_event merge_start)" \
+    -v me="$(lab_event merge_end)" -v st="$settle" '
+    BEGIN { k = split(others, o, " "); for (i = 1; i <= k; i++) other[o[i]] = 1 }
+    NR > 1 && !($3 in other) && $1 >= ms && $1 <= me + st {
+      c[$3]++; d[$3, c[$3]] = 1000 * $7 / bw + $9; w[$3, c[$3]] = $8 + $9
+      if ($2 == "W" && $4 != 0) beyond0[$3] = 1
     }
     END {
+      for (f in c) {
+        if (f != ino && !(f in beyond0)) continue
+        for (i = 1; i <= c[f]; i++) { n++; v[n] = d[f, i]; if (w[f, i] > wmax) wmax = w[f, i] }
+      }
       for (i = 2; i <= n; i++) { t = v[i]; for (j = i - 1; j >= 1 && v[j] > t; j--) v[j + 1] = v[j]; v[j + 1] = t }
       k = int(0.99 * n + 0.999999); if (k < 1) k = 1
       printf "n=%d p99=%.1f max=%.1f wait_max=%.1f\n", n, n ? v[k] : -1, n ? v[n] : -1, wmax + 0
