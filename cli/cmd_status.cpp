@@ -73,8 +73,8 @@ void print_header() {
 }
 
 // The shared-queue probe in the table: "on" with the latency of the last probe, "off" (why: below
-// the table), "disabled" (by the policy); from a qcommitd before "probe", "on" when it has a
-// period, else "-".
+// the table), "local" (probe=auto on a filesystem no other host shares), "disabled" (probe=off);
+// from a qcommitd before "probe", "on" when it has a period, else "-".
 std::string probe_cell(const json::Value& j) {
   std::string state = str(j, "probe");
   if (state.empty())

@@ -15,6 +15,10 @@ inline constexpr std::chrono::milliseconds kBudget{20};
 inline constexpr double kFloorBytesPerS = 1024.0 * 1024.0;
 inline constexpr double kCeilingBytesPerS = 1024.0 * 1024.0 * 1024.0;
 
+// The shared-queue probe's period (the policy file's probe=): a 4 KiB write + flush this often on
+// the job's target storage, where other hosts can share it (probe=auto, the default).
+inline constexpr std::chrono::milliseconds kProbePeriod{100};
+
 // How long `qcommit merge` waits for another process to release an image (--wait).
 inline constexpr std::chrono::seconds kLockWait{10};
 

@@ -125,13 +125,13 @@ std::optional<std::string> Policy::validate() const {
   if (!(floor_bytes_per_s >= 4096.0)) return "floor must be >= 4K (bytes/s)";
   if (!(ceiling_bytes_per_s >= floor_bytes_per_s)) return "ceiling must be >= floor";
   if (!(ceiling_bytes_per_s <= kMaxCeilingBytesPerS)) return "ceiling must be <= 1T (bytes/s)";
-  if (auto e = probe_config().validate()) return *e + " (or off)";
+  if (auto e = probe_config().validate()) return *e + " (or auto, off)";
   return std::nullopt;
 }
 
 throttle::ProbeConfig Policy::probe_config() const {
   throttle::ProbeConfig c;
-  c.enabled = probe_period > std::chrono::nanoseconds::zero();
+  c.enabled = probe != ProbeMode::kOff;
   c.period = probe_period;
   return c;
 }
@@ -159,6 +159,19 @@ std::optional<std::string> DaemonConfig::validate() const {
 
 namespace {
 
+// probe=off, auto (the default period) or a period (on any storage).  Throws ConfigError.
+void read_probe(const std::string& value, const std::string& what, Policy& p) {
+  if (value == "off") {
+    p.probe = ProbeMode::kOff;
+  } else if (value == "auto") {
+    p.probe = ProbeMode::kAuto;
+    p.probe_period = defaults::kProbePeriod;
+  } else {
+    p.probe = ProbeMode::kOn;
+    p.probe_period = parse_duration(value, what);
+  }
+}
+
 // Applies the keys of `group` onto `p`.  Throws ConfigError.
 void read_policy_group(GKeyFile* kf, const char* group, const std::string& where, Policy& p) {
   gsize n = 0;
@@ -172,8 +185,7 @@ void read_policy_group(GKeyFile* kf, const char* group, const std::string& where
     else if (key == "floor") p.floor_bytes_per_s = parse_size(value, what);
     else if (key == "ceiling") p.ceiling_bytes_per_s = parse_size(value, what);
     else if (key == "probe")
-      p.probe_period =
-          value == "off" ? std::chrono::nanoseconds::zero() : parse_duration(value, what);
+      read_probe(value, what, p);
     else
       throw ConfigError(where + ": unknown key '" + key +
                         "' (known: budget, floor, ceiling, probe)");

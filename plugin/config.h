@@ -4,8 +4,10 @@
 //   budget=20ms      # added guest latency the merge may cause
 //   floor=1M         # job speed never paced below this (bytes/s) unless the guests stall
 //   ceiling=1G       # never above
-//   probe=50ms       # shared-queue probe period (throttle/probe.h) on the job's target storage:
-//                    # stands for guests on other hosts sharing it; probe=off turns it off
+//   probe=auto       # shared-queue probe (throttle/probe.h) on the job's target storage, standing
+//                    # for guests on other hosts sharing it: auto = every 100ms where the target
+//                    # is on a filesystem other hosts can share (plugin/storage_kind.h), a
+//                    # duration = that often on any filesystem, off = never
 //   [pool:NAME] or [pool:UUID]   same keys, for disks in that libvirt storage pool
 //
 // Domain override: <metadata><qcommit:policy xmlns:qcommit="https://qcommit.dev/xmlns/1"
@@ -35,14 +37,16 @@ struct ConfigError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// The shared-queue probe of a policy: never, where the target's storage can be shared with other
+// hosts (auto), or on any storage.
+enum class ProbeMode { kOff, kAuto, kOn };
+
 struct Policy {
   std::chrono::nanoseconds budget = defaults::kBudget;
   double floor_bytes_per_s = defaults::kFloorBytesPerS;
   double ceiling_bytes_per_s = defaults::kCeilingBytesPerS;
-  // Shared-queue probe period; zero: no probe.  Off unless a policy sets it (probe=50ms) until it
-  // is measured in the lab beside the rows it must not make worse (2026-12-02: the lab host
-  // itself had slowed, an older binary measured as slow, so no verdict yet).
-  std::chrono::nanoseconds probe_period = std::chrono::nanoseconds::zero();
+  ProbeMode probe = ProbeMode::kAuto;  // the shared-queue probe
+  std::chrono::nanoseconds probe_period = defaults::kProbePeriod;
 
   [[nodiscard]] std::optional<std::string> validate() const;
   [[nodiscard]] throttle::ProbeConfig probe_config() const;

@@ -9,6 +9,7 @@
 #include <limits>
 
 #include "plugin/cotenants.h"
+#include "plugin/daemon_log.h"
 
 namespace qcommit::plugin {
 
@@ -59,6 +60,8 @@ const char* to_string(ProbeState s) {
   switch (s) {
     case ProbeState::kDisabled:
       return "disabled";
+    case ProbeState::kLocal:
+      return "local";
     case ProbeState::kOn:
       return "on";
     case ProbeState::kOff:
@@ -281,7 +284,8 @@ struct Governor::Job {
   std::uint32_t probe_failures = 0;
   std::deque<std::pair<TimePoint, Duration>> probe_history;
   std::optional<Duration> probe_last;
-  bool probe_wanted = false;  // the policy asks for a probe
+  bool probe_wanted = false;  // the policy asks for a probe on this job's storage
+  std::string probe_local;    // probe=auto and the storage is not shared: why no probe is wanted
   std::string probe_off;      // why there is none although wanted
 };
 
@@ -531,6 +535,15 @@ void Governor::domain_event(const std::string& domain, const std::string& event)
   if (connected_) scan_domains_.insert(domain);
 }
 
+std::string Governor::unshared_storage(const std::string& target) {
+  if (target.empty()) return "probe=auto: no target file known for this job";
+  const std::optional<StorageKind> kind = files_.storage_kind(target);
+  if (!kind) return "probe=auto: the filesystem of " + log_field(target) + " is not known";
+  if (kind->shared) return {};
+  return "probe=auto: " + log_field(target) + " is on " + kind->fs +
+         ", which other hosts do not share";
+}
+
 void Governor::adopt(const DomainInfo& dom, const DiskInfo& disk, const JobInfo& info,
                      TimePoint now) {
   DiskKey k{dom.name, disk.target};
@@ -576,10 +589,11 @@ void Governor::adopt(const DomainInfo& dom, const DiskInfo& disk, const JobInfo&
   j->policy_error = policy_error;
   j->file = std::move(file);
   const throttle::ProbeConfig probe = policy.probe_config();
-  j->probe_wanted = probe.enabled;
-  if (probe.enabled && target.empty()) {
+  if (probe.enabled && policy.probe == ProbeMode::kAuto) j->probe_local = unshared_storage(target);
+  j->probe_wanted = probe.enabled && j->probe_local.empty();
+  if (j->probe_wanted && target.empty()) {
     j->probe_off = "no target file known for this job";
-  } else if (probe.enabled) {
+  } else if (j->probe_wanted) {
     ProbeOpening opened = files_.open_probe(target);
     j->probe_file = std::move(opened.file);
     if (!j->probe_file)
@@ -1229,10 +1243,12 @@ GovernorStatus Governor::status(TimePoint now) const {
     js.phase = j->decision ? throttle::to_string(j->decision->phase) : "adopted";
     js.settling = j->settle.hold_since.has_value();
     js.settles = j->settle.count;
-    js.probe = !j->probe_wanted ? ProbeState::kDisabled
-               : j->probe       ? ProbeState::kOn
-                                : ProbeState::kOff;
+    js.probe = !j->probe_local.empty() ? ProbeState::kLocal
+               : !j->probe_wanted      ? ProbeState::kDisabled
+               : j->probe              ? ProbeState::kOn
+                                       : ProbeState::kOff;
     if (js.probe == ProbeState::kOff) js.probe_off_reason = j->probe_off;
+    if (js.probe == ProbeState::kLocal) js.probe_off_reason = j->probe_local;
     js.probe_last = j->probe_last;
     if (j->probe) js.probe_period = j->probe->config().period;
     std::vector<Duration> probe_lat;

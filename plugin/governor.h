@@ -208,10 +208,11 @@ struct GovernorOptions {
 // [1 s, 10 s]; 10 s when unknown or 0 (expiry off).
 [[nodiscard]] Duration settle_interval_for(std::optional<std::chrono::milliseconds> expire);
 
-// The shared-queue probe of a job: disabled by its policy (probe=off, the default), on, or off
-// although the policy asks for it (JobStatus::probe_off_reason says why).
-enum class ProbeState { kDisabled, kOn, kOff };
-// "disabled", "on", "off".
+// The shared-queue probe of a job: disabled by its policy (probe=off), not wanted on this storage
+// (probe=auto, the default, and the target's filesystem is local to this host), on, or off
+// although the policy asks for it.  JobStatus::probe_off_reason says why for kLocal and kOff.
+enum class ProbeState { kDisabled, kLocal, kOn, kOff };
+// "disabled", "local", "on", "off".
 [[nodiscard]] const char* to_string(ProbeState s);
 
 struct JobStatus {
@@ -234,7 +235,7 @@ struct JobStatus {
   bool settling = false;      // held at the floor until the target is clean (not logged)
   std::uint32_t settles = 0;  // times the target was made clean (GovernorOptions::settle_every)
   ProbeState probe = ProbeState::kDisabled;  // the shared-queue probe
-  std::string probe_off_reason;              // kOff: why, naming the file or target and the error
+  std::string probe_off_reason;  // kOff, kLocal: why, naming the file or target (and the error)
   std::optional<Duration> probe_period;      // the shared-queue probe's period; nullopt: no probe
   std::optional<Duration> probe_p99;   // its latency (write + fdatasync), last kLatencyHistory
   std::optional<Duration> probe_last;  // the latency of the last probe that completed
@@ -357,6 +358,9 @@ class Governor {
   void pace_gates(TimePoint now);    // open and close the chunk gates
   void pace(TimePoint now);          // writeback pacing of the other jobs
   void drive_probes(TimePoint now);  // collect and start the shared-queue probes
+  // probe=auto: "" when the storage of `target` can be shared with other hosts, else why the
+  // probe is not wanted there (naming the target and its filesystem).
+  [[nodiscard]] std::string unshared_storage(const std::string& target);
   // Settling state machine for one job; true while the job is held for it.
   bool settle(Job& j, const std::optional<PageCacheState>& pc, TimePoint now);
   [[nodiscard]] static bool clean_for_settle(const Job& j, const PageCacheState& pc,

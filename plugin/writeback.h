@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "plugin/storage_kind.h"
+
 namespace qcommit::plugin {
 
 struct ByteRange {
@@ -178,6 +180,12 @@ class TargetFiles {
   [[nodiscard]] virtual ProbeOpening open_probe(const std::string& path) {
     return {nullptr, "no probe files here (target " + path + ")"};
   }
+  // The filesystem the target at `path` is on and whether other hosts can share it
+  // (plugin/storage_kind.h); nullopt when it cannot be told.
+  [[nodiscard]] virtual std::optional<StorageKind> storage_kind(const std::string& path) {
+    (void)path;
+    return std::nullopt;
+  }
   // nullptr when the file cannot be opened.
   [[nodiscard]] virtual std::unique_ptr<TargetFile> open(const std::string& path) = 0;
   // The image a non-active commit writes into, of the disk whose active layer is `active` and
@@ -225,6 +233,9 @@ class SystemTargetFiles final : public TargetFiles {
   // the file and strerror(3)'s text: the directory refuses new files (read-only mount, sandboxed
   // unit, permissions), the target is no regular file, its directory is another filesystem.
   [[nodiscard]] ProbeOpening open_probe(const std::string& path) override;
+  [[nodiscard]] std::optional<StorageKind> storage_kind(const std::string& path) override {
+    return storage_kind_at(path);
+  }
   [[nodiscard]] std::optional<std::string> commit_base(
       const std::string& active, const std::vector<std::string>& chain) override;
   [[nodiscard]] std::optional<std::vector<ByteRange>> commit_extents(

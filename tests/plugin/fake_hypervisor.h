@@ -200,6 +200,9 @@ class FakeTargetFiles final : public TargetFiles {
   std::optional<std::vector<ByteRange>> commit_extents_answer;  // what a commit copies
   std::shared_ptr<FakeProbeState> probe;  // nullptr: no probe file can be opened
   std::string probe_refusal = "cannot create the probe file: Read-only file system";
+  std::optional<StorageKind> kind = StorageKind{"ext4", false};  // every target's filesystem
+
+  std::optional<StorageKind> storage_kind(const std::string&) override { return kind; }
 
   ProbeOpening open_probe(const std::string& path) override {
     if (!probe || files.find(path) == files.end()) return {nullptr, probe_refusal};

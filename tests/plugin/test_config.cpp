@@ -54,16 +54,26 @@ TEST_CASE("plugin.config.errors") {
 }
 
 TEST_CASE("plugin.config.probe") {
-  // The shared-queue probe: off by default, its period per pool, or off.
+  // The shared-queue probe: auto (every 100 ms where the storage can be shared) by default, a
+  // period on any storage, or off, per pool.
   const DaemonConfig c = parse_config(
-      "[default]\nprobe=100ms\n[pool:nfs]\nprobe=off\n[pool:san]\nbudget=5ms\n", "t.conf");
-  CHECK(Policy{}.probe_period == 0ms);
-  CHECK_FALSE(Policy{}.probe_config().enabled);
-  const std::string nfs = "nfs", san = "san";
-  CHECK(c.defaults.probe_period == 100ms);
-  CHECK(policy_for_pool(c, &san, nullptr).probe_period == 100ms);  // inherited
-  CHECK(policy_for_pool(c, &nfs, nullptr).probe_period == 0ms);
+      "[default]\nprobe=200ms\n[pool:nfs]\nprobe=off\n[pool:san]\nbudget=5ms\n"
+      "[pool:auto]\nprobe=auto\n",
+      "t.conf");
+  CHECK(Policy{}.probe == ProbeMode::kAuto);
+  CHECK(Policy{}.probe_period == 100ms);
+  CHECK(Policy{}.probe_config().enabled);
+  CHECK(Policy{}.probe_config().period == 100ms);
+  CHECK(parse_config("[default]\nbudget=20ms\n", "d.conf").defaults.probe == ProbeMode::kAuto);
+  const std::string nfs = "nfs", san = "san", aut = "auto";
+  CHECK(c.defaults.probe == ProbeMode::kOn);
+  CHECK(c.defaults.probe_period == 200ms);
+  CHECK(policy_for_pool(c, &san, nullptr).probe == ProbeMode::kOn);  // inherited
+  CHECK(policy_for_pool(c, &san, nullptr).probe_period == 200ms);
+  CHECK(policy_for_pool(c, &nfs, nullptr).probe == ProbeMode::kOff);
   CHECK_FALSE(policy_for_pool(c, &nfs, nullptr).probe_config().enabled);
+  CHECK(policy_for_pool(c, &aut, nullptr).probe == ProbeMode::kAuto);
+  CHECK(policy_for_pool(c, &aut, nullptr).probe_period == 100ms);
   CHECK_THROWS_WITH_AS((void)parse_config("[default]\nprobe=1ms\n", "q.conf"),
                        doctest::Contains("probe period must be within [10ms, 10s]"), ConfigError);
   CHECK_THROWS_AS((void)parse_config("[default]\nprobe=sometimes\n", "q.conf"), ConfigError);

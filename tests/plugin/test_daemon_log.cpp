@@ -185,6 +185,7 @@ TEST_CASE("plugin.log.probe_off_once_per_job") {
   // A job whose policy asks for the probe but that runs without it: one record naming the file
   // and the reason, when adopted, not once per status; a probe given up later: one more.
   DaemonConfig with_probe;
+  with_probe.defaults.probe = ProbeMode::kOn;
   with_probe.defaults.probe_period = qcommit::throttle::kDefaultProbePeriod;
   World w;
   w.files.probe.reset();

@@ -837,6 +837,7 @@ TEST_CASE("plugin.governor.probe_holds_back_for_hidden_guests") {
   w.files.probe = std::make_shared<FakeProbeState>();
   w.start_job();
   DaemonConfig with_probe;
+  with_probe.defaults.probe = ProbeMode::kOn;
   with_probe.defaults.probe_period = qcommit::throttle::kDefaultProbePeriod;
   Governed gv(w, with_probe);
   gv.run(12s);  // past the first slowdown
@@ -863,7 +864,7 @@ TEST_CASE("plugin.governor.probe_holds_back_for_hidden_guests") {
   off.start_job();
   DaemonConfig cfg;
   Policy no_probe;
-  no_probe.probe_period = Duration::zero();
+  no_probe.probe = ProbeMode::kOff;
   cfg.pools["fast"] = no_probe;
   Governed gv_off(off, cfg);
   gv_off.run(12s);
@@ -889,18 +890,63 @@ TEST_CASE("plugin.governor.probe_state_says_why") {
   // What status shows of the probe: disabled by the policy, on (with its last latency), off with
   // the reason the probe file could not be had, off after it was given up (with the last error).
   DaemonConfig with_probe;
+  with_probe.defaults.probe = ProbeMode::kOn;
   with_probe.defaults.probe_period = qcommit::throttle::kDefaultProbePeriod;
 
   World disabled;
   disabled.files.probe = std::make_shared<FakeProbeState>();
+  disabled.files.kind = StorageKind{"nfs", true};
   disabled.start_job();
-  Governed gv_disabled(disabled);  // probe=off, the default
+  DaemonConfig probe_off;
+  probe_off.defaults.probe = ProbeMode::kOff;
+  Governed gv_disabled(disabled, probe_off);
   gv_disabled.run(1s);
   const JobStatus d = gv_disabled.g.status(disabled.now).jobs.at(0);
   CHECK(d.probe == ProbeState::kDisabled);
   CHECK(d.probe_off_reason.empty());
   CHECK_FALSE(d.probe_last.has_value());
+  CHECK(disabled.files.probe->opened == 0);
   CHECK(std::string(to_string(d.probe)) == "disabled");
+
+  // probe=auto, the default: on where other hosts can share the target's filesystem (every
+  // 100 ms), not wanted on a local one or one that cannot be told.
+  World shared;
+  shared.files.probe = std::make_shared<FakeProbeState>();
+  shared.files.probe->latency = 4ms;
+  shared.files.kind = StorageKind{"nfs", true};
+  shared.start_job();
+  Governed gv_shared(shared);
+  gv_shared.run(1s);
+  const JobStatus sh = gv_shared.g.status(shared.now).jobs.at(0);
+  CHECK(sh.probe == ProbeState::kOn);
+  CHECK(sh.probe_period == 100ms);
+  REQUIRE(sh.probe_last.has_value());
+  CHECK(*sh.probe_last == 4ms);
+  CHECK(shared.files.probe->opened == 1);
+
+  World local;
+  local.files.probe = std::make_shared<FakeProbeState>();  // ext4: the fake's default
+  local.start_job();
+  Governed gv_local(local);
+  gv_local.run(1s);
+  const JobStatus lo = gv_local.g.status(local.now).jobs.at(0);
+  CHECK(lo.probe == ProbeState::kLocal);
+  CHECK(lo.probe_off_reason ==
+        "probe=auto: " + lo.target + " is on ext4, which other hosts do not share");
+  CHECK_FALSE(lo.probe_period.has_value());
+  CHECK(local.files.probe->opened == 0);
+  CHECK(std::string(to_string(lo.probe)) == "local");
+
+  World unknown;
+  unknown.files.probe = std::make_shared<FakeProbeState>();
+  unknown.files.kind.reset();
+  unknown.start_job();
+  Governed gv_unknown(unknown);
+  gv_unknown.run(1s);
+  const JobStatus un = gv_unknown.g.status(unknown.now).jobs.at(0);
+  CHECK(un.probe == ProbeState::kLocal);
+  CHECK(un.probe_off_reason == "probe=auto: the filesystem of " + un.target + " is not known");
+  CHECK(unknown.files.probe->opened == 0);
 
   World on;
   on.files.probe = std::make_shared<FakeProbeState>();

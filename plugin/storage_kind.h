@@ -1,0 +1,28 @@
+// Whether a target's storage can be shared with other hosts, from the type of the filesystem it
+// is on (statfs(2) f_type): what the shared-queue probe's `auto` mode (plugin/config.h) asks.
+//
+// Shared: network and cluster filesystems (NFS, SMB/CIFS, CephFS, GlusterFS and others over
+// FUSE, 9p, AFS, Lustre, GPFS, OCFS2, GFS2).  FUSE counts as shared: GlusterFS, CephFS's and
+// MooseFS's clients mount that way, and the kernel does not tell them from a local one.  Local:
+// everything else, including a type this list does not know (a block device's node is on
+// devtmpfs; no probe file can stand for a LUN anyway).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace qcommit::plugin {
+
+struct StorageKind {
+  std::string fs;       // "nfs", "ext4", ..., or "type 0x..." when not known here
+  bool shared = false;  // other hosts can have it mounted too
+};
+
+// Pure: the kind of a statfs(2) f_type.
+[[nodiscard]] StorageKind storage_kind_of(std::uint64_t f_type);
+
+// statfs(2) of `path`; nullopt when it fails.
+[[nodiscard]] std::optional<StorageKind> storage_kind_at(const std::string& path);
+
+}  // namespace qcommit::plugin
