@@ -236,10 +236,10 @@ struct JobStatus {
   std::uint32_t settles = 0;  // times the target was made clean (GovernorOptions::settle_every)
   ProbeState probe = ProbeState::kDisabled;  // the shared-queue probe
   std::string probe_off_reason;  // kOff, kLocal: why, naming the file or target (and the error)
-  std::optional<Duration> probe_period;      // the shared-queue probe's period; nullopt: no probe
-  std::optional<Duration> probe_p99;   // its latency (write + fdatasync), last kLatencyHistory
-  std::optional<Duration> probe_last;  // the latency of the last probe that completed
-  std::string policy_error;            // bad domain metadata (the pool/default policy applies)
+  std::optional<Duration> probe_period;  // the shared-queue probe's period; nullopt: no probe
+  std::optional<Duration> probe_p99;     // its latency (write + fdatasync), last kLatencyHistory
+  std::optional<Duration> probe_last;    // the latency of the last probe that completed
+  std::string policy_error;              // bad domain metadata (the pool/default policy applies)
   // The throttle filter under the target (GovernorOptions::target_throttle): "on", "off: why",
   // or "" where it does not apply (not an active commit into a cache=none target).
   std::string target_throttle;
