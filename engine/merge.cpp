@@ -3,11 +3,9 @@
 #include <fcntl.h>
 #include <linux/falloc.h>
 #include <linux/fs.h>
-#include <linux/magic.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <sys/statfs.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
@@ -29,6 +27,7 @@
 #include "engine/copy_pool.h"
 #include "engine/image_lock.h"
 #include "engine/node_wait.h"
+#include "engine/storage_kind.h"
 #include "qcow2/chain.h"
 #include "qcow2/check.h"
 #include "qcow2/error.h"
@@ -113,8 +112,7 @@ void write_back_before_resuming(int fd, const std::string& path) {
 void drop_cached_pages(const std::string& path) {
   UniqueFd fd(::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC));
   if (fd.get() < 0) return;  // opening the chain reports it
-  struct statfs sfs {};
-  if (::fstatfs(fd.get(), &sfs) == 0 && (sfs.f_type == TMPFS_MAGIC || sfs.f_type == RAMFS_MAGIC))
+  if (const std::optional<StorageKind> kind = storage_kind_of_fd(fd.get()); kind && kind->in_memory)
     return;  // the page cache is the storage: nothing to read again, nothing can be dropped
   write_back_before_resuming(fd.get(), path);
   for (int attempt = 0; attempt < 3; ++attempt) {

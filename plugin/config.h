@@ -6,7 +6,7 @@
 //   ceiling=1G       # never above
 //   probe=auto       # shared-queue probe (throttle/probe.h) on the job's target storage, standing
 //                    # for guests on other hosts sharing it: auto = every 100ms where the target
-//                    # is on a filesystem other hosts can share (plugin/storage_kind.h), a
+//                    # is on a filesystem other hosts can share (engine/storage_kind.h), a
 //                    # duration = that often on any filesystem, off = never
 //   [pool:NAME] or [pool:UUID]   same keys, for disks in that libvirt storage pool
 //

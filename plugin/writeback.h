@@ -17,9 +17,12 @@
 #include <string>
 #include <vector>
 
-#include "plugin/storage_kind.h"
+#include "engine/storage_kind.h"
 
 namespace qcommit::plugin {
+
+using engine::StorageKind;
+using engine::storage_kind_at;
 
 struct ByteRange {
   std::uint64_t offset = 0;
@@ -181,7 +184,7 @@ class TargetFiles {
     return {nullptr, "no probe files here (target " + path + ")"};
   }
   // The filesystem the target at `path` is on and whether other hosts can share it
-  // (plugin/storage_kind.h); nullopt when it cannot be told.
+  // (engine/storage_kind.h); nullopt when it cannot be told.
   [[nodiscard]] virtual std::optional<StorageKind> storage_kind(const std::string& path) {
     (void)path;
     return std::nullopt;

@@ -1,5 +1,7 @@
 // Whether a target's storage can be shared with other hosts, from the type of the filesystem it
-// is on (statfs(2) f_type): what the shared-queue probe's `auto` mode (plugin/config.h) asks.
+// is on (statfs(2) f_type): what the shared-queue probe's `auto` mode (plugin/config.h) asks; and
+// whether the page cache is the storage itself (tmpfs, ramfs), which a merge's resume asks before it
+// drops cached pages to read BASE again (engine/merge.cpp).
 //
 // Shared: network and cluster filesystems (NFS, SMB/CIFS, CephFS, GlusterFS and others over
 // FUSE, 9p, AFS, Lustre, GPFS, OCFS2, GFS2).  FUSE counts as shared: GlusterFS, CephFS's and
@@ -12,11 +14,12 @@
 #include <optional>
 #include <string>
 
-namespace qcommit::plugin {
+namespace qcommit::engine {
 
 struct StorageKind {
   std::string fs;       // "nfs", "ext4", ..., or "type 0x..." when not known here
   bool shared = false;  // other hosts can have it mounted too
+  bool in_memory = false;  // the page cache is the storage (tmpfs, ramfs): nothing behind it
 };
 
 // Pure: the kind of a statfs(2) f_type.
@@ -25,4 +28,7 @@ struct StorageKind {
 // statfs(2) of `path`; nullopt when it fails.
 [[nodiscard]] std::optional<StorageKind> storage_kind_at(const std::string& path);
 
-}  // namespace qcommit::plugin
+// fstatfs(2) of an open file; nullopt when it fails.
+[[nodiscard]] std::optional<StorageKind> storage_kind_of_fd(int fd);
+
+}  // namespace qcommit::engine

@@ -1,11 +1,11 @@
-#include "plugin/storage_kind.h"
+#include "engine/storage_kind.h"
 
 #include <sys/statfs.h>
 
 #include <array>
 #include <cstdio>
 
-namespace qcommit::plugin {
+namespace qcommit::engine {
 
 namespace {
 
@@ -13,6 +13,7 @@ struct KnownFs {
   std::uint64_t magic;  // linux/magic.h and the filesystems' own headers
   const char* name;
   bool shared;
+  bool in_memory = false;
 };
 
 constexpr std::array kKnownFilesystems{
@@ -34,8 +35,8 @@ constexpr std::array kKnownFilesystems{
     KnownFs{0x9123683E, "btrfs", false},
     KnownFs{0x2FC12FC1, "zfs", false},
     KnownFs{0xF2F52010, "f2fs", false},
-    KnownFs{0x01021994, "tmpfs", false},
-    KnownFs{0x858458F6, "ramfs", false},
+    KnownFs{0x01021994, "tmpfs", false, true},
+    KnownFs{0x858458F6, "ramfs", false, true},
     KnownFs{0x794C7630, "overlayfs", false},
 };
 
@@ -43,17 +44,31 @@ constexpr std::array kKnownFilesystems{
 
 StorageKind storage_kind_of(std::uint64_t f_type) {
   for (const KnownFs& k : kKnownFilesystems)
-    if (k.magic == f_type) return {k.name, k.shared};
+    if (k.magic == f_type) return {k.name, k.shared, k.in_memory};
   char name[32];
   std::snprintf(name, sizeof name, "type 0x%llx", static_cast<unsigned long long>(f_type));
   return {name, false};
 }
 
-std::optional<StorageKind> storage_kind_at(const std::string& path) {
-  struct statfs s {};
-  if (::statfs(path.c_str(), &s) != 0) return std::nullopt;
-  // f_type is a signed word on some ABIs: the magic is its low 32 bits.
+namespace {
+
+// f_type is a signed word on some ABIs: the magic is its low 32 bits.
+StorageKind kind_of_statfs(const struct statfs& s) {
   return storage_kind_of(static_cast<std::uint64_t>(s.f_type) & 0xFFFFFFFFu);
 }
 
-}  // namespace qcommit::plugin
+}  // namespace
+
+std::optional<StorageKind> storage_kind_at(const std::string& path) {
+  struct statfs s {};
+  if (::statfs(path.c_str(), &s) != 0) return std::nullopt;
+  return kind_of_statfs(s);
+}
+
+std::optional<StorageKind> storage_kind_of_fd(int fd) {
+  struct statfs s {};
+  if (::fstatfs(fd, &s) != 0) return std::nullopt;
+  return kind_of_statfs(s);
+}
+
+}  // namespace qcommit::engine
