@@ -72,6 +72,7 @@ struct LiveArgs {
   std::string uri = defaults::kUri;
   std::string budget = defaults::budget_text();
   std::string max_rate;  // --max-rate, "" when not given
+  std::string probe;     // --probe, "" when not given (the policy's default: auto)
   std::string wait = defaults::lock_wait_text();
   std::string daemon_socket = defaults::kSocketPath;
   std::string qmp;
@@ -94,7 +95,7 @@ constexpr const char* kSynopsis =
     "qcommit live DOMAIN DISK [--top T] [--base B] [--budget 20ms] [--pivot]\n"
     "                    [--strategy two-phase|direct] [--overlay-dir DIR] [-c|--connect URI]\n"
     "                    [--wait DURATION] [--dry-run] [--output=json]\n"
-    "                    [--page-cache auto|no-cachestat|meminfo]\n"
+    "                    [--page-cache auto|no-cachestat|meminfo] [--probe auto|off|PERIOD]\n"
     "       qcommit live --qmp SOCKET DISK [--top T] [--base B] [--budget 20ms] [--pivot] ...";
 
 constexpr const char* kExamples =
@@ -119,6 +120,10 @@ void add_live_options(po::options_description& opts, LiveArgs& a) {
       "max-rate", po::value(&a.max_rate),
       "never let the job copy faster than this many bytes per second, e.g. 50M (a size: K, M, "
       "G, T; at least 64K), like virsh blockcommit --bandwidth, whatever the policy allows")(
+      "probe", po::value(&a.probe),
+      "the shared-queue probe (a 4 KiB write + flush beside BASE, standing for guests on other "
+      "hosts): auto (default: every 100ms where BASE is on storage other hosts can share, e.g. "
+      "NFS), off, or a period such as 50ms (on any storage)")(
       "pivot", po::bool_switch(&a.req.pivot),
                     "switch the disk to BASE when the active commit is ready (else it is left "
                     "ready)")(
@@ -778,6 +783,13 @@ plugin::DaemonConfig live_config(LiveArgs& a) {
   plugin::DaemonConfig cfg;
   cfg.uri = a.uri;
   cfg.defaults.budget = parse_duration(a.budget, "--budget");
+  if (!a.probe.empty()) {
+    try {
+      plugin::read_probe(a.probe, "--probe", cfg.defaults);
+    } catch (const plugin::ConfigError& e) {
+      throw UsageError(std::string(e.what()) + " (auto, off or a period such as 100ms)");
+    }
+  }
   if (a.max_rate_bytes_per_s) {  // also the commit's starting speed
     cfg.defaults.ceiling_bytes_per_s =
         std::min(cfg.defaults.ceiling_bytes_per_s, *a.max_rate_bytes_per_s);
@@ -817,6 +829,10 @@ int live(LiveArgs& a) {
   if (daemon && a.budget_given && !a.json_out)
     std::fprintf(stderr,
                  "qcommit live: qcommitd governs with its own policy: --budget is not used\n");
+  if (daemon && !a.probe.empty() && !a.json_out)
+    std::fprintf(stderr,
+                 "qcommit live: qcommitd governs with its own policy: --probe is not used (set "
+                 "probe= in the policy of its pool)\n");
   if (daemon && a.max_rate_bytes_per_s)
     std::fprintf(stderr,
                  "qcommit live: qcommitd governs with its own policy: --max-rate only sets the "

@@ -157,9 +157,6 @@ std::optional<std::string> DaemonConfig::validate() const {
   return std::nullopt;
 }
 
-namespace {
-
-// probe=off, auto (the default period) or a period (on any storage).  Throws ConfigError.
 void read_probe(const std::string& value, const std::string& what, Policy& p) {
   if (value == "off") {
     p.probe = ProbeMode::kOff;
@@ -171,6 +168,8 @@ void read_probe(const std::string& value, const std::string& what, Policy& p) {
     p.probe_period = parse_duration(value, what);
   }
 }
+
+namespace {
 
 // Applies the keys of `group` onto `p`.  Throws ConfigError.
 void read_policy_group(GKeyFile* kf, const char* group, const std::string& where, Policy& p) {

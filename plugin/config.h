@@ -75,6 +75,9 @@ inline constexpr std::chrono::hours kMaxDuration{1};
 [[nodiscard]] std::optional<std::chrono::nanoseconds> read_duration(std::string_view s, std::string& error);
 // read_duration that throws ConfigError "<what>: <error>".
 [[nodiscard]] std::chrono::nanoseconds parse_duration(const std::string& s, const std::string& what);
+// probe=off, auto (the default period) or a period (on any storage) onto `p`: the policy file's
+// key and `qcommit live --probe`.  Throws ConfigError naming `what`.
+void read_probe(const std::string& value, const std::string& what, Policy& p);
 // "4096", "64K", "1M", "1.5G", "1MiB" (binary units); throws ConfigError naming `what`.
 [[nodiscard]] double parse_size(const std::string& s, const std::string& what);
 

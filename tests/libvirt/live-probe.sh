@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# libvirt.live_probe: `qcommit live --probe` sets the in-process governor's shared-queue probe, as
+# the policy's probe= does for qcommitd. A running TCG domain on base <- top in a directory on a
+# local filesystem (ext4 here), no qcommitd (its socket is a path where none answers):
+#   --probe bogus      exit 2 at once, one line naming --probe, the value and what it takes;
+#                      the domain's chain untouched;
+#   (no --probe)       auto: the progress events say "local" with the reason naming the filesystem;
+#   --probe 50ms       on, although the filesystem is local;
+#   --probe off        "disabled".
+# Each merge (two-phase, --pivot) ends "done", on base.qcow2, which holds the guest's view.
+# usage: live-probe.sh QCOMMIT
+set -euo pipefail
+source "$(dirname "$0")/lib.sh"
+QCOMMIT=$(realpath "$1")
+daemon_test_init libvirt.live_probe qlp
+fs=$(stat -f -c %T "$dir")
+[[ $fs == ext2/ext3 || $fs == xfs || $fs == btrfs ]] || { echo "$dir is on $fs, not a local disk filesystem: skipped" >&2; exit 77; }
+
+# A fresh chain (top over base, 24 MiB of TOP's own data), the domain started on it.
+fresh_chain() {
+  virsh -q destroy "$dom" >/dev/null 2>&1 || true
+  virsh -q undefine "$dom" >/dev/null 2>&1 || true
+  rm -f base.qcow2 top.qcow2 ./*.qcommit-*.qcow2
+  qemu-img create -q -f qcow2 base.qcow2 128M
+  qemu-io -c 'write -P 1 0 32M' base.qcow2 >/dev/null
+  qemu-img create -q -f qcow2 -b "$dir/base.qcow2" -F qcow2 top.qcow2
+  qemu-io -c 'write -P 2 16M 24M' top.qcow2 >/dev/null
+  qemu-img convert -O raw top.qcow2 view-before.raw
+  define_disk_domain "$dom" "$dir/top.qcow2" "$dir"
+  virsh -q start "$dom" >/dev/null
+}
+
+# merge_with WANT_PROBE [ARGS...]: qcommit live --pivot (2 MiB/s at most: progress for a few
+# seconds), every progress event's probe field WANT_PROBE, then the data checked.
+merge_with() {
+  local want=$1 rc=0 t0=$SECONDS
+  shift
+  fresh_chain
+  timeout 120 "$QCOMMIT" live "$dom" vda --pivot --max-rate 2M --socket "$dir/none.sock" \
+    --output=json "$@" >events 2>err || rc=$?
+  [[ $rc == 0 ]] || fail "qcommit live $*: exit $rc: $(cat err)"
+  local seen
+  seen=$(jq -r 'select(.event == "progress" and .type != null) | .probe' events | sort | uniq -c | tr -s ' \n' ' ')
+  echo "  qcommit live $*: progress probe states:$seen($((SECONDS - t0)) s)"
+  [[ $(jq -se 'map(select(.event == "progress" and .type != null)) | length' events) -ge 2 ]] ||
+    fail "$*: fewer than 2 progress events: $(cat events)"
+  [[ $(jq -se --arg w "$want" 'map(select(.event == "progress" and .type != null and .probe != $w)) | length' events) == 0 ]] ||
+    fail "$*: a progress event with a probe other than $want: $(grep progress events | head -n 3)"
+  [[ $(jq -se 'map(select(.event == "result"))[0].outcome' events) == '"done"' ]] || fail "$*: no result 'done'"
+  [[ $(virsh -q domblklist "$dom" | awk '$1 == "vda" {print $2}') == "$dir/base.qcow2" ]] ||
+    fail "$*: vda is not on base.qcow2 after the pivot"
+  virsh -q destroy "$dom" >/dev/null
+  qemu-img compare -q view-before.raw base.qcow2 || fail "$*: base.qcow2 differs from the guest's view"
+  qemu-img check -q base.qcow2 || fail "$*: base.qcow2 is not clean"
+}
+
+echo "case 1: --probe bogus"
+fresh_chain
+rc=0
+"$QCOMMIT" live "$dom" vda --pivot --socket "$dir/none.sock" --probe bogus >out 2>err || rc=$?
+echo "  exit $rc: $(cat err)"
+[[ $rc == 2 ]] || fail "--probe bogus: exit $rc, expected 2"
+[[ $(wc -l <err) == 1 ]] && grep -q -- "--probe: .*bogus.*auto, off or a period" err ||
+  fail "--probe bogus: expected one line naming --probe, the value and what it takes"
+[[ $(virsh -q domblklist "$dom" | awk '$1 == "vda" {print $2}') == "$dir/top.qcow2" ]] ||
+  fail "--probe bogus changed the disk's chain"
+
+echo "case 2: auto (the default) on a local filesystem"
+merge_with local
+jq -se 'map(select(.event == "progress" and .type != null))[0]["probe-off-reason"] |
+  test("^probe=auto: .*/base.qcow2 is on (ext4|xfs|btrfs), which other hosts do not share$")' events >/dev/null ||
+  fail "auto: the reason does not name the filesystem: $(grep progress events | head -n 1)"
+echo "case 3: --probe 50ms"
+merge_with on --probe 50ms
+echo "case 4: --probe off"
+merge_with disabled --probe off
+echo "libvirt.live_probe: passed"
