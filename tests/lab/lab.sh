@@ -51,12 +51,8 @@ lab_die() {
 lab_now() { printf '%s' "$EPOCHREALTIME"; }
 
 lab_ensure_daemons() {
-  # Without udev, /dev/kvm stays root-only; libvirt then sees KVM as unusable for its qemu user,
-  # finds 'kvm' in its cached capabilities, and re-probes QEMU (~30 s) on every define. Give it
-  # the group/mode udev would (domains here are type 'qemu' anyway: nested KVM hangs).
-  if [ -c /dev/kvm ] && getent group kvm >/dev/null && [ "$(stat -c %G:%a /dev/kvm)" != kvm:660 ]; then
-    chgrp kvm /dev/kvm && chmod 0660 /dev/kvm
-  fi
+  # /dev/kvm as udev would leave it, or libvirtd probes QEMU again on every define.
+  "$LAB_SOURCE_DIR/scripts/dev-kvm-mode" >&2
   pgrep -x virtlogd >/dev/null || virtlogd -d
   pgrep -x libvirtd >/dev/null || libvirtd -d
   local i
