@@ -123,7 +123,7 @@ void add_live_options(po::options_description& opts, LiveArgs& a) {
       "probe", po::value(&a.probe),
       "the shared-queue probe (a 4 KiB write + flush beside BASE, standing for guests on other "
       "hosts): auto (default: every 100ms where BASE is on storage other hosts can share, e.g. "
-      "NFS), off, or a period such as 50ms (on any storage)")(
+      "NFS), off, or a period from 10ms to 10s such as 50ms (on any storage)")(
       "pivot", po::bool_switch(&a.req.pivot),
                     "switch the disk to BASE when the active commit is ready (else it is left "
                     "ready)")(
@@ -786,9 +786,11 @@ plugin::DaemonConfig live_config(LiveArgs& a) {
   if (!a.probe.empty()) {
     try {
       plugin::read_probe(a.probe, "--probe", cfg.defaults);
-    } catch (const plugin::ConfigError& e) {
-      throw UsageError(std::string(e.what()) + " (auto, off or a period such as 100ms)");
+    } catch (const plugin::ConfigError&) {
+      throw UsageError("--probe " + a.probe + ": not auto, off or a period such as 50ms");
     }
+    if (auto e = cfg.defaults.probe_config().validate())
+      throw UsageError("--probe " + a.probe + ": " + *e);
   }
   if (a.max_rate_bytes_per_s) {  // also the commit's starting speed
     cfg.defaults.ceiling_bytes_per_s =

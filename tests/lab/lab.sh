@@ -51,7 +51,7 @@ lab_die() {
 lab_now() { printf '%s' "$EPOCHREALTIME"; }
 
 lab_ensure_daemons() {
-  # /dev/kvm as udev would leave it, or libvirtd probes QEMU again on every define.
+  # /dev/kvm usable by libvirt's QEMU user, or libvirtd probes QEMU again on every define.
   "$LAB_SOURCE_DIR/scripts/dev-kvm-mode" >&2
   pgrep -x virtlogd >/dev/null || virtlogd -d
   pgrep -x libvirtd >/dev/null || libvirtd -d
