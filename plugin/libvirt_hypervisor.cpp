@@ -385,10 +385,13 @@ bool LibvirtHypervisor::pivot(const std::string& domain, const std::string& disk
   if (!d) throw_job_error(domain);
   if (virDomainBlockJobAbort(d.get(), disk.c_str(), VIR_DOMAIN_BLOCK_JOB_ABORT_PIVOT) == 0)
     return true;
-  check_alive();
+  // The error is read before check_alive, whose call into libvirt resets it: read after it, a
+  // job not ready for the pivot yet (libvirt has not taken QEMU's ready event in, though the
+  // job's figures already say ready) was a failure ("pivot: failed") instead of a retry.
   virErrorPtr e = virGetLastError();
-  if (e && e->code == VIR_ERR_BLOCK_COPY_ACTIVE) return false;  // not ready yet
-  throw_job_error(domain + " " + disk + ": pivot");
+  if (!e || e->code != VIR_ERR_BLOCK_COPY_ACTIVE) throw_job_error(domain + " " + disk + ": pivot");
+  check_alive();
+  return false;  // not ready yet
 }
 
 void LibvirtHypervisor::remove_file(const std::string& path) {
@@ -533,9 +536,9 @@ std::optional<json::Value> LibvirtHypervisor::qmp_command(const std::string& dom
   cmd["arguments"] = args;
   char* reply = nullptr;
   if (virDomainQemuMonitorCommand(d.get(), json::dump(cmd).c_str(), &reply, 0) < 0) {
-    check_alive();
-    const virErrorPtr e = virGetLastError();
+    const virErrorPtr e = virGetLastError();  // before check_alive, which resets it
     *error = e && e->message ? e->message : "libvirt refused the monitor command";
+    check_alive();
     return std::nullopt;
   }
   const std::string text = reply ? reply : "";
