@@ -109,8 +109,8 @@ struct AssembledCluster {
 
 // A write of one contiguous destination range, gathered from source extents in destination
 // order: pieces adjacent in BASE make one request even where their sources are not adjacent
-// (new clusters are allocated in source order, but their sources interleave with those of
-// clusters written in place). Either `sources` or `clusters` (back to back), never both.
+// (new clusters are allocated in guest order, their sources wherever TOP wrote them). Either
+// `sources` or `clusters` (back to back), never both.
 struct CopyJob {
   std::vector<CopySource> sources;  // lengths add up to `length`
   std::vector<AssembledCluster> clusters;  // lengths add up to `length` (at most kChunkBytes)

@@ -124,9 +124,9 @@ void drop_cached_pages(const std::string& path) {
                     "close what keeps it open (or mapped) and run the merge again");
 }
 
-// Step 6 of a merge: the copy, window by window. Zeros and compressed data in guest order; plain
-// data sorted by source and host offset so both sides coalesce into large requests; each window
-// committed (data, flush, refcounts, L2, L1/header) and then checkpointed.
+// Step 6 of a merge: the copy, window by window. Zeros, compressed data and BASE's new clusters
+// in guest order (BASE stays sequential for later reads); pieces BASE holds in place in its host
+// order; each window committed (data, flush, refcounts, L2, L1/header) and then checkpointed.
 class WindowCopier {
  public:
   WindowCopier(const MergeOptions& options, MergeResult& result, Chain& source_chain, size_t base_layer,
@@ -528,9 +528,7 @@ class WindowCopier {
   }
 
   void run_window_body(uint64_t upto) {
-    // Zeros and compressed data in guest order; plain data sorted by (source layer, host
-    // offset): reads run sequentially through each source file, and BASE's new clusters are
-    // allocated in that same order, so both sides coalesce into large requests.
+    // Zeros and compressed data in guest order; plain data below.
     std::vector<const Piece*> direct;
     for (const Piece& p : window) {
       if (p.e->zero) {
@@ -548,28 +546,32 @@ class WindowCopier {
       report(false);
     }
     // Pieces BASE already holds in place are written in BASE's host order (the device sees an
-    // ascending stream); pieces that need new clusters go in source order, and their clusters
-    // are allocated in that order, so both sides stay contiguous and coalesce.
+    // ascending stream).  Pieces that need new clusters go in guest order and their clusters are
+    // allocated in that order: guest-adjacent pieces are adjacent in BASE and coalesce into one
+    // request gathered from wherever TOP holds them, and a later sequential read of BASE is
+    // sequential on disk (as after `qemu-img commit`).  In TOP's host order instead (the order the
+    // guest wrote them) the reads from TOP were sequential but BASE kept TOP's scatter; the merge
+    // took no longer in guest order, warm or cold (docs/benchmarks.md, "Appended clusters in
+    // guest order").
     struct Keyed {
-      uint64_t group, major, minor;
+      uint64_t group, key;  // group 0: in place, by BASE's host offset; 1: new, by guest offset
       const Piece* p;
     };
     std::vector<Keyed> order;
     order.reserve(direct.size());
     for (const Piece* p : direct) {
-      const uint64_t src = *p->e->offset + (p->start - p->e->start);
       if (!writer) {
-        order.push_back({0, p->start, 0, p});
+        order.push_back({0, p->start, p});
         continue;
       }
       const qcow2::Run r = base.qcow2->lookup(p->start, 1);
       if (r.type == qcow2::SubclusterType::kNormal)
-        order.push_back({0, r.host_offset, 0, p});
+        order.push_back({0, r.host_offset, p});
       else
-        order.push_back({1, p->e->depth, src, p});
+        order.push_back({1, p->start, p});
     }
     std::stable_sort(order.begin(), order.end(), [](const Keyed& x, const Keyed& y) {
-      return std::tie(x.group, x.major, x.minor) < std::tie(y.group, y.major, y.minor);
+      return std::tie(x.group, x.key) < std::tie(y.group, y.key);
     });
     // The L2 tables the new clusters need, allocated first (in guest order): otherwise each one
     // lands between the data clusters around the write that first needs it, splitting their
