@@ -103,7 +103,7 @@ lab_storage_start() {
   printf 'bandwidth=%s\nlatency_ms=%s\n' "$bw" "$lat" >"$LAB_DIR/slowfs.control"
   local args=(--backing "$LAB_DIR/backing" --mount "$LAB_MNT" --bandwidth "$bw" --latency-ms "$lat"
     --control "$LAB_DIR/slowfs.control" --log "$LAB_DIR/slowfs.csv" --stats "$LAB_DIR/slowfs.stats"
-    --pidfile "$LAB_DIR/slowfs.pid")
+    --backing-log "$LAB_DIR/slowfs-backing.csv" --pidfile "$LAB_DIR/slowfs.pid")
   [ -n "$maxbg" ] && args+=(--max-background "$maxbg")
   [ "${LAB_DIRECT_READERS:-0}" = 1 ] && args+=(--direct-readers)
   "$LAB_SLOWFS" "${args[@]}" </dev/null >>"$LAB_DIR/slowfs.err" 2>&1 &

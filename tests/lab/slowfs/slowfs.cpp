@@ -10,7 +10,7 @@
 // Usage: qcommit-slowfs --backing DIR --mount DIR [--bandwidth 50M] [--latency-ms 0]
 //                       [--control FILE] [--log FILE] [--stats FILE] [--pidfile FILE]
 //                       [--max-background N] [--real-fsync] [--fsname NAME] [--direct-readers]
-//                       [--fail-errno EIO|ENOSPC]
+//                       [--fail-errno EIO|ENOSPC] [--backing-log FILE]
 // --fsname sets the mount's source as /proc/mounts shows it (default "qcommit-slowfs"); e.g.
 // `lab:/export` makes the mount look like an NFS export to libvirt's netfs pool, which takes a
 // target already mounted from "HOST:DIR" as started instead of running mount(8) itself.
@@ -21,6 +21,10 @@
 // cache then holds pages the storage never got. SIGUSR1 turns failing on and SIGUSR2 off at
 // once, for tests that must fail one precise write. Rates take K/M/G suffixes (powers of 1000).
 // The log is a CSV with one row per queued request (see kLogHeader).
+// The backing log (kBackingLogHeader) has one row per write or fsync of the backing directory that
+// took kBackingSlowMs or more after its turn in the queue: the emulator's own host filesystem
+// holding up its replies (while a reply is pending the kernel sends no more background requests
+// past max_background), not the emulated storage. Rows are written by the control loop.
 
 #define FUSE_USE_VERSION 312
 #include <dirent.h>
@@ -65,6 +69,8 @@ constexpr double kEntryTimeoutS = 1.0;
 constexpr double kAttrTimeoutS = 1.0;
 constexpr auto kControlPoll = std::chrono::milliseconds(50);
 constexpr auto kStatsPeriod = std::chrono::milliseconds(500);
+constexpr double kBackingSlowMs = 10.0;
+constexpr const char* kBackingLogHeader = "done_epoch_s,op,ino,offset,bytes,backing_ms\n";
 constexpr const char* kLogHeader =
     "enqueue_epoch_s,op,ino,offset,bytes,ahead_reqs,ahead_bytes,wait_ms,service_ms\n";
 
@@ -93,7 +99,7 @@ double epoch_now() {
 }
 
 struct Config {
-  std::string backing, mount, control, log, stats, pidfile;
+  std::string backing, mount, control, log, stats, pidfile, backing_log;
   std::string fsname = "qcommit-slowfs";
   double bandwidth_bps = 50e6;
   double latency_ms = 0;
@@ -279,9 +285,50 @@ struct DirHandle {
   dirent* entry = nullptr;
 };
 
+// Backing operations that took kBackingSlowMs or more, buffered until the control loop writes them.
+class BackingLog {
+ public:
+  explicit BackingLog(FILE* f) : f_(f) {
+    if (f_) std::fputs(kBackingLogHeader, f_);
+  }
+  void note(char op, uint64_t ino, uint64_t offset, uint64_t bytes, double ms) {
+    if (!f_ || ms < kBackingSlowMs) return;
+    char line[160];
+    const int n =
+        std::snprintf(line, sizeof line, "%.6f,%c,%llu,%llu,%llu,%.3f\n", epoch_now(), op,
+                      static_cast<unsigned long long>(ino), static_cast<unsigned long long>(offset),
+                      static_cast<unsigned long long>(bytes), ms);
+    std::lock_guard lk(m_);
+    if (n > 0)
+      buf_.append(line, std::min<std::size_t>(static_cast<std::size_t>(n), sizeof line - 1));
+  }
+  void flush() {
+    std::string out;
+    {
+      std::lock_guard lk(m_);
+      out.swap(buf_);
+    }
+    if (f_ && !out.empty()) {
+      std::fwrite(out.data(), 1, out.size(), f_);
+      std::fflush(f_);
+    }
+  }
+
+ private:
+  FILE* f_;
+  std::mutex m_;
+  std::string buf_;
+};
+
+// Milliseconds since `start`.
+double ms_since(Clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+}
+
 struct Fs {
   Config cfg;
   std::unique_ptr<FifoLink> link;
+  std::unique_ptr<BackingLog> backing_log;
   std::mutex inodes_m;
   Inode root;
   std::map<std::pair<dev_t, ino_t>, std::unique_ptr<Inode>> inodes;
@@ -535,7 +582,10 @@ void op_write_buf(fuse_req_t req, fuse_ino_t ino, fuse_bufvec* in_buf, off_t off
   out.buf[0].flags = static_cast<fuse_buf_flags>(FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK);
   out.buf[0].fd = static_cast<int>(fi->fh);
   out.buf[0].pos = off;
+  const auto start = Clock::now();
   ssize_t res = fuse_buf_copy(&out, in_buf, static_cast<fuse_buf_copy_flags>(0));
+  g_fs->backing_log->note('W', ino == FUSE_ROOT_ID ? 1 : inode_of(ino).ino,
+                          static_cast<uint64_t>(off), size, ms_since(start));
   if (res < 0)
     fuse_reply_err(req, static_cast<int>(-res));
   else
@@ -557,8 +607,11 @@ void op_fsync(fuse_req_t req, fuse_ino_t ino, int datasync, fuse_file_info* fi) 
   g_fs->link->pass('F', inode_of(ino).ino, 0, 0);
   if (int e = g_fail_errno) return (void)fuse_reply_err(req, e);
   int rc = 0;
-  if (g_fs->cfg.real_fsync)
+  if (g_fs->cfg.real_fsync) {
+    const auto start = Clock::now();
     rc = datasync ? fdatasync(static_cast<int>(fi->fh)) : fsync(static_cast<int>(fi->fh));
+    g_fs->backing_log->note('F', inode_of(ino).ino, 0, 0, ms_since(start));
+  }
   fuse_reply_err(req, rc < 0 ? errno : 0);
 }
 
@@ -752,8 +805,10 @@ void control_loop(const Config& cfg, FifoLink& link) {
         std::rename(tmp.c_str(), cfg.stats.c_str());
       }
     }
+    if (g_fs->backing_log) g_fs->backing_log->flush();
     std::this_thread::sleep_for(kControlPoll);
   }
+  if (g_fs->backing_log) g_fs->backing_log->flush();
 }
 
 Config parse_args(int argc, char** argv) {
@@ -781,6 +836,8 @@ Config parse_args(int argc, char** argv) {
       c.log = val();
     else if (a == "--stats")
       c.stats = val();
+    else if (a == "--backing-log")
+      c.backing_log = val();
     else if (a == "--pidfile")
       c.pidfile = val();
     else if (a == "--max-background")
@@ -823,6 +880,12 @@ int main(int argc, char** argv) {
     if (!log) die(cfg.log + ": " + std::strerror(errno));
   }
   fs.link = std::make_unique<FifoLink>(cfg.bandwidth_bps, cfg.latency_ms, log);
+  FILE* backing_log = nullptr;
+  if (!cfg.backing_log.empty()) {
+    backing_log = std::fopen(cfg.backing_log.c_str(), "w");
+    if (!backing_log) die(cfg.backing_log + ": " + std::strerror(errno));
+  }
+  fs.backing_log = std::make_unique<BackingLog>(backing_log);
 
   fuse_lowlevel_ops ops{};
   ops.init = op_init;
