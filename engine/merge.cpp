@@ -552,7 +552,9 @@ class WindowCopier {
     // sequential on disk (as after `qemu-img commit`).  In TOP's host order instead (the order the
     // guest wrote them) the reads from TOP were sequential but BASE kept TOP's scatter; the merge
     // took no longer in guest order, warm or cold (docs/benchmarks.md, "Appended clusters in
-    // guest order").
+    // guest order").  A piece goes by its first cluster: one that starts in a cluster BASE holds
+    // and runs on into new ones has those allocated with the pieces in place, out of guest order
+    // (layout only; what BASE reads is the same either way).
     struct Keyed {
       uint64_t group, key;  // group 0: in place, by BASE's host offset; 1: new, by guest offset
       const Piece* p;

@@ -42,6 +42,19 @@ ensure_libvirtd() {
   return 1
 }
 
+# start_two_layer_domain SIZE BASE_DATA TOP_DATA: base.qcow2 of SIZE with BASE_DATA ("OFFSET
+# LENGTH", pattern 1) <- top.qcow2 with TOP_DATA (pattern 2), in $dir; the guest's view in
+# view-before.raw; the domain $dom defined on top.qcow2 and started.
+start_two_layer_domain() {
+  qemu-img create -q -f qcow2 base.qcow2 "$1"
+  qemu-io -c "write -P 1 $2" base.qcow2 >/dev/null
+  qemu-img create -q -f qcow2 -b "$dir/base.qcow2" -F qcow2 top.qcow2
+  qemu-io -c "write -P 2 $3" top.qcow2 >/dev/null
+  qemu-img convert -O raw top.qcow2 view-before.raw
+  define_disk_domain "$dom" "$dir/top.qcow2" "$dir"
+  virsh -q start "$dom" >/dev/null
+}
+
 daemon_test_init() {
   virsh -q list >/dev/null 2>&1 || { echo "libvirtd is not reachable (start it: virtlogd -d; libvirtd -d)" >&2; exit 1; }
   TEST_NAME=$1

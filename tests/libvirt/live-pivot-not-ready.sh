@@ -13,13 +13,7 @@ SHIM=$(realpath "$2")
 readonly kRefusals=2
 daemon_test_init libvirt.live_pivot_not_ready qpn
 
-qemu-img create -q -f qcow2 base.qcow2 64M
-qemu-io -c 'write -P 1 0 16M' base.qcow2 >/dev/null
-qemu-img create -q -f qcow2 -b "$dir/base.qcow2" -F qcow2 top.qcow2
-qemu-io -c 'write -P 2 8M 16M' top.qcow2 >/dev/null
-qemu-img convert -O raw top.qcow2 view-before.raw
-define_disk_domain "$dom" "$dir/top.qcow2" "$dir"
-virsh -q start "$dom" >/dev/null
+start_two_layer_domain 64M '0 16M' '8M 16M'
 
 rc=0
 QCOMMIT_TEST_PIVOT_REFUSALS=$kRefusals QCOMMIT_TEST_PIVOT_LOG="$dir/refusals" LD_PRELOAD="$SHIM" \

@@ -25,13 +25,7 @@ fresh_chain() {
   virsh -q destroy "$dom" >/dev/null 2>&1 || true
   virsh -q undefine "$dom" >/dev/null 2>&1 || true
   rm -f base.qcow2 top.qcow2 ./*.qcommit-*.qcow2
-  qemu-img create -q -f qcow2 base.qcow2 128M
-  qemu-io -c 'write -P 1 0 32M' base.qcow2 >/dev/null
-  qemu-img create -q -f qcow2 -b "$dir/base.qcow2" -F qcow2 top.qcow2
-  qemu-io -c 'write -P 2 16M 24M' top.qcow2 >/dev/null
-  qemu-img convert -O raw top.qcow2 view-before.raw
-  define_disk_domain "$dom" "$dir/top.qcow2" "$dir"
-  virsh -q start "$dom" >/dev/null
+  start_two_layer_domain 128M '0 32M' '16M 24M'
 }
 
 # merge_with WANT_PROBE [ARGS...]: qcommit live --pivot (2 MiB/s at most: progress for a few

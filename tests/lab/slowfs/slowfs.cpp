@@ -24,7 +24,9 @@
 // The backing log (kBackingLogHeader) has one row per write or fsync of the backing directory that
 // took kBackingSlowMs or more after its turn in the queue: the emulator's own host filesystem
 // holding up its replies (while a reply is pending the kernel sends no more background requests
-// past max_background), not the emulated storage. Rows are written by the control loop.
+// past max_background), not the emulated storage. Rows are written by the control loop. Both
+// logs stamp rows with the wall clock (to line up with the lab's other logs): a step of it shows
+// as a hole or an overlap in them; wait_ms and backing_ms are measured on the monotonic clock.
 
 #define FUSE_USE_VERSION 312
 #include <dirent.h>
@@ -606,13 +608,14 @@ void op_fsync(fuse_req_t req, fuse_ino_t ino, int datasync, fuse_file_info* fi) 
   // Data is stable once its WRITE was served (sync export); the flush only waits its turn.
   g_fs->link->pass('F', inode_of(ino).ino, 0, 0);
   if (int e = g_fail_errno) return (void)fuse_reply_err(req, e);
-  int rc = 0;
+  int err = 0;
   if (g_fs->cfg.real_fsync) {
     const auto start = Clock::now();
-    rc = datasync ? fdatasync(static_cast<int>(fi->fh)) : fsync(static_cast<int>(fi->fh));
+    const int rc = datasync ? fdatasync(static_cast<int>(fi->fh)) : fsync(static_cast<int>(fi->fh));
+    err = rc < 0 ? errno : 0;  // before note(), which may change errno
     g_fs->backing_log->note('F', inode_of(ino).ino, 0, 0, ms_since(start));
   }
-  fuse_reply_err(req, rc < 0 ? errno : 0);
+  fuse_reply_err(req, err);
 }
 
 void op_fallocate(fuse_req_t req, fuse_ino_t, int mode, off_t off, off_t len, fuse_file_info* fi) {
