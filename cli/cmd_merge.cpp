@@ -108,7 +108,8 @@ json::Ordered result_json(const engine::MergeResult& r, const std::optional<Merg
                   {"resumed-from", r.resumed_from},
                   {"leaks-repaired", r.leaks_repaired},
                   {"bitmaps-removed", r.bitmaps_removed},
-                  {"direct-io", r.direct_io}};
+                  {"direct-io", r.direct_io},
+                  {"io-uring", r.io_uring}};
   j.update(budget_result_json(policy, governor));
   j["copy-seconds"] = rounded(r.copy_seconds, 3);
   j["switch-seconds"] = rounded(r.switch_seconds, 6);
@@ -154,7 +155,7 @@ struct MergeArgs {
   bool config_given = false;
   bool verbose = false;
   std::vector<std::string> rebase, allow_dirs;
-  bool del = false, no_direct = false, force_direct = false;
+  bool del = false, no_direct = false, force_direct = false, no_io_uring = false;
   std::string domain, disk, pool, vol, uri = defaults::kUri;
   bool dry_run = false;
   std::string lock_wait = defaults::lock_wait_text();
@@ -211,6 +212,8 @@ void add_merge_options(po::options_description& opts, MergeArgs& a) {
       "O_DIRECT, small buffered)")(
       "direct", po::bool_switch(&a.force_direct),
       "O_DIRECT writes where the filesystem allows (default with a budget)")(
+      "no-io-uring", po::bool_switch(&a.no_io_uring),
+      "--budget off: one thread per O_DIRECT request (splice) instead of batches through io_uring")(
       "trace", po::value(&a.trace),
       "write one CSV row per controller tick to this file (see scripts/plot-trace)")(
       "probe", po::value(&a.probe),
@@ -283,6 +286,7 @@ engine::MergeOptions merge_options(const MergeArgs& a) {
   mo.delete_merged = a.del;
   mo.lock_wait =
       a.lock_wait == "0" ? std::chrono::nanoseconds::zero() : parse_duration(a.lock_wait, "--wait");
+  mo.io_uring = !a.no_io_uring;
   mo.write_mode = a.force_direct ? engine::WriteMode::kDirect
                   : a.no_direct  ? engine::WriteMode::kBuffered
                   : a.governed() ? engine::WriteMode::kDirect
@@ -449,12 +453,13 @@ void print_merge_result(const engine::MergeResult& r, engine::WriteMode mode,
     print_json(result_json(r, gm.policy, gm.governor.get()));
     return;
   }
-  std::printf("merged %s into %s: %s copied, %s zeroed in %.2fs (%s)\n", r.top.c_str(),
+  std::printf("merged %s into %s: %s copied, %s zeroed in %.2fs (%s%s)\n", r.top.c_str(),
               r.base.c_str(), format_size(r.copied_bytes).c_str(),
               format_size(r.zeroed_bytes).c_str(), r.copy_seconds,
               !r.direct_io                       ? "buffered, bounded dirty data"
               : mode == engine::WriteMode::kAuto ? "O_DIRECT for large requests, buffered for small"
-                                                 : "O_DIRECT");
+                                                 : "O_DIRECT",
+              r.io_uring ? "; batched through io_uring" : "");
   if (r.resumed)
     std::printf("resumed an interrupted run (from offset %s)\n",
                 format_size(r.resumed_from).c_str());

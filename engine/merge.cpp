@@ -161,7 +161,9 @@ class WindowCopier {
       splice_piece -= splice_piece % grain;
       unthrottled_request -= kChunkBytes % splice_piece;
     }
-    pool = std::make_unique<CopyPool>(opt.io_threads, opt.inflight_bytes, opt.governor.get(), splice_piece);
+    pool = std::make_unique<CopyPool>(opt.io_threads, opt.inflight_bytes, opt.governor.get(),
+                                      splice_piece, opt.io_uring && direct_fd.valid());
+    res.io_uring = pool->batched();
     defer_jobs = !opt.governor && direct_fd.valid() && writer;
     if (writer) {
       l1_span = base.qcow2->geometry().l1_entry_span();

@@ -7,7 +7,9 @@
 # (space that reads as zeros: fallocated or a hole); else the whole cluster (BASE's view with the
 # pieces laid over it). BASE then shows TOP's view. The bytes written into each of BASE's data
 # clusters are counted from the merge's own system calls (strace: pwrite64, pwritev, splice and
-# copy_file_range into BASE).
+# copy_file_range into BASE); writes handed to io_uring are no system calls of their own, so the
+# merge runs with --no-io-uring here: the requests are the same on both paths, only how they are
+# issued differs (merge.io_uring_batches checks that path's result).
 # Chains:
 # - scattered: 256 clusters of a 64 MiB disk, half over clusters BASE has (written in place), half
 #   new to BASE (pieces only). The pieces are 4 KiB-aligned: they are written O_DIRECT however
@@ -97,7 +99,7 @@ check_chain() {
     python3 -c 'import os, sys; os.posix_fadvise(os.open(sys.argv[1], os.O_RDONLY), 0, 0, os.POSIX_FADV_DONTNEED)' base.qcow2
     fincore --bytes --noheadings --output RES base.qcow2 >cached-before
     strace -ff -y -s 0 -e trace=pwrite64,pwritev,pwritev2,splice,copy_file_range,rename,renameat,renameat2 \
-      -o trace "$QCOMMIT" merge top.qcow2 --budget off --output=json >result.json
+      -o trace "$QCOMMIT" merge top.qcow2 --budget off --no-io-uring --output=json >result.json
     fincore --bytes --noheadings --output RES base.qcow2 >cached-after
     qemu-img map --output=json -f qcow2 base.qcow2 >base-after.json
   )
