@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <exception>
@@ -44,12 +45,13 @@ inline constexpr uint64_t kPageBytes = 4096;
 inline constexpr unsigned kBatchWorkers = 2;
 // Source bytes one batch writes at most.
 inline constexpr uint64_t kMaxBatchBytes = 8ull << 20;
-// Pages a write touched stay mapped (and count in the resident set) until a worker has written
-// this much from mappings (each job rounded up to whole 64 KiB, as the kernel maps the pages
-// around a fault); it then unmaps every mapping's pages at once. Unmapping each batch's span
-// instead took 9% of rand4g4k's system CPU (most of it walking page tables).
-inline constexpr uint64_t kMappedBytesBeforeRelease = 16ull << 20;
-inline constexpr uint64_t kFaultAroundBytes = 64ull << 10;
+// Pages a batch's writes touched stay mapped, and count in the resident set, until the file pages
+// this process maps have grown by this much since the pool started; a worker then unmaps every
+// mapping's pages at once. A fault maps the pages around the faulting one, or its whole large
+// folio, so what a write maps is not known from its length (on rand4g, 64 KiB writes mapped about
+// 230 KiB each). Unmapping after each batch instead (its span, or 2 MiB units around each write)
+// cost more system CPU than batching saved: every write faulted its pages in again.
+inline constexpr uint64_t kMaxMappedBytes = 16ull << 20;
 
 // A pipe through which splice(2) hands the source's page-cache pages to an O_DIRECT write of the
 // base: the device reads them where they are (no copy through user space, nothing dirtied in the
@@ -193,6 +195,8 @@ class CopyPool {
 
  private:
   void open_batches(unsigned n) {
+    statm_ = UniqueFd(::open("/proc/self/statm", O_RDONLY | O_CLOEXEC));
+    mapped_at_start_ = mapped_file_bytes();
     for (unsigned i = 0; i < n; ++i) {
       auto b = DirectBatch::open();
       if (!b) {
@@ -253,11 +257,10 @@ class CopyPool {
     if (posix_memalign(&mem, kDirectAlignment, kChunkBytes) != 0) return;
     std::unique_ptr<uint8_t, decltype(&free)> buf(static_cast<uint8_t*>(mem), &free);
     SplicePipe pipe = SplicePipe::open(splice_piece_);
-    uint64_t mapped = 0;  // bytes this worker's writes mapped since it last released them
     for (;;) {
       std::vector<CopyJob> jobs = take_batch();
       if (jobs.empty()) return;
-      const std::exception_ptr err = copy_batch(jobs, batch, buf.get(), pipe, mapped);
+      const std::exception_ptr err = copy_batch(jobs, batch, buf.get(), pipe);
       {
         std::lock_guard lk(mu_);
         for (const CopyJob& j : jobs) inflight_ -= j.length;
@@ -287,7 +290,7 @@ class CopyPool {
   // bytes to the same place), which also names the file at fault on an I/O error. Returns the
   // first error.
   std::exception_ptr copy_batch(std::vector<CopyJob>& jobs, DirectBatch& batch, uint8_t* buf,
-                                SplicePipe& pipe, uint64_t& mapped) {
+                                SplicePipe& pipe) {
     std::vector<std::vector<iovec>> iovs;  // kept until the batch is waited for
     iovs.reserve(jobs.size());
     std::vector<size_t> batched, others;
@@ -314,7 +317,7 @@ class CopyPool {
     const std::vector<bool> ok = batch.wait();
     for (size_t k = 0; k < batched.size(); ++k)
       if (!ok[k]) copy_one(jobs[batched[k]]);
-    release_mapped(jobs, batched, mapped);
+    release_mapped();
     return err;
   }
 
@@ -351,17 +354,24 @@ class CopyPool {
     return it->second.get();
   }
 
-  // Counts what the batch's writes mapped; past kMappedBytesBeforeRelease, unmaps it all.
-  void release_mapped(const std::vector<CopyJob>& jobs, const std::vector<size_t>& batched,
-                      uint64_t& mapped) {
-    for (size_t i : batched)
-      mapped +=
-          (jobs[i].length + 2 * kFaultAroundBytes - 1) / kFaultAroundBytes * kFaultAroundBytes;
-    if (mapped < kMappedBytesBeforeRelease) return;
-    mapped = 0;
+  // Unmaps every mapping's pages once they add up to kMaxMappedBytes.
+  void release_mapped() {
     std::lock_guard lk(maps_mu_);
+    const uint64_t now = mapped_file_bytes();
+    if (now < mapped_at_start_ + kMaxMappedBytes) return;
     for (const auto& [fd, m] : maps_)
       if (m) m->release(0, m->size());
+  }
+
+  // File pages mapped by this process (statm's third field: resident shared pages), or 0.
+  uint64_t mapped_file_bytes() const {
+    char text[128];
+    const ssize_t n = statm_.valid() ? ::pread(statm_.get(), text, sizeof text - 1, 0) : -1;
+    if (n <= 0) return 0;
+    text[n] = 0;
+    unsigned long long size = 0, resident = 0, shared = 0;
+    if (std::sscanf(text, "%llu %llu %llu", &size, &resident, &shared) != 3) return 0;
+    return shared * uint64_t(::sysconf(_SC_PAGESIZE));
   }
 
   // In-kernel copies. Each returns how many leading bytes of the job it wrote; it stops early
@@ -507,6 +517,8 @@ class CopyPool {
   std::exception_ptr error_;
   std::mutex maps_mu_;
   std::map<int, std::unique_ptr<SourceMapping>> maps_;  // by source descriptor
+  UniqueFd statm_;                                      // /proc/self/statm
+  uint64_t mapped_at_start_ = 0;
   std::vector<std::unique_ptr<DirectBatch>> batches_;   // one per batched worker
   std::vector<std::thread> workers_;
 };
