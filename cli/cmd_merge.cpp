@@ -109,7 +109,8 @@ json::Ordered result_json(const engine::MergeResult& r, const std::optional<Merg
                   {"leaks-repaired", r.leaks_repaired},
                   {"bitmaps-removed", r.bitmaps_removed},
                   {"direct-io", r.direct_io},
-                  {"io-uring", r.io_uring}};
+                  {"io-uring", r.io_uring},
+                  {"io-uring-writes", r.io_uring_writes}};
   j.update(budget_result_json(policy, governor));
   j["copy-seconds"] = rounded(r.copy_seconds, 3);
   j["switch-seconds"] = rounded(r.switch_seconds, 6);
@@ -213,7 +214,8 @@ void add_merge_options(po::options_description& opts, MergeArgs& a) {
       "direct", po::bool_switch(&a.force_direct),
       "O_DIRECT writes where the filesystem allows (default with a budget)")(
       "no-io-uring", po::bool_switch(&a.no_io_uring),
-      "--budget off: one thread per O_DIRECT request (splice) instead of batches through io_uring")(
+      "--budget off: one thread per O_DIRECT request (splice), also for requests under 64 KiB, "
+      "which otherwise go in batches through io_uring")(
       "trace", po::value(&a.trace),
       "write one CSV row per controller tick to this file (see scripts/plot-trace)")(
       "probe", po::value(&a.probe),

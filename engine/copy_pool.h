@@ -3,8 +3,8 @@
 // (splice into O_DIRECT writes, copy_file_range into buffered ones), else through user space;
 // clusters that TOP provides only parts of are assembled in the worker's buffer and written once.
 // The engine's governor admits each job; completions are reported back to it. Unthrottled, where
-// io_uring is available, two workers instead write batches of jobs straight from mappings of the
-// sources (engine/direct_batch.h).
+// io_uring is available, requests smaller than kMaxBatchedJobBytes go instead to two workers that
+// write them in batches straight from mappings of the sources (engine/direct_batch.h).
 #pragma once
 
 #include <fcntl.h>
@@ -39,18 +39,24 @@ namespace qcommit::engine {
 inline constexpr uint64_t kDirectAlignment = 4096;
 inline constexpr uint64_t kMinSplicePipeBytes = 256ull << 10;  // smaller pipes: pread/pwrite
 inline constexpr uint64_t kPageBytes = 4096;
-// Workers of the batched path: with batches of 64, rand4g4k's pieces in place took 0.20-0.25 s
-// with 2 workers against 0.61-0.73 s with 1 (2026-12-03, the measurement in direct_batch.h); more
-// workers would split the queue into smaller batches.
+// Workers of the batched path: with batches of 64, 16384 random 4-60 KiB pieces written in place
+// took 0.36-0.46 s with 2 workers against 0.61-0.73 s with 1 (2026-12-03, the stand-alone program
+// of direct_batch.h); more workers would split the queue into smaller batches.
 inline constexpr unsigned kBatchWorkers = 2;
 // Source bytes one batch writes at most.
 inline constexpr uint64_t kMaxBatchBytes = 8ull << 20;
+// Requests from this size on stay with the splice threads. Batching is worth it where the cost per
+// request dominates: on rand4g4k (4-60 KiB pieces) it took system CPU from 1.94 to 1.24 s per GiB
+// (medians of 5 pairs, 2026-12-03); on rand4g (64 KiB clusters and longer runs) everything batched
+// took 0.65 s against 0.59 s and more system CPU, mapping faults costing more than splice there.
+inline constexpr uint64_t kMaxBatchedJobBytes = 64ull << 10;
 // Pages a batch's writes touched stay mapped, and count in the resident set, until the file pages
 // this process maps have grown by this much since the pool started; a worker then unmaps every
 // mapping's pages at once. A fault maps the pages around the faulting one, or its whole large
-// folio, so what a write maps is not known from its length (on rand4g, 64 KiB writes mapped about
-// 230 KiB each). Unmapping after each batch instead (its span, or 2 MiB units around each write)
-// cost more system CPU than batching saved: every write faulted its pages in again.
+// folio, so what a write maps is not known from its length (unmapping after every 16 MiB
+// written, rand4g's 64 KiB writes took the peak RSS to 79 MiB). Unmapping after each batch
+// instead (its span, or 2 MiB around each write) cost more system CPU than batching saved: every
+// write faulted its pages in again.
 inline constexpr uint64_t kMaxMappedBytes = 16ull << 20;
 
 // A pipe through which splice(2) hands the source's page-cache pages to an O_DIRECT write of the
@@ -142,16 +148,15 @@ struct CopyJob {
 
 class CopyPool {
  public:
-  // `batched`: without a governor, try the batched path (a source descriptor must then stay open
-  // on the same file while the pool lives: its mapping is kept by descriptor).
+  // `batched`: without a governor, try the batched path for small requests (a source descriptor
+  // must then stay open on the same file while the pool lives: its mapping is kept by descriptor).
   CopyPool(unsigned threads, uint64_t inflight_limit, CopyGovernor* governor,
            uint64_t splice_piece_bytes, bool batched = false)
       : limit_(inflight_limit), splice_piece_(splice_piece_bytes), governor_(governor) {
     if (batched && !governor) open_batches(std::min(threads, kBatchWorkers));
-    for (auto& b : batches_)
-      workers_.emplace_back([this, batch = b.get()] { run_batched(*batch); });
-    if (batches_.empty())
-      for (unsigned i = 0; i < threads; ++i) workers_.emplace_back([this] { run(); });
+    for (size_t i = 0; i < batches_.size(); ++i)
+      workers_.emplace_back([this, i] { run_batched(*batches_[i], batch_bufs_[i].get()); });
+    for (unsigned i = 0; i < threads; ++i) workers_.emplace_back([this] { run(); });
   }
   ~CopyPool() {
     {
@@ -159,6 +164,7 @@ class CopyPool {
       stop_ = true;
     }
     cv_.notify_all();
+    small_cv_.notify_all();
     for (auto& t : workers_) t.join();
   }
 
@@ -175,8 +181,13 @@ class CopyPool {
     done_cv_.wait(lk, [&] { return inflight_ == 0 || inflight_ + job.length <= limit_ || error_; });
     rethrow_locked();
     inflight_ += job.length;
-    queue_.push_back(std::move(job));
-    cv_.notify_one();
+    if (!batches_.empty() && batchable(job)) {
+      small_queue_.push_back(std::move(job));
+      small_cv_.notify_one();
+    } else {
+      queue_.push_back(std::move(job));
+      cv_.notify_one();
+    }
   }
 
   void drain() {
@@ -190,21 +201,40 @@ class CopyPool {
     return inflight_;
   }
 
-  // Whether the workers write in batches through io_uring.
+  // Whether small requests are written in batches through io_uring.
   [[nodiscard]] bool batched() const { return !batches_.empty(); }
+  // Requests written whole through io_uring so far.
+  [[nodiscard]] uint64_t batched_writes() {
+    std::lock_guard lk(mu_);
+    return batched_writes_;
+  }
 
  private:
+  using AlignedBuffer = std::unique_ptr<uint8_t, decltype(&free)>;
+
+  // Rings and buffers for `n` batched workers, or none at all.
   void open_batches(unsigned n) {
     statm_ = UniqueFd(::open("/proc/self/statm", O_RDONLY | O_CLOEXEC));
-    mapped_at_start_ = mapped_file_bytes();
+    mapped_at_start_ = mapped_file_bytes().value_or(0);
     for (unsigned i = 0; i < n; ++i) {
       auto b = DirectBatch::open();
-      if (!b) {
+      void* mem = nullptr;
+      if (!b || posix_memalign(&mem, kDirectAlignment, kChunkBytes) != 0) {
         batches_.clear();
+        batch_bufs_.clear();
         return;
       }
       batches_.push_back(std::move(b));
+      batch_bufs_.emplace_back(static_cast<uint8_t*>(mem), &free);
     }
+  }
+
+  // A request for the batched workers: small, O_DIRECT, from sources (the rest of the checks, and
+  // a copy the threads' way where they fail, are the worker's).
+  [[nodiscard]] static bool batchable(const CopyJob& j) {
+    return j.direct_dst && j.clusters.empty() && !j.sources.empty() &&
+           j.length < kMaxBatchedJobBytes && j.dst_offset % kDirectAlignment == 0 &&
+           j.length % kDirectAlignment == 0;
   }
 
   void rethrow_locked() {
@@ -252,35 +282,35 @@ class CopyPool {
     }
   }
 
-  void run_batched(DirectBatch& batch) {
-    void* mem = nullptr;
-    if (posix_memalign(&mem, kDirectAlignment, kChunkBytes) != 0) return;
-    std::unique_ptr<uint8_t, decltype(&free)> buf(static_cast<uint8_t*>(mem), &free);
+  // `buf`: kChunkBytes, aligned, for the jobs copied the threads' way.
+  void run_batched(DirectBatch& batch, uint8_t* buf) {
     SplicePipe pipe = SplicePipe::open(splice_piece_);
     for (;;) {
       std::vector<CopyJob> jobs = take_batch();
       if (jobs.empty()) return;
-      const std::exception_ptr err = copy_batch(jobs, batch, buf.get(), pipe);
+      uint64_t written = 0;
+      const std::exception_ptr err = copy_batch(jobs, batch, buf, pipe, written);
       {
         std::lock_guard lk(mu_);
         for (const CopyJob& j : jobs) inflight_ -= j.length;
+        batched_writes_ += written;
         if (err && !error_) error_ = err;
       }
       done_cv_.notify_all();
     }
   }
 
-  // The queued jobs, up to one batch (at least one; none only when the pool stops).
-  std::vector<CopyJob> take_batch() {
+  // The queued small jobs, up to one batch (at least one; none only when the pool stops).
+  [[nodiscard]] std::vector<CopyJob> take_batch() {
     std::unique_lock lk(mu_);
-    cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
+    small_cv_.wait(lk, [&] { return stop_ || !small_queue_.empty(); });
     std::vector<CopyJob> jobs;
     uint64_t bytes = 0;
-    while (!queue_.empty() && jobs.size() < DirectBatch::kMaxWrites &&
-           (jobs.empty() || bytes + queue_.front().length <= kMaxBatchBytes)) {
-      bytes += queue_.front().length;
-      jobs.push_back(std::move(queue_.front()));
-      queue_.pop_front();
+    while (!small_queue_.empty() && jobs.size() < DirectBatch::kMaxWrites &&
+           (jobs.empty() || bytes + small_queue_.front().length <= kMaxBatchBytes)) {
+      bytes += small_queue_.front().length;
+      jobs.push_back(std::move(small_queue_.front()));
+      small_queue_.pop_front();
     }
     return jobs;
   }
@@ -288,9 +318,9 @@ class CopyPool {
   // Writes the jobs that can go from mappings through `batch` and copies the others meanwhile. A
   // batched write the kernel did not complete in full is copied again the threads' way (the same
   // bytes to the same place), which also names the file at fault on an I/O error. Returns the
-  // first error.
-  std::exception_ptr copy_batch(std::vector<CopyJob>& jobs, DirectBatch& batch, uint8_t* buf,
-                                SplicePipe& pipe) {
+  // first error; `written`: the jobs written whole through `batch`.
+  [[nodiscard]] std::exception_ptr copy_batch(std::vector<CopyJob>& jobs, DirectBatch& batch,
+                                              uint8_t* buf, SplicePipe& pipe, uint64_t& written) {
     std::vector<std::vector<iovec>> iovs;  // kept until the batch is waited for
     iovs.reserve(jobs.size());
     std::vector<size_t> batched, others;
@@ -315,8 +345,12 @@ class CopyPool {
     };
     for (size_t i : others) copy_one(jobs[i]);
     const std::vector<bool> ok = batch.wait();
-    for (size_t k = 0; k < batched.size(); ++k)
-      if (!ok[k]) copy_one(jobs[batched[k]]);
+    for (size_t k = 0; k < batched.size(); ++k) {
+      if (ok[k])
+        ++written;
+      else
+        copy_one(jobs[batched[k]]);
+    }
     release_mapped();
     return err;
   }
@@ -325,7 +359,7 @@ class CopyPool {
   // cannot be written that way: not an O_DIRECT job of sources, unaligned, or a source not mapped
   // (or not wholly inside its mapping: the user-space copy then reads zeros past the end).
   // Starts reading the sources into the page cache.
-  std::vector<iovec> mapped_iovecs(const CopyJob& j) {
+  [[nodiscard]] std::vector<iovec> mapped_iovecs(const CopyJob& j) {
     std::vector<iovec> v;
     if (!j.direct_dst || !j.clusters.empty() || j.sources.empty() || j.sources.size() > IOV_MAX ||
         j.dst_offset % kDirectAlignment != 0 || j.length % kDirectAlignment != 0)
@@ -347,30 +381,31 @@ class CopyPool {
   }
 
   // The mapping of a source descriptor, made on first use; null where it cannot be mapped.
-  const SourceMapping* mapping(int fd) {
+  [[nodiscard]] const SourceMapping* mapping(int fd) {
     std::lock_guard lk(maps_mu_);
     auto it = maps_.find(fd);
     if (it == maps_.end()) it = maps_.emplace(fd, SourceMapping::map(fd)).first;
     return it->second.get();
   }
 
-  // Unmaps every mapping's pages once they add up to kMaxMappedBytes.
+  // Unmaps every mapping's pages once they add up to kMaxMappedBytes (after every batch where
+  // that cannot be told).
   void release_mapped() {
     std::lock_guard lk(maps_mu_);
-    const uint64_t now = mapped_file_bytes();
-    if (now < mapped_at_start_ + kMaxMappedBytes) return;
+    const std::optional<uint64_t> now = mapped_file_bytes();
+    if (now && *now < mapped_at_start_ + kMaxMappedBytes) return;
     for (const auto& [fd, m] : maps_)
       if (m) m->release(0, m->size());
   }
 
-  // File pages mapped by this process (statm's third field: resident shared pages), or 0.
-  uint64_t mapped_file_bytes() const {
+  // File pages mapped by this process (statm's third field: resident shared pages).
+  [[nodiscard]] std::optional<uint64_t> mapped_file_bytes() const {
     char text[128];
     const ssize_t n = statm_.valid() ? ::pread(statm_.get(), text, sizeof text - 1, 0) : -1;
-    if (n <= 0) return 0;
+    if (n <= 0) return std::nullopt;
     text[n] = 0;
     unsigned long long size = 0, resident = 0, shared = 0;
-    if (std::sscanf(text, "%llu %llu %llu", &size, &resident, &shared) != 3) return 0;
+    if (std::sscanf(text, "%llu %llu %llu", &size, &resident, &shared) != 3) return std::nullopt;
     return shared * uint64_t(::sysconf(_SC_PAGESIZE));
   }
 
@@ -510,8 +545,9 @@ class CopyPool {
   uint64_t splice_piece_;
   CopyGovernor* governor_;
   std::mutex mu_;
-  std::condition_variable cv_, done_cv_;
-  std::deque<CopyJob> queue_;
+  std::condition_variable cv_, small_cv_, done_cv_;
+  std::deque<CopyJob> queue_;        // for the splice threads
+  std::deque<CopyJob> small_queue_;  // for the batched workers
   uint64_t inflight_ = 0;
   bool stop_ = false;
   std::exception_ptr error_;
@@ -520,6 +556,8 @@ class CopyPool {
   UniqueFd statm_;                                      // /proc/self/statm
   uint64_t mapped_at_start_ = 0;
   std::vector<std::unique_ptr<DirectBatch>> batches_;   // one per batched worker
+  std::vector<AlignedBuffer> batch_bufs_;               // one per batched worker
+  uint64_t batched_writes_ = 0;
   std::vector<std::thread> workers_;
 };
 

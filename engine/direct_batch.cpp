@@ -15,7 +15,9 @@ namespace qcommit::engine {
 
 namespace {
 constexpr uint64_t kPageBytes = 4096;
-}
+// Submissions refused as busy before the rest of a batch is left to the threads' copy.
+constexpr int kMaxSubmitRetries = 100;
+}  // namespace
 
 std::unique_ptr<SourceMapping> SourceMapping::map(int fd) {
   struct stat st {};
@@ -79,9 +81,9 @@ bool DirectBatch::add(int fd, std::span<const iovec> iov, uint64_t offset, uint6
 }
 
 void DirectBatch::submit() {
-  while (submitted_ < prepared_) {
+  for (int busy = 0; submitted_ < prepared_;) {
     const int n = io_uring_submit(&ring_->ring);
-    if (n == -EINTR || n == -EAGAIN) continue;
+    if ((n == -EINTR || n == -EAGAIN) && ++busy < kMaxSubmitRetries) continue;
     if (n <= 0) return;  // the rest stays unsubmitted: wait() reports it as not written
     submitted_ += size_t(n);
   }

@@ -9,15 +9,15 @@
 //
 // Measured 2026-12-03 (2-core Debian 12 VM, kernel 6.18, ext4 on virtio; rand4g4k's 16384 pieces
 // written in place, a stand-alone program): 16 threads splicing took 0.24-0.28 s of system CPU,
-// 2 workers with batches of 64 from mappings 0.11-0.12 s; with the sources not cached, 1.45-1.56 s
-// against 0.70-0.85 s (WILLNEED read-ahead of each batch's sources first).
+// 2 workers with batches of 64 from mappings 0.11-0.12 s; with the sources not cached, wall time
+// 1.45-1.56 s against 0.70-0.85 s (2 runs each; WILLNEED read-ahead of each batch's sources
+// first). tests/bench-results/io-uring-batches-2026-12-03.txt has every run.
 #pragma once
 
 #include <sys/uio.h>
 
 #include <cstdint>
 #include <memory>
-#include <optional>
 #include <span>
 #include <vector>
 
@@ -66,7 +66,6 @@ class DirectBatch {
   // Queues a write of `iov` (which must stay valid until wait() returns) at `offset` of `fd`;
   // false when the batch is full.
   [[nodiscard]] bool add(int fd, std::span<const iovec> iov, uint64_t offset, uint64_t length);
-  [[nodiscard]] size_t size() const { return expected_.size(); }
   // Hands the queued writes to the kernel.
   void submit();
   // Waits for every queued write; for each, in the order added: whether it wrote all its bytes

@@ -218,6 +218,7 @@ class WindowCopier {
     }
     if (!window.empty()) run_window(top_size);  // else everything is committed already
     res.copy_seconds = seconds_since(t_copy);
+    res.io_uring_writes = pool->batched_writes();
     report(true);
     return done_bytes;
   }

@@ -94,9 +94,10 @@ struct MergeOptions {
   bool delete_merged = false;
   WriteMode write_mode = WriteMode::kDirect;  // O_DIRECT only where the filesystem allows it
   unsigned io_threads = kDefaultIoThreads;
-  // Without a governor: write O_DIRECT requests in batches through io_uring, straight from
-  // mappings of the layers (engine/direct_batch.h), where the kernel allows it; else, and with
-  // a governor (which admits each request on its own), io_threads threads splice each request.
+  // Without a governor: write O_DIRECT requests under 64 KiB in batches through io_uring,
+  // straight from mappings of the layers (engine/direct_batch.h), where the kernel allows it.
+  // Larger requests, every request where io_uring cannot be set up, and every request with a
+  // governor (which admits each on its own) are spliced by io_threads threads.
   bool io_uring = true;
   uint64_t inflight_bytes = kDefaultInflightBytes;
   uint64_t window_bytes = kWindowBytes;
@@ -135,7 +136,8 @@ struct MergeResult {
   size_t bitmaps_removed = 0;
   bool base_grown = false;
   bool direct_io = false;  // O_DIRECT was available for (large) requests
-  bool io_uring = false;   // the copy wrote in batches through io_uring
+  bool io_uring = false;   // small requests went in batches through io_uring
+  uint64_t io_uring_writes = 0;  // requests written whole that way
   double copy_seconds = 0;
   double switch_seconds = 0;  // rebase of children + final header updates
   double total_seconds = 0;
