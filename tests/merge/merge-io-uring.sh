@@ -10,8 +10,9 @@
 # io_uring (on the batched path at least half the 6144 pieces: guest-adjacent new clusters join
 # into one request, which goes to the threads from 64 KiB on; none with --no-io-uring); BASE shows
 # TOP's view; qemu-img check is clean; BASE's page cache holds no more than its metadata
-# afterwards (the data went O_DIRECT). On the batched path also: peak RSS <= 64 MiB (the mapped
-# pages of the pieces are unmapped as the copy goes; without that it reached 126 MiB).
+# afterwards (the data went O_DIRECT). The batched path's peak RSS is at most 40 MiB above the
+# threads' (the mapped pages of the pieces are unmapped as the copy goes, every 16 MiB; without
+# that it was 109 MiB above). Relative, so that it holds for a sanitizer build too.
 # Exit 77 (skipped) where BASE's filesystem refuses O_DIRECT or this kernel offers no io_uring.
 #
 # usage: merge-io-uring.sh QCOMMIT
@@ -24,7 +25,8 @@ work=$(mktemp -d "${TMPDIR:-/var/tmp}/qcommit-io-uring.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 cd "$work"
 
-readonly kCluster=65536 kMidClusters=1536 kPieces=6144 kRssLimitKiB=$((64 * 1024)) kMetadataLimit=$((4 << 20))
+readonly kCluster=65536 kMidClusters=1536 kPieces=6144 kMetadataLimit=$((4 << 20))
+readonly kRssAboveThreadsKiB=$((40 * 1024))
 failures=0
 fail() { echo "FAIL: $*" >&2; failures=$((failures + 1)); }
 
@@ -84,12 +86,13 @@ case $path in
 esac
 [[ $writes =~ ^[0-9]+$ ]] && ((writes >= kPieces / 2)) ||
   fail "batched: $writes requests through io_uring, expected at least $((kPieces / 2))"
-((rss_kib <= kRssLimitKiB)) ||
-  fail "batched: peak RSS $rss_kib KiB > $kRssLimitKiB KiB: mapped source pages were not released"
+batched_rss_kib=$rss_kib
 
 merge_once threads --no-io-uring
 [[ $path == false && $writes == 0 ]] ||
   fail "--no-io-uring: the result says \"io-uring\": $path, $writes requests"
+((batched_rss_kib <= rss_kib + kRssAboveThreadsKiB)) ||
+  fail "batched: peak RSS $batched_rss_kib KiB, more than $kRssAboveThreadsKiB KiB above the threads' $rss_kib KiB: mapped source pages were not released"
 
 ((failures == 0)) || exit 1
 echo "OK"
