@@ -212,20 +212,27 @@ class CopyPool {
  private:
   using AlignedBuffer = std::unique_ptr<uint8_t, decltype(&free)>;
 
+  // A worker's buffer: kChunkBytes, aligned for O_DIRECT; null if it cannot be had.
+  [[nodiscard]] static AlignedBuffer chunk_buffer() {
+    void* mem = nullptr;
+    if (posix_memalign(&mem, kDirectAlignment, kChunkBytes) != 0) mem = nullptr;
+    return AlignedBuffer(static_cast<uint8_t*>(mem), &free);
+  }
+
   // Rings and buffers for `n` batched workers, or none at all.
   void open_batches(unsigned n) {
     statm_ = UniqueFd(::open("/proc/self/statm", O_RDONLY | O_CLOEXEC));
     mapped_at_start_ = mapped_file_bytes().value_or(0);
     for (unsigned i = 0; i < n; ++i) {
       auto b = DirectBatch::open();
-      void* mem = nullptr;
-      if (!b || posix_memalign(&mem, kDirectAlignment, kChunkBytes) != 0) {
+      AlignedBuffer buf = chunk_buffer();
+      if (!b || !buf) {
         batches_.clear();
         batch_bufs_.clear();
         return;
       }
       batches_.push_back(std::move(b));
-      batch_bufs_.emplace_back(static_cast<uint8_t*>(mem), &free);
+      batch_bufs_.push_back(std::move(buf));
     }
   }
 
@@ -246,9 +253,8 @@ class CopyPool {
   }
 
   void run() {
-    void* mem = nullptr;
-    if (posix_memalign(&mem, kDirectAlignment, kChunkBytes) != 0) return;
-    std::unique_ptr<uint8_t, decltype(&free)> buf(static_cast<uint8_t*>(mem), &free);
+    const AlignedBuffer buf = chunk_buffer();
+    if (!buf) return;
     SplicePipe pipe;
     bool pipe_tried = false;
     for (;;) {
@@ -355,15 +361,13 @@ class CopyPool {
     return err;
   }
 
-  // The job's data as slices of the sources' mappings (adjacent ones joined); empty where the job
-  // cannot be written that way: not an O_DIRECT job of sources, unaligned, or a source not mapped
-  // (or not wholly inside its mapping: the user-space copy then reads zeros past the end).
+  // The data of a batchable() job as slices of the sources' mappings (adjacent ones joined); empty
+  // where it cannot be written that way: too many sources, one unaligned, or one not mapped (or
+  // not wholly inside its mapping: the user-space copy then reads zeros past the end).
   // Starts reading the sources into the page cache.
   [[nodiscard]] std::vector<iovec> mapped_iovecs(const CopyJob& j) {
     std::vector<iovec> v;
-    if (!j.direct_dst || !j.clusters.empty() || j.sources.empty() || j.sources.size() > IOV_MAX ||
-        j.dst_offset % kDirectAlignment != 0 || j.length % kDirectAlignment != 0)
-      return v;
+    if (j.sources.size() > IOV_MAX) return v;
     std::vector<const SourceMapping*> maps;
     maps.reserve(j.sources.size());
     for (const CopySource& s : j.sources) {
@@ -395,7 +399,7 @@ class CopyPool {
     const std::optional<uint64_t> now = mapped_file_bytes();
     if (now && *now < mapped_at_start_ + kMaxMappedBytes) return;
     for (const auto& [fd, m] : maps_)
-      if (m) m->release(0, m->size());
+      if (m) m->unmap_pages();
   }
 
   // File pages mapped by this process (statm's third field: resident shared pages).

@@ -5,7 +5,6 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 
-#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -14,7 +13,6 @@
 namespace qcommit::engine {
 
 namespace {
-constexpr uint64_t kPageBytes = 4096;
 // Submissions refused as busy before the rest of a batch is left to the threads' copy.
 constexpr int kMaxSubmitRetries = 100;
 }  // namespace
@@ -41,10 +39,8 @@ void SourceMapping::prefetch(uint64_t offset, uint64_t length) const {
   (void)::posix_fadvise(fd_, off_t(offset), off_t(length), POSIX_FADV_WILLNEED);
 }
 
-void SourceMapping::release(uint64_t offset, uint64_t length) const {
-  const uint64_t from = offset - offset % kPageBytes;
-  const uint64_t to = std::min(size_, offset + length);
-  if (to > from) (void)::madvise(base_ + from, to - from, MADV_DONTNEED);
+void SourceMapping::unmap_pages() const {
+  (void)::madvise(base_, size_, MADV_DONTNEED);
 }
 
 struct DirectBatch::Ring {

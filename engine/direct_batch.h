@@ -38,10 +38,9 @@ class SourceMapping {
   [[nodiscard]] const uint8_t* at(uint64_t offset, uint64_t length) const;
   // Starts reading [offset, offset + length) into the page cache, without waiting.
   void prefetch(uint64_t offset, uint64_t length) const;
-  // Drops this process's page-table entries for [offset, offset + length) (the page cache keeps
-  // the pages): pages a write has touched otherwise count in our resident set.
-  void release(uint64_t offset, uint64_t length) const;
-  [[nodiscard]] uint64_t size() const { return size_; }
+  // Drops this process's page-table entries for the whole mapping (the page cache keeps the
+  // pages): pages a write has touched otherwise count in our resident set.
+  void unmap_pages() const;
 
  private:
   SourceMapping(int fd, uint8_t* base, uint64_t size) : fd_(fd), base_(base), size_(size) {}
