@@ -4,6 +4,7 @@
 #include <liburing.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstdio>
@@ -15,6 +16,13 @@ namespace qcommit::engine {
 namespace {
 // Submissions refused as busy before the rest of a batch is left to the threads' copy.
 constexpr int kMaxSubmitRetries = 100;
+// Pages a batch's writes touched stay mapped, and count in the resident set, until the file pages
+// this process maps have grown by this much; then every mapping's pages are unmapped at once. A
+// fault maps the pages around the faulting one, or its whole large folio, so what a write maps is
+// not known from its length (unmapping after every 16 MiB written, rand4g's 64 KiB writes took
+// the peak RSS to 79 MiB). Unmapping after each batch instead (its span, or 2 MiB around each
+// write) cost more system CPU than batching saved: every write faulted its pages in again.
+constexpr uint64_t kMaxMappedBytes = 16ull << 20;
 }  // namespace
 
 std::unique_ptr<SourceMapping> SourceMapping::map(int fd) {
@@ -41,6 +49,37 @@ void SourceMapping::prefetch(uint64_t offset, uint64_t length) const {
 
 void SourceMapping::unmap_pages() const {
   (void)::madvise(base_, size_, MADV_DONTNEED);
+}
+
+SourceMappings::SourceMappings() : statm_(::open("/proc/self/statm", O_RDONLY | O_CLOEXEC)) {
+  mapped_at_start_ = mapped_file_bytes().value_or(0);
+}
+
+SourceMappings::~SourceMappings() = default;
+
+const SourceMapping* SourceMappings::of(int fd) {
+  std::lock_guard lk(mu_);
+  auto it = maps_.find(fd);
+  if (it == maps_.end()) it = maps_.emplace(fd, SourceMapping::map(fd)).first;
+  return it->second.get();
+}
+
+void SourceMappings::release_if_grown() {
+  std::lock_guard lk(mu_);
+  const std::optional<uint64_t> now = mapped_file_bytes();
+  if (now && *now < mapped_at_start_ + kMaxMappedBytes) return;
+  for (const auto& [fd, m] : maps_)
+    if (m) m->unmap_pages();
+}
+
+std::optional<uint64_t> SourceMappings::mapped_file_bytes() const {
+  char text[128];
+  const ssize_t n = statm_.valid() ? ::pread(statm_.get(), text, sizeof text - 1, 0) : -1;
+  if (n <= 0) return std::nullopt;
+  text[n] = 0;
+  unsigned long long size = 0, resident = 0, shared = 0;
+  if (std::sscanf(text, "%llu %llu %llu", &size, &resident, &shared) != 3) return std::nullopt;
+  return shared * uint64_t(::sysconf(_SC_PAGESIZE));
 }
 
 struct DirectBatch::Ring {

@@ -17,9 +17,14 @@
 #include <sys/uio.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <span>
 #include <vector>
+
+#include "qcow2/unique_fd.h"
 
 namespace qcommit::engine {
 
@@ -47,6 +52,31 @@ class SourceMapping {
   int fd_;
   uint8_t* base_;
   uint64_t size_;
+};
+
+// The mappings the batched workers write from, one per source descriptor (made on first use and
+// kept while the set lives: a descriptor must stay open on the same file as long), and the bound
+// on the pages they keep mapped.
+class SourceMappings {
+ public:
+  SourceMappings();
+  ~SourceMappings();
+  SourceMappings(const SourceMappings&) = delete;
+  SourceMappings& operator=(const SourceMappings&) = delete;
+
+  // The mapping of `fd`; null where it cannot be mapped.
+  [[nodiscard]] const SourceMapping* of(int fd);
+  // Unmaps every mapping's pages once the file pages this process maps have grown by
+  // kMaxMappedBytes since the set was made (each time, where that cannot be told).
+  void release_if_grown();
+
+ private:
+  // File pages mapped by this process (/proc/self/statm's resident shared pages).
+  [[nodiscard]] std::optional<uint64_t> mapped_file_bytes() const;
+  std::mutex mu_;
+  std::map<int, std::unique_ptr<SourceMapping>> maps_;  // by source descriptor
+  UniqueFd statm_;                                      // /proc/self/statm
+  uint64_t mapped_at_start_ = 0;
 };
 
 // One io_uring instance for one worker: vectored writes queued, submitted together, waited for
