@@ -455,13 +455,16 @@ void print_merge_result(const engine::MergeResult& r, engine::WriteMode mode,
     print_json(result_json(r, gm.policy, gm.governor.get()));
     return;
   }
+  const std::string batched = r.io_uring_writes ? "; " + std::to_string(r.io_uring_writes) +
+                                                      " small requests in batches through io_uring"
+                                                : "";
   std::printf("merged %s into %s: %s copied, %s zeroed in %.2fs (%s%s)\n", r.top.c_str(),
               r.base.c_str(), format_size(r.copied_bytes).c_str(),
               format_size(r.zeroed_bytes).c_str(), r.copy_seconds,
               !r.direct_io                       ? "buffered, bounded dirty data"
               : mode == engine::WriteMode::kAuto ? "O_DIRECT for large requests, buffered for small"
                                                  : "O_DIRECT",
-              r.io_uring ? "; batched through io_uring" : "");
+              batched.c_str());
   if (r.resumed)
     std::printf("resumed an interrupted run (from offset %s)\n",
                 format_size(r.resumed_from).c_str());

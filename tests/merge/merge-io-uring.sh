@@ -12,7 +12,9 @@
 # TOP's view; qemu-img check is clean; BASE's page cache holds no more than its metadata
 # afterwards (the data went O_DIRECT). The batched path's peak RSS is at most 40 MiB above the
 # threads' (the mapped pages of the pieces are unmapped as the copy goes, every 16 MiB; without
-# that it was 109 MiB above). Relative, so that it holds for a sanitizer build too.
+# that it was 109 MiB above). Relative, so that it holds for a sanitizer build too. The
+# human-readable result line counts the requests that went through io_uring, and is silent about
+# io_uring where none did.
 # Exit 77 (skipped) where BASE's filesystem refuses O_DIRECT or this kernel offers no io_uring.
 #
 # usage: merge-io-uring.sh QCOMMIT
@@ -93,6 +95,25 @@ merge_once threads --no-io-uring
   fail "--no-io-uring: the result says \"io-uring\": $path, $writes requests"
 ((batched_rss_kib <= rss_kib + kRssAboveThreadsKiB)) ||
   fail "batched: peak RSS $batched_rss_kib KiB, more than $kRssAboveThreadsKiB KiB above the threads' $rss_kib KiB: mapped source pages were not released"
+
+# The human-readable result names the requests that went through io_uring, and only when some did:
+# a small chain whose TOP has 32 whole clusters (every request 64 KiB), then one whose TOP has 32
+# single 4 KiB pieces in place over BASE's data, in clusters far apart (32 batched requests).
+# human_line TOP_OPTIONS QEMU_IO_WRITE_FORMAT: prints the merge's result line.
+human_line() {
+  rm -f small-base.qcow2 small-top.qcow2
+  qemu-img create -q -f qcow2 small-base.qcow2 64M
+  qemu-io -f qcow2 -c "write -P 1 0 64M" small-base.qcow2 >/dev/null
+  qemu-img create -q -f qcow2 $1 -b small-base.qcow2 -F qcow2 small-top.qcow2 64M
+  seq 0 31 | awk -v cs=$kCluster -v f="$2" '{ printf f "\n", $1 % 250 + 2, $1 * 3 * cs }' |
+    qemu-io -f qcow2 small-top.qcow2 >/dev/null
+  "$QCOMMIT" merge small-top.qcow2 --base small-base.qcow2 --budget off | grep '^merged '
+}
+line=$(human_line "" "write -P %d %d 64k")
+[[ $line != *io_uring* ]] || fail "whole clusters only: the result line speaks of io_uring: $line"
+line=$(human_line "-o extended_l2=on,cluster_size=64k" "write -P %d %d 4k")
+[[ $line == *"; 32 small requests in batches through io_uring)"* ]] ||
+  fail "32 pieces of 4 KiB: the result line does not name them as batched: $line"
 
 ((failures == 0)) || exit 1
 echo "OK"
