@@ -97,14 +97,12 @@ settle() {
   fi
 }
 
-disk_source() { virsh domblklist "$dom" | awk '$1=="vda"{print $2}'; }
-
 # The merge succeeded after the domain shut off: data, images and definition.
 check_merged() {
   local state
   state=$(virsh domstate "$dom" 2>&1)
   [[ $state == "shut off" ]] || fail "domain is '$state' after the merge"
-  [[ $(disk_source) == "$dir/base.qcow2" ]] || fail "disk source after the merge is '$(disk_source)'"
+  [[ $(vda_source "$dom") == "$dir/base.qcow2" ]] || fail "disk source after the merge is '$(vda_source "$dom")'"
   qemu-img compare -q view.raw base.qcow2 || fail "merged BASE differs from the guest view"
   qemu-img check -q base.qcow2 || fail "base.qcow2 not clean"
 }
@@ -156,7 +154,7 @@ for scen in "${scenarios[@]}"; do
       errors=$(grep -v '^qcommit: waiting up to' err.txt || true)
       [[ $(printf '%s\n' "$errors" | grep -c .) == 1 && $errors == *"domain $dom"*"shutting down"* ]] ||
         fail "expected one error line naming the domain, got: $(cat err.txt)"
-      [[ $(disk_source) == "$dir/top.qcow2" ]] || fail "definition changed: disk on '$(disk_source)'"
+      [[ $(vda_source "$dom") == "$dir/top.qcow2" ]] || fail "definition changed: disk on '$(vda_source "$dom")'"
       qemu-img compare -q base0.raw base.qcow2 || fail "BASE was written"
       [[ -e top.qcow2 ]] || fail "TOP is gone"
       echo "  timeout: gave up after ${ms} ms: $errors" >&2

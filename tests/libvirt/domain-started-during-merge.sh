@@ -121,7 +121,7 @@ finish_and_verify() {
       fail "the re-run failed: $(tail -n 3 rerun.err)"
   fi
   local src
-  src=$(virsh domblklist "$dom" | awk '$1=="vda"{print $2}')
+  src=$(vda_source "$dom")
   [[ $src == "$dir/$active" ]] || fail "vda is '$src', expected $dir/$active"
   qemu-img compare -q view0.raw "$dir/$active" || fail "the guest view of $active differs from before the merge"
   local f

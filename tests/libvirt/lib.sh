@@ -21,6 +21,9 @@ XML
   virsh -q define "$dir/dom.xml" >/dev/null
 }
 
+# vda_source DOMAIN: the file DOMAIN's vda reads now (virsh domblklist).
+vda_source() { virsh -q domblklist "$1" | awk '$1 == "vda" {print $2}'; }
+
 # daemon_test_init TEST PREFIX: the set-up of a test with one domain and a qcommitd of its own:
 # libvirtd reachable, DIR (/var/lib/libvirt/images/PREFIX-PID-RANDOM, the working directory from
 # here on), DOM (its domain), fail() naming TEST and showing qcommitd's log tail, and a cleanup on

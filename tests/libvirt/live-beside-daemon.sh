@@ -63,7 +63,7 @@ echo "  progress events with qcommitd's speed, phase and percent: $n"
 grep "governing .* job on domain $dom" d.log | sed 's/^/  qcommitd: /' | cut -c1-120
 grep -q "governing commit job on domain $dom disk vda (target $dir/base.qcow2" d.log ||
   fail "qcommitd did not govern the commit qcommit live started"
-src=$(virsh -q domblklist "$dom" | awk '$1 == "vda" {print $2}')
+src=$(vda_source "$dom")
 [[ $src == "$dir/base.qcow2" ]] || fail "vda is on $src after the pivot, expected base.qcow2"
 virsh -q destroy "$dom" >/dev/null
 qemu-img compare -q base.qcow2 view-before.raw || fail "base.qcow2 does not hold the guest's view"

@@ -64,7 +64,7 @@ jq -se 'map(select(.event == "wait"))[0] | .uri == "qemu:///system" and has("tim
 jq -se 'map(select(.event == "progress")) | length >= 2' events >/dev/null || fail "fewer than 2 progress events: $(head -c 400 events)"
 [[ $(echo "$top_speed <= $cap" | bc) == 1 ]] || fail "a progress event shows speed $top_speed > $cap"
 ((qemu_max <= cap)) || fail "QEMU ran the job at $qemu_max bytes/s > $cap"
-virsh -q domblklist "$dom" | grep -q "base.qcow2" || fail "vda is not on base.qcow2 after the pivot"
+[[ $(vda_source "$dom") == */base.qcow2 ]] || fail "vda is on '$(vda_source "$dom")', not base.qcow2, after the pivot"
 virsh -q destroy "$dom" >/dev/null
 qemu-img compare -q base.qcow2 view-before.raw || fail "base.qcow2 differs from the guest's view"
 echo "libvirt.live_libvirtd_restart: OK"

@@ -23,7 +23,7 @@ refusals=$(grep -c '^refused vda$' refusals 2>/dev/null || true)
 echo "  pivots refused as not ready: ${refusals:-0}; result: $(jq -c 'select(.event == "result")' events)"
 [[ $refusals == "$kRefusals" ]] || fail "the shim refused ${refusals:-0} pivots, expected $kRefusals (was it loaded?)"
 [[ $(jq -se 'map(select(.event == "result"))[0].outcome' events) == '"done"' ]] || fail "no result 'done': $(cat events)"
-[[ $(virsh -q domblklist "$dom" | awk '$1 == "vda" {print $2}') == "$dir/base.qcow2" ]] ||
+[[ $(vda_source "$dom") == "$dir/base.qcow2" ]] ||
   fail "vda is not on base.qcow2 after the pivot"
 virsh -q destroy "$dom" >/dev/null
 qemu-img compare -q view-before.raw base.qcow2 || fail "base.qcow2 differs from the guest's view"

@@ -17,9 +17,6 @@ daemon_test_init libvirt.live_probe qlp
 fs=$(stat -f -c %T "$dir")
 [[ $fs == ext2/ext3 || $fs == xfs || $fs == btrfs ]] || { echo "$dir is on $fs, not a local disk filesystem: skipped" >&2; exit 77; }
 
-# The file the domain's vda is on now.
-vda_source() { virsh -q domblklist "$dom" | awk '$1 == "vda" {print $2}'; }
-
 # A fresh chain (top over base, 24 MiB of TOP's own data), the domain started on it.
 fresh_chain() {
   virsh -q destroy "$dom" >/dev/null 2>&1 || true
@@ -45,7 +42,7 @@ merge_with() {
   [[ $(jq -se --arg w "$want" 'map(select(.event == "progress" and .probe != $w)) | length' events) == 0 ]] ||
     fail "$*: a progress event with a probe other than $want: $(grep progress events | head -n 3)"
   [[ $(jq -se 'map(select(.event == "result"))[0].outcome' events) == '"done"' ]] || fail "$*: no result 'done'"
-  [[ $(vda_source) == "$dir/base.qcow2" ]] ||
+  [[ $(vda_source "$dom") == "$dir/base.qcow2" ]] ||
     fail "$*: vda is not on base.qcow2 after the pivot"
   virsh -q destroy "$dom" >/dev/null
   qemu-img compare -q view-before.raw base.qcow2 || fail "$*: base.qcow2 differs from the guest's view"
@@ -61,7 +58,7 @@ refused() {
   echo "  --probe $1: exit $rc: $(cat err)"
   [[ $rc == 2 ]] || fail "--probe $1: exit $rc, expected 2"
   [[ $(wc -l <err) == 1 ]] && grep -q -- "$2" err || fail "--probe $1: expected one line matching '$2'"
-  [[ $(vda_source) == "$dir/top.qcow2" ]] ||
+  [[ $(vda_source "$dom") == "$dir/top.qcow2" ]] ||
     fail "--probe $1 changed the disk's chain"
 }
 refused bogus "^qcommit live: --probe bogus: not auto, off or a period such as 50ms$"

@@ -123,7 +123,7 @@ grep -qxF "# base=$dir/e.base.qcow2" e.csv || fail "merge --domain: the trace do
   fail "merge --domain result: $(grep '"result"' e.json)"
 [[ $(field e.json policy ceiling) == "$kCeiling" ]] || fail "merge --domain: the pool's ceiling is lost: $(grep '"policy"' e.json)"
 check_merged "$dir" e
-src=$(virsh domblklist "$dom" | awk '$1=="vda"{print $2}')
+src=$(vda_source "$dom")
 [[ $src == "$dir/e.base.qcow2" ]] || fail "domain disk after merge is '$src'"
 chain "$dir" f
 virsh -q dumpxml --inactive "$dom" | sed "s|$dir/e.base.qcow2|$dir/f.qcow2|" >dom2.xml

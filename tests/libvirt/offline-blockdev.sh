@@ -106,7 +106,7 @@ define_disk_domain "$dom" "$dir/ov2.qcow2"
 "$QCOMMIT" merge --domain "$dom" --disk vda --base "$base" --budget off >out2.txt 2>&1 ||
   fail "domain merge failed: $(cat out2.txt)"
 qemu-img compare -q -f raw -F raw view2.raw "$base" || fail "BASE differs from ov2's view after the domain merge"
-src=$(virsh domblklist "$dom" | awk '$1=="vda"{print $2}')
+src=$(vda_source "$dom")
 [[ $src == "$base" ]] || fail "domblklist says vda is '$src', expected $base"
 virsh dumpxml --inactive "$dom" | python3 -c '
 import sys, xml.etree.ElementTree as ET

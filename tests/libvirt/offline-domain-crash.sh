@@ -78,7 +78,7 @@ for disk in ET.parse(sys.stdin).getroot().iter("disk"):
 verify() {
   local active=$1 snaps_want=$2 merged=$3 deleted=$4
   local src
-  src=$(virsh domblklist "$dom" | awk '$1=="vda"{print $2}')
+  src=$(vda_source "$dom")
   [[ $src == "$dir/$active" ]] || fail "domblklist says vda is '$src', expected $dir/$active"
   qemu-img compare -q view0.raw "$dir/$active" || fail "guest view of $active differs from the view before the merge"
   local f

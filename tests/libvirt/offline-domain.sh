@@ -48,7 +48,7 @@ qemu-img convert -O raw base.s3 view0.raw
 
 # 1. The active layer into its backing file (the default).
 "$QCOMMIT" merge --domain "$dom" --disk vda --budget off >out1.txt 2>&1 || fail "merge 1 failed: $(cat out1.txt)"
-src=$(virsh domblklist "$dom" | awk '$1=="vda"{print $2}')
+src=$(vda_source "$dom")
 [[ $src == "$dir/base.s2" ]] || fail "disk source after merge 1 is '$src', expected base.s2"
 qemu-img compare -q view0.raw base.s2 || fail "view changed by merge 1"
 qemu-img check -q base.s2 || fail "base.s2 not clean"

@@ -180,7 +180,7 @@ sed 's/^/  qcommit: /' "$work/out2.txt"
 qemu-img compare -q -f raw -F qcow2 "$work/view2.raw" s1.qcow2 || fail "s1.qcow2 differs from s2's old view after the domain merge"
 for f in base.qcow2 s1.qcow2; do qemu-img check -q "$f" || fail "$f not clean after the domain merge"; done
 [[ ! -e s2.qcow2 ]] || fail "s2.qcow2 still exists after merge --delete"
-src=$(virsh domblklist "$dom" | awk '$1=="vda"{print $2}')
+src=$(vda_source "$dom")
 [[ $src == "$dir/s1.qcow2" ]] || fail "domblklist says vda is '$src', expected $dir/s1.qcow2"
 virsh dumpxml --inactive "$dom" | python3 -c '
 import sys, xml.etree.ElementTree as ET
@@ -208,7 +208,7 @@ left=$(find "$dir" -maxdepth 1 -name '*.qcommit-merge*' | xargs)
 ! virsh -q metadata "$dom" urn:qcommit:domain-merge --config >/dev/null 2>&1 || fail "merge journal left in the definition"
 # libvirt runs the domain on the merged chain in the pool.
 if virsh -q start "$dom" >"$work/dstart.err" 2>&1; then
-  live=$(virsh domblklist "$dom" | awk '$1=="vda"{print $2}')
+  live=$(vda_source "$dom")
   [[ $live == "$dir/s1.qcow2" ]] || fail "the started domain runs vda on '$live'"
   virsh -q destroy "$dom" >/dev/null 2>&1 || true
 else
