@@ -455,9 +455,13 @@ void print_merge_result(const engine::MergeResult& r, engine::WriteMode mode,
     print_json(result_json(r, gm.policy, gm.governor.get()));
     return;
   }
-  const std::string batched = r.io_uring_writes ? "; " + std::to_string(r.io_uring_writes) +
-                                                      " small requests in batches through io_uring"
-                                                : "";
+  // The requests under 64 KiB that went through io_uring (O_DIRECT, whatever the mode says of
+  // small requests); nothing where none did.
+  const std::string batched = r.io_uring_writes == 0
+                                  ? ""
+                                  : "; " + std::to_string(r.io_uring_writes) +
+                                        (r.io_uring_writes == 1 ? " request" : " requests") +
+                                        " under 64 KiB O_DIRECT in batches through io_uring";
   std::printf("merged %s into %s: %s copied, %s zeroed in %.2fs (%s%s)\n", r.top.c_str(),
               r.base.c_str(), format_size(r.copied_bytes).c_str(),
               format_size(r.zeroed_bytes).c_str(), r.copy_seconds,

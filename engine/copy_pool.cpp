@@ -85,7 +85,7 @@ using AlignedBuffer = std::unique_ptr<uint8_t, decltype(&free)>;
 
 // O_DIRECT destination: splice the sources' cached pages into the pipe, one device request's
 // worth at a time, and the pipe into the write.
-uint64_t splice_copy(const CopyJob& j, SplicePipe& pipe) {
+[[nodiscard]] uint64_t splice_copy(const CopyJob& j, SplicePipe& pipe) {
   if (!pipe.piece) return 0;
   for (const CopySource& s : j.sources)
     if (s.offset % kDirectAlignment != 0 || s.length % kDirectAlignment != 0) return 0;
@@ -128,7 +128,7 @@ uint64_t splice_copy(const CopyJob& j, SplicePipe& pipe) {
 
 // Buffered destination: copy_file_range (a page-cache copy in the kernel, or a reflink or a
 // server-side copy where the filesystem offers one).
-uint64_t range_copy(const CopyJob& j) {
+[[nodiscard]] uint64_t range_copy(const CopyJob& j) {
   uint64_t done = 0;
   for (const CopySource& s : j.sources) {
     for (uint64_t sp = 0; sp < s.length;) {
@@ -305,6 +305,7 @@ void CopyPool::open_batches(unsigned n) {
     if (!b || !buf) {
       batches_.clear();
       batch_bufs_.clear();
+      maps_.reset();
       return;
     }
     batches_.push_back(std::move(b));
@@ -351,11 +352,11 @@ void CopyPool::run() {
   }
 }
 
-void CopyPool::finished(uint64_t bytes, uint64_t batched, const std::exception_ptr& err) {
+void CopyPool::finished(uint64_t bytes, uint64_t written, const std::exception_ptr& err) {
   {
     std::lock_guard lk(mu_);
     inflight_ -= bytes;
-    batched_writes_ += batched;
+    batched_writes_ += written;
     if (err && !error_) error_ = err;
   }
   done_cv_.notify_all();

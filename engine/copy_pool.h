@@ -3,8 +3,9 @@
 // (splice into O_DIRECT writes, copy_file_range into buffered ones), else through user space;
 // clusters that TOP provides only parts of are assembled in the worker's buffer and written once.
 // The engine's governor admits each job; completions are reported back to it. Unthrottled, where
-// io_uring is available, small requests go instead to two workers that write them in batches
-// straight from mappings of the sources (engine/direct_batch.h).
+// io_uring is available, small requests go instead to a few workers (kBatchWorkers in
+// copy_pool.cpp) that write them in batches straight from mappings of the sources
+// (engine/direct_batch.h).
 #pragma once
 
 #include <sys/uio.h>
@@ -105,9 +106,9 @@ class CopyPool {
   void rethrow_locked();
   // A splice thread: one job at a time from queue_.
   void run();
-  // A worker is done with requests of `bytes` in all, `batched` of them written through io_uring;
+  // A worker is done with requests of `bytes` in all, `written` of them written through io_uring;
   // the first error is kept for submit() and drain() to throw.
-  void finished(uint64_t bytes, uint64_t batched, const std::exception_ptr& err);
+  void finished(uint64_t bytes, uint64_t written, const std::exception_ptr& err);
   // A batched worker. `buf`: kChunkBytes, aligned, for the jobs copied the threads' way.
   void run_batched(DirectBatch& batch, uint8_t* buf);
   // The queued small jobs, up to one batch (at least one; none only when the pool stops).
@@ -118,10 +119,10 @@ class CopyPool {
   // first error; `written`: the jobs written whole through `batch`.
   [[nodiscard]] std::exception_ptr copy_batch(std::vector<CopyJob>& jobs, DirectBatch& batch,
                                               uint8_t* buf, SplicePipe& pipe, uint64_t& written);
-  // The data of a batchable job as slices of the sources' mappings (adjacent ones joined); empty
-  // where it cannot be written that way: too many sources, one unaligned, or one not mapped (or
-  // not wholly inside its mapping: the user-space copy then reads zeros past the end).
-  // Starts reading the sources into the page cache.
+  // The data of a job for the batched workers (batchable() in copy_pool.cpp) as slices of the
+  // sources' mappings (adjacent ones joined); empty where it cannot be written that way: too many
+  // sources, one unaligned, or one not mapped (or not wholly inside its mapping: the user-space
+  // copy then reads zeros past the end). Starts reading the sources into the page cache.
   [[nodiscard]] std::vector<iovec> mapped_iovecs(const CopyJob& j);
 
   uint64_t limit_;

@@ -67,7 +67,8 @@ class SourceMappings {
   // The mapping of `fd`; null where it cannot be mapped.
   [[nodiscard]] const SourceMapping* of(int fd);
   // Unmaps every mapping's pages once the file pages this process maps have grown by
-  // kMaxMappedBytes since the set was made (each time, where that cannot be told).
+  // kMaxMappedBytes (16 MiB, direct_batch.cpp) since the set was made (each time, where that
+  // cannot be told).
   void release_if_grown();
 
  private:

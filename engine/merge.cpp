@@ -10,8 +10,8 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <charconv>
 #include <atomic>
+#include <charconv>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -31,6 +31,7 @@
 #include "qcow2/chain.h"
 #include "qcow2/check.h"
 #include "qcow2/error.h"
+#include "qcow2/unique_fd.h"
 #include "qcow2/writer.h"
 
 namespace qcommit::engine {

@@ -136,7 +136,7 @@ struct MergeResult {
   size_t bitmaps_removed = 0;
   bool base_grown = false;
   bool direct_io = false;  // O_DIRECT was available for (large) requests
-  bool io_uring = false;   // small requests went in batches through io_uring
+  bool io_uring = false;   // small requests could go in batches through io_uring (rings set up)
   uint64_t io_uring_writes = 0;  // requests written whole that way
   double copy_seconds = 0;
   double switch_seconds = 0;  // rebase of children + final header updates
