@@ -120,6 +120,71 @@ struct Config {
   }
 };
 
+// Rows of a CSV file, buffered in memory by the threads that serve requests and written by a
+// thread of its own: writing the file on a request's path once stalled the FIFO server (and every
+// request behind it) for 96-126 ms while the host flushed its page cache. Rows go out every
+// kLogWritePeriod, at once after an urgent one, and all that are left when the log is destroyed.
+class CsvLog {
+ public:
+  static constexpr auto kLogWritePeriod = std::chrono::milliseconds(200);
+
+  // `f` null: no log, add() does nothing.
+  CsvLog(FILE* f, const char* header) : f_(f) {
+    if (!f_) return;
+    std::fputs(header, f_);
+    writer_ = std::thread([this] { write_rows(); });
+  }
+  ~CsvLog() {
+    if (!writer_.joinable()) return;
+    {
+      std::lock_guard lk(m_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    writer_.join();
+  }
+  CsvLog(const CsvLog&) = delete;
+  CsvLog& operator=(const CsvLog&) = delete;
+
+  explicit operator bool() const { return f_ != nullptr; }
+
+  // Appends the row `snprintf` made in `line` (`n` its result, `cap` the buffer's size).
+  void add(const char* line, int n, std::size_t cap, bool urgent) {
+    if (!f_ || n <= 0) return;
+    {
+      std::lock_guard lk(m_);
+      buf_.append(line, std::min<std::size_t>(static_cast<std::size_t>(n), cap - 1));
+    }
+    if (urgent) cv_.notify_one();
+  }
+
+ private:
+  void write_rows() {
+    std::string out;
+    std::unique_lock lk(m_);
+    for (;;) {
+      cv_.wait_for(lk, kLogWritePeriod, [&] { return stop_ || !buf_.empty(); });
+      out.swap(buf_);
+      const bool stop = stop_;
+      lk.unlock();
+      if (!out.empty()) {
+        std::fwrite(out.data(), 1, out.size(), f_);
+        std::fflush(f_);
+        out.clear();
+      }
+      lk.lock();
+      if (stop && buf_.empty()) return;
+    }
+  }
+
+  FILE* f_;
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::string buf_;
+  bool stop_ = false;
+  std::thread writer_;
+};
+
 // One FIFO "server": requests are served strictly in arrival order at `bandwidth` bytes/s.
 class FifoLink {
  public:
@@ -134,11 +199,7 @@ class FifoLink {
   };
 
   FifoLink(double bps, double latency_ms, FILE* log)
-      : bps_(bps), latency_ms_(latency_ms), log_(log) {
-    if (log_) {
-      std::fputs(kLogHeader, log_);
-      logger_ = std::thread([this] { write_log(); });
-    }
+      : bps_(bps), latency_ms_(latency_ms), log_(log, kLogHeader) {
     server_ = std::thread([this] { serve(); });
   }
   ~FifoLink() {
@@ -148,14 +209,6 @@ class FifoLink {
     }
     cv_server_.notify_all();
     server_.join();
-    if (logger_.joinable()) {
-      {
-        std::lock_guard lk(log_m_);
-        log_stop_ = true;
-      }
-      log_cv_.notify_all();
-      logger_.join();
-    }
   }
 
   void set_bandwidth(double bps) { bps_.store(bps); }
@@ -217,8 +270,6 @@ class FifoLink {
       double wait_ms = Seconds(start - t->enqueued).count() * 1e3;
       max_wait_ms_ = std::max(max_wait_ms_, wait_ms);
       if (log_) {
-        // The line goes to the logger thread: writing the file here once stalled the server
-        // (and every request behind it) for 96-126 ms while the host flushed its page cache.
         char line[192];
         const int n = std::snprintf(
             line, sizeof line, "%.6f,%c,%llu,%llu,%llu,%u,%llu,%.3f,%.3f\n", t->enqueued_epoch,
@@ -226,51 +277,22 @@ class FifoLink {
             static_cast<unsigned long long>(t->offset), static_cast<unsigned long long>(t->bytes),
             t->ahead_reqs, static_cast<unsigned long long>(t->ahead_bytes), wait_ms,
             Seconds(service).count() * 1e3);
-        std::lock_guard lg(log_m_);
-        if (n > 0)
-          log_buf_.append(line,
-                          std::min<std::size_t>(static_cast<std::size_t>(n), sizeof line - 1));
-        if (t->op == 'F' || total_reqs_ % 64 == 0) log_cv_.notify_one();
+        log_.add(line, n, sizeof line, t->op == 'F' || total_reqs_ % 64 == 0);
       }
       t->done = true;
       cv_done_.notify_all();
     }
   }
 
-  // Writes what the server logged, off the server thread.
-  void write_log() {
-    std::string out;
-    std::unique_lock lk(log_m_);
-    for (;;) {
-      log_cv_.wait_for(lk, std::chrono::milliseconds(200),
-                       [&] { return log_stop_ || !log_buf_.empty(); });
-      out.swap(log_buf_);
-      const bool stop = log_stop_;
-      lk.unlock();
-      if (!out.empty()) {
-        std::fwrite(out.data(), 1, out.size(), log_);
-        std::fflush(log_);
-        out.clear();
-      }
-      lk.lock();
-      if (stop && log_buf_.empty()) return;
-    }
-  }
-
   std::atomic<double> bps_;
   std::atomic<double> latency_ms_;
-  FILE* log_;
+  CsvLog log_;
   std::mutex m_;
   std::condition_variable cv_server_, cv_done_;
   std::deque<Ticket*> queue_;
   uint64_t queued_bytes_ = 0, total_reqs_ = 0, total_bytes_ = 0;
   double max_wait_ms_ = 0;
   bool stop_ = false;
-  std::mutex log_m_;
-  std::condition_variable log_cv_;
-  std::string log_buf_;
-  bool log_stop_ = false;
-  std::thread logger_;
   std::thread server_;
 };
 
@@ -287,39 +309,22 @@ struct DirHandle {
   dirent* entry = nullptr;
 };
 
-// Backing operations that took kBackingSlowMs or more, buffered until the control loop writes them.
+// Backing operations that took kBackingSlowMs or more.
 class BackingLog {
  public:
-  explicit BackingLog(FILE* f) : f_(f) {
-    if (f_) std::fputs(kBackingLogHeader, f_);
-  }
+  explicit BackingLog(FILE* f) : log_(f, kBackingLogHeader) {}
   void note(char op, uint64_t ino, uint64_t offset, uint64_t bytes, double ms) {
-    if (!f_ || ms < kBackingSlowMs) return;
+    if (!log_ || ms < kBackingSlowMs) return;
     char line[160];
     const int n =
         std::snprintf(line, sizeof line, "%.6f,%c,%llu,%llu,%llu,%.3f\n", epoch_now(), op,
                       static_cast<unsigned long long>(ino), static_cast<unsigned long long>(offset),
                       static_cast<unsigned long long>(bytes), ms);
-    std::lock_guard lk(m_);
-    if (n > 0)
-      buf_.append(line, std::min<std::size_t>(static_cast<std::size_t>(n), sizeof line - 1));
-  }
-  void flush() {
-    std::string out;
-    {
-      std::lock_guard lk(m_);
-      out.swap(buf_);
-    }
-    if (f_ && !out.empty()) {
-      std::fwrite(out.data(), 1, out.size(), f_);
-      std::fflush(f_);
-    }
+    log_.add(line, n, sizeof line, false);
   }
 
  private:
-  FILE* f_;
-  std::mutex m_;
-  std::string buf_;
+  CsvLog log_;
 };
 
 // Milliseconds since `start`.
@@ -808,10 +813,8 @@ void control_loop(const Config& cfg, FifoLink& link) {
         std::rename(tmp.c_str(), cfg.stats.c_str());
       }
     }
-    if (g_fs->backing_log) g_fs->backing_log->flush();
     std::this_thread::sleep_for(kControlPoll);
   }
-  if (g_fs->backing_log) g_fs->backing_log->flush();
 }
 
 Config parse_args(int argc, char** argv) {
@@ -974,7 +977,9 @@ int main(int argc, char** argv) {
   umount2(cfg.mount.c_str(), MNT_DETACH);
   fuse_session_destroy(se);
   fs.link.reset();
+  fs.backing_log.reset();
   if (log) std::fclose(log);
+  if (backing_log) std::fclose(backing_log);
   if (!cfg.pidfile.empty()) unlink(cfg.pidfile.c_str());
   return rc < 0 ? 1 : 0;
 }
