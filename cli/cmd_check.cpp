@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // qcommit check: consistency check like qemu-img check, with repair.
 #include <cinttypes>
 #include <cstdio>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // qcommit demo: builds a small qcow2 chain with qemu-img/qemu-io in a temporary directory and
 // shows what qcommit sees, checking our reading against qemu-img's.
 #include <unistd.h>

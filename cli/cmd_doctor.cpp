@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // qcommit doctor: what on this host makes snapshot merges stall guests, and what to change.
 // Each finding carries its reason. Reads only: the domains through a hypervisor adapter (libvirt's
 // definitions, or with --qmp one QEMU's monitor), /proc, /sys, versions.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // qcommit info: format, features and backing chain of an image.
 #include <iostream>
 

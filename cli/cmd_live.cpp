@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // qcommit live DOMAIN DISK: a governed merge of a running domain's disk, started by qcommit.
 // qcommit live --qmp SOCKET DISK: the same on a QEMU that libvirt does not manage, over QMP.
 // Glue, in named steps: options, the connection (libvirt's event loop or the QMP socket), the

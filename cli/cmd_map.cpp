@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // qcommit map: which layer provides each byte, with qemu-img map's JSON keys.
 #include <cinttypes>
 #include <cstdio>

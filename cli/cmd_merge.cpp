@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // qcommit merge: offline merge of TOP (and intermediates) into BASE.
 #include <sys/stat.h>
 #include <unistd.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // qcommit plan: what a merge would do, without writing anything (except the optional
 // measurement, --measure, which rehearses the merge's copy into a scratch file beside BASE that
 // is unlinked as soon as it is created: engine/copy_trial.h).

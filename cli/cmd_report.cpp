@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // qcommit report: a self-contained HTML page (inline SVG, no scripts, no external files) with the
 // plots of a `qcommit merge --trace` CSV: latency with the budget, pacing rate beside the
 // achieved throughput, bytes done, and the window. The merge's parameters come from the trace's

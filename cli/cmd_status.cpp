@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // qcommit status: asks qcommitd (control socket) which block jobs it governs.
 
 #include <cctype>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Subcommands of the qcommit CLI. Each returns the process exit code.
 #pragma once
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // qcommitd's control socket, client side: whether the daemon answers, and one request/response.
 #pragma once
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // --output=json of the CLI: each document on one line, spaced as `{"event": "result", "a": [1, 2]}`
 // (json::dump_spaced), built as a json::Ordered so members keep the order they are added in.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // qcommit: merge qcow2 snapshots without stalling the guests that share the storage.
 #include <csignal>
 #include <cstdio>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // The budget, rate bounds and co-tenants of a governed offline merge (`qcommit merge`, `qcommit
 // plan`), decided from the same configuration as qcommitd's per-pool policy
 // (/etc/qcommit/qcommitd.conf, the domain's <qcommit:policy/> metadata) and from libvirt (the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // What `qcommit merge` shows while it runs: the engine's progress as JSON lines or a terminal bar,
 // and at least once a second even when the engine reports nothing (a long request at a low rate,
 // a wait for a lock, planning a large chain): the last state again, with the time advanced and

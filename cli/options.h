@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Shared command-line parsing helpers (Boost.Program_options).
 #pragma once
 

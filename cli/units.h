@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Sizes and durations on the command line: "20ms", "1.5s"; "50M", "1G", "4096". Durations follow
 // the one grammar of plugin::read_duration (a unit is required), shared with the configuration.
 #pragma once

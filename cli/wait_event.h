@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // A wait (engine/wait_notice.h) as qcommit shows it: the "wait" event of --output=json, built
 // here for every command that waits (merge, live), or the line on stderr.
 #pragma once

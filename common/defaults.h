@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // The defaults a user meets, in one place: qcommit's and qcommitd's options, the policy file's
 // built-in values and the --help texts that name them all come from here. No dependencies, so
 // every layer may include it.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // CopyGovernor for our own merges, driven by throttle::Controller.
 // Signals: latency of our own writes (only without a working probe, see tick()), a probe (one 4 KiB O_DIRECT write + fdatasync per tick to a
 // small file on the target's filesystem — it queues behind whatever we queued, like a guest's

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // The checkpoint of a merge: which merge it is (the layers above BASE and BASE, by identity) and
 // how far its copy got, so that running the same merge again resumes it. It lives beside a file
 // BASE (".BASE.qcommit-merge") or, for a block device, in the state directory.

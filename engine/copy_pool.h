@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // The copy pool of the merge engine: a few threads run copy jobs (one contiguous range of BASE,
 // gathered from source extents) from a layer's host offsets to BASE's, in the kernel where it can
 // (splice into O_DIRECT writes, copy_file_range into buffered ones), else through user space;

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // A rehearsal of the merge's copy, for `qcommit plan --measure`: the first bytes of TOP's file
 // copied the way engine::merge copies them (CopyPool: TOP's pages spliced into O_DIRECT writes
 // where the filesystem allows it, else copy_file_range into buffered writes with writeback

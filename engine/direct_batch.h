@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Batched O_DIRECT writes straight from the sources' page cache, for the unthrottled copy.
 //
 // The copy pool's thread path costs two splice(2) calls and one device doorbell per request, and

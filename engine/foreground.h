@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Foreground signals from outside the merge: the I/O counters of the other users of BASE's
 // storage (co-tenants: the running guests with a disk there).  The engine knows no hypervisor;
 // the CLI implements ForegroundSource with libvirt's block stats (cli/cotenants.*), tests with a

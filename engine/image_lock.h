@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // The byte-range locks QEMU takes on image files (OFD locks on bytes 100+perm and 200+perm), so
 // that a running QEMU and qcommit refuse each other instead of corrupting an image.
 #pragma once

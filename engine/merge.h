@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // The offline merge engine: copies everything the layers above BASE (up to and including TOP)
 // provide into BASE, so BASE then shows exactly what TOP showed. Same semantics as
 // `qemu-img commit -b BASE TOP` followed by `qemu-img rebase -u` of TOP's children.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Device nodes that appear late: udev creates /dev/VG/LV (and a loop device's node) a moment
 // after the logical volume is activated or the device attached. A backing file named under /dev/
 // that does not exist yet is waited for, within the merge's --wait budget; any other missing file

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Which processes hold a file open, read from /proc: the engine names the holders of an image it
 // cannot lock, qcommitd finds the QEMU that writes an image.
 //

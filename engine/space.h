@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // How much room a merge still needs on BASE's storage, estimated from BASE's own tables before
 // anything is written (`qcommit plan`) and again when the storage runs out (`qcommit merge`
 // then says how much more it needs; the same command resumes from its checkpoint).

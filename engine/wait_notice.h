@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // What qcommit waits for when another actor has what it needs for a moment: a process holding an
 // image's lock or keeping it open, a device node udev is still creating, a domain shutting down,
 // somebody else's block job, a lost connection to the hypervisor. A wait is told once, when it

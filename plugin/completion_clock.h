@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Completion-clocked writeback: the daemon starts writeback of a target in small ranges
 // (sync_file_range WRITE) and a waiter waits for each issued range, in issue order
 // (sync_file_range WAIT_AFTER: no I/O of its own, on a clean range it returns at once), and marks

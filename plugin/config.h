@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // qcommitd configuration: /etc/qcommit/qcommitd.conf (GLib key file) and per-domain overrides.
 //
 //   [default]

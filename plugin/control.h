@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Control socket of qcommitd: UNIX stream socket, mode 0600, peers must have our uid (root).
 // One JSON request per line, one JSON response per line:
 //   {"cmd":"status"}  →  {"ok":true,"connected":...,"jobs":[...],"released":[...]}

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Co-tenants of an offline merge: the running guests with a disk on the same storage as the
 // merge's target (BASE) — the same libvirt pool, or the same filesystem (st_dev).  Their block
 // stats are the BudgetGovernor's foreground signals next to its probe (engine/foreground.h);

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // qcommitd's log: one record per line, names as data.
 //
 // Domain, disk, pool and file names come from libvirt and from whoever defined the domain; they

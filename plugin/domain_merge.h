@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Offline merges addressed through libvirt: a shut-off domain's disk, or a volume of a storage
 // pool. A domain that is shutting down is waited for (up to merge.lock_wait, said once through
 // merge.on_lock_wait); a running one is refused. The data work is engine::merge; this file resolves

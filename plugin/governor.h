@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // The daemon's policy: which block jobs to govern and at what speed, and how much of their
 // target's page cache to push to storage.  Knows nothing of libvirt: it talks to a Hypervisor
 // and to TargetFiles, and `now` is always a parameter.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // What qcommitd needs from the hypervisor, without libvirt types.  One adapter implements it with
 // the libvirt C API (plugin/libvirt_hypervisor.*), one over a QEMU's QMP socket
 // (plugin/qmp_hypervisor.*); tests use a scripted fake.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // JSON for everything qcommit reads and writes (QMP, the control socket, the CLI's
 // --output=json): nlohmann-json, plus the caps that JSON from outside the process is parsed
 // within, and the two layouts qcommit prints.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // RAII for libvirt's handles and for the strings and arrays it hands over (glue, no policy).
 // Header-only: used by qcommitd's adapter (plugin/libvirt_hypervisor.cpp) and by the CLI's
 // offline-domain merge and doctor.

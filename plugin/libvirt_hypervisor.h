@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Hypervisor implemented with the libvirt C API.  Glue only: no policy.  Needs a libvirt event
 // loop implementation registered (virEventRegisterDefaultImpl) before connect().
 #pragma once

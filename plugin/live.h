@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // `qcommit live`: a governed merge that qcommit starts itself on a running domain.  The governor
 // (plugin/governor.h) paces the job exactly as qcommitd would; this file decides which block jobs
 // to start, in which order, and when to pivot.  No libvirt types: block-job control goes through

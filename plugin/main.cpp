@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // qcommitd: governs libvirt block jobs (commit, active commit, pull, copy) so that snapshot
 // merges stay within a latency budget of the guests sharing the storage.  Glue, in named steps:
 // options, the libvirt event loop, the control socket, the trace; the policy is in governor.cpp.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // A process's memory cgroup and the page-cache counts in its memory.stat: where the kernel has no
 // cachestat(2), the dirty and writeback pages of the cgroup that QEMU runs in bound those of a
 // job's target (QEMU's own writes are charged to it; the guest's cached writes count too).

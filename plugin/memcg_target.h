@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // A job's target where the kernel has no cachestat(2) (or --page-cache no-cachestat): the page
 // cache as the pacer needs it, from what the daemon knows by construction and from QEMU's memory
 // cgroup.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // The monotonic clock as the controller's TimePoint: the clock qcommitd's main loop and
 // `qcommit live`'s read, once a step, and pass down as `now` (throttle/ and the governor read
 // no clock).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Which images a process (QEMU) holds open, and how, read from /proc: libvirt does not say which
 // image a non-active block commit writes into, but QEMU reopens that image read-write for the
 // job while the rest of the backing chain stays read-only. The walk itself is engine/proc_walk.h.

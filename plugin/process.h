@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Running helper programs (qemu-img) without a shell: arguments are passed as data.  Used by
 // qcommitd (the fresh overlay of a two-phase merge) and by the CLI (demo, doctor).
 #pragma once

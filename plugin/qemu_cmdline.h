@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // What a QEMU process's command line says of its disks' aio modes (threads, native, io_uring), for
 // the QMP adapter: QMP does not report a node's aio (QEMU 7.2: neither query-block nor
 // query-named-block-nodes nor x-debug-query-block-graph carries it), while the options QEMU was

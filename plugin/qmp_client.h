@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // A small QMP client (QEMU Machine Protocol, QEMU's docs/interop/qmp-spec) over a UNIX stream
 // socket: reads the greeting, negotiates capabilities, runs commands one at a time with id
 // matching and queues the asynchronous events that arrive in between.  Transport only: no

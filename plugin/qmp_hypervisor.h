@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Hypervisor + BlockJobControl for ONE QEMU process reached over its QMP socket, for QEMUs that
 // libvirt does not manage (Proxmox VE: /var/run/qemu-server/ID.qmp).  Glue only: no policy (the
 // governor paces, plugin/live.cpp orders the jobs).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 #include "plugin/target_throttle.h"
 
 #include <cstdlib>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // A throttle filter node under a block job's target, so that QEMU meters the job's writes instead
 // of the storage queueing them.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Writeback pacing of a job's target file: the daemon starts writeback of the target's dirty
 // pages itself, in small pieces, so that the bytes queued at storage (pages under writeback)
 // stay within the controller's window instead of leaving gigabytes to the kernel's flusher,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // libvirt's XML (domain, snapshot, pool descriptions) read and written with libxml2: the one
 // parser, the lookups and the builder qcommitd and the CLI share. A document that is not
 // well-formed is refused, never half-read; no network access, no entity expansion, no messages on

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // A size-bounded LRU cache of metadata tables (L2 tables, refcount blocks), keyed by host offset.
 // Metadata memory stays bounded whatever the image size.
 #pragma once

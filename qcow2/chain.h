@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // A backing chain: the top image and every image below it (qcow2 or raw), with block status and
 // reads through the whole chain.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Consistency check of one qcow2 image, in the manner of `qemu-img check`: every reference from
 // the header, L1/L2 tables (active and internal snapshots), refcount structures and bitmaps is
 // counted and compared with the stored refcounts.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // The block-device seam. The qcow2 code reads and writes images only through this interface, so
 // tests can substitute memory, fault-injecting and crash-simulating devices.
 #pragma once

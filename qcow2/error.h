@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Error types of the qcow2 library. Every message names the file it is about, so the CLI can
 // print it as one line: "qcommit: <file>: <problem>".
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // The qcow2 on-disk format, in one place: constants, size-asserted structs and constexpr
 // geometry. Written from the specification (QEMU docs/interop/qcow2.txt). All multi-byte
 // fields on disk are big-endian; the structs below use Boost.Endian buffers so they can be

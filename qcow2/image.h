@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // One qcow2 image (a single layer of a chain): header and extensions, L1/L2 lookup, refcounts,
 // data and compressed-cluster reads. Metadata memory is bounded by a table cache.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Writing one qcow2 image: cluster allocation from refcounts, L2 allocation and copy-on-write,
 // refcount block and table growth, zero flags, L1 growth, header rewrite.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Retry spacing for a connection that went away (qcommitd's governor, `qcommit live` under
 // qcommitd): the first attempt at once, then after `min`, doubling each failure up to `max`; a
 // success starts the spacing over. Pure: time is a parameter.

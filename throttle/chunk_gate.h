@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Chunk gate: spaces the requests of a copier that moves one fixed-size chunk at a time and whose
 // only control is a speed limit with coarse time slices (QEMU 7.2's commit and stream jobs: one
 // 512 KiB request outstanding, `speed` enforced in 100 ms slices).

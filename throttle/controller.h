@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Latency-budgeted rate controller for background copies (snapshot merges).
 //
 // Pure: the caller passes `now`, measured samples and counters; the controller never reads a

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Foreground latency signals from cumulative I/O counters, such as libvirt's block stats of a
 // guest's disk (virDomainBlockStatsFlags: requests and total times, counted on completion).
 // Used by qcommitd's governor for the guests next to a block job and by the offline merge's

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Token-bucket pacer (in the spirit of QEMU util/throttle.c and seastar's shares/token bucket):
 // reserve(now, bytes) debits the bucket immediately and returns how long the caller must wait
 // before issuing those bytes.  Pure: `now` is a parameter; the caller sleeps.

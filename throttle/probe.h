@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Shared-queue probe: when to issue a small synchronous write (4 KiB write + flush) on the copy's
 // target storage, and what it measured.
 //

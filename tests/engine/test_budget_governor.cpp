@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // BudgetGovernor with co-tenants: a merge copying into a simulated FIFO storage (one queue at a
 // fixed bandwidth, as the lab's slowfs) next to scripted co-tenant guests whose cumulative block
 // stats move the way libvirt's do.  Simulated time; no probe (it would do real I/O).

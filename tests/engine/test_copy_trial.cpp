@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // `qcommit plan --measure`'s rehearsal (engine/copy_trial.h): the ETA computed from a rehearsal's
 // completions, on made-up rehearsals (no clock involved), and one real rehearsal into a scratch
 // file that must leave nothing behind.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Waiting image locks (ImageLock::acquire): re-checked until the holder lets go or the deadline
 // passes, with a manual clock; and against real holders: qemu-io holding a shared lock is
 // waited out, a QEMU running a guest (qemu-system) is refused at once, also when it starts

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // The /proc walker (engine/proc_walk.h) against real processes holding real files: identity
 // rather than names, access modes from fdinfo, command-name filters, block devices by the device
 // they are (a loop device reached through a second node), and a walk that does not hang when a

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // The filesystem table (engine/storage_kind.h): which filesystems other hosts can share (the
 // shared-queue probe's auto mode) and which keep their data only in the page cache (a resume's
 // cache drop), from statfs(2)'s f_type and from real files.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // libFuzzer target: a backing chain of 2-3 images. The fuzz bytes are split at
 // fuzz::kSeparator into layer0.qcow2 (top), layer1.qcow2, layer2.qcow2 in a private directory;
 // the images name their own backing files (the seed corpus has layer0 → layer1 → layer2).

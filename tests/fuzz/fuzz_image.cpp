@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // libFuzzer target: one qcow2 image from the fuzz bytes, read through the library.
 // Image::open → lookup() over the virtual size (bounded) → read_run()/decompress() of data and
 // compressed runs → refcount() of a few clusters → check(Repair::kAll) on a copy.

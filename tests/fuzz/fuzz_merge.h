@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // The merge both merge fuzz targets run: TOP (fuzzed) merged into BASE (built or fuzzed) in a
 // private directory, with the smallest window. Accepted outcomes: a qcow2::Error (the merge
 // refused or stopped), after which TOP's guest view is what it was; or a finished merge after

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // libFuzzer target: engine::merge where both layers are fuzzed. The fuzz bytes are split at
 // fuzz::kSeparator into TOP (top.qcow2) and BASE (base.qcow2, TOP's backing file in the seed
 // corpus): BASE's header, tables, refcounts, bitmaps and snapshots are mutated too, so the merge

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // libFuzzer target: engine::merge of a fuzzed TOP into a small valid BASE.
 // BASE (4 MiB, 64 KiB clusters, some data) is built once with the unit tests' ImageBuilder and
 // copied fresh for every input; the fuzz bytes are TOP (top.qcow2, naming base.qcow2 as its

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Helpers shared by the libFuzzer targets: a private temporary directory and whole-file writes.
 #pragma once
 

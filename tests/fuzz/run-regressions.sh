@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # Replays every saved input in regressions/<target>/ through its fuzz target once: each must
 # run clean (libFuzzer exits non-zero on a crash, sanitizer report or leak).
 set -euo pipefail

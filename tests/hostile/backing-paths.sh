@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # Backing file names resolved as QEMU resolves them, and the open policy (issue 17, defects 3-4).
 #  1. "link/../base.qcow2" with link -> real/sub is real/base.qcow2 (the kernel's resolution, as
 #     QEMU opens it), not ./base.qcow2: `qcommit info`/`plan` show qemu-img's chain and the merge

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # Hostile images through `qcommit info`, `map`, `check` and `merge` (issue 7).
 # Every refusal must be exactly one line on stderr naming the offending file, exit 1 or 3 (never a
 # signal, never a timeout); check exits 2 for corruption (as qemu-img check); a refused merge writes nothing (sha256 of

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: GPL-2.0-or-later
 """Byte patches for hostile qcow2 images (tests/hostile). Reads the header itself (big-endian
 fields from the qcow2 specification) and rewrites single table entries.
 

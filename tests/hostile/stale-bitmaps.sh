@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # Persistent bitmaps in BASE, valid and stale (issue 17). A program without bitmap support clears
 # the autoclear bitmaps bit when it writes an image; the bitmaps extension it leaves describes
 # nothing (QEMU's docs/interop/qcow2.txt). qcommit must treat it as QEMU does: `check` counts its

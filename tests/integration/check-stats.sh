@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # qcommit check reports the cluster statistics qemu-img check reports (issue 24): for images built
 # with qemu-img/qemu-io (data, compressed and zero writes, discards, 512 B to 2 MiB clusters,
 # extended L2, an internal snapshot, a layout written in reverse guest order, a leak at the end of

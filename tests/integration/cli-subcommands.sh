@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # cli.subcommands: every subcommand `qcommit --help` lists has `--help` with examples and an
 # `--output=json` whose output is valid JSON (one document, or JSON lines for the streaming
 # commands merge and live), checked with python3 -m json.tool and jq. A subcommand added to the

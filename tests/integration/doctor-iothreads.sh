@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # cli.doctor_iothreads: qcommit doctor names each disk that no iothread serves (it shares QEMU's
 # main loop with the block jobs), by domain and target, also in a domain that has <iothreads>; a
 # disk with its own iothread, or on a virtio-scsi controller with one, is said to have it.

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # cli.doctor_qmp: `qcommit doctor --qmp SOCKET` reads a QEMU that libvirt does not manage through
 # the QMP adapter. A real QEMU (paused, TCG) named dq with iothreads iot1 and iot2 and the disks
 #   vda   -blockdev: file node aio=native, O_DIRECT, qcow2 with a backing file; virtio-blk on iot1

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # cli.dry_run: a dry run writes nothing, on every path of every subcommand that takes --dry-run.
 # Before and after each run: the sha256 of every file under the image directory, and a listing
 # of every entry (type, size, mode, mtime, ctime; a directory's mtime moves when a file is

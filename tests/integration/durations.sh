@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # cli.durations: one duration grammar on the command line and in the configuration
 # (plugin::read_duration; qcommit(1), DURATIONS). A bare number is refused with the fix
 # ("--budget 20: a duration needs a unit: 20ms or 20s", exit 2 on the command line; the file,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: GPL-2.0-or-later
 # What the integration scripts share; sourced (`. "$(dirname "$0")/lib.sh"`) after
 # `set -euo pipefail`, with the paths of the binaries made absolute before `setup` changes the
 # directory.

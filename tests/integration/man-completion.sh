@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # docs.options: the man pages and the bash completion against each command's --help. For every
 # subcommand `qcommit --help` lists, and for qcommitd, the long options its --help shows (the
 # option column, not the descriptions) must each be named in the man page (as *--option*, the

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # cli.max_rate: `qcommit merge --max-rate SIZE`, a per-run cap in bytes per second without a
 # configuration file (like virsh blockcommit --bandwidth), in the one size grammar.
 #   (1) --budget off --max-rate 8M: 24 MiB of data take at least 2.5 s (without the cap the same

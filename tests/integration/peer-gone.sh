@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # cli.peer_gone: a libvirt socket whose server closes every connection at once (libvirtd going
 # away between two calls). live and merge --domain say so in one line on stderr and exit 1;
 # doctor reports it among its findings ("libvirt: cannot connect to URI"). None dies of SIGPIPE

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // qcow2-cat IMAGE [OFFSET LENGTH]: writes the guest view of IMAGE (read through its whole backing
 // chain with qcow2::Chain::read) to stdout. Test tool for the integration tests: its output is
 // compared byte for byte with `qemu-img convert -O raw` / `qemu-img dd`.

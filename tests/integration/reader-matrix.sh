@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # reader.matrix: builds a matrix of real qcow2 images and chains with qemu-img/qemu-io and checks,
 # for every one of them, that
 #   (a) `qcommit map --output=json` equals `qemu-img map --output=json` (both normalised: adjacent

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # packaging.systemd_unit: the qcommitd unit passes `systemd-analyze verify`, and keeps none of the
 # sandboxing that hides what qcommitd must reach: images under /home and /tmp (ProtectHome,
 # PrivateTmp), block devices of logical-volume pools (PrivateDevices, DevicePolicy), remote libvirt

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: GPL-2.0-or-later
 """Regenerates what the lab guest's `probe pattern` mode wrote (tests/lab/guest/probe.c) and
 checks an image against it.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: GPL-2.0-or-later
 # shellcheck shell=bash
 # Co-tenant scenario helpers (source after lab.sh): a second qcow2 chain on the lab's slow
 # storage, next to the probing guest's disk, to be merged on the host while the guest probes.

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # ctest lab.cotenant_merge: our merge of a chain on shared slow storage does not stall a guest
 # that probes the same storage, and it merges correctly.
 # Guest (cache=none) probes 50 MB/s FIFO sync storage (4 KiB O_DIRECT|O_DSYNC write every 100 ms).

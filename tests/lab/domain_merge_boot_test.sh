@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # ctest lab.domain_merge_boot: offline `qcommit merge --domain` / `--pool --vol` of a chain the
 # guest itself wrote, on the lab's FUSE storage, then the guest boots again and reads it back.
 #

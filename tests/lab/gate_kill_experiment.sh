@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # Lab experiment (not a ctest): what a QEMU commit job whose chunks qcommit was spacing (the chunk
 # gate, cache=none, QEMU < 8.1) does when the governing process dies with SIGKILL.
 # `qcommit live DOM vda --pivot` (two-phase; its governor runs in-process) on a cache=none guest

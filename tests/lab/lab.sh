@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: GPL-2.0-or-later
 # shellcheck shell=bash
 # qcommit lab fixture: slow sync storage (qcommit-slowfs) + busybox test guest under libvirtd.
 # Source this file from bash (set -euo pipefail recommended), then:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: GPL-2.0-or-later
 # shellcheck shell=bash
 # qcommitd in the lab: start/stop a private daemon and read its status.  Source after lab.sh.
 #

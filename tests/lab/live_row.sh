@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # bench-stall merge actions with qcommit (run as a row command: LAB_DOM, LAB_DIR set).
 #   live_row.sh daemon [--budget 20ms] [--page-cache SOURCE]
 #                                        qcommitd running (private socket, trace in LAB_DIR),

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # ctest lab.qcommitd_governs: qcommitd governs a block commit the user starts by hand, against the
 # real libvirtd, on the lab's slow sync storage (cache=writeback, libvirt's default).
 #

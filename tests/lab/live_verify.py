@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: GPL-2.0-or-later
 """Checks, after a merge, that the disk image holds what the lab guest wrote.
 
     live_verify.py IMAGE FILL_MIB CONSOLE_LOG

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: GPL-2.0-or-later
 # shellcheck shell=bash
 # Which stack a lab run uses: this host's libvirtd and QEMU, or Debian 13's from
 # scripts/trixie-platform (started). Source before lab.sh; the variables are exported so that the

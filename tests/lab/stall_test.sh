@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # ctest lab.stall_reproduces: the users' stall reproduces in the lab.
 # Guest on 50 MB/s sync storage (cache=writeback, libvirt's default), 256 MiB written into the
 # overlay, baseline probe latency must be low; an unthrottled active commit must stall the probe

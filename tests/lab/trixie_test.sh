@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # ctest lab-trixie.governed_merges: qcommitd and qcommit against Debian 13's libvirt 11 and
 # QEMU 10 (scripts/trixie-platform, started), the lab's slow storage and probe guest in the
 # platform's shared directory. The binaries are those built inside the platform against trixie's

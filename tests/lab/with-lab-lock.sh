@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # Runs a command holding the lab lock (/tmp/qcommit-lab.lock): lab runs share libvirtd, the
 # FUSE storage and the host's latency, so one at a time across ctest, bench-stall and other
 # users of the host. Re-entrant through QCOMMIT_LAB_LOCKED: a command started under this wrapper (say

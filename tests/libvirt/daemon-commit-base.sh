@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # libvirt.daemon_commit_base: qcommitd watches the image a non-active commit writes into.
 # libvirt names no base for `virsh blockcommit --top T --base B` (no <mirror> element); with B an
 # intermediate image, the bottom image is the wrong guess.  A running TCG domain on the chain

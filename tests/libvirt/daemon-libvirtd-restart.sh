@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # libvirt.daemon_libvirtd_restart: libvirtd restarts while qcommitd governs a block job.
 # A running TCG domain on base <- mid <- top, `virsh blockcommit --top mid --base base` under a
 # qcommitd whose ceiling keeps the copy running for several seconds.  libvirtd is stopped (SIGTERM:

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # libvirt.daemon_probe_off: a shared-queue probe that qcommitd cannot have is said, not silently
 # off. qcommitd (policy probe=50ms) governs three active commits of one running TCG domain, each
 # into a BASE in a directory of its own:

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # libvirt.domain_shutting_down: `qcommit merge --domain DOM --disk vda` on a domain that is
 # shutting down, against a real libvirtd and QEMU. libvirt says "in shutdown" from QEMU's SHUTDOWN
 # event until the QEMU process is gone; the merge waits for shut off (bounded by --wait) instead of

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # libvirt.domain_started_during_merge: `qcommit merge --domain --delete` while someone starts the
 # domain, against a real libvirtd. The domain is checked once at the start of the merge, and the
 # copy takes its time: a `virsh start` can come at any moment after that. The merge is stopped

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # libvirt.hook_names: the libvirt qemu hook treats domain names as data. Names with spaces,
 # quotes, $(...), backticks, globs and newlines run nothing and reach qcommit byte for byte as one
 # argument after --domain-event; the hook always exits 0 quickly (libvirtd waits for it), whether

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: GPL-2.0-or-later
 # Shared pieces of the tests against a real libvirtd (source it).
 
 # define_disk_domain NAME SOURCE_FILE [DIR]: defines (does not start) a minimal TCG domain whose

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # libvirt.live_beside_daemon: `qcommit live` on a host where qcommitd runs. A running TCG domain
 # on base <- top, qcommitd on a private socket (its ceiling keeps each copy running a few seconds).
 #  1. Somebody else's active commit runs on the disk: `--wait 0` refuses at once, one line naming

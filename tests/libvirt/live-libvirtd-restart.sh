@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # libvirt.live_libvirtd_restart: `qcommit live` (no qcommitd: a socket nobody serves) waits out a
 # libvirtd restart and says so, with --max-rate in force. A running TCG domain on base <- top
 # (40 MiB of data in top), its metadata policy ceiling 1G, a direct active commit with --pivot at

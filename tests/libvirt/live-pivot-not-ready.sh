@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # libvirt.live_pivot_not_ready: libvirt refuses a pivot with VIR_ERR_BLOCK_COPY_ACTIVE while it has
 # not yet taken in QEMU's ready event, although the job's figures already say ready (seen on CI).
 # `qcommit live --pivot` must take that as "not ready yet" and pivot again, not fail. A running

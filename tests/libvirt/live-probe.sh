@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # libvirt.live_probe: `qcommit live --probe` sets the in-process governor's shared-queue probe, as
 # the policy's probe= does for qcommitd. A running TCG domain on base <- top in a directory on a
 # local filesystem (ext4, XFS or Btrfs), no qcommitd (its socket is a path where none answers):

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # libvirt.merge_policy: the budget of `qcommit merge`/`qcommit plan` comes from qcommitd's
 # configuration and libvirt, against a real libvirtd:
 #  - a chain in a dir pool that qcommitd.conf names ([pool:NAME] budget=7ms, ceiling=16M) gets

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # libvirt.offline_logical / libvirt.offline_blockdev: offline merges into a raw BASE on a block
 # device, against a real libvirtd.
 #   lvm:  BASE is a raw volume of a libvirt `logical` pool on a loop-backed volume group.

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # libvirt.offline_domain_crash: `qcommit merge --domain` SIGKILLed in the middle, then the same
 # command again, against a real libvirtd. The re-run must finish both the data and the definition.
 #

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # libvirt.offline_domain: offline merges of a shut-off domain's external snapshot chain through
 # libvirt (qcommit merge --domain/--disk and --pool/--vol) against a real libvirtd.
 # Checks: the running domain is refused; each merge keeps the guest view (qemu-img compare),

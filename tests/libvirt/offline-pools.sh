@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # libvirt.offline_fs_pool / libvirt.offline_netfs_pool: offline merges of volumes in libvirt `fs`
 # and `netfs` pools, against a real libvirtd.
 #   fs:    a sparse file formatted ext4 on a loop device is the pool's source device; pool-start

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // LD_PRELOAD shim for libvirt.live_pivot_not_ready: the first QCOMMIT_TEST_PIVOT_REFUSALS (default
 // 1) pivots are refused the way libvirt refuses one while it has not yet taken in QEMU's ready
 // event although the job's figures already say ready: virDomainBlockJobAbort(..., PIVOT) fails

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // A crash-simulating block device for the merge crash tests.
 //
 // It keeps the durable image (what survives a power cut) and the list of writes and truncates

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // merge.crash_*: the merge's write sequence (qcow2::Writer driven window by window, as the engine
 // drives it) interrupted at every persistence point and after every single device write, on a
 // crash-simulating device. From the surviving bytes: no corruption (leaks allowed), every cluster

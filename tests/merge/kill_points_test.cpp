@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // merge.kill_points: engine::merge stopped at every write it makes, then the same merge run again.
 //
 // Each scenario is a chain made with qemu-img/qemu-io. For k = 1, 2, ... a fresh copy of it is

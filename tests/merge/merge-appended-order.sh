@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # merge.appended_guest_order: the clusters a merge appends to BASE are laid out in guest order,
 # so that a later sequential read of BASE is sequential on disk (as after `qemu-img commit`),
 # whatever order the guest wrote them into TOP in. TOP: scattered 64 KiB clusters written in a

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # merge.direct_writes: an unthrottled merge (`--budget off`) of a TOP made of scattered 64 KiB
 # clusters, half over clusters BASE has (written in place), half new to BASE (appended), writes
 # them O_DIRECT, not through the page cache: afterwards no more of BASE is in the page cache than

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # merge.enospc: BASE on a filesystem with 40 MiB free, TOP elsewhere providing 80 MiB. BASE
 # (128 MiB) is smaller than TOP (256 MiB) and has a backing file of its own, BELOW (256 MiB,
 # every byte 0xb7), so the merge also grows BASE over BELOW's bytes. Each merge into the full

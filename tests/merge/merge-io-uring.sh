@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # merge.io_uring_batches: an unthrottled merge (`--budget off`) writes its requests under 64 KiB
 # in batches through io_uring from mappings of the layers, and the result is the same as the
 # threads' path (`--no-io-uring`).

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # merge.kill_resume: a kill matrix on real qcommit processes. `qcommit merge TOP --rebase CHILD`
 # (and a --delete variant) over a chain BELOW <- BASE <- TOP <- CHILD merges over 1 GiB; each
 # trial SIGKILLs the process at chosen moments, runs the same command again (killed again in a

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # merge.late_node: a backing file under /dev/ whose node appears late (udev still creating it after
 # an LV activation; here a loop device attached after the merge started) is waited for within
 # --wait, not fatal.

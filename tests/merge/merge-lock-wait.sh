@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # merge.lock_wait: another process holding an image for a moment is waited out, not fatal.
 #  (1) qemu-io holds BASE's shared read lock for 2 s: `qcommit merge` says once whom it waits for,
 #      then merges (BASE shows TOP's view, qemu-img check clean) soon after the release;

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # merge.matrix: chains of depth 1-6 built with qemu-img/qemu-io (4K/64K/2M/512B clusters, compat
 # 0.10 and 1.1, extended L2, zlib and zstd compressed layers, zero writes with and without unmap,
 # unaligned writes and discards, TOP larger than BASE, raw BASE, BASE with its own backing file,

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # merge.partial_clusters: a TOP with extended L2 (2 KiB subclusters) whose guest wrote 4 KiB-granular
 # pieces inside BASE's 64 KiB clusters, several per cluster (two apart, and one across the cluster's
 # end into the next). An unthrottled merge writes each of BASE's clusters once: only the pieces'

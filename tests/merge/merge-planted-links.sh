@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # merge.planted_links: the files a merge creates cannot be turned against the user running it.
 #  (1) symlinks planted at the checkpoint's name and at its temporary file's name (anyone who can
 #      write in BASE's directory can plant them) point at files outside: the merge succeeds and

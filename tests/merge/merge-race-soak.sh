@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # merge.race_soak: a monitoring agent's `qemu-img info` (which takes a shared lock) is waited out,
 # never fatal. 200 merges of small chains BASE <- MID <- TOP (varied writes, sometimes TOP larger
 # than BASE; into MID or, with --base, into BASE; some with --rebase CHILD, half with --delete)

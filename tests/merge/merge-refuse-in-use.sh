@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # merge.refuse_in_use: (1) while QEMU holds TOP open read-write, qcommit merge TOP exits non-zero
 # with one line naming TOP and the holder, and TOP and BASE are byte-identical afterwards;
 # (2) two concurrent merges of one chain: the second is refused; (3) while a merge runs, qemu-io

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Scripted Hypervisor and TargetFiles for the governor tests.
 #pragma once
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // A model of QEMU's block graph answering the QMP commands plugin/target_throttle sends, checking
 // each as QEMU would (names that exist, a node in use not deleted, a reopen naming every option
 // the node was opened with).  Two layers as libvirt opens them, cache=none: protocol and format

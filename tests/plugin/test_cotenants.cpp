@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Offline-merge policy and co-tenants: which budget a merge gets (resolve_policy: option >
 // domain metadata > pool section > [default] > built-in) and which running guests' disks count
 // as its co-tenants (CotenantSource against the scripted hypervisor).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // qcommitd's log (plugin/daemon_log.*) with the governor against the fake hypervisor: hostile
 // names stay data on one line, and a long job logs per decision change, not per tick.
 #include <doctest/doctest.h>

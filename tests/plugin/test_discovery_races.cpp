@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // qcommitd's job discovery against other actors' timing (issue 23): a job that appears,
 // disappears and reappears within a poll, end events that reach the daemon after a poll or tick
 // already saw what followed them, and libvirtd restarting while a job runs.  FakeHypervisor in

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Governor against the scripted FakeHypervisor, in virtual time.
 #include <doctest/doctest.h>
 #include <unistd.h>

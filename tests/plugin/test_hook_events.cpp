@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Domain lifecycle news from the libvirt hook (control socket "domain-event"): the governor looks
 // at that domain at once instead of at its next poll.
 #include <doctest/doctest.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // memory.stat parsing, memory cgroup discovery over a fake cgroup root, the completion tracker
 // and its waiter with a fake target, and the no-cachestat target against cachestat's truth.
 #include <doctest/doctest.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // The fresh overlay of a two-phase live merge, made by qemu-img (which CI installs).
 #include <doctest/doctest.h>
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // plugin/target_throttle: the QMP steps that put a throttle filter under a job's target and take
 // it out, against a model of QEMU's block graph (fake_qemu_graph.h).
 #include <doctest/doctest.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // plugin/xml.h's builder and the XML qcommitd hands to libvirt: written by libxml2 and read back
 // by the same parser, whatever characters the names and paths hold.
 #include <doctest/doctest.h>

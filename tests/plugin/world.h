@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // A small virtual world for governor tests: domain `dom` (disk vda on the pool "fast", target
 // `base_path`) and vm2 (disk vdb on other storage) whose guests complete one write per 10 ms, a
 // block job that copies at its set speed into the target's page cache, storage that drains the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // A scripted QMP server on a temporary UNIX socket for the QMP client/adapter tests: sends a
 // greeting, then answers each command line with whatever the test's handler returns (replies,
 // events, garbage, nothing), in a thread of its own.

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # qmp.live: `qcommit live --qmp SOCKET DISK` against a real QEMU started directly (no libvirt),
 # paused (-S: block jobs run, the guest does not), with a second QMP monitor for this test's own
 # queries and for writes that arrive while the merge runs (HMP qemu-io, i.e. through the disk's

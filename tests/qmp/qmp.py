@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: GPL-2.0-or-later
 """The integration test's own QMP client (independent of qcommit's): one command, its "return"
 value on stdout as JSON.  usage: qmp.py SOCKET COMMAND [ARGUMENTS-JSON]"""
 import json

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // QMP client, framer and adapter against a scripted QMP server (tests/qmp/fake_qmp.h); the JSON
 // shapes are QEMU 7.2's (captured from qemu-system-x86_64 7.2, trimmed).
 #include <doctest/doctest.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // What the QMP adapter reads from a monitor, through its public API only (QmpHypervisor against
 // the scripted server of tests/qmp/fake_qmp.h): counters past 2^53 arrive exact, and a monitor
 // that sends invalid UTF-8 is refused rather than passed on.

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: GPL-2.0-or-later
 """Checks the DOM of a rendered qcommit report (chromium --dump-dom), stdlib only.
 usage: check_dom.py DOM.html new TOP BASE BUDGET_MS BYTES   a trace with the merge's parameters
        check_dom.py DOM.html old BYTES                      a trace without them (older qcommit)

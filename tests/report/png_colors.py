@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: GPL-2.0-or-later
 """Counts pixels near given RGB colours in a PNG (8-bit RGB/RGBA, non-interlaced), stdlib only.
 usage: png_colors.py FILE.png RRGGBB [RRGGBB...] -> one count per colour"""
 import struct, sys, zlib

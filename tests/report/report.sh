@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
 # report.html: a traced merge's HTML report renders in headless Chromium: a header naming TOP,
 # BASE, the budget, the start (UTC) and the duration; the budget as a line on the latency plot at
 # the y its axis gives the budget; pacing rate beside achieved throughput; bytes done; the window

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // throttle_bench: runs the twelve simulator scenarios with our controller and with the best
 // fixed-rate limiter for scenario 1 (found by sweep), prints one table; then the runs with
 // several hosts on one storage (scenarios.h, run_multi_host) with the controller with and

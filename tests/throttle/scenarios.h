@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // The twelve storage scenarios of the controller, shared by the doctest cases and by
 // throttle_bench (which runs each one with our controller and with a fixed-rate limiter).
 // Budget T = 20 ms and C = 100 MB/s unless a scenario says otherwise.

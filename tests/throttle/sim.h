@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Deterministic discrete-event storage simulator for the throttle controller.
 //
 // Virtual time in integer nanoseconds, one seeded RNG, no threads, no clock reads.

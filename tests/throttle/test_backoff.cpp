@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // throttle::Backoff: the reconnect spacing qcommitd's governor and `qcommit live` share.
 #include <doctest/doctest.h>
 

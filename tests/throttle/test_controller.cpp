@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Focused tests of the controller and the pacer alone (no simulator).
 #include <doctest/doctest.h>
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // The storage scenarios, run in the deterministic simulator with numeric pass criteria.
 // Budget T = 20 ms, C = 100 MB/s unless stated.  "Added latency" = guest latency − the same
 // request's latency without any copy (base latency + its own service time).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // A small qcow2 image builder for unit tests: lays out an image byte by byte from the
 // specification (independently of the library's own writer), so tests can build valid images and
 // then break exactly one thing. All offsets and values are written big-endian by hand.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Bad input: every case must end in a clear one-line error that names the file, never a crash,
 // never an allocation proportional to a corrupt header field.
 #include <doctest/doctest.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Persistent bitmaps, valid and stale: what the check counts as in use is what the writer frees.
 // A stale bitmaps extension (autoclear bitmaps bit clear) describes nothing: its clusters are
 // leaks, the check's repair may free them, and a writer never frees or follows them, even once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Header parsing: v2, v3, long headers, extensions (known and unknown), feature name table; a
 // header rewrite lays the header out as the specification does.
 #include <doctest/doctest.h>

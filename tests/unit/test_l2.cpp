@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // L2 entry decoding and geometry: standard entries, zero clusters (plain and allocated),
 // compressed descriptors for several cluster sizes, extended L2 subcluster bitmaps.
 #include <doctest/doctest.h>

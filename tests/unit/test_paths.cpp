@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Backing file names resolved as QEMU and the kernel resolve them, and the open policy: nothing
 // that is not a regular file or block device, and nothing outside the allowed directories, is
 // ever opened for I/O. "Opened" is observed with inotify: an open(2) for reading or writing

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // Refcounts of every width (1 to 64 bits), across several refcount blocks; bad blocks.
 #include <doctest/doctest.h>
 

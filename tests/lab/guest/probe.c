@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 /* qcommit lab probe: runs as the guest's workload (statically linked, started by /init).
  *
  *   probe DEV FILL_MIB INTERVAL_MS

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // qcommit-slowfs: FUSE passthrough filesystem that emulates a sync NFS export.
 //
 // Every WRITE and FSYNC goes through one FIFO queue served at a configurable bandwidth (bytes/s),
