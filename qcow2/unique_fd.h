@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
 // The one owner of a file descriptor for the whole project (qcow2, engine, plugin, cli): closes
 // it once, moves, never copies.
 #pragma once
