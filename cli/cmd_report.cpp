@@ -3,7 +3,11 @@
 // plots of a `qcommit merge --trace` CSV: latency with the budget, pacing rate beside the
 // achieved throughput, bytes done, and the window. The merge's parameters come from the trace's
 // leading "# key=value" lines; a trace without them (older qcommit) says "not recorded".
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -17,6 +21,8 @@
 
 #include "cli/json.h"
 #include "cli/options.h"
+#include "common/safe_file.h"
+#include "qcow2/error.h"
 
 namespace qcommit::cli {
 
@@ -475,11 +481,17 @@ std::string report_html(const std::string& trace_path, const Trace& trace, const
   return html.str();
 }
 
+// The report the user named: never through a symlink or into a FIFO, a device or someone else's
+// file planted at that name (common/safe_file.h).
 void write_file(const std::string& path, const std::string& text) {
-  std::ofstream f(path, std::ios::trunc);
-  f << text;
-  f.close();
-  if (!f) throw std::runtime_error(path + ": cannot write");
+  safe_file::Opened out = safe_file::open_output(path);
+  if (!out.ok()) throw qcow2::IoError(path, out.problem, out.err);
+  for (size_t done = 0; done < text.size();) {
+    const ssize_t n = ::write(out.fd.get(), text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) throw qcow2::IoError(path, std::string("cannot write: ") + std::strerror(errno), errno);
+    done += size_t(n);
+  }
 }
 
 void print_summary(const std::string& trace_path, const std::string& html_path, const Trace& trace,

@@ -11,6 +11,9 @@
 #include <map>
 #include <string_view>
 
+#include "common/safe_file.h"
+#include "qcow2/error.h"
+
 namespace qcommit::engine {
 
 namespace {
@@ -157,22 +160,27 @@ BudgetGovernor::BudgetGovernor(BudgetGovernorConfig cfg)
       pacer_(cfg_.controller.initial_rate_bytes_per_s),
       epoch_(Clock::now()),
       wall_epoch_(std::chrono::system_clock::now()) {
-  if (!cfg_.probe_dir.empty()) {
-    probe_path_ = cfg_.probe_dir + "/.qcommit-probe-" + std::to_string(getpid());
-    probe_fd_ = ::open(probe_path_.c_str(), O_RDWR | O_CREAT | O_DIRECT | O_CLOEXEC, 0600);
-    if (probe_fd_ < 0)  // no O_DIRECT here: the fdatasync still waits for the storage
-      probe_fd_ = ::open(probe_path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
-    if (probe_fd_ >= 0) {
-      ::unlink(probe_path_.c_str());
-      probe_thread_ = std::thread([this] { probe_loop(); });
-    }
-  }
   if (cfg_.cotenants) {
     feed_ = std::make_shared<Feed>(cfg_.cotenants, cfg_.cotenant_interval);
     if (cfg_.cotenant_thread) feed_thread_ = std::thread([f = feed_] { Feed::run(f); });
   }
   open_trace();
   decision_ = ctl_.tick({.now = tp(Clock::now())});
+}
+
+// The probe's scratch file beside BASE, created only now that the merge has passed its checks
+// (a refused merge creates nothing there): unnamed where the filesystem allows it, else under an
+// unpredictable name, never through anything planted in the directory (common/safe_file.h).
+// Without O_DIRECT (the filesystem refuses it) the fdatasync still waits for the storage.
+void BudgetGovernor::begin(Clock::time_point /*now*/) {
+  if (cfg_.probe_dir.empty() || probe_fd_.valid()) return;
+  safe_file::Opened probe = safe_file::create_scratch(cfg_.probe_dir, ".qcommit-probe-", true);
+  if (!probe.ok())
+    throw qcow2::IoError(probe.name, "cannot create the latency probe's scratch file (" + probe.problem +
+                                         "); use --probe off",
+                         probe.err);
+  probe_fd_ = std::move(probe.fd);
+  probe_thread_ = std::thread([this] { probe_loop(); });
 }
 
 void BudgetGovernor::trace_row(Clock::time_point now, const throttle::TickInput& in,
@@ -199,8 +207,11 @@ void BudgetGovernor::trace_row(Clock::time_point now, const throttle::TickInput&
 // leading '#', as gnuplot and pandas' comment='#' do), then the CSV header.
 void BudgetGovernor::open_trace() {
   if (cfg_.trace_path.empty()) return;
-  trace_ = std::fopen(cfg_.trace_path.c_str(), "w");
-  if (!trace_) return;
+  safe_file::Opened out = safe_file::open_output(cfg_.trace_path);
+  if (!out.ok()) throw qcow2::IoError(cfg_.trace_path, "cannot write the trace: " + out.problem, out.err);
+  trace_ = ::fdopen(out.fd.get(), "w");
+  if (!trace_) throw qcow2::IoError(cfg_.trace_path, "cannot write the trace", errno);
+  (void)out.fd.release();  // the FILE owns it now
   std::fprintf(trace_, "# start=%s\n", utc_iso8601(wall_epoch_).c_str());
   std::fprintf(trace_, "# budget_ms=%g\n",
                std::chrono::duration<double, std::milli>(cfg_.budget).count());
@@ -241,7 +252,6 @@ BudgetGovernor::~BudgetGovernor() {
     else feed_thread_.detach();
   }
   if (probe_thread_.joinable()) probe_thread_.join();
-  if (probe_fd_ >= 0) ::close(probe_fd_);
   finish_trace(Clock::now());
 }
 
@@ -267,7 +277,7 @@ void BudgetGovernor::probe_loop() {
   while (!stop_) {
     const auto t0 = Clock::now();
     probe_started_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(t0.time_since_epoch()).count();
-    const bool ok = ::pwrite(probe_fd_, mem, kProbeBytes, 0) == ssize_t(kProbeBytes) && ::fdatasync(probe_fd_) == 0;
+    const bool ok = ::pwrite(probe_fd_.get(), mem, kProbeBytes, 0) == ssize_t(kProbeBytes) && ::fdatasync(probe_fd_.get()) == 0;
     const auto t1 = Clock::now();
     probe_started_ns_ = 0;
     if (ok) {
@@ -304,7 +314,7 @@ void BudgetGovernor::tick(Clock::time_point now) {
   // reach the shared queue (the kernel serialises extending O_DIRECT writes per file, FUSE and
   // NFS split requests): steering it to the target would throttle us for a queue that delays
   // nobody else. Without a probe, our own latency is the only signal we have.
-  const bool probing = probe_fd_ >= 0 && probe_samples_ok_;
+  const bool probing = probe_fd_.valid() && probe_samples_ok_;
   if (!probing) in.copy_samples = copy_samples_;
   in.backlog_bytes = inflight_;
   in.drained_bytes = drained_;

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "common/defaults.h"
+#include "common/unique_fd.h"
 #include "engine/foreground.h"
 #include "engine/merge.h"
 #include "throttle/controller.h"
@@ -97,6 +98,8 @@ class BudgetGovernor final : public CopyGovernor {
   void completed(Clock::time_point now, uint64_t bytes, Duration latency) override;
   void tick(Clock::time_point now) override;
   [[nodiscard]] uint64_t preferred_request_bytes() override;
+  // Starts the probe (its scratch file beside BASE): the merge has passed its checks.
+  void begin(Clock::time_point now) override;
 
   [[nodiscard]] throttle::Decision last_decision();
 
@@ -135,8 +138,7 @@ class BudgetGovernor final : public CopyGovernor {
   Clock::time_point window_epoch_start_{};
   FILE* trace_ = nullptr;
   // probe
-  std::string probe_path_;
-  int probe_fd_ = -1;
+  UniqueFd probe_fd_;  // created by begin()
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> probe_started_ns_{0};  // 0 = no probe outstanding
   bool probe_samples_ok_ = false;  // (mu_) a probe write+fdatasync has succeeded

@@ -15,6 +15,7 @@
 
 #include "engine/budget_governor.h"
 #include "engine/copy_pool.h"
+#include "common/safe_file.h"
 #include "qcow2/error.h"
 #include "qcow2/unique_fd.h"
 
@@ -107,14 +108,13 @@ CopyTrial run_copy_trial(const CopyTrialOptions& opt) {
   total -= total % kDirectAlignment;
   if (total == 0) return trial;
 
-  const std::string name = opt.dir + "/.qcommit-measure-" + std::to_string(::getpid());
-  const UniqueFd fd(::open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
-  if (!fd.valid()) {
-    const int err = errno;
-    throw qcow2::IoError(name, std::string("cannot create the scratch file: ") + std::strerror(err),
-                         err);
-  }
-  (void)::unlink(name.c_str());
+  // Unnamed, or under an unpredictable name unlinked at once: nothing planted in BASE's directory
+  // is opened (common/safe_file.h).
+  safe_file::Opened scratch = safe_file::create_scratch(opt.dir, ".qcommit-measure-");
+  if (!scratch.ok())
+    throw qcow2::IoError(scratch.name, "cannot create the scratch file: " + scratch.problem, scratch.err);
+  const UniqueFd fd = std::move(scratch.fd);
+  const std::string name = opt.dir + "/(scratch file)";  // for messages: it has no name now
   // O_DIRECT through the descriptor already open, as the merge reopens BASE.
   const std::string self = "/proc/self/fd/" + std::to_string(fd.get());
   const UniqueFd direct(::open(self.c_str(), O_RDWR | O_DIRECT | O_CLOEXEC));

@@ -67,6 +67,11 @@ json::Ordered job_json(const JobStatus& j) {
                        {"pool", j.pool},
                        {"budget_ms", ms(j.budget)},
                        {"speed_bytes_per_s", j.speed_bytes_per_s},
+                       {"speed_wanted_bytes_per_s", j.speed_wanted_bytes_per_s},
+                       {"time_to_govern_ms", ms_or_null(j.time_to_govern)},
+                       {"found_by", to_string(j.found_by)},
+                       {"copied_before_governed_bytes", j.copied_before_governed_bytes},
+                       {"late_adoption", j.late_adoption},
                        {"window_bytes", j.window_bytes},
                        {"backlog_bytes", j.backlog_bytes},
                        {"latency_p99_ms", ms_or_null(j.latency_p99)},
@@ -135,6 +140,13 @@ ControlServer::ControlServer(std::string path, StatusSource status, DomainEventS
     const std::string dir = path_.substr(0, slash);
     if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST)
       throw std::runtime_error(dir + ": cannot create directory: " + std::strerror(errno));
+    // Where the socket goes must be ours: not a symlink to elsewhere, not a directory another
+    // user could swap the socket in.
+    struct stat ds {};
+    if (::lstat(dir.c_str(), &ds) != 0 || !S_ISDIR(ds.st_mode))
+      throw std::runtime_error(dir + ": not a directory (a symlink?); refusing to put the socket there");
+    if (ds.st_uid != ::geteuid() && ds.st_uid != 0)
+      throw std::runtime_error(dir + ": belongs to another user; refusing to put the socket there");
   }
   listen_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (listen_fd_ < 0) throw std::runtime_error(path_ + ": socket: " + std::strerror(errno));
@@ -160,7 +172,8 @@ ControlServer::ControlServer(std::string path, StatusSource status, DomainEventS
   const mode_t old = ::umask(0177);
   const int rc = ::bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
   ::umask(old);
-  if (rc != 0 || ::chmod(path_.c_str(), 0600) != 0 || ::listen(listen_fd_, 16) != 0) {
+  // The umask made it 0600 at bind(); no chmod by name, which would follow a symlink put there.
+  if (rc != 0 || ::listen(listen_fd_, 16) != 0) {
     const std::string e = std::strerror(errno);
     ::close(listen_fd_);
     throw std::runtime_error(path_ + ": cannot listen: " + e);

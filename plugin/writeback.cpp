@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: GPL-2.0-or-later
 #include "plugin/writeback.h"
 
+#include "common/safe_file.h"
+
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -16,6 +18,7 @@
 #include <system_error>
 #include <thread>
 
+#include "common/safe_file.h"
 #include "plugin/daemon_log.h"
 #include "plugin/hypervisor.h"
 #include "plugin/memcg.h"
@@ -436,18 +439,13 @@ ProbeOpening SystemTargetFiles::open_probe(const std::string& path) {
     return {nullptr, "the target's directory " + log_field(d) +
                          " is another filesystem than the target " + log_field(path) +
                          " (a probe file there would measure other storage)"};
-  static std::atomic<unsigned> serial{0};
-  const std::string name =
-      d + "/.qcommit-probe-" + std::to_string(::getpid()) + "-" + std::to_string(serial++);
-  constexpr int kFlags = O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC;
-  int fd = ::open(name.c_str(), kFlags | O_DIRECT, 0600);
-  if (fd < 0 && errno == EINVAL)  // no O_DIRECT here: the fdatasync still waits for the storage
-    fd = ::open(name.c_str(), kFlags, 0600);
-  if (fd < 0) {
-    const int err = errno;
-    return failed(err, "cannot create the probe file " + log_field(name));
-  }
-  (void)::unlink(name.c_str());
+  // Unnamed where the filesystem allows it, else under an unpredictable name unlinked at once:
+  // nothing planted in the target's directory is opened (common/safe_file.h).
+  safe_file::Opened opened = safe_file::create_scratch(d, ".qcommit-probe-", true);
+  if (!opened.ok())
+    return {nullptr, "cannot create the probe file in " + log_field(d) + ": " + opened.problem};
+  const std::string name = opened.name.empty() ? d + "/(unnamed probe file)" : opened.name;
+  const int fd = opened.fd.release();  // ProbeShared owns it from here
   auto shared = std::make_shared<ProbeShared>(fd, name);
   if (::posix_memalign(&shared->page, kProbeWriteBytes, kProbeWriteBytes) != 0) {
     shared->page = nullptr;
