@@ -13,6 +13,7 @@
 #include "cli/json.h"
 #include "cli/merge_policy.h"
 #include "cli/merge_progress.h"
+#include "cli/merge_users.h"
 #include "cli/options.h"
 #include "cli/units.h"
 #include "common/defaults.h"
@@ -58,6 +59,23 @@ void check_rebase_children(const engine::MergeOptions& mo, const engine::MergePl
   }
 }
 
+// [{"layer": ..., "user": ...}]: who uses a layer --delete would remove.
+json::Ordered users_json(const std::vector<engine::LayerUser>& users) {
+  json::Ordered a = json::Ordered::array();
+  for (const auto& u : users) a.push_back(json::Ordered{{"layer", u.layer}, {"user", u.user}});
+  return a;
+}
+
+// --delete with users of a merged layer: the real merge refuses before writing anything, and so
+// does its dry run, after saying what it would have done (the same line, the same exit status).
+void refuse_orphaning(const engine::MergePlan& p, bool del) {
+  if (!del || p.users.empty()) return;
+  throw qcow2::Error(p.users.front().layer,
+                     "--delete would leave its users without their backing file: " +
+                         engine::describe_users(p.users) +
+                         "; nothing was written (name them with --rebase, or merge without --delete)");
+}
+
 // A dry run's report as JSON: {"event": "dry-run", "top": ..., "written": false}.
 json::Ordered dry_run_json(const engine::MergePlan& p, bool del, const DryRunExtras& extra) {
   const std::string& top = p.layers.empty() ? p.base : p.layers.front();
@@ -71,6 +89,7 @@ json::Ordered dry_run_json(const engine::MergePlan& p, bool del, const DryRunExt
       {"grow-base", p.top_size > p.base_size},
       {"rebase", p.rebase},
       {"delete", del ? p.layers : std::vector<std::string>{}},
+      {"users", users_json(p.users)},
       {"definition",
        extra.definition.empty() ? json::Ordered(nullptr) : json::Ordered(extra.definition)},
       {"resume-from", p.resume_from ? json::Ordered(*p.resume_from) : json::Ordered(nullptr)},
@@ -118,6 +137,9 @@ json::Ordered result_json(const engine::MergeResult& r, const std::optional<Merg
   j["total-seconds"] = rounded(r.total_seconds, 3);
   j["rebased"] = r.rebased;
   j["deleted"] = r.deleted;
+  json::Ordered left = json::Ordered::array();
+  for (const auto& n : r.not_deleted) left.push_back(json::Ordered{{"path", n.path}, {"reason", n.reason}});
+  j["not-deleted"] = left;
   return j;
 }
 
@@ -148,6 +170,9 @@ void print_dry_run(Output out, const engine::MergePlan& p, bool del, const DryRu
     std::printf("  would update the definition: %s\n", extra.definition.c_str());
   if (del)
     for (const auto& l : p.layers) std::printf("  would delete %s\n", l.c_str());
+  if (del)
+    for (const auto& u : p.users)
+      std::printf("  would refuse --delete: %s uses %s\n", u.user.c_str(), u.layer.c_str());
 }
 
 // The command line of `qcommit merge`.
@@ -287,6 +312,9 @@ engine::MergeOptions merge_options(const MergeArgs& a) {
   mo.rebase = a.rebase;
   if (!a.top.empty()) mo.allowed_backing_dirs = backing_policy(a.top, a.allow_dirs);
   mo.delete_merged = a.del;
+  // libvirt's users of the layers (its pools' images, its domains); the --domain form's own
+  // domain is redefined by the merge, not orphaned.
+  if (a.del) mo.find_users = libvirt_layer_users(a.uri, a.domain);
   mo.lock_wait =
       a.lock_wait == "0" ? std::chrono::nanoseconds::zero() : parse_duration(a.lock_wait, "--wait");
   mo.io_uring = !a.no_io_uring;
@@ -411,6 +439,7 @@ void print_domain_dry_run(const MergeArgs& a, const DomainMergeRequest& req,
   extra.journal = dr.finished_earlier_run;
   if (dr.plan) {
     print_dry_run(gm.out, *dr.plan, dr.would_delete, extra);
+    refuse_orphaning(*dr.plan, dr.would_delete);
   } else {
     engine::MergePlan p;  // an interrupted run whose data is merged: the rest is metadata
     p.layers = {dr.top};
@@ -481,6 +510,11 @@ void print_merge_result(const engine::MergeResult& r, engine::WriteMode mode,
                 r.bitmaps_removed);
   for (auto& c : r.rebased) std::printf("rebased %s onto %s\n", c.c_str(), r.base.c_str());
   for (auto& d : r.deleted) std::printf("deleted %s\n", d.c_str());
+  for (auto& n : r.not_deleted)
+    std::fprintf(stderr, "qcommit: %s: merged, but not deleted: %s\n", n.path.c_str(), n.reason.c_str());
+  if (!r.not_deleted.empty())
+    std::fprintf(stderr, "qcommit: %s: the checkpoint is kept; run the same command again to delete what is left\n",
+                 r.base.c_str());
   std::printf("switch-over took %.3f ms\n", r.switch_seconds * 1000);
   if (gm.governor) {
     const engine::CotenantStats cs = gm.governor->cotenant_stats();
@@ -540,6 +574,7 @@ int cmd_merge(const Args& args) {
     check_rebase_children(mo, plan);
     if (a.governed()) gm.announce_policy(plan.base);
     print_dry_run(gm.out, plan, a.del, {});
+    refuse_orphaning(plan, a.del);
     return kExitOk;
   }
   if (a.governed() && !a.via_libvirt())
@@ -567,7 +602,7 @@ int cmd_merge(const Args& args) {
   }
   shown.stop();
   print_merge_result(r, mo.write_mode, gm);
-  return kExitOk;
+  return r.not_deleted.empty() ? kExitOk : kExitNotAllDeleted;
 }
 
 }  // namespace qcommit::cli

@@ -12,6 +12,9 @@ inline constexpr int kExitOk = 0;
 inline constexpr int kExitError = 1;      // bad input, I/O error, refused operation
 inline constexpr int kExitUsage = 2;      // bad command line
 inline constexpr int kExitCorrupt = 3;    // corrupt image (check: see below)
+// merge --delete: merged, but not every merged layer was deleted (each one left is named with
+// its reason; the same command again deletes them)
+inline constexpr int kExitNotAllDeleted = 4;
 // `check` exits as `qemu-img check` does, so that scripts written for it read the same verdict:
 inline constexpr int kCheckExitError = 1;        // the check could not run (bad input, I/O error)
 inline constexpr int kCheckExitCorrupt = 2;      // corruptions found

@@ -765,9 +765,47 @@ uint64_t grow_base(Chain& chain, size_t base_depth, qcow2::Writer* writer, uint6
   return zeroed;
 }
 
+// A BASE whose only copy of TOP's data the remaining deletions would leave must be consistent
+// (as `qemu-img check` judges it: no corruption; leaks are harmless). A raw BASE has no metadata;
+// a dirty one's refcounts are stale by design and not judged by them.
+void check_base_consistent(const std::string& base_path) {
+  auto img_dev = qcow2::FileDevice::open(base_path);
+  if (qcow2::probe_format(*img_dev) != Format::kQcow2) return;
+  auto img = qcow2::Image::open(std::move(img_dev));
+  if (img->dirty()) return;
+  const auto r = qcow2::check(*img, qcow2::Repair::kNone);
+  if (r.corruptions > 0)
+    throw qcow2::CorruptionError(base_path, "check found " + std::to_string(r.corruptions) +
+                                                " corruptions; not deleting the rest of the merged layers "
+                                                "(checkpoint kept)");
+}
+
+// Each name left to delete that is a file (not a symlink, whose removal loses no data) must be
+// the layer the merge began with: its identity (real path, device, inode, size, mtime) one the
+// checkpoint recorded. A file created at that name since, or written since, is not deleted.
+void check_left_are_merged_layers(const Checkpoint& cp, const std::vector<std::string>& left) {
+  const std::string recorded = " | " + cp.identity + " | ";
+  for (const auto& p : left) {
+    struct stat st {};
+    if (::lstat(p.c_str(), &st) == 0 && S_ISLNK(st.st_mode)) continue;
+    if (recorded.find(" | " + layer_identity(p) + " | ") == std::string::npos)
+      throw Error(p, "changed since the merge that is deleting it began (not the layer its checkpoint "
+                     "recorded); not deleted, checkpoint kept");
+  }
+}
+
 // `merge TOP --base BASE --delete` again after a run that stopped while deleting the merged layers
-// (TOP first): TOP is gone, and BASE's checkpoint, written by this user, lists TOP among the layers
-// being deleted. The rest of them are deleted and the checkpoint removed. Nothing else is trusted
+// (TOP first): TOP is gone, and BASE's checkpoint, written by this user, lists TOP among the names
+// being deleted. TOP's view can no longer be compared with BASE's, so the rest are deleted under
+// this rule, and only under it:
+//   - the list was written only after verify_base_holds_view() found BASE showing TOP's view, in a
+//     run holding every lock: BASE held TOP's data when TOP went;
+//   - what is left (intermediates, a symlink's target) shows nothing to anyone but through TOP,
+//     unless another image or a domain uses it: asked again (find_layer_users), such a layer is
+//     left in place and reported;
+//   - each file left must still be the layer recorded (check_left_are_merged_layers);
+//   - BASE must still be consistent (check_base_consistent).
+// A refusal names the file, deletes nothing and keeps the checkpoint. Nothing else is trusted
 // from a checkpoint to decide what to delete.
 std::optional<MergeResult> finish_interrupted_delete(const MergeOptions& opt) {
   struct stat st {};
@@ -776,15 +814,24 @@ std::optional<MergeResult> finish_interrupted_delete(const MergeOptions& opt) {
   const auto cp = load_checkpoint(cp_path);
   const std::string top = fs::absolute(opt.top).string();
   if (!cp || std::find(cp->deleting.begin(), cp->deleting.end(), top) == cp->deleting.end()) return std::nullopt;
+  std::vector<std::string> left;
+  for (const auto& p : cp->deleting)
+    if (::lstat(p.c_str(), &st) == 0) left.push_back(p);
+  check_left_are_merged_layers(*cp, left);
+  check_base_consistent(*opt.base);
   MergeResult res;
   res.top = opt.top;
   res.base = *opt.base;
   res.resumed = true;
   res.resumed_from = cp->done;
-  for (const auto& p : cp->deleting) {
-    if (opt.on_write_point) opt.on_write_point("delete");
-    if (::unlink(p.c_str()) == 0) res.deleted.push_back(p);
+  LayerUserQuery q{left, {*opt.base}};
+  q.ignore.insert(q.ignore.end(), opt.rebase.begin(), opt.rebase.end());
+  if (const auto users = find_layer_users(q, opt.find_users); !users.empty()) {
+    for (const auto& p : left) res.not_deleted.push_back({p, "still used by " + describe_users(users)});
+    return res;
   }
+  unlink_names(left, res.deleted, res.not_deleted, opt.on_write_point);
+  if (!res.not_deleted.empty()) return res;  // the checkpoint lists what is left
   if (opt.on_write_point) opt.on_write_point("checkpoint");
   remove_checkpoint(cp_path);
   return res;
@@ -813,6 +860,7 @@ class MergeJob {
     lock_chain();
     find_checkpoint();
     prepare_children();
+    refuse_orphaning_delete();
     plan_and_check();
     report_resume();
     try {
@@ -1050,7 +1098,16 @@ class MergeJob {
   // command accepts children already rebased and finishes what is left.
   void finish() {
     if (opt.while_locked) opt.while_locked(res);
-    if (opt.delete_merged) delete_merged_layers();
+    if (opt.delete_merged) {
+      verify_base_holds_view();
+      delete_merged_layers();
+    }
+    if (!res.not_deleted.empty()) {  // kept: the same command again deletes what is left
+      locks.clear();
+      res.total_seconds = seconds_since(t_start);
+      progress({done_bytes, total, res.total_seconds, 0, "done"});
+      return;
+    }
     point("checkpoint");
     remove_checkpoint(cp_path);
     locks.clear();
@@ -1063,20 +1120,65 @@ class MergeJob {
   // deleted under it: such a reader (a monitoring agent's qemu-img info) is waited for within
   // --wait; one that keeps it open stops the merge, done but for the deletions, and the same
   // command again finishes them once the file is closed.
+  //
+  // Each layer goes by the names names_to_delete() gives (a symlink that named it, then the file
+  // the chain resolved). A layer that has users (asked again here: one may have appeared since
+  // refuse_orphaning_delete()) is not deleted, nor is any other then (their chains run through
+  // the layers below); a name the kernel refuses to unlink is reported with its reason. Either
+  // way the checkpoint stays and the same command again finishes the job.
   void delete_merged_layers() {
     for (const auto& p : res.merged_layers)
       if (const auto holders = wait_until_closed(p, opt.lock_wait, opt.on_lock_wait);
           !holders.empty())
         throw Error(p, "merged, but not deleted: it is open in " + describe(holders) +
                            "; run the same command again once it is closed");
+    std::vector<std::string> names;
+    for (size_t i = 0; i < base_depth; ++i)
+      for (auto& n : names_to_delete(chain->layer(i).path, chain->layer(i).real_path)) names.push_back(n);
+    if (const auto users = find_layer_users(layer_user_query(), opt.find_users); !users.empty()) {
+      for (const auto& n : names) res.not_deleted.push_back({n, "still used by " + describe_users(users)});
+      return;
+    }
     Checkpoint deleting{identity, top_size, {}};
-    for (const auto& p : res.merged_layers) deleting.deleting.push_back(fs::absolute(p).string());
+    deleting.deleting = names;
     point("checkpoint");
     save_checkpoint(cp_path, deleting);
-    for (const auto& p : res.merged_layers) {
-      point("delete");
-      if (::unlink(p.c_str()) == 0) res.deleted.push_back(p);
-    }
+    unlink_names(names, res.deleted, res.not_deleted, opt.on_write_point);
+  }
+
+  // The merged layers, and the images whose chains pass through them without using them: the
+  // chain's own layers down to BASE and the children rebased onto BASE.
+  [[nodiscard]] LayerUserQuery layer_user_query() const {
+    LayerUserQuery q;
+    for (size_t i = 0; i < base_depth; ++i) q.layers.push_back(chain->layer(i).path);
+    for (size_t i = 0; i <= base_depth; ++i) q.ignore.push_back(chain->layer(i).path);
+    q.ignore.insert(q.ignore.end(), opt.rebase.begin(), opt.rebase.end());
+    return q;
+  }
+
+  // 3b. --delete never orphans a user of a merged layer (another image backed by it, a domain
+  // whose disk chain names it): refused before anything is written. Asked again right before the
+  // unlinks (delete_merged_layers).
+  void refuse_orphaning_delete() {
+    if (!opt.delete_merged) return;
+    if (const auto users = find_layer_users(layer_user_query(), opt.find_users); !users.empty())
+      throw Error(users.front().layer, "--delete would leave its users without their backing file: " +
+                                           describe_users(users) +
+                                           "; nothing was written (name them with --rebase, or merge without --delete)");
+  }
+
+  // Before any merged layer is deleted, whatever a checkpoint said about the copy: BASE must show
+  // TOP's view on every range the layers above BASE provide (zero ranges read as zeros). A re-run
+  // that trusted a checkpoint over a BASE changed since (an internal snapshot applied, an older
+  // copy put back) would otherwise skip the copy and delete the only copy of TOP's data. A
+  // difference deletes nothing and keeps the checkpoint.
+  void verify_base_holds_view() {
+    uint64_t bytes = 0;
+    const std::vector<MapEntry> above = extents_above(*chain, base_depth, 0, bytes);
+    if (const std::optional<uint64_t> at = first_view_difference(*chain, base_depth, above))
+      throw Error(base->path, "does not show TOP's data at guest offset " + std::to_string(*at) + " (" +
+                                  qcow2::hex(*at) + "): not deleting the merged layers (nothing deleted, "
+                                  "checkpoint kept)");
   }
 
   const MergeOptions& opt;
@@ -1135,6 +1237,12 @@ MergePlan plan_merge(const MergeOptions& opt) {
   if (auto cp = load_checkpoint(checkpoint_path(base.path)); cp && cp->identity == identity)
     p.resume_from = cp->done;
   p.rebase = opt.rebase;
+  if (opt.delete_merged) {
+    LayerUserQuery q{p.layers, {}};
+    for (size_t i = 0; i <= p.base_depth; ++i) q.ignore.push_back(chain.layer(i).path);
+    q.ignore.insert(q.ignore.end(), opt.rebase.begin(), opt.rebase.end());
+    p.users = find_layer_users(q, opt.find_users);
+  }
   // From where a run would start; an interrupted run's leftovers in BASE's file are reused.
   p.space = space_need(chain, p.base_depth,
                        extents_above(chain, p.base_depth, p.resume_from.value_or(0), total),

@@ -20,6 +20,8 @@
 #include <string_view>
 #include <vector>
 
+#include "engine/layer_delete.h"
+#include "engine/layer_users.h"
 #include "engine/space.h"
 #include "engine/wait_notice.h"
 #include "qcow2/error.h"
@@ -93,6 +95,11 @@ struct MergeOptions {
   // Backing files must lie inside these directory trees (empty: anywhere).
   std::vector<std::string> allowed_backing_dirs;
   bool delete_merged = false;
+  // With delete_merged: who else uses a merged layer, beyond the qcow2 images in the layers' own
+  // directories that the engine finds itself (engine/layer_users.h): the CLI's libvirt domains
+  // and the images in its storage pools. A layer with users is never deleted: the merge is
+  // refused before anything is written, and asked again right before the unlinks.
+  FindLayerUsers find_users;
   WriteMode write_mode = WriteMode::kDirect;  // O_DIRECT only where the filesystem allows it
   unsigned io_threads = kDefaultIoThreads;
   // Without a governor: write O_DIRECT requests under 64 KiB in batches through io_uring,
@@ -125,6 +132,9 @@ struct MergeResult {
   std::vector<std::string> merged_layers;  // TOP and intermediates
   std::vector<std::string> rebased;
   std::vector<std::string> deleted;
+  // --delete: merged layers (names) left in place, with why. The checkpoint stays (listing what
+  // is left to delete), so the same command again finishes the job.
+  std::vector<NotDeleted> not_deleted;
   uint64_t copied_bytes = 0;
   uint64_t zeroed_bytes = 0;
   uint64_t skipped_zero_bytes = 0;  // zero ranges BASE already read as zeros
@@ -158,6 +168,7 @@ struct MergePlan {
   uint32_t base_bitmaps = 0;      // persistent bitmaps the merge removes
   std::vector<std::string> rebase;
   std::optional<uint64_t> resume_from;  // a matching checkpoint of an interrupted run
+  std::vector<LayerUser> users;  // with delete_merged: who uses a merged layer (the merge refuses)
   SpaceNeed space;  // what the merge (from resume_from on) takes from BASE's filesystem
 };
 [[nodiscard]] MergePlan plan_merge(const MergeOptions& options);

@@ -1,0 +1,89 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
+#include "cli/merge_users.h"
+
+#include <libvirt/libvirt.h>
+#include <libvirt/virterror.h>
+
+#include "plugin/libvirt_handles.h"
+#include "plugin/xml.h"
+
+namespace qcommit::cli {
+
+namespace lv = plugin::lv;
+namespace xml = plugin::xml;
+
+namespace {
+
+// The target directories of the active storage pools.
+std::vector<std::string> pool_directories(virConnectPtr conn) {
+  std::vector<std::string> dirs;
+  virStoragePoolPtr* list = nullptr;
+  const int n = virConnectListAllStoragePools(conn, &list, VIR_CONNECT_LIST_STORAGE_POOLS_ACTIVE);
+  for (lv::Pool& p : lv::take_list<lv::Pool>(list, n)) {
+    lv::CString desc(virStoragePoolGetXMLDesc(p.get(), 0));
+    if (!desc) continue;
+    const xml::Doc doc = xml::parse(desc.get());
+    if (!doc) continue;
+    const std::string dir = xml::text(xml::first(doc.get(), "/pool/target/path"));
+    if (!dir.empty()) dirs.push_back(dir);
+  }
+  return dirs;
+}
+
+// The file or device a <source> element names ("" for a network source).
+std::string source_path(xmlNodePtr source) {
+  std::string p = xml::attr(source, "file");
+  return p.empty() ? xml::attr(source, "dev") : p;
+}
+
+// Each disk of the domain whose source, or a <backingStore> source below it, reaches a layer.
+void add_domain_users(virDomainPtr dom, const engine::LayerUserQuery& q,
+                      std::vector<engine::LayerUser>& out) {
+  lv::CString desc(virDomainGetXMLDesc(dom, 0));
+  if (!desc) return;
+  const xml::Doc doc = xml::parse(desc.get());
+  if (!doc) return;
+  const char* name = virDomainGetName(dom);
+  for (xmlNodePtr disk : xml::select(doc.get(), "/domain/devices/disk")) {
+    const std::string target = xml::attr(xml::child(disk, "target"), "dev");
+    for (xmlNodePtr source : xml::select(doc.get(), ".//source", disk)) {
+      const std::string path = source_path(source);
+      if (path.empty()) continue;
+      if (const auto layer = engine::layer_reached_from(path, q)) {
+        out.push_back({*layer, "domain " + std::string(name ? name : "?") + " (disk " + target +
+                                   ", through " + path + ")"});
+        break;
+      }
+    }
+  }
+}
+
+std::vector<engine::LayerUser> domain_users(virConnectPtr conn, const engine::LayerUserQuery& q,
+                                            const std::string& merged_domain) {
+  std::vector<engine::LayerUser> out;
+  virDomainPtr* list = nullptr;
+  const int n = virConnectListAllDomains(conn, &list, 0);  // running and shut off
+  for (lv::Domain& d : lv::take_list<lv::Domain>(list, n)) {
+    const char* name = virDomainGetName(d.get());
+    if (!merged_domain.empty() && name && merged_domain == name) continue;
+    add_domain_users(d.get(), q, out);
+  }
+  return out;
+}
+
+}  // namespace
+
+engine::FindLayerUsers libvirt_layer_users(std::string uri, std::string merged_domain) {
+  return [uri = std::move(uri), merged_domain = std::move(merged_domain)](
+             const engine::LayerUserQuery& q) -> std::vector<engine::LayerUser> {
+    // Expected failures (no libvirtd here) are not printed by libvirt's default handler.
+    virSetErrorFunc(nullptr, [](void*, virErrorPtr) {});
+    lv::Conn conn(virConnectOpenReadOnly(uri.c_str()));
+    if (!conn) return {};
+    std::vector<engine::LayerUser> out = engine::image_users_in(pool_directories(conn.get()), q);
+    for (engine::LayerUser& u : domain_users(conn.get(), q, merged_domain)) out.push_back(std::move(u));
+    return out;
+  };
+}
+
+}  // namespace qcommit::cli
