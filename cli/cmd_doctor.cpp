@@ -20,6 +20,7 @@
 #include "cli/options.h"
 #include "cli/units.h"
 #include "common/defaults.h"
+#include "engine/mounts.h"
 #include "engine/proc_walk.h"
 #include "plugin/libvirt_hypervisor.h"
 #include "plugin/process.h"
@@ -138,50 +139,6 @@ void check_iothread(const plugin::DomainInfo& dom, const plugin::DiskInfo& d,
                      say.iothread_fix + ") keeps the guest's requests moving while a job runs"});
 }
 
-struct Mount {
-  std::string point, type;
-};
-
-// A mountinfo field with its octal escapes (\040 for a space) undone.
-std::string unescape_mount_field(const std::string& s) {
-  std::string out;
-  for (std::size_t i = 0; i < s.size(); ++i) {
-    const std::string oct = s[i] == '\\' ? s.substr(i + 1, 3) : "";
-    if (oct.size() == 3 && oct.find_first_not_of("01234567") == std::string::npos) {
-      out += static_cast<char>(std::stoi(oct, nullptr, 8));
-      i += 3;
-    } else {
-      out += s[i];
-    }
-  }
-  return out;
-}
-
-// The mount of the filesystem on device `dev` (/proc/self/mountinfo): of its mounts, the deepest
-// under which `path` lies (a filesystem may be mounted more than once).
-std::optional<Mount> mount_of(dev_t dev, const std::string& path) {
-  std::ifstream in("/proc/self/mountinfo");
-  const std::string want = std::to_string(major(dev)) + ":" + std::to_string(minor(dev));
-  std::optional<Mount> found;
-  bool found_under = false;
-  std::string line;
-  while (std::getline(in, line)) {
-    std::istringstream fields(line);
-    std::string id, parent, devno, root, point, field;
-    if (!(fields >> id >> parent >> devno >> root >> point) || devno != want) continue;
-    while (fields >> field && field != "-") {
-    }
-    Mount m{unescape_mount_field(point), ""};
-    fields >> m.type;
-    const bool under = path.rfind(m.point == "/" ? "/" : m.point + "/", 0) == 0;
-    if (!found || (under && (!found_under || m.point.size() > found->point.size()))) {
-      found = m;
-      found_under = under;
-    }
-  }
-  return found;
-}
-
 // Where the disk's layers lie: the filesystems a merge of it reads and writes.
 void check_storage(const plugin::DiskInfo& d, const std::string& subject,
                    std::vector<Finding>& out) {
@@ -205,7 +162,7 @@ void check_storage(const plugin::DiskInfo& d, const std::string& subject,
     }
     std::string place = "block device " + layer;
     if (!id->block) {
-      const std::optional<Mount> m = mount_of(id->dev, layer);
+      const std::optional<engine::MountEntry> m = engine::mount_of(id->dev, layer, engine::read_mounts());
       place = m ? m->type + " at " + m->point
                 : "device " + std::to_string(major(id->dev)) + ":" + std::to_string(minor(id->dev));
       nfs = nfs || (m && m->type.rfind("nfs", 0) == 0);

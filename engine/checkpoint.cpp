@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <sstream>
+#include <string_view>
 
 #include "engine/merge.h"
 #include "qcow2/error.h"
@@ -24,6 +25,7 @@ namespace {
 inline constexpr const char* kCheckpointMagic = "qcommit-merge-checkpoint v1";
 inline constexpr off_t kMaxCheckpointBytes = 64 << 10;
 inline constexpr const char* kCheckpointDeleting = "deleting";
+inline constexpr std::string_view kCheckpointBaseState = "base ";
 }  // namespace
 
 // Where merges into block devices keep their checkpoints (a file BASE keeps its own beside it).
@@ -52,14 +54,14 @@ std::optional<Checkpoint> load_checkpoint(const std::string& path) {
   UniqueFd fd(::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
   if (fd.get() < 0) {
     if (errno == ENOENT) return std::nullopt;
-    return Checkpoint{"", 0, {}};  // a symlink or unreadable: an interrupted run of unknown identity
+    return Checkpoint{};  // a symlink or unreadable: an interrupted run of unknown identity
   }
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode) || st.st_size > kMaxCheckpointBytes)
-    return Checkpoint{"", 0, {}};
+    return Checkpoint{};
   const bool ours = st.st_uid == ::geteuid() && (st.st_mode & 077) == 0;
   std::string text(size_t(st.st_size), '\0');
-  if (::pread(fd.get(), text.data(), text.size(), 0) != ssize_t(text.size())) return Checkpoint{"", 0, {}};
+  if (::pread(fd.get(), text.data(), text.size(), 0) != ssize_t(text.size())) return Checkpoint{};
   std::istringstream in(text);
   std::string magic, identity, done;
   std::getline(in, magic);
@@ -68,10 +70,14 @@ std::optional<Checkpoint> load_checkpoint(const std::string& path) {
   uint64_t n = 0;
   const auto [end, ec] = std::from_chars(done.data(), done.data() + done.size(), n);
   if (magic != kCheckpointMagic || done.empty() || ec != std::errc() || end != done.data() + done.size())
-    return Checkpoint{"", 0, {}};  // unreadable: restart (leaks are repaired)
-  Checkpoint cp{identity, n, {}};
+    return Checkpoint{};  // unreadable: restart (leaks are repaired)
+  Checkpoint cp{identity, n, {}, {}};
   std::string line;
-  if (ours && std::getline(in, line) && line == kCheckpointDeleting)
+  if (std::getline(in, line) && line.starts_with(kCheckpointBaseState)) {
+    cp.base_state = line.substr(kCheckpointBaseState.size());
+    if (!std::getline(in, line)) line.clear();
+  }
+  if (ours && line == kCheckpointDeleting)
     while (std::getline(in, line))
       if (!line.empty()) cp.deleting.push_back(line);
   return cp;
@@ -103,6 +109,7 @@ void save_checkpoint(const std::string& path, const Checkpoint& cp) {
     UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
     if (fd.get() < 0) fail(tmp);
     std::string s = std::string(kCheckpointMagic) + "\n" + cp.identity + "\n" + std::to_string(cp.done) + "\n";
+    if (!cp.base_state.empty()) s += std::string(kCheckpointBaseState) + cp.base_state + "\n";
     if (!cp.deleting.empty()) {
       s += std::string(kCheckpointDeleting) + "\n";
       for (const auto& p : cp.deleting) s += p + "\n";

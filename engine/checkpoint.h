@@ -14,6 +14,10 @@ namespace qcommit::engine {
 struct Checkpoint {
   std::string identity;
   uint64_t done = 0;
+  // BASE's fingerprint when `done` was committed (engine/base_fingerprint.h): a re-run resumes
+  // only into the BASE these commits left. Empty in a checkpoint that has none (then the copy
+  // starts over).
+  std::string base_state;
   // Set once the copy and the switch are done and --delete starts removing these layers (written
   // by this user only: see load_checkpoint), so that a re-run finds what is left to delete even
   // when TOP is already gone.

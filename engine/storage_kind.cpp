@@ -5,8 +5,15 @@
 
 #include <array>
 #include <cstdio>
+#include <filesystem>
+#include <system_error>
+#include <vector>
+
+#include "engine/mounts.h"
 
 namespace qcommit::engine {
+
+namespace fs = std::filesystem;
 
 namespace {
 
@@ -15,6 +22,7 @@ struct KnownFs {
   const char* name;
   bool shared;
   bool in_memory = false;
+  bool stacked = false;
 };
 
 constexpr std::array kKnownFilesystems{
@@ -38,14 +46,15 @@ constexpr std::array kKnownFilesystems{
     KnownFs{0xF2F52010, "f2fs", false},
     KnownFs{0x01021994, "tmpfs", false, true},
     KnownFs{0x858458F6, "ramfs", false, true},
-    KnownFs{0x794C7630, "overlayfs", false},
+    KnownFs{0x794C7630, "overlayfs", false, false, true},
+    KnownFs{0xF15F, "ecryptfs", false, false, true},
 };
 
 }  // namespace
 
 StorageKind storage_kind_of(std::uint64_t f_type) {
   for (const KnownFs& k : kKnownFilesystems)
-    if (k.magic == f_type) return {k.name, k.shared, k.in_memory};
+    if (k.magic == f_type) return {k.name, k.shared, k.in_memory, k.stacked};
   char name[32];
   std::snprintf(name, sizeof name, "type 0x%llx", static_cast<unsigned long long>(f_type));
   return {name, false};
@@ -70,6 +79,30 @@ std::optional<StorageKind> storage_kind_of_fd(int fd) {
   struct statfs s {};
   if (::fstatfs(fd, &s) != 0) return std::nullopt;
   return kind_of_statfs(s);
+}
+
+namespace {
+// Stacked filesystems seen through at most this deep (an overlay over an overlay, ...).
+constexpr int kMaxStackDepth = 4;
+}  // namespace
+
+std::optional<StorageKind> storage_kind_beneath(int fd) {
+  std::optional<StorageKind> kind = storage_kind_of_fd(fd);
+  if (!kind || !kind->stacked) return kind;
+  std::error_code ec;
+  fs::path path = fs::read_symlink("/proc/self/fd/" + std::to_string(fd), ec);
+  if (ec) return kind;
+  const std::vector<MountEntry> mounts = read_mounts();
+  for (int depth = 0; depth < kMaxStackDepth && kind->stacked; ++depth) {
+    const std::optional<std::string> lower = stacked_lower_path(path.string(), mounts);
+    if (!lower) break;
+    const std::optional<StorageKind> beneath = storage_kind_at(*lower);
+    if (!beneath) break;
+    kind = beneath;
+    path = fs::weakly_canonical(*lower, ec);
+    if (ec) break;
+  }
+  return kind;
 }
 
 }  // namespace qcommit::engine

@@ -21,6 +21,7 @@ struct StorageKind {
   std::string fs;       // "nfs", "ext4", ..., or "type 0x..." when not known here
   bool shared = false;  // other hosts can have it mounted too
   bool in_memory = false;  // the page cache is the storage (tmpfs, ramfs): nothing behind it
+  bool stacked = false;    // over another filesystem (overlayfs, eCryptfs): see storage_kind_beneath
 };
 
 // Pure: the kind of a statfs(2) f_type.
@@ -31,5 +32,10 @@ struct StorageKind {
 
 // fstatfs(2) of an open file; nullopt when it fails.
 [[nodiscard]] std::optional<StorageKind> storage_kind_of_fd(int fd);
+
+// The kind of the filesystem an open file's data lives on: through a stacked filesystem
+// (overlayfs' upper or lower layer, eCryptfs' lower directory, engine/mounts.h) to the one
+// beneath; where that cannot be told, the stacked one itself.
+[[nodiscard]] std::optional<StorageKind> storage_kind_beneath(int fd);
 
 }  // namespace qcommit::engine

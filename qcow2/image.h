@@ -135,6 +135,7 @@ class Image {
   // The external data file; required before data can be read when has_data_file().
   void attach_data_file(std::unique_ptr<BlockDevice> data);
   [[nodiscard]] BlockDevice& file() { return *file_; }
+  [[nodiscard]] const BlockDevice& file() const { return *file_; }
   [[nodiscard]] BlockDevice& data_device() { return data_ ? *data_ : *file_; }
 
   // The run of guest bytes starting at guest_offset (at most max_len, never crossing the end of

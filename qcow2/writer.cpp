@@ -34,18 +34,34 @@ const char* to_string(WritePoint p) {
   return "?";
 }
 
+namespace {
+constexpr const char* kCorruptRefusal = "image is marked corrupt; refusing to write (run 'qcommit check')";
+constexpr const char* kDataFileRefusal = "writing into an image with an external data file is not supported";
+}  // namespace
+
+std::optional<std::string> Writer::refusal(const Image& image) {
+  if (image.corrupt()) return kCorruptRefusal;
+  if (image.has_data_file()) return kDataFileRefusal;
+  return std::nullopt;
+}
+
+std::optional<std::string> Writer::grow_refusal(const Image& image, uint64_t new_size) {
+  if (new_size <= image.header().size) return std::nullopt;
+  if (image.geometry().l1_entries_for(new_size) * 8 > kMaxL1TableBytes)
+    return "cannot grow to " + std::to_string(new_size) + " bytes: L1 table would exceed 32 MiB";
+  return std::nullopt;
+}
+
 Writer::Writer(Image& image)
     : image_(image), geo_(image.geometry()), cs_(image.cluster_size()), committed_(image.header()) {
   const std::string& nm = image_.name();
   if (!image_.file().writable()) throw Error(nm, "image is open read-only");
-  if (image_.corrupt())
-    throw CorruptionError(nm, "image is marked corrupt; refusing to write (run 'qcommit check')");
+  if (image_.corrupt()) throw CorruptionError(nm, kCorruptRefusal);
   if (image_.dirty())
     throw Error(nm,
                 "image is dirty (lazy refcounts were in use and it was not closed cleanly); "
                 "run 'qcommit check --repair' first");
-  if (image_.has_data_file())
-    throw UnsupportedError(nm, "writing into an image with an external data file is not supported");
+  if (image_.has_data_file()) throw UnsupportedError(nm, kDataFileRefusal);
   if (image_.header().nb_snapshots > 0 && image_.header().version == kVersion2) {
     // v2 with internal snapshots is handled like v3: refcounts tell what is shared.
   }
@@ -416,9 +432,7 @@ void Writer::grow(uint64_t new_size) {
   if (new_size <= h.size) return;
   const uint64_t need = geo_.l1_entries_for(new_size);
   if (need > image_.l1_.size()) {
-    if (need * 8 > kMaxL1TableBytes)
-      throw Error(image_.name(), "cannot grow to " + std::to_string(new_size) +
-                                     " bytes: L1 table would exceed 32 MiB");
+    if (auto why = grow_refusal(image_, new_size)) throw Error(image_.name(), *why);
     const uint64_t clusters = (need * 8 + cs_ - 1) / cs_;
     const uint64_t old_off = h.l1_table_offset;
     const uint64_t old_clusters = (uint64_t(h.l1_size) * 8 + cs_ - 1) / cs_;
@@ -582,6 +596,10 @@ void Writer::commit() {
       store_big_u64(e, image_.l1_[i]);
       f.write(image_.header_.l1_table_offset + 8 * i, e);
     }
+    // A header that changes what the image shows (a new backing file, a larger size) must not
+    // reach the disk before the L1 entries of the tables that keep its view (the zeros a rebased
+    // child or a grown BASE is given).
+    if (header_dirty_ && !dirty_l1_.empty()) flush();
   }
   if (header_dirty_) {
     point(WritePoint::kHeader);

@@ -6,7 +6,8 @@
 // made durable by commit(), always in this order:
 //
 //   data → flush → refcount increments (blocks, then table entries / relocated table + header)
-//        → flush → L2 tables → flush → L1 / header → flush → refcount decrements → flush
+//        → flush → L2 tables → flush → L1 → (flush, when both change) header → flush
+//        → refcount decrements → flush
 //
 // After a crash at any point the image may leak clusters (refcount > references) but never
 // points at unwritten data or at a cluster that is used twice. Callers batch many clusters per
@@ -47,6 +48,13 @@ class Writer {
   // The image must be opened writable. Refuses images marked corrupt and images left dirty by
   // lazy refcounts (repair them first with check --repair).
   explicit Writer(Image& image);
+
+  // Why a Writer would refuse `image` whatever is written (marked corrupt, an external data
+  // file), without opening one: callers that must refuse before their first write ask first.
+  // Dirty images are left to the caller, which repairs them (a write) only once it goes ahead.
+  [[nodiscard]] static std::optional<std::string> refusal(const Image& image);
+  // Why grow(new_size) would fail (the L1 table would exceed kMaxL1TableBytes), without growing.
+  [[nodiscard]] static std::optional<std::string> grow_refusal(const Image& image, uint64_t new_size);
 
   // Where to write the data for a cluster-aligned range that will be fully overwritten.
   struct HostRun {
