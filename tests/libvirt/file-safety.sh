@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
+# libvirt.file_safety: the forms of a merge that go through libvirt open nothing beside the images
+# in a way a planted symlink, FIFO or hard link could turn against them (hostile.file_safety does
+# the same for the commands on files; tests/hostile/strace_writes.py judges the strace log):
+#   qcommit live DOM vda --pivot (two-phase: qcommit makes the fresh overlay, qemu-img writes it
+#       through qcommit's descriptor), on a running TCG domain, no qcommitd;
+#   qcommit merge --domain DOM --disk vda on the same chain once the domain is shut off.
+# Each ends with base.qcow2 holding the guest's view. About 30 s.
+# usage: file-safety.sh QCOMMIT
+set -euo pipefail
+source "$(dirname "$0")/lib.sh"
+QCOMMIT=$(realpath "$1")
+judge=$(cd "$(dirname "$0")/../hostile" && pwd)/strace_writes.py
+command -v strace >/dev/null || { echo "strace not installed: skipped"; exit 77; }
+daemon_test_init libvirt.file_safety qfs
+
+# traced NAME ARGS...: qcommit ARGS under strace (exit 0 required), its openings judged.
+traced() {
+  local name=$1 rc=0
+  shift
+  strace -f -qq -s 4096 -e trace=open,openat,creat -o "trace-$name.log" \
+    timeout 180 "$QCOMMIT" "$@" >"out-$name" 2>"err-$name" </dev/null || rc=$?
+  [[ $rc == 0 ]] || fail "$name: exit $rc: $(head -c 300 "err-$name")"
+  python3 "$judge" "trace-$name.log" --allowed "$dir/base.qcow2" --allowed "$dir/top.qcow2" \
+    >"verdict-$name" || fail "$name: $(head -c 600 "verdict-$name")"
+  echo "  $name: every opening for writing was safe"
+}
+
+start_two_layer_domain 64M '0 16M' '8M 16M'
+traced live live "$dom" vda --pivot --max-rate 32M --socket "$dir/none.sock"
+[[ $(vda_source "$dom") == "$dir/base.qcow2" ]] || fail "live: vda is not on base.qcow2 after the pivot"
+virsh -q destroy "$dom" >/dev/null
+qemu-img compare -q view-before.raw base.qcow2 || fail "live: base.qcow2 differs from the guest's view"
+
+# The offline form: a fresh top over the merged base, the domain shut off on it.
+virsh -q undefine "$dom" >/dev/null
+qemu-img create -q -f qcow2 -b "$dir/base.qcow2" -F qcow2 top.qcow2
+qemu-io -c "write -P 3 4M 8M" top.qcow2 >/dev/null
+qemu-img convert -O raw top.qcow2 view-before.raw
+define_disk_domain "$dom" "$dir/top.qcow2" "$dir"
+traced merge-domain merge --domain "$dom" --disk vda --budget off
+[[ $(vda_source "$dom") == "$dir/base.qcow2" ]] || fail "merge --domain: vda is not on base.qcow2"
+qemu-img compare -q view-before.raw base.qcow2 || fail "merge --domain: base.qcow2 differs from the guest's view"
+echo "libvirt.file_safety: passed"
