@@ -101,6 +101,20 @@ void print_job_row(const json::Value& j) {
               num_or_dash(j, "eta_s", "%.0fs").c_str(), probe_cell(j).c_str(), phase.c_str());
 }
 
+// How soon the job's first speed was seen in QEMU after it was found, and whether it was
+// adopted late; nothing from a qcommitd before time to govern.
+void print_governed_line(const json::Value& j) {
+  if (!json::member(j, "time_to_govern_ms")) return;
+  std::string late;
+  if (is_true(j, "late_adoption"))
+    late = ", late adoption: " +
+           num_or_dash(j, "copied_before_governed_bytes", "%.1fMiB", 1048576.0) +
+           " copied unpaced";
+  std::printf("governed: %s %s: %s after it was found (%s)%s\n", str(j, "domain").c_str(),
+              str(j, "disk").c_str(), num_or_dash(j, "time_to_govern_ms", "%.1fms").c_str(),
+              str(j, "found_by").c_str(), late.c_str());
+}
+
 // A job that ended lately: its row, with how it ended and when.
 void print_ended_row(const json::Value& r) {
   char ago[32];
@@ -173,6 +187,7 @@ int status_once(const std::string& socket_path, bool json_out) {
       if (str(j, "probe") == "off")
         std::printf("probe off: %s %s: %s\n", str(j, "domain").c_str(), str(j, "disk").c_str(),
                     str(j, "probe_off_reason").c_str());
+    for (const auto& j : *jobs) print_governed_line(j);
     for (const auto& j : *jobs)  // "on", or "off: why"; absent where the filter does not apply
       if (!str(j, "target_throttle").empty())
         std::printf("throttle filter: %s %s: %s\n", str(j, "domain").c_str(),

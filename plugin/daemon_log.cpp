@@ -134,6 +134,23 @@ void DaemonLog::log_target_throttle(const JobStatus& j, Known& k) {
   k.target_throttle = j.target_throttle;
 }
 
+void DaemonLog::log_governed(const JobStatus& j, Known& k) {
+  if (k.governed || !j.time_to_govern) return;
+  k.governed = true;
+  char buf[200];
+  const int n = std::snprintf(
+      buf, sizeof buf, "speed %.1f MiB/s in QEMU %.1f ms after the job was found (%s)",
+      static_cast<double>(j.speed_bytes_per_s) / kBytesPerMiB,
+      std::chrono::duration<double, std::milli>(*j.time_to_govern).count(), to_string(j.found_by));
+  std::string m = job_name(j.domain, j.disk) + ": " + std::string(buf, static_cast<size_t>(n));
+  if (j.late_adoption) {
+    const int l = std::snprintf(buf, sizeof buf, "; late adoption: %.1f MiB copied unpaced",
+                                static_cast<double>(j.copied_before_governed_bytes) / kBytesPerMiB);
+    m.append(buf, static_cast<size_t>(l));
+  }
+  record(m);
+}
+
 void DaemonLog::observe(const GovernorStatus& st, std::string_view uri,
                         std::string_view last_error) {
   if (!connected_ || *connected_ != st.connected) {
@@ -159,6 +176,7 @@ void DaemonLog::observe(const GovernorStatus& st, std::string_view uri,
     Known& k = it->second;
     log_probe(j, k);
     log_target_throttle(j, k);
+    log_governed(j, k);
     const std::string d = decision_of(j, k.decision);
     if (d != k.decision) {
       record(job_name(j.domain, j.disk) + ": " + d + " (was " + k.decision + "), " + figures(j));
@@ -178,7 +196,7 @@ void DaemonLog::observe(const GovernorStatus& st, std::string_view uri,
 }
 
 void DaemonLog::log_adopted(const JobStatus& j) {
-  Known k{j.id, decision_of(j, "adopted"), j.ready, {}, {}};
+  Known k{j.id, decision_of(j, "adopted"), j.ready, {}, {}, false};
   std::string m = "governing " + std::string(to_string(j.type)) + " job on " +
                   job_name(j.domain, j.disk) + " (target " + log_field(j.target) + ", storage " +
                   log_field(j.storage);
@@ -191,6 +209,7 @@ void DaemonLog::log_adopted(const JobStatus& j) {
   Known& known = jobs_.insert_or_assign({j.domain, j.disk}, std::move(k)).first->second;
   log_probe(j, known);
   log_target_throttle(j, known);
+  log_governed(j, known);
 }
 
 void DaemonLog::log_end(const std::pair<std::string, std::string>& key, std::uint64_t id,

@@ -58,6 +58,7 @@ class DaemonLog {
     bool ready = false;
     std::string probe_off;        // the reason logged for a probe that is off
     std::string target_throttle;  // the filter's state logged last
+    bool governed = false;        // its time to govern was logged
   };
   // The record of a job adopted: its type, target, storage, budget, first decision and figures.
   void log_adopted(const JobStatus& j);
@@ -68,6 +69,9 @@ class DaemonLog {
   void log_probe(const JobStatus& j, Known& k);
   // One record when the throttle filter under `j`'s target goes in, out, or is not used.
   void log_target_throttle(const JobStatus& j, Known& k);
+  // One record when `j`'s first speed is seen in QEMU: its time to govern, how it was found, and
+  // whether it was adopted late.
+  void log_governed(const JobStatus& j, Known& k);
   LogSink sink_;
   std::optional<bool> connected_;
   std::map<std::pair<std::string, std::string>, Known> jobs_;

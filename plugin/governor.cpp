@@ -259,7 +259,8 @@ struct Governor::Job {
   bool ready = false;
   bool seen_in_poll = true;
   std::uint64_t backlog = 0;
-  std::uint64_t speed_set = 0;  // gated: the paced rate (the gate alternates two speeds)
+  std::uint64_t speed_set = 0;  // as QEMU was read to have it; gated: the paced rate
+  SpeedCheck check;             // its discovery, the speed asked for and read back, time to govern
   double drain_credit = 0;      // bytes of progress not yet reported to the controller
   std::optional<TimePoint> last_tick;
   // The target's page cache and how it is pushed to storage.
@@ -304,6 +305,7 @@ Governor::~Governor() {
 }
 
 TimePoint Governor::step(TimePoint now) {
+  step_now_ = now;
   if (connected_ && !hv_.connected()) lost_connection(now);
   if (!connected_) {
     if (reconnect_.due(now)) {
@@ -368,6 +370,7 @@ void Governor::lost_connection(TimePoint now) {
   domains_.clear();
   pending_events_.clear();
   scan_domains_.clear();
+  job_started_events_.clear();
   next_poll_.reset();
   next_tick_.reset();
   next_pace_.reset();
@@ -387,6 +390,11 @@ void Governor::handle_events(TimePoint now) {
   for (const auto& e : events) {
     if (e.kind == JobEventKind::StatusChange) {
       scan_domains_.insert(e.domain);
+      if (e.started) {  // a job found by this scan was found at the event's time
+        const TimePoint at = std::min(e.at.value_or(now), now);
+        auto [it, fresh] = job_started_events_.emplace(e.domain, at);
+        if (!fresh) it->second = std::min(it->second, at);
+      }
       continue;
     }
     // BLOCK_JOB_2 names the disk by target; accept a source path too.
@@ -473,34 +481,16 @@ std::string Governor::storage_key(const std::string& path, std::optional<std::ui
   return "path:" + path;
 }
 
+// New jobs are held at a safe speed as each is found (hold_found_job), before the pools, the
+// orphan sweep and every adoption's file work (adopt): at page-cache speed, each 0.1 s a job runs
+// unpaced is about 100 MB more for the guests to wait behind.
 void Governor::poll(TimePoint now, const std::set<std::string>* only) {
   std::vector<DomainInfo> doms = hv_.running_domains();
+  std::set<DiskKey> listed;
+  std::vector<Found> found = find_jobs(doms, only, listed, now);
   if (!only) pools_ = hv_.pools();
   if (!only && sweep_orphans_) sweep_orphan_throttles(doms);
-  std::set<DiskKey> listed;
-  for (const auto& dom : doms) {
-    if (only && !only->count(dom.name)) continue;
-    for (const auto& disk : dom.disks) {
-      if (opt_.only_disk &&
-          (opt_.only_disk->first != dom.name || opt_.only_disk->second != disk.target))
-        continue;
-      const DiskKey k{dom.name, disk.target};
-      const JobQuery q = hv_.query_job(dom.name, disk.target);
-      auto it = jobs_.find(k);
-      if (q.state == JobQuery::State::kUnknown) {
-        if (it != jobs_.end()) listed.insert(k);  // not known to have ended: kept as it is
-        continue;
-      }
-      if (q.state != JobQuery::State::kRunning || !governed(q.info.type)) continue;
-      listed.insert(k);
-      if (it != jobs_.end() && same_job(*it->second, q.info)) {
-        it->second->seen_in_poll = true;
-        continue;
-      }
-      if (it != jobs_.end()) release(k, gone_reason(*it->second), now);  // another job now
-      adopt(dom, disk, q.info, now);
-    }
-  }
+  for (Found& f : found) adopt(f, now);
   // Jobs that are no longer listed in the scanned domains ended without an event we saw.
   std::vector<DiskKey> gone;
   for (const auto& [k, j] : jobs_) {
@@ -529,6 +519,76 @@ void Governor::poll(TimePoint now, const std::set<std::string>* only) {
   }
 }
 
+std::vector<Governor::Found> Governor::find_jobs(const std::vector<DomainInfo>& doms,
+                                                const std::set<std::string>* only,
+                                                std::set<DiskKey>& listed, TimePoint now) {
+  std::vector<Found> found;
+  for (const auto& dom : doms) {
+    if (only && !only->count(dom.name)) continue;
+    for (const auto& disk : dom.disks) {
+      if (opt_.only_disk &&
+          (opt_.only_disk->first != dom.name || opt_.only_disk->second != disk.target))
+        continue;
+      const DiskKey k{dom.name, disk.target};
+      const JobQuery q = hv_.query_job(dom.name, disk.target);
+      auto it = jobs_.find(k);
+      if (q.state == JobQuery::State::kUnknown) {
+        if (it != jobs_.end()) listed.insert(k);  // not known to have ended: kept as it is
+        continue;
+      }
+      if (q.state != JobQuery::State::kRunning || !governed(q.info.type)) continue;
+      listed.insert(k);
+      if (it != jobs_.end() && same_job(*it->second, q.info)) {
+        it->second->seen_in_poll = true;
+        continue;
+      }
+      if (it != jobs_.end()) release(k, gone_reason(*it->second), now);  // another job now
+      found.push_back(Found{&dom, disk, q.info, hold_found_job(dom, disk, q.info)});
+    }
+  }
+  // Job events count for the scan they caused: a job found later was found by a poll.
+  std::erase_if(job_started_events_,
+                [only](const auto& kv) { return !only || only->count(kv.first); });
+  return found;
+}
+
+// The first call for a job found on a disk: the speed it will start at, where that does not
+// depend on its pool (not looked up yet) at most the least initial speed any policy could give
+// it; read back.  Its target, extents, pool, policy and probe come after (adopt).
+SpeedCheck Governor::hold_found_job(const DomainInfo& dom, const DiskInfo& disk,
+                                    const JobInfo& info) {
+  SpeedCheck check;
+  const auto ev = job_started_events_.find(dom.name);
+  check.found_by = ev != job_started_events_.end() ? FoundBy::kEvent : FoundBy::kPoll;
+  check.found_at = ev != job_started_events_.end() ? ev->second : clock_now();
+  const double initial = safe_initial_speed(cfg_, dom.policy_xml, opt_.max_rate_bytes_per_s);
+  const std::uint64_t speed =
+      std::max(start_speed(disk, info.type, initial), opt_.min_speed_bytes_per_s);
+  const bool accepted = hv_.set_job_speed(dom.name, disk.target, speed);
+  read_back(DiskKey{dom.name, disk.target}, speed, accepted, check, nullptr);
+  return check;
+}
+
+bool Governor::throttle_filter_wanted(const DiskInfo& disk, JobType type) const {
+  const std::optional<std::uint64_t> qemu = hv_.qemu_version();
+  return opt_.target_throttle && type == JobType::ActiveCommit && Job::direct_cache(disk.cache) &&
+         qemu && *qemu >= kThrottleFilterFromQemuVersion && disk.format_options_known;
+}
+
+bool Governor::gate_wanted(const DiskInfo& disk, JobType type) const {
+  const std::optional<std::uint64_t> qemu = hv_.qemu_version();
+  return opt_.chunk_gate && Job::direct_chunks(type, disk.cache) && qemu &&
+         *qemu < kChunkGateBeforeQemuVersion;
+}
+
+std::uint64_t Governor::start_speed(const DiskInfo& disk, JobType type, double initial) const {
+  if (throttle_filter_wanted(disk, type)) return opt_.min_speed_bytes_per_s;
+  if (gate_wanted(disk, type))
+    return std::max(static_cast<std::uint64_t>(initial * kChunkGateClosedRateFraction),
+                    opt_.min_speed_bytes_per_s);
+  return static_cast<std::uint64_t>(initial);
+}
+
 void Governor::domain_event(const std::string& domain, const std::string& event) {
   (void)event;  // every lifecycle change means the same: look at this domain now
   // Its counters restart with a new QEMU process: no delta across the change.
@@ -545,8 +605,10 @@ std::string Governor::unshared_storage(const std::string& target) {
          ", which other hosts do not share";
 }
 
-void Governor::adopt(const DomainInfo& dom, const DiskInfo& disk, const JobInfo& info,
-                     TimePoint now) {
+void Governor::adopt(Found& f, TimePoint now) {
+  const DomainInfo& dom = *f.dom;
+  const DiskInfo& disk = f.disk;
+  const JobInfo& info = f.info;
   DiskKey k{dom.name, disk.target};
   std::string target;
   if (disk.mirror)
@@ -574,11 +636,7 @@ void Governor::adopt(const DomainInfo& dom, const DiskInfo& disk, const JobInfo&
   }
   query.domain_policy_xml = dom.policy_xml;
   const PolicyResolution resolved = resolve_policy(cfg_, query);
-  Policy policy = resolved.policy;
-  if (opt_.max_rate_bytes_per_s) {
-    policy.ceiling_bytes_per_s = std::min(policy.ceiling_bytes_per_s, *opt_.max_rate_bytes_per_s);
-    policy.floor_bytes_per_s = std::min(policy.floor_bytes_per_s, policy.ceiling_bytes_per_s);
-  }
+  const Policy policy = capped_policy(resolved.policy, opt_.max_rate_bytes_per_s);
   const std::string policy_error = resolved.metadata_error.value_or("");
   auto j = std::make_unique<Job>(k, policy, info.type, disk.cache);
   j->id = ++adopted_;
@@ -604,34 +662,33 @@ void Governor::adopt(const DomainInfo& dom, const DiskInfo& disk, const JobInfo&
   j->planner = WritebackPlanner(opt_.writeback);
   j->info = info;
   j->has_info = false;
+  j->check = f.check;  // held already (hold_found_job)
+  j->speed_set = f.check.actual.value_or(0);
   Job& ref = *j;
   jobs_.emplace(k, std::move(j));
-  // Start slowly right away: an unlimited job (speed 0) fills the page cache within a tick.
+  // Its own start speed where its policy's differs from the hold's (the next tick retries one
+  // QEMU did not take).
   const double initial = ref.ctl.config().initial_rate_bytes_per_s;
   const std::optional<std::uint64_t> qemu = hv_.qemu_version();
   if (opt_.target_throttle && info.type == JobType::ActiveCommit && ref.direct_io) {
-    if (!qemu || *qemu < kThrottleFilterFromQemuVersion) {
-      ref.throttle_off = "not used with QEMU before 8.1";
-    } else if (disk.format_options_known) {
+    if (throttle_filter_wanted(disk, info.type)) {
       ref.throttle_options.discard = disk.discard == "unmap" ? "unmap" : "ignore";
       ref.throttle_pending_since = now;
-      set_speed(ref, opt_.min_speed_bytes_per_s);
-      return;
+    } else if (!qemu || *qemu < kThrottleFilterFromQemuVersion) {
+      ref.throttle_off = "not used with QEMU before 8.1";
     } else {
       ref.throttle_off = "the disk's driver or source has options this cannot reopen its node with";
     }
   }
-  if (opt_.chunk_gate && Job::direct_chunks(info.type, disk.cache) && qemu &&
-      *qemu < kChunkGateBeforeQemuVersion) {
+  if (gate_wanted(disk, info.type)) {
     ref.gate.emplace(opt_.chunk_gate_config);
     ref.gate->rate = initial;
     set_gate_speed(ref, false);
-  } else if (ref.throttle) {
-    set_speed(ref, static_cast<std::uint64_t>(ref.policy.ceiling_bytes_per_s));
-    ref.speed_set = ref.throttle->bytes_per_s;
-  } else {
-    set_speed(ref, static_cast<std::uint64_t>(initial));
+    return;
   }
+  const std::uint64_t speed =
+      std::max(start_speed(disk, info.type, initial), opt_.min_speed_bytes_per_s);
+  if (ref.check.wanted != speed || ref.speed_set != speed) set_speed(ref, speed);
 }
 
 // QMP commands to `domain`'s QEMU through the hypervisor.
@@ -735,9 +792,25 @@ void Governor::release(const DiskKey& k, const std::string& reason, TimePoint no
   jobs_.erase(it);
 }
 
+// The job's speed is what QEMU reports right after the call, not what was asked for: a call the
+// hypervisor accepted may still leave the job at another speed (0: unlimited), and the governor's
+// figures (status, log, pacing) must not claim a speed QEMU does not have.
 void Governor::set_speed(Job& j, std::uint64_t speed) {
   speed = std::max(speed, opt_.min_speed_bytes_per_s);  // never 0 (unlimited)
-  if (hv_.set_job_speed(j.key.domain, j.key.disk, speed)) j.speed_set = speed;
+  const bool accepted = hv_.set_job_speed(j.key.domain, j.key.disk, speed);
+  read_back(j.key, speed, accepted, j.check, &j.speed_set);
+}
+
+void Governor::read_back(const DiskKey& k, std::uint64_t wanted, bool accepted, SpeedCheck& check,
+                         std::uint64_t* speed_set) {
+  check.wanted = wanted;
+  const JobQuery q = hv_.query_job(k.domain, k.disk);
+  if (q.state != JobQuery::State::kRunning) return;  // nothing known: the next tick reads it
+  if (speed_set) *speed_set = q.info.bandwidth_bytes_per_s;
+  const std::optional<std::string> line =
+      check.read_back(wanted, accepted, q.info.bandwidth_bytes_per_s, q.info.cur, clock_now());
+  if (line && opt_.notice)
+    opt_.notice("domain " + log_field(k.domain) + " disk " + log_field(k.disk) + ": " + *line);
 }
 
 void Governor::set_gate_speed(Job& j, bool open) {
@@ -944,7 +1017,7 @@ void Governor::apply_speed(Job& j, const JobInfo& info, JobSpeed js) {
   }
   const double off = std::fabs(static_cast<double>(js.speed) - static_cast<double>(j.speed_set));
   if (j.speed_set == 0 || off > kSpeedChangeFraction * static_cast<double>(j.speed_set) ||
-      info.bandwidth_bytes_per_s != j.speed_set ||
+      info.bandwidth_bytes_per_s != j.speed_set || j.check.wanted != j.speed_set ||
       (js.speed == opt_.min_speed_bytes_per_s && j.speed_set != js.speed))
     set_speed(j, js.speed);
   if (j.throttle) follow_target_throttle(j);
@@ -984,6 +1057,9 @@ void Governor::tick_job(Job& j, const JobInfo& info, const throttle::ForegroundS
       if (!j.throttle)
         set_speed(j, static_cast<std::uint64_t>(j.ctl.config().initial_rate_bytes_per_s));
     } else {
+      // Held at the floor meanwhile: a hold QEMU does not have is set again.
+      if (info.bandwidth_bytes_per_s != opt_.min_speed_bytes_per_s)
+        set_speed(j, opt_.min_speed_bytes_per_s);
       record_tick(j, s, info, j.backlog, now);
       return;
     }
@@ -1239,6 +1315,11 @@ GovernorStatus Governor::status(TimePoint now) const {
     js.pool = j->pool;
     js.budget = j->policy.budget;
     js.speed_bytes_per_s = j->speed_set;
+    js.speed_wanted_bytes_per_s = j->check.wanted;
+    js.time_to_govern = j->check.time_to_govern;
+    js.found_by = j->check.found_by;
+    js.copied_before_governed_bytes = j->check.copied_when_governed;
+    js.late_adoption = j->check.late();
     js.window_bytes = j->decision ? j->decision->window_bytes : 0;
     js.backlog_bytes = j->backlog;
     js.phase = j->decision ? throttle::to_string(j->decision->phase) : "adopted";

@@ -55,6 +55,7 @@
 
 #include "plugin/config.h"
 #include "plugin/hypervisor.h"
+#include "plugin/speed_check.h"
 #include "plugin/target_throttle.h"
 #include "plugin/writeback.h"
 #include "throttle/backoff.h"
@@ -202,6 +203,9 @@ struct GovernorOptions {
   // (TickInput::wall_clock), so that the merges of every host drain the storage's queue together.
   // Empty: slowdowns are slotted on the governor's own clock.
   std::function<std::optional<Duration>()> wall_clock;
+  // The governor's own clock read within a step, for the stamps of a job's time to govern (a
+  // step's hypervisor calls and file work take time).  Empty: the step's `now`.
+  std::function<TimePoint()> clock;
   [[nodiscard]] std::optional<std::string> validate() const;
 };
 
@@ -225,7 +229,15 @@ struct JobStatus {
   std::string storage;  // pool name, "dev:N" or "path:..."
   std::string pool;     // empty when the storage is not a libvirt pool
   Duration budget{};
-  std::uint64_t speed_bytes_per_s = 0;  // last speed we set
+  std::uint64_t speed_bytes_per_s = 0;  // QEMU's speed as read back after our last call
+  std::uint64_t speed_wanted_bytes_per_s = 0;  // the speed asked for last
+  // From the job's discovery (QEMU's event, or the poll that listed it) to the first speed read
+  // back from QEMU as set; nullopt until then.  late_adoption: it had copied more than
+  // kLateAdoptionBytes by then (copied_before_governed_bytes).
+  std::optional<Duration> time_to_govern;
+  FoundBy found_by = FoundBy::kPoll;
+  std::uint64_t copied_before_governed_bytes = 0;
+  bool late_adoption = false;
   std::uint64_t window_bytes = 0;
   std::uint64_t backlog_bytes = 0;
   std::optional<Duration> latency_p99;  // guests on the same storage, last kLatencyHistory
@@ -335,8 +347,27 @@ class Governor {
   // The job the hypervisor lists on j's disk is j (same type, progress not gone back).
   [[nodiscard]] static bool same_job(const Job& j, const JobInfo& listed);
   [[nodiscard]] static std::string gone_reason(const Job& j);
+  // A job found on a disk by poll(): held at its first speed before adopt() gathers the rest.
+  struct Found {
+    const DomainInfo* dom = nullptr;
+    DiskInfo disk;
+    JobInfo info;
+    SpeedCheck check;
+  };
   void poll(TimePoint now, const std::set<std::string>* only_domains);
-  void adopt(const DomainInfo& dom, const DiskInfo& disk, const JobInfo& info, TimePoint now);
+  // The governed jobs of the domains polled (into `listed`); each new one held at once.
+  [[nodiscard]] std::vector<Found> find_jobs(const std::vector<DomainInfo>& doms,
+                                             const std::set<std::string>* only_domains,
+                                             std::set<DiskKey>& listed, TimePoint now);
+  [[nodiscard]] SpeedCheck hold_found_job(const DomainInfo& dom, const DiskInfo& disk,
+                                          const JobInfo& info);
+  // What a job starts at: the floor while a throttle filter waits to go in, a gate's closed
+  // speed, else its initial speed (`initial`).
+  [[nodiscard]] std::uint64_t start_speed(const DiskInfo& disk, JobType type,
+                                          double initial) const;
+  [[nodiscard]] bool throttle_filter_wanted(const DiskInfo& disk, JobType type) const;
+  [[nodiscard]] bool gate_wanted(const DiskInfo& disk, JobType type) const;
+  void adopt(Found& f, TimePoint now);
   void release(const DiskKey& k, const std::string& reason, TimePoint now, bool from_event = false);
   void tick(TimePoint now);
   [[nodiscard]] StorageSignals read_foreground(TimePoint now);
@@ -370,6 +401,11 @@ class Governor {
                                         std::optional<PoolInfo>* pool_out);
   [[nodiscard]] std::optional<PoolInfo> resolve_pool(const std::string& path);
   void set_speed(Job& j, std::uint64_t speed);
+  // The job's speed as QEMU has it right after a call asking for `wanted`, into `check` (and
+  // `*speed_set`); a mismatch is said through opt_.notice.
+  void read_back(const DiskKey& k, std::uint64_t wanted, bool accepted, SpeedCheck& check,
+                 std::uint64_t* speed_set);
+  [[nodiscard]] TimePoint clock_now() const { return opt_.clock ? opt_.clock() : step_now_; }
   void set_gate_speed(Job& j, bool open);  // the chunk gate's open or closed speed
   // The throttle filter under a job's target: in, its rate after the job's speed, out (ready,
   // end, stop); and those a dead qcommit process left in QEMU.
@@ -387,6 +423,9 @@ class Governor {
   GovernorOptions opt_;
   std::vector<JobEvent> pending_events_;
   std::set<std::string> scan_domains_;
+  // Per domain: the earliest QEMU event since its last scan saying a job started (its time).
+  std::map<std::string, TimePoint> job_started_events_;
+  TimePoint step_now_{};
   bool connected_ = false;
   bool sweep_orphans_ = false;  // at the next full poll: filters a dead process left in QEMU
   bool was_ever_connected_ = false;

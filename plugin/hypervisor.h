@@ -123,6 +123,11 @@ struct JobEvent {
   std::string disk;    // disk target or path; may be empty for StatusChange
   JobType type = JobType::Unknown;
   std::string detail;  // e.g. QEMU status or job id
+  // StatusChange to "created" or "running": a job may have just started (the governor holds it
+  // at once, and counts its time to govern from `at`).
+  bool started = false;
+  // When QEMU emitted the event (its timestamp, on the governor's monotonic clock), when known.
+  std::optional<throttle::TimePoint> at{};
 };
 
 class Hypervisor {

@@ -16,6 +16,7 @@
 
 #include "plugin/config.h"
 #include "plugin/libvirt_handles.h"
+#include "plugin/mono_clock.h"
 #include "plugin/overlay_file.h"
 #include "plugin/xml.h"
 
@@ -72,13 +73,22 @@ void on_block_job(virConnectPtr, virDomainPtr dom, const char* disk, int type, i
   static_cast<LibvirtHypervisor*>(opaque)->deliver(e);
 }
 
-void on_qemu_event(virConnectPtr, virDomainPtr dom, const char* event, long long, unsigned int,
-                   const char* details, void* opaque) {
+// QEMU's JOB_STATUS_CHANGE through libvirt's monitor event passthrough: `details` is the event's
+// data ({"id": ..., "status": ...}), `seconds`/`micros` QEMU's timestamp (host realtime).
+void on_qemu_event(virConnectPtr, virDomainPtr dom, const char* event, long long seconds,
+                   unsigned int micros, const char* details, void* opaque) {
   JobEvent e;
   e.kind = JobEventKind::StatusChange;
   const char* name = virDomainGetName(dom);
   e.domain = name ? name : "";
   e.detail = std::string(event ? event : "") + " " + (details ? details : "");
+  if (details) {
+    const std::optional<json::Value> data =
+        json::parse<json::Value>(details, json::kQmpLimits, nullptr);
+    const std::string status = data ? json::string_member(*data, "status") : std::string();
+    e.started = status == "created" || status == "running";
+  }
+  if (seconds > 0) e.at = mono_of_realtime_us(seconds * 1000000 + micros);
   static_cast<LibvirtHypervisor*>(opaque)->deliver(e);
 }
 
@@ -268,8 +278,15 @@ bool LibvirtHypervisor::connect() {
   block_job_cb_ =
       virConnectDomainEventRegisterAny(conn_, nullptr, VIR_DOMAIN_EVENT_ID_BLOCK_JOB_2,
                                        VIR_DOMAIN_EVENT_CALLBACK(on_block_job), this, nullptr);
+  // No taint: unlike virDomainQemuMonitorCommand, libvirt's qemu driver only checks the ACL and
+  // registers the callback (qemuConnectDomainQemuMonitorEventRegister).
   qemu_cb_ = virConnectDomainQemuMonitorEventRegister(conn_, nullptr, "JOB_STATUS_CHANGE",
                                                       on_qemu_event, this, nullptr, 0);
+  job_events_error_.clear();
+  if (qemu_cb_ < 0) {
+    virErrorPtr e = virGetLastError();
+    job_events_error_ = e && e->message ? e->message : "registration refused";
+  }
   return true;
 }
 

@@ -58,6 +58,10 @@ class LibvirtHypervisor final : public Hypervisor, public BlockJobControl {
   void mark_closed() { closed_ = true; }
 
   [[nodiscard]] const std::string& last_error() const { return last_error_; }
+  // Why QEMU's job events (JOB_STATUS_CHANGE, through virConnectDomainQemuMonitorEventRegister)
+  // could not be had on this connection; "" when they are registered.  Without them new jobs are
+  // found by the governor's poll only.
+  [[nodiscard]] const std::string& job_events_error() const { return job_events_error_; }
 
  private:
   void disconnect();
@@ -74,6 +78,7 @@ class LibvirtHypervisor final : public Hypervisor, public BlockJobControl {
   int qemu_cb_ = -1;
   EventSink sink_;
   std::string last_error_;
+  std::string job_events_error_;
   std::optional<std::uint64_t> qemu_version_;  // virConnectGetVersion at connect
 };
 

@@ -228,6 +228,7 @@ GovernorOptions governor_options(const DaemonArgs& a, DaemonLog& log) {
   GovernorOptions opt;
   opt.target_throttle = a.throttle_filter == "on";
   opt.notice = [&log](const std::string& m) { log.record(m); };
+  opt.clock = mono_now;  // time to govern: stamps within a step
   opt.settle_every = settle_interval_for(dirty_expire());
   // GovernorOptions::wall_clock stays unset: slotted on CLOCK_REALTIME, the lab's qcd-commit row
   // took 78-82 s against 59 s (2026-12-02, quiet host, with the shared-queue probe on or off).
@@ -276,6 +277,7 @@ class Daemon {
  private:
   void deliver_hook_events();
   void publish_status(TimePoint now);
+  void note_job_events();
 
   const DaemonConfig& cfg_;
   DaemonLog& log_;
@@ -287,7 +289,18 @@ class Daemon {
   HookEventQueue hook_events_;
   ControlServer server_;
   TimePoint next_status_{};
+  std::string job_events_logged_;  // the job-events failure logged last
 };
+
+// Without QEMU's job events new jobs are found by the poll alone (within GovernorOptions::poll):
+// said once per reason.
+void Daemon::note_job_events() {
+  const std::string& why = hv_.job_events_error();
+  if (why.empty() || why == job_events_logged_) return;
+  job_events_logged_ = why;
+  log_.record("QEMU job events not available (" + why +
+              "): new block jobs are found by the poll only");
+}
 
 void Daemon::deliver_hook_events() {
   for (const auto& [domain, event] : hook_events_.take()) {
@@ -316,6 +329,7 @@ void Daemon::run() {
     deliver_hook_events();
     const auto now = mono_now();
     (void)gov_.step(now);
+    note_job_events();
     publish_status(now);
     if (virEventRunDefaultImpl() < 0) break;
   }

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <thread>
 
+#include "plugin/mono_clock.h"
 #include "plugin/overlay_file.h"
 #include "plugin/qemu_cmdline.h"
 
@@ -310,9 +311,12 @@ void QmpHypervisor::note_event(const QmpEvent& e) {
   if (auto it = jobs_.find(je.disk); it != jobs_.end() && it->second.id == id)
     active = it->second.active;
   je.type = job_type_of(str_member(e.data, "type"), e.name == "BLOCK_JOB_READY", active);
+  if (e.timestamp_us > 0) je.at = mono_of_realtime_us(e.timestamp_us);
   if (e.name == "JOB_STATUS_CHANGE") {
     je.kind = JobEventKind::StatusChange;
-    je.detail = id + " " + str_member(e.data, "status");
+    const std::string& status = str_member(e.data, "status");
+    je.detail = id + " " + status;
+    je.started = status == "created" || status == "running";
   } else if (e.name == "BLOCK_JOB_READY") {
     je.kind = JobEventKind::Ready;
     je.detail = id;

@@ -20,6 +20,7 @@ namespace qcommit::plugin::test {
 struct SpeedCall {
   std::string domain, disk;
   std::uint64_t speed;
+  throttle::TimePoint at{};  // FakeHypervisor::clock when the call was made
 };
 
 class FakeHypervisor final : public Hypervisor {
@@ -32,6 +33,11 @@ class FakeHypervisor final : public Hypervisor {
   std::map<std::pair<std::string, std::string>, BlockStats> stats;
   std::map<std::pair<std::string, std::string>, JobInfo> jobs;
   std::vector<SpeedCall> speed_calls;
+  // Reads the test's clock for SpeedCall::at; empty: calls are not stamped.
+  std::function<throttle::TimePoint()> clock;
+  // This many speed calls from now on succeed but leave the job's speed as it was (a speed QEMU
+  // did not take).
+  int speed_calls_ignored = 0;
   // Disks whose job query fails while the connection stays up (libvirt's domain lock timing out,
   // a domain in transition): query_job says kUnknown, job_info nothing.
   std::set<std::pair<std::string, std::string>> unknown_jobs;
@@ -103,9 +109,13 @@ class FakeHypervisor final : public Hypervisor {
   }
   bool set_job_speed(const std::string& d, const std::string& k, std::uint64_t bps) override {
     check();
-    speed_calls.push_back({d, k, bps});
+    speed_calls.push_back({d, k, bps, clock ? clock() : throttle::TimePoint{}});
     auto it = jobs.find({d, k});
     if (it == jobs.end()) return false;
+    if (speed_calls_ignored > 0) {
+      --speed_calls_ignored;
+      return true;
+    }
     it->second.bandwidth_bytes_per_s = bps;
     return true;
   }
@@ -202,16 +212,21 @@ class FakeTargetFiles final : public TargetFiles {
   std::shared_ptr<FakeProbeState> probe;  // nullptr: no probe file can be opened
   std::string probe_refusal = "cannot create the probe file: Read-only file system";
   std::optional<StorageKind> kind = StorageKind{"ext4", false};  // every target's filesystem
+  // Called at every open of a target or probe file and every extent read ("open", "probe",
+  // "extents"): a test makes them slow by advancing its clock.
+  std::function<void(const char* what)> on_io;
 
   std::optional<StorageKind> storage_kind(const std::string&) override { return kind; }
 
   ProbeOpening open_probe(const std::string& path) override {
+    if (on_io) on_io("probe");
     if (!probe || files.find(path) == files.end()) return {nullptr, probe_refusal};
     ++probe->opened;
     return {std::make_unique<Probe>(probe), {}};
   }
 
   std::unique_ptr<TargetFile> open(const std::string& path) override {
+    if (on_io) on_io("open");
     auto it = files.find(path);
     if (it == files.end()) return nullptr;
     return std::make_unique<File>(it->second);
@@ -221,6 +236,7 @@ class FakeTargetFiles final : public TargetFiles {
     return commit_base_answer;
   }
   std::optional<std::vector<ByteRange>> commit_extents(const std::vector<std::string>&) override {
+    if (on_io) on_io("extents");
     return commit_extents_answer;
   }
 

@@ -163,19 +163,21 @@ TEST_CASE("plugin.log.one_line_per_decision_change") {
     for (const auto& d : decisions) s += d + " ";
     return s;
   }());
-  // 450 ticks; the records: connected, adopted (with its first decision), one per change.
+  // 450 ticks; the records: connected, adopted (with its first decision), its first speed seen
+  // in QEMU (time to govern), one per change.
   CHECK(ticks >= 400);
   CHECK(slowdowns >= 3);  // the periodic slowdowns happened and were not logged
   REQUIRE(decisions.size() >= 3);
   const std::size_t changes = decisions.size() - 1;
   const auto changed = matching(records, " (was ");
   CHECK(changed.size() == changes);
-  CHECK(records.size() == 2 + changes);
+  CHECK(records.size() == 3 + changes);
+  CHECK(matching(records, " after the job was found (poll)").size() == 1);
   CHECK(records.size() <= 12);
   CHECK(matching(records, "slowdown").empty());
   // Steady signal: after slow start, nothing to report for ~29 s of ticks.
   CHECK(steady_decisions.size() <= 2);
-  CHECK(steady_records == 1 + steady_decisions.size());
+  CHECK(steady_records == 2 + steady_decisions.size());
   // The change of signal is reported: paused, then resumed.
   CHECK(matching(records, ": paused (was ").size() == 1);
   CHECK(matching(records, " (was paused)").size() == 1);

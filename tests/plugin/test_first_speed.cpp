@@ -1,0 +1,153 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
+// A job's first speed: set before the adoption's slow steps, read back from QEMU, and the time
+// from the job's discovery to it (time to govern).
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "plugin/governor.h"
+#include "tests/plugin/world.h"
+
+namespace qcommit::plugin::test {
+namespace {
+
+using namespace std::chrono_literals;
+
+// The first speed call for a domain's disk, or nullptr.
+const SpeedCall* first_call(const FakeHypervisor& hv, const std::string& dom,
+                            const std::string& disk) {
+  const auto it =
+      std::find_if(hv.speed_calls.begin(), hv.speed_calls.end(),
+                   [&](const SpeedCall& c) { return c.domain == dom && c.disk == disk; });
+  return it == hv.speed_calls.end() ? nullptr : &*it;
+}
+
+const JobStatus* job_of(const GovernorStatus& st, const std::string& dom) {
+  for (const JobStatus& j : st.jobs)
+    if (j.domain == dom) return &j;
+  return nullptr;
+}
+
+}  // namespace
+
+// Two jobs start at once; every target open, extent read and probe opening takes 400 ms (storage
+// busy with the jobs' own writeback).  Each job still has its first speed within 100 ms of
+// QEMU's event, and the status says so.
+TEST_CASE("plugin.governor.first_speed_before_slow_adoption") {
+  World w;
+  auto other = std::make_shared<FakeFileState>();
+  w.files.files["/other/vm3-base.qcow2"] = other;
+  DomainInfo vm3{"vm3", "33333333-3333-3333-3333-333333333333", {}, std::nullopt};
+  vm3.disks.push_back(
+      DiskInfo{"vdc", "/other/vm3-top.qcow2", {"/other/vm3-base.qcow2"}, std::nullopt, 11, "", ""});
+  w.hv.domains.push_back(vm3);
+  w.hv.stats[{"vm3", "vdc"}] = {};
+  constexpr Duration kSlowIo = 400ms;
+  constexpr Duration kFirstSpeedWithin = 100ms;
+  w.hv.clock = [&w] { return w.now; };
+  GovernorOptions opt;
+  opt.clock = [&w] { return w.now; };
+  Governed gv(w, DaemonConfig{}, opt);
+  gv.run(200ms);  // connected, nothing to govern
+  REQUIRE(w.hv.speed_calls.empty());
+  w.files.on_io = [&w, kSlowIo](const char*) { w.now += kSlowIo; };
+  w.start_job(JobType::ActiveCommit);
+  w.hv.jobs[{"vm3", "vdc"}] = JobInfo{JobType::ActiveCommit, 0, 8ull << 30, 0};
+  const TimePoint started = w.now - 3ms;  // QEMU's timestamp: the events arrive 3 ms later
+  for (const char* dom : {"vm1", "vm3"}) {
+    JobEvent e;
+    e.kind = JobEventKind::StatusChange;
+    e.domain = dom;
+    e.detail = "running";
+    e.started = true;
+    e.at = started;
+    w.hv.emit(e);
+  }
+  gv.run(3s);
+  for (const auto& [dom, disk] : {std::pair{"vm1", "vda"}, std::pair{"vm3", "vdc"}}) {
+    CAPTURE(dom);
+    const SpeedCall* c = first_call(w.hv, dom, disk);
+    REQUIRE(c != nullptr);
+    CHECK(c->speed > 0);
+    CHECK(c->at - started <= kFirstSpeedWithin);
+  }
+  const GovernorStatus st = gv.g.status(w.now);
+  for (const char* dom : {"vm1", "vm3"}) {
+    CAPTURE(dom);
+    const JobStatus* j = job_of(st, dom);
+    REQUIRE(j != nullptr);
+    REQUIRE(j->time_to_govern.has_value());
+    CHECK(*j->time_to_govern <= kFirstSpeedWithin);
+    CHECK(j->found_by == FoundBy::kEvent);
+    CHECK_FALSE(j->late_adoption);
+  }
+}
+
+// A job found by the poll with 1 GiB copied already is governed, and reported as adopted late.
+TEST_CASE("plugin.governor.late_adoption_reported") {
+  World w;
+  GovernorOptions opt;
+  opt.clock = [&w] { return w.now; };
+  w.start_job(JobType::ActiveCommit);
+  w.hv.jobs[{"vm1", "vda"}].cur = 1ull << 30;
+  Governed gv(w, DaemonConfig{}, opt);
+  gv.run(50ms);
+  const GovernorStatus st = gv.g.status(w.now);
+  REQUIRE(st.jobs.size() == 1);
+  CHECK(st.jobs[0].found_by == FoundBy::kPoll);
+  REQUIRE(st.jobs[0].time_to_govern.has_value());
+  CHECK(st.jobs[0].late_adoption);
+  CHECK(st.jobs[0].copied_before_governed_bytes >= (1ull << 30));
+}
+
+// QEMU keeps speed 0 although the calls succeed: the governor reads it back, says so once (one
+// line naming the domain, the disk, the speed asked for and the speed QEMU has), claims no speed
+// QEMU does not have, and sets it again at the next tick.
+TEST_CASE("plugin.governor.speed_not_taken_is_read_back_and_retried") {
+  World w;
+  std::vector<std::string> notices;
+  GovernorOptions opt;
+  opt.clock = [&w] { return w.now; };
+  opt.notice = [&notices](const std::string& m) { notices.push_back(m); };
+  Governor g(w.hv, w.files, DaemonConfig{}, opt);
+  (void)g.step(w.now);  // connect; nothing runs yet
+  w.start_job(JobType::ActiveCommit);
+  JobEvent e;
+  e.kind = JobEventKind::StatusChange;
+  e.domain = w.dom;
+  e.started = true;
+  e.at = w.now;
+  w.hv.emit(e);
+  w.hv.speed_calls_ignored = 5;  // every call of the adopting step
+  const std::size_t calls_before = w.hv.speed_calls.size();
+  TimePoint next = g.step(w.now);  // finds, holds and adopts the job
+  REQUIRE(w.hv.speed_calls.size() > calls_before);
+  CHECK(w.hv.speed(w.dom, "vda") == 0);
+  GovernorStatus st = g.status(w.now);
+  REQUIRE(st.jobs.size() == 1);
+  CHECK(st.jobs[0].speed_bytes_per_s == w.hv.speed(w.dom, "vda"));  // no claim QEMU contradicts
+  CHECK(st.jobs[0].speed_wanted_bytes_per_s > 0);
+  CHECK_FALSE(st.jobs[0].time_to_govern.has_value());
+  const auto mismatches = std::count_if(notices.begin(), notices.end(), [](const std::string& m) {
+    return m.find("read back as 0 B/s") != std::string::npos;
+  });
+  CHECK(mismatches == 1);  // once, not at every call
+  REQUIRE_FALSE(notices.empty());
+  const std::string wanted = std::to_string(st.jobs[0].speed_wanted_bytes_per_s) + " B/s";
+  CHECK(notices.front().find("domain vm1 disk vda: job speed set to " + wanted) == 0);
+  // The next tick sets it again, and QEMU takes it.
+  w.hv.speed_calls_ignored = 0;
+  w.run(g, 150ms, &next);
+  CHECK(w.hv.speed(w.dom, "vda") > 0);
+  st = g.status(w.now);
+  REQUIRE(st.jobs.size() == 1);
+  CHECK(st.jobs[0].speed_bytes_per_s == w.hv.speed(w.dom, "vda"));
+  REQUIRE(st.jobs[0].time_to_govern.has_value());
+  CHECK(*st.jobs[0].time_to_govern >= 50ms);  // governed at the next tick, not at adoption
+  CHECK(notices.back().find("as set") != std::string::npos);
+}
+
+}  // namespace qcommit::plugin::test
