@@ -13,7 +13,7 @@
 #include "qcow2/chain.h"
 #include "qcow2/error.h"
 #include "qcow2/format.h"
-#include "qcow2/unique_fd.h"
+#include "common/unique_fd.h"
 
 namespace qcommit::engine {
 
