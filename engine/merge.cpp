@@ -28,6 +28,7 @@
 #include "engine/copy_pool.h"
 #include "engine/image_lock.h"
 #include "engine/node_wait.h"
+#include "engine/rebase.h"
 #include "engine/storage_kind.h"
 #include "qcow2/chain.h"
 #include "qcow2/check.h"
@@ -655,40 +656,6 @@ class WindowCopier {
   uint64_t l1_span = 0, max_l2s = 0;
 };
 
-// A child of TOP that the switch moves onto BASE, opened for writing before the copy starts.
-struct RebaseTarget {
-  std::string path;
-  std::unique_ptr<qcow2::Image> image;
-  std::unique_ptr<qcow2::Writer> writer;  // refuses a corrupt or dirty child at construction
-  std::string backing_name;               // BASE, relative if the child's old name was
-};
-
-RebaseTarget prepare_rebase(const std::string& child, const qcow2::Layer& base) {
-  RebaseTarget t;
-  t.path = child;
-  t.image = qcow2::Image::open(qcow2::FileDevice::open(child, {.writable = true}));
-  t.writer = std::make_unique<qcow2::Writer>(*t.image);
-  const std::string old = t.image->backing_name().value_or("");
-  // Names resolved by the kernel, never lexically ("link/.." is not "."): relative from the
-  // child's real directory, or BASE's real path; a block device keeps the name it was given
-  // (/dev/vg/lv is stable, the /dev/dm-N it points to is not).
-  struct stat st {};
-  const bool blockdev = ::stat(base.path.c_str(), &st) == 0 && S_ISBLK(st.st_mode);
-  const fs::path target = blockdev ? fs::absolute(base.path) : fs::canonical(base.path);
-  if (!old.empty() && fs::path(old).is_relative() && !blockdev)
-    t.backing_name = target.lexically_relative(fs::canonical(fs::absolute(child).parent_path())).string();
-  else
-    t.backing_name = target.string();
-  if (t.backing_name.size() > qcow2::kMaxBackingNameBytes)
-    throw Error(child, "cannot be rebased: the backing name '" + t.backing_name + "' is longer than " +
-                           std::to_string(qcow2::kMaxBackingNameBytes) + " bytes");
-  // Staged now, written at the switch: a name that does not fit in the child's header cluster
-  // refuses the merge before anything is written.
-  t.writer->set_backing(t.backing_name, std::string(qcow2::to_string(base.format)));
-  t.writer->check_header_fits();
-  return t;
-}
-
 // Which merge a checkpoint belongs to: the layers above BASE (as they are now) and BASE.
 std::string merge_identity(Chain& chain, size_t base_depth) {
   std::string identity;
@@ -978,7 +945,8 @@ class MergeJob {
       if (!rebased_before && (c.depth() < 2 || !same_file(c.layer(1).path, chain->layer(0).path)))
         throw Error(child, "its backing file is not " + opt.top + "; refusing to rebase it");
       locks.push_back(ImageLock::writer(child, opt.lock_wait, opt.on_lock_wait));
-      children.push_back(prepare_rebase(child, *base));
+      // Read again under the lock: what the child allocates decides what it is given as zeros.
+      children.push_back(prepare_rebase(child, cho, rebased_before, *chain, base_depth));
     }
   }
 
@@ -1081,13 +1049,14 @@ class MergeJob {
     done_bytes = WindowCopier(opt, res, *chain, base_depth, writer.get(), cp_path, identity, total, t_start).run(extents);
   }
 
-  // 7. Children now use BASE. Short and bounded: one header rewrite per child.
+  // 7. Children now use BASE. Short and bounded: one commit per child, its header last, after
+  // the zeros that keep its view past TOP's end (engine/rebase.h).
   void switch_children() {
     progress({done_bytes, total, seconds_since(t_start), 0, "switch"});
     const auto t_switch = Clock::now();
+    const std::function<void(std::string_view)> at_point = [this](std::string_view name) { point(name); };
     for (RebaseTarget& child : children) {
-      point("rebase");
-      child.writer->commit();
+      (void)switch_child(child, at_point);
       res.rebased.push_back(child.path);
     }
     res.switch_seconds = seconds_since(t_switch);

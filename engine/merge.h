@@ -114,8 +114,9 @@ struct MergeOptions {
   // Test hook: called after each committed window with the checkpointed guest offset.
   std::function<void(uint64_t)> on_checkpoint;
   // Test seam: called right before each write the merge makes to disk, named ("grow",
-  // "zero-grown", "data", "window-commit", "checkpoint", "bitmaps", "rebase", "delete", and the
-  // qcow2 writer's persistence points "data-flush", "l2-tables", "header", ...). A crash test
+  // "zero-grown", "data", "window-commit", "checkpoint", "bitmaps", "child-zero" (a child's zeros
+  // past TOP's end, engine/rebase.h), "rebase", "delete", and the qcow2 writer's persistence
+  // points "data-flush", "l2-tables", "header", ..., BASE's and each child's). A crash test
   // stops the process here.
   std::function<void(std::string_view point)> on_write_point;
   // Runs after the copy and the switch while every image lock is still held (a QEMU that starts

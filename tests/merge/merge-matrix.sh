@@ -17,6 +17,7 @@
 set -euo pipefail
 
 QCOMMIT=$(realpath "$1")
+. "$(dirname "$(realpath "$0")")/chain-lib.sh"  # qio, new, fmt_of
 work=$(mktemp -d "${TMPDIR:-/var/tmp}/qcommit-merge-matrix.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 cd "$work"
@@ -26,20 +27,6 @@ pairs=0
 fail() {
   echo "FAIL: $*" >&2
   failures+=("$*")
-}
-
-# qemu-io on one image (format detected); fails on any error.
-qio() {
-  local img=$1
-  shift
-  local fmt args=() out
-  fmt=$(qemu-img info --output=json "$img" | jq -r .format)
-  for c in "$@"; do args+=(-c "$c"); done
-  out=$(qemu-io -f "$fmt" "${args[@]}" "$img" 2>&1) || { echo "qemu-io failed on $img: $out" >&2; return 1; }
-  if grep -qiE 'failed|error|not supported' <<<"$out"; then
-    echo "qemu-io on $img: $out" >&2
-    return 1
-  fi
 }
 
 # Writes of every kind, spread over the first $2 MiB, varied by seed $3.
@@ -58,12 +45,6 @@ scribble() {
     "write -z -u $((c + 65536)) 131072" \
     "discard $((a + 12345)) 200000" \
     "write -P $((s + 65)) $((span - 70000)) 70000"
-}
-
-new() {  # new NAME SIZE [qemu-img create args...]
-  local name=$1 size=$2
-  shift 2
-  qemu-img create -q "$@" "$name" "$size"
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -153,8 +134,6 @@ chain_d7() {  # depth 3: a BASE smaller than both its own backing file and the l
   qio top.qcow2 "write -P 34 $((15 * 1048576)) 2M" "write -P 35 $((40 * 1048576)) 64k"
   LAYERS=(bb.qcow2 base.qcow2 l1.qcow2 top.qcow2)
 }
-
-fmt_of() { qemu-img info -U --output=json "$1" | jq -r .format; }
 
 # One merge of a fresh copy of chain $1: TOP index $2, BASE index $3, extra merge args after.
 run_pair() {

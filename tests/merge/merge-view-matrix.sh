@@ -1,0 +1,182 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
+# merge.view_matrix: no merge changes the view of TOP or of a child named with --rebase, for every
+# size relation among BELOW (BASE's backing file), BASE, an intermediate layer MID, TOP and the
+# children. A child larger than a TOP shorter than BASE read zeros past TOP's end; once on BASE
+# it must still read zeros there (the merge gives the child zeros where it allocates nothing and
+# BASE shows something), and a TOP larger than a MID shorter than BASE reads zeros past MID's end,
+# which BASE must show after the merge. Each row of ROWS is one chain (sizes; "-": no such
+# layer); every layer has its own data pattern, data near its end, zero clusters; TOP has
+# compressed clusters; flags pick qcow2 v2 (compat=0.10) or extended L2 for some layers.
+# For each row: the views of TOP and of each child (qemu-img convert -O raw), then
+#   qcommit merge TOP [--base BASE] --rebase CHILD... --budget off
+# then: every child's view unchanged (qemu-img compare) and backed by BASE; BASE shows TOP's old
+# view over TOP's size and its own old view beyond; qemu-img check clean on BASE and children.
+# About 20-40 s.
+#
+# usage: merge-view-matrix.sh QCOMMIT
+set -euo pipefail
+
+QCOMMIT=$(realpath "$1")
+[[ -x $QCOMMIT ]] || { echo "usage: $0 QCOMMIT (an executable qcommit)" >&2; exit 2; }
+. "$(dirname "$(realpath "$0")")/chain-lib.sh"  # qio, new, fmt_of
+work=$(mktemp -d "${TMPDIR:-/var/tmp}/qcommit-merge-view-matrix.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+cd "$work"
+
+failures=()
+fail() {
+  echo "FAIL: $*" >&2
+  failures+=("$*")
+}
+
+# name            BELOW BASE   MID   TOP     CHILDREN      flags
+ROWS=(
+  "top-short        -   16M    -     8M      16M           -"
+  "top-short-below+ 24M 16M    -     8M      24M,12M       -"
+  "top-short-below- 10M 16M    -     8M      16M           -"
+  "child-v2         20M 16M    -     8M      16M           child-v2"
+  "base-v2          20M 16M    -     8M      16M           base-v2"
+  "xl2-unaligned    -   16M    -     8200k   16M           xl2"
+  "child-smaller    20M 16M    -     12M     4M,12M        -"
+  "mid-short        -   16M    6M    16M     16M           -"
+  "mid-short-top<   20M 16M    6M    10M     16M           -"
+  "mid-short-v2     20M 16M    6M    12M     20M           base-v2,child-v2"
+  "base-grows       24M 8M     -     16M     20M           -"
+  "base-grows-mid   24M 8M     12M   16M     16M           base-v2"
+  "below-short      8M  12M    -     16M     16M           -"
+  "equal            16M 16M    16M   16M     16M           -"
+  "mid-large        -   8M     16M   12M     16M           -"
+  "raw-base         -   16M    -     8M      16M           raw-base"
+)
+
+# Bytes of a size as the table writes it (16M, 8200k).
+bytes() {
+  case $1 in
+    *M) echo $((${1%M} * 1048576)) ;;
+    *k) echo $((${1%k} * 1024)) ;;
+    *) echo "$1" ;;
+  esac
+}
+has_flag() { [[ ",$1," == *",$2,"* ]]; }
+
+# Distinct data in qcow2 image $1 (virtual size $2 bytes, pattern $3): its start, the middle, a
+# piece across its last cluster boundary, its last 64 KiB, a zero cluster; after more qemu-io
+# commands (first: compressed clusters must be written into unallocated ones).
+fill_layer() {
+  local img=$1 size=$2 p=$3
+  shift 3
+  local mid=$((size / 2 / 65536 * 65536))
+  qio -f qcow2 "$img" "$@" "write -P $p 0 64k" "write -P $((p + 1)) $mid 256k" "write -z $((mid + 512 * 1024)) 128k" \
+    "write -P $((p + 2)) $((size - 200000)) 70000" "write -P $((p + 3)) $((size - 65536)) 65536"
+}
+
+# Image $1 with backing $2 (format $3), virtual size $4, extra create args after.
+overlay() {
+  local img=$1 backing=$2 bfmt=$3 size=$4
+  shift 4
+  new "$img" "$size" -f qcow2 -b "$backing" -F "$bfmt" "$@"
+}
+
+build_row() {  # below base mid top children flags
+  local below=$1 base=$2 mid=$3 top=$4 children=$5 flags=$6
+  local base_opts=(-o compat=1.1) child_opts=() top_opts=()
+  has_flag "$flags" base-v2 && base_opts=(-o compat=0.10)
+  has_flag "$flags" child-v2 && child_opts=(-o compat=0.10)
+  has_flag "$flags" xl2 && top_opts=(-o extended_l2=on) child_opts=(-o extended_l2=on)
+  if has_flag "$flags" raw-base; then
+    new base.raw "$base" -f raw
+    qio -f raw base.raw "write -P 40 0 $base"
+    BASE=base.raw BFMT=raw
+  else
+    if [[ $below != - ]]; then
+      new below.qcow2 "$below" -f qcow2
+      fill_layer below.qcow2 "$(bytes "$below")" 31 "write -P 30 64k $(($(bytes "$below") - 3 * 65536))"
+      new base.qcow2 "$base" -f qcow2 -b below.qcow2 -F qcow2 "${base_opts[@]}"
+      fill_layer base.qcow2 "$(bytes "$base")" 41
+    else
+      new base.qcow2 "$base" -f qcow2 "${base_opts[@]}"
+      fill_layer base.qcow2 "$(bytes "$base")" 41 "write -P 40 $((2 * 1048576)) 4M"
+    fi
+    BASE=base.qcow2 BFMT=qcow2
+  fi
+  local under=$BASE ufmt=$BFMT
+  if [[ $mid != - ]]; then
+    overlay mid.qcow2 "$under" "$ufmt" "$mid"
+    fill_layer mid.qcow2 "$(bytes "$mid")" 51
+    under=mid.qcow2 ufmt=qcow2
+  fi
+  overlay top.qcow2 "$under" "$ufmt" "$top" "${top_opts[@]}"
+  local tsize
+  tsize=$(bytes "$top")
+  fill_layer top.qcow2 "$tsize" 61 "write -c -P 65 $((1048576)) 64k" \
+    "write -c -P 66 $((tsize / 2 / 65536 * 65536 + 1048576)) 64k" "write -P 67 $((3 * 1048576 + 1000)) 3000"
+  CHILDREN=()
+  local i=0 c csize
+  for c in ${children//,/ }; do
+    i=$((i + 1))
+    overlay "child$i.qcow2" top.qcow2 qcow2 "$c" "${child_opts[@]}"
+    csize=$(bytes "$c")
+    # Data of its own on both sides of TOP's end and near its own end; a zero range past TOP's.
+    local past=()
+    ((csize > tsize + 2 * 1048576)) &&
+      past=("write -P $((90 + i)) $((tsize + 1048576)) 64k" "write -z $((tsize + 1572864)) 64k")
+    qio -f qcow2 "child$i.qcow2" "write -P $((70 + i)) 64k 64k" "write -P $((80 + i)) $((csize - 65536)) 64k" "${past[@]}"
+    CHILDREN+=("child$i.qcow2")
+  done
+}
+
+run_row() {
+  local name=$1 below=$2 base=$3 mid=$4 top=$5 children=$6 flags=$7
+  local dir="$work/$name"
+  mkdir "$dir"
+  pushd "$dir" >/dev/null
+  build_row "$below" "$base" "$mid" "$top" "$children" "$flags"
+  local c args=() bfmt=$BFMT tsize bsize
+  tsize=$(bytes "$top")
+  bsize=$(bytes "$base")
+  qemu-img convert -O raw top.qcow2 before-top.raw
+  qemu-img convert -f "$bfmt" -O raw "$BASE" before-base.raw
+  for c in "${CHILDREN[@]}"; do
+    qemu-img convert -O raw "$c" "before-$c.raw"
+    args+=(--rebase "$c")
+  done
+  local out
+  if ! out=$("$QCOMMIT" merge top.qcow2 --base "$BASE" "${args[@]}" --budget off 2>&1); then
+    fail "$name: qcommit merge failed: $out"
+    popd >/dev/null
+    return
+  fi
+  for c in "${CHILDREN[@]}"; do
+    qemu-img compare -q -f raw -F qcow2 "before-$c.raw" "$c" 2>/dev/null ||
+      fail "$name: $c's view changed (TOP $tsize bytes, BASE $bsize): $(qemu-img compare -f raw -F qcow2 "before-$c.raw" "$c" 2>&1 | head -c 200)"
+    [[ "$(qemu-img info --output=json "$c" | jq -r '."full-backing-filename" // empty' | xargs -r realpath)" == "$(realpath "$BASE")" ]] ||
+      fail "$name: $c is not backed by BASE"
+    qemu-img check -q "$c" >/dev/null 2>&1 || fail "$name: qemu-img check $c not clean"
+  done
+  # BASE shows TOP's old view over TOP's size and, where it was larger, its own old view beyond.
+  cp before-top.raw expect.raw
+  ((bsize > tsize)) && tail -c +$((tsize + 1)) before-base.raw >>expect.raw
+  qemu-img convert -f "$bfmt" -O raw "$BASE" after-base.raw
+  cmp -s expect.raw after-base.raw ||
+    fail "$name: BASE does not show TOP's old view then its own: $(cmp expect.raw after-base.raw 2>&1 | head -c 200)"
+  if [[ $bfmt == qcow2 ]]; then
+    qemu-img check -q "$BASE" >/dev/null 2>&1 || fail "$name: qemu-img check BASE not clean"
+  fi
+  popd >/dev/null
+  rm -rf "$dir"
+}
+
+start=$SECONDS
+rows=0
+for row in "${ROWS[@]}"; do
+  read -r -a f <<<"$row"
+  run_row "${f[@]}"
+  rows=$((rows + 1))
+done
+
+echo "merge.view_matrix: $rows chains in $((SECONDS - start)) s, ${#failures[@]} failures"
+if ((${#failures[@]})); then
+  printf '  %s\n' "${failures[@]}" >&2
+  exit 1
+fi
