@@ -24,10 +24,12 @@
 #include <sstream>
 #include <thread>
 
+#include "engine/base_fingerprint.h"
 #include "engine/checkpoint.h"
 #include "engine/copy_pool.h"
 #include "engine/image_lock.h"
 #include "engine/node_wait.h"
+#include "engine/proc_walk.h"
 #include "engine/rebase.h"
 #include "engine/storage_kind.h"
 #include "qcow2/chain.h"
@@ -107,6 +109,18 @@ void write_back_before_resuming(int fd, const std::string& path) {
   throw IoError(path, std::string("cannot write back cached pages before resuming: ") + strerror(errno), errno);
 }
 
+// Why BASE's cached pages could not be dropped, naming only what was seen: the processes that
+// have it open, else the pages left and the filesystem they are on.
+std::string undroppable_pages_problem(const std::string& path, uint64_t pages_left,
+                                      const std::optional<StorageKind>& kind) {
+  std::string problem = "cannot drop its cached pages to read it from storage before resuming an interrupted merge (" +
+                        std::to_string(pages_left) + " pages stayed after a write-back and a drop, on " +
+                        (kind ? kind->fs : std::string("a filesystem of unknown type")) + ")";
+  if (const std::vector<Holder> holders = holders_of(path, Access::any); !holders.empty())
+    return problem + "; it is open in " + describe(holders) + ": close it and run the merge again";
+  return problem + "; no other process has it open";
+}
+
 // A run that finds BASE's checkpoint reads BASE from its storage, not from the page cache. After a
 // failed writeback (EIO; ENOSPC on a thin or network volume) the kernel keeps the pages it could
 // not write as clean, cached pages: the interrupted run's metadata would be read back as if it
@@ -115,16 +129,19 @@ void write_back_before_resuming(int fd, const std::string& path) {
 void drop_cached_pages(const std::string& path) {
   UniqueFd fd(::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC));
   if (fd.get() < 0) return;  // opening the chain reports it
-  if (const std::optional<StorageKind> kind = storage_kind_of_fd(fd.get()); kind && kind->in_memory)
-    return;  // the page cache is the storage: nothing to read again, nothing can be dropped
+  // The page cache is the storage (tmpfs; an overlay or eCryptfs over tmpfs): nothing to read
+  // again, and nothing can be dropped.
+  const std::optional<StorageKind> kind = storage_kind_beneath(fd.get());
+  if (kind && kind->in_memory) return;
   write_back_before_resuming(fd.get(), path);
+  uint64_t left = 0;
   for (int attempt = 0; attempt < 3; ++attempt) {
     (void)::posix_fadvise(fd.get(), 0, 0, POSIX_FADV_DONTNEED);
-    if (cached_pages(fd.get()) == 0) return;
+    left = cached_pages(fd.get());
+    if (left == 0) return;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
-  throw Error(path, "cannot drop its cached pages to read it from storage before resuming an interrupted merge; "
-                    "close what keeps it open (or mapped) and run the merge again");
+  throw Error(path, undroppable_pages_problem(path, left, kind));
 }
 
 // Step 6 of a merge: the copy, window by window. Zeros, compressed data and BASE's new clusters
@@ -256,7 +273,7 @@ class WindowCopier {
       dst_dev.flush();
     }
     point("checkpoint");
-    save_checkpoint(cp_path, {identity, upto, {}});
+    save_checkpoint(cp_path, {identity, upto, base_fingerprint(base, upto), {}});
     if (opt.on_checkpoint) opt.on_checkpoint(upto);
     window_bytes = 0;
   }
@@ -656,6 +673,88 @@ class WindowCopier {
   uint64_t l1_span = 0, max_l2s = 0;
 };
 
+// BASE as the result names it: as QEMU names it, unless that name has "." or ".." components
+// ("vms/../templates/base.qcow2"), then the path the kernel resolved (as `qcommit info` shows
+// it). A block device keeps its name (/dev/vg/lv, not the /dev/dm-N it leads to).
+std::string display_name(const qcow2::Layer& layer) {
+  for (const auto& part : fs::path(layer.path))
+    if ((part == "." || part == "..") && !layer.real_path.empty() && !layer.real_path.starts_with("/dev/"))
+      return layer.real_path;
+  return layer.path;
+}
+
+// Where a re-run of the merge a checkpoint belongs to may go on from: the checkpoint's offset if
+// BASE is still in the state that the commits up to it left (engine/base_fingerprint.h), else 0:
+// BASE was replaced, rolled back or restored since, and the copy starts over.
+uint64_t resumable_offset(const Checkpoint& cp, const qcow2::Layer& base) {
+  if (cp.done == 0 || cp.base_state != base_fingerprint(base, cp.done)) return 0;
+  return cp.done;
+}
+
+// The layers merged must be consistent: with overlapping metadata (an L2 entry pointing into a
+// metadata cluster, a cluster shared beyond its refcount, the L1 table used as an L2 table) the
+// bytes they show are not guest data and would be copied into BASE. Leaks are harmless. A dirty
+// (lazy refcounts) layer's refcounts are stale, so it is not judged by them here. BASE too,
+// unless the merge repairs it anyway (dirty, or an interrupted run's leaks: `have_checkpoint`):
+// its allocator trusts its refcounts, and a cluster in use with refcount 0 would be handed out
+// again.
+std::vector<std::string> layers_to_check(Chain& chain, size_t base_depth, bool have_checkpoint) {
+  std::vector<std::string> to_check;
+  for (size_t i = 0; i < base_depth; ++i) {
+    qcow2::Layer& layer = chain.layer(i);
+    if (layer.qcow2 && !layer.qcow2->dirty()) to_check.push_back(layer.path);
+  }
+  qcow2::Layer& base = chain.layer(base_depth);
+  if (base.qcow2 && !base.qcow2->dirty() && !have_checkpoint) to_check.push_back(base.path);
+  return to_check;
+}
+
+// Checks each layer as `qemu-img check` does, on its own read-only opening; throws
+// CorruptionError for the first one with corruptions.
+void check_layers(const std::vector<std::string>& to_check, const std::string& base_path) {
+  for (const std::string& path : to_check) {
+    auto img = qcow2::Image::open(qcow2::FileDevice::open(path));
+    const auto r = qcow2::check(*img, qcow2::Repair::kNone);
+    if (r.corruptions == 0) continue;
+    std::string first;
+    for (const auto& m : r.messages)
+      if (m.rfind("ERROR", 0) == 0) {
+        first = m;
+        break;
+      }
+    throw qcow2::CorruptionError(
+        path, "check found " + std::to_string(r.corruptions) + " corruptions" +
+                  (first.empty() ? "" : " (" + first + ")") +
+                  (path == base_path ? "; refusing to merge into it" : "; refusing to merge it"));
+  }
+}
+
+// Every reason to refuse that the merge can know before it writes, checked before its first
+// write (so a refused merge leaves every file byte for byte as it was, bitmaps included, and no
+// checkpoint) and by plan_merge (a dry run refuses as the merge would, with the same error):
+// BASE marked corrupt or with an external data file, its bitmaps' metadata inconsistent (the merge
+// removes them), BASE unable to grow to TOP's size (the qcow2 L1 table limit; a raw block device
+// smaller than TOP).
+void refuse_before_writing(qcow2::Layer& base, uint64_t top_size) {
+  if (base.qcow2) {
+    qcow2::Image& img = *base.qcow2;
+    if (auto why = qcow2::Writer::refusal(img)) {
+      if (img.corrupt()) throw qcow2::CorruptionError(base.path, *why);
+      throw qcow2::UnsupportedError(base.path, *why);
+    }
+    if (auto why = qcow2::Writer::grow_refusal(img, top_size))
+      throw Error(base.path, *why + "; refusing to merge into it (nothing written)");
+    if (auto problem = img.visit_bitmap_extents([](const qcow2::BitmapExtent&) {}))
+      throw qcow2::CorruptionError(base.path, *problem);
+    return;
+  }
+  const auto* file = dynamic_cast<const qcow2::FileDevice*>(base.raw.get());
+  if (file && file->is_block_device() && file->size() < top_size)
+    throw Error(base.path, "is a block device of " + std::to_string(file->size()) +
+                               " bytes, smaller than TOP (" + std::to_string(top_size) +
+                               " bytes), and cannot grow; refusing to merge into it (nothing written)");
+}
+
 // Which merge a checkpoint belongs to: the layers above BASE (as they are now) and BASE.
 std::string merge_identity(Chain& chain, size_t base_depth) {
   std::string identity;
@@ -829,7 +928,9 @@ class MergeJob {
     prepare_children();
     refuse_orphaning_delete();
     plan_and_check();
+    refuse_before_writing();
     report_resume();
+    if (opt.governor) opt.governor->begin(Clock::now());
     try {
       open_base_writer();
       begin_checkpoint();
@@ -882,7 +983,7 @@ class MergeJob {
         throw Error(opt.top, "its backing chain changed while the merge took its locks; run it again");
     for (size_t i = 0; i < base_depth; ++i) res.merged_layers.push_back(chain->layer(i).path);
     base = &chain->layer(base_depth);
-    res.base = base->path;
+    res.base = display_name(*base);
     top_size = chain->virtual_size();
   }
 
@@ -925,7 +1026,8 @@ class MergeJob {
     cp_path = checkpoint_path(base->path);
     old_cp = load_checkpoint(cp_path);
     resuming = old_cp && old_cp->identity == identity;
-    resume_from = resuming ? old_cp->done : 0;
+    resume_from = resuming ? resumable_offset(*old_cp, *base) : 0;
+    res.base_changed = resuming && old_cp->done > 0 && resume_from == 0;
     res.resumed = resuming;
     res.resumed_from = resume_from;
   }
@@ -950,46 +1052,12 @@ class MergeJob {
     }
   }
 
-  // The layers merged must be consistent: with overlapping metadata (an L2 entry pointing into a
-  // metadata cluster, a cluster shared beyond its refcount, the L1 table used as an L2 table)
-  // the bytes they show are not guest data and would be copied into BASE. Leaks are harmless.
-  // A dirty (lazy refcounts) layer's refcounts are stale, so it is not judged by them here.
-  // BASE too, unless it is repaired below anyway (dirty, or an interrupted run's leaks): its
-  // allocator trusts its refcounts, and a cluster in use with refcount 0 would be handed out again.
-  [[nodiscard]] std::vector<std::string> layers_to_check() {
-    std::vector<std::string> to_check;
-    for (size_t i = 0; i < base_depth; ++i) {
-      qcow2::Layer& layer = chain->layer(i);
-      if (layer.qcow2 && !layer.qcow2->dirty()) to_check.push_back(layer.path);
-    }
-    if (base->qcow2 && !base->qcow2->dirty() && !old_cp) to_check.push_back(base->path);
-    return to_check;
-  }
-
-  static void check_layers(const std::vector<std::string>& to_check, const std::string& base_path) {
-    for (const std::string& path : to_check) {
-      auto img = qcow2::Image::open(qcow2::FileDevice::open(path));
-      const auto r = qcow2::check(*img, qcow2::Repair::kNone);
-      if (r.corruptions == 0) continue;
-      std::string first;
-      for (const auto& m : r.messages)
-        if (m.rfind("ERROR", 0) == 0) {
-          first = m;
-          break;
-        }
-      throw qcow2::CorruptionError(
-          path, "check found " + std::to_string(r.corruptions) + " corruptions" +
-                    (first.empty() ? "" : " (" + first + ")") +
-                    (path == base_path ? "; refusing to merge into it" : "; refusing to merge it"));
-    }
-  }
-
   // 4. Plan: the extents the layers above BASE provide (with the original sizes), while the layers
   // are checked. The check reads every table of each layer, in its own thread on its own read-only
   // opening; nothing is written before its verdict. rand1t (1 TiB TOP, 2048 L2 tables): check
   // ~135 ms, planning ~110 ms.
   void plan_and_check() {
-    const std::vector<std::string> to_check = layers_to_check();
+    const std::vector<std::string> to_check = layers_to_check(*chain, base_depth, old_cp.has_value());
     auto checked = std::async(std::launch::async, [&to_check, this] { check_layers(to_check, base->path); });
     progress({0, 0, seconds_since(t_start), 0, "plan"});
     try {
@@ -1000,6 +1068,9 @@ class MergeJob {
     }
     checked.get();  // throws if a layer is corrupt: nothing written yet
   }
+
+  // 5. Every other refusal the merge can know of, before its first write.
+  void refuse_before_writing() { engine::refuse_before_writing(*base, top_size); }
 
   void report_resume() {
     if (!resuming) return;
@@ -1026,7 +1097,7 @@ class MergeJob {
   // The first write: from now on a re-run finds this merge's checkpoint.
   void begin_checkpoint() {
     point("checkpoint");
-    save_checkpoint(cp_path, {identity, resume_from, {}});
+    save_checkpoint(cp_path, {identity, resume_from, base_fingerprint(*base, resume_from), {}});
   }
 
   // 5. BASE grows to TOP's size, the grown range reading as zeros from the same commit on.
@@ -1108,7 +1179,7 @@ class MergeJob {
       for (const auto& n : names) res.not_deleted.push_back({n, "still used by " + describe_users(users)});
       return;
     }
-    Checkpoint deleting{identity, top_size, {}};
+    Checkpoint deleting{identity, top_size, base_fingerprint(*base, top_size), {}};
     deleting.deleting = names;
     point("checkpoint");
     save_checkpoint(cp_path, deleting);
@@ -1189,6 +1260,10 @@ MergePlan plan_merge(const MergeOptions& opt) {
   p.base_format = qcow2::to_string(base.format);
   p.top_size = chain.virtual_size();
   p.base_size = base.virtual_size();
+  // The checks the merge makes before it writes, with the same errors (and exit codes).
+  const bool have_checkpoint = load_checkpoint(checkpoint_path(base.path)).has_value();
+  check_layers(layers_to_check(chain, p.base_depth, have_checkpoint), base.path);
+  refuse_before_writing(base, p.top_size);
   if (base.qcow2) {
     p.base_snapshots = base.qcow2->header().nb_snapshots;
     p.base_bitmaps = base.qcow2->bitmaps() ? base.qcow2->bitmaps()->nb_bitmaps : 0;
@@ -1204,7 +1279,7 @@ MergePlan plan_merge(const MergeOptions& opt) {
   }
   const std::string identity = merge_identity(chain, p.base_depth);
   if (auto cp = load_checkpoint(checkpoint_path(base.path)); cp && cp->identity == identity)
-    p.resume_from = cp->done;
+    p.resume_from = resumable_offset(*cp, base);
   p.rebase = opt.rebase;
   if (opt.delete_merged) {
     LayerUserQuery q{p.layers, {}};

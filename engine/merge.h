@@ -64,6 +64,10 @@ class CopyGovernor {
   virtual void completed(Clock::time_point now, uint64_t bytes, Duration latency) = 0;
   // Called about every tick while the copy runs (and while it waits).
   virtual void tick(Clock::time_point /*now*/) {}
+  // Called once, after every check that could refuse the merge has passed and before its first
+  // write: a governor creates what it needs beside BASE (a probe's scratch file) only now, so a
+  // refused merge creates nothing there. May throw (the merge then fails, nothing written).
+  virtual void begin(Clock::time_point /*now*/) {}
   // Largest write request the governor wants now (the engine splits and coalesces copies up to
   // this, within [kDirectAlignment-multiple, kChunkBytes]): a request larger than the window
   // would queue more ahead of co-tenants than the window allows.
@@ -144,6 +148,9 @@ struct MergeResult {
   uint64_t zeros_left_unwritten = 0;
   bool resumed = false;             // an interrupted run of this same merge was found and finished
   uint64_t resumed_from = 0;        // guest offset a previous run had checkpointed
+  // The interrupted run's checkpoint did not describe BASE any more (BASE replaced, rolled back
+  // to an internal snapshot or restored since): the copy started over from offset 0.
+  bool base_changed = false;
   uint64_t leaks_repaired = 0;
   size_t bitmaps_removed = 0;
   bool base_grown = false;

@@ -517,6 +517,32 @@ TEST_CASE("merge.kill_points.base_with_bitmaps") {
   expect_points(n, {"data", "header", "refcount-decrements", "checkpoint", "delete"});
 }
 
+// BASE rolled back between the stopped run and its re-run: to the internal snapshot taken before
+// the merge (`qemu-img snapshot -a`), as an operator undoing a half-done merge might. The
+// checkpoint then names windows BASE no longer holds; the re-run must copy them again (the
+// checkpoint is bound to the BASE its commits left, engine/base_fingerprint.h), and --delete may
+// remove TOP only once BASE shows its view. (The rollback is skipped once TOP is deleted: its data
+// is in BASE only then, by the user's own hand.)
+TEST_CASE("merge.kill_points.base_rolled_back") {
+  Scenario s{.name = "rolled-back",
+             .setup =
+                 "qemu-img create -q -f qcow2 base.qcow2 8M; qemu-io -f qcow2 -c 'write -P 0x11 0 "
+                 "2M' base.qcow2 >/dev/null; qemu-img snapshot -c pre base.qcow2; "
+                 "qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2 8M; " +
+                 scattered_writes("top.qcow2", 48, 128, 6),
+             .base = std::nullopt,
+             .base_file = "base.qcow2",
+             .children = {},
+             .merged = {"top.qcow2"},
+             .delete_merged = true};
+  s.after_stop = [](const std::string& base_path) {
+    const std::string dir = fs::path(base_path).parent_path().string();
+    if (fs::exists(dir + "/top.qcow2")) must("qemu-img snapshot -a pre " + base_path);
+  };
+  const Counts n = run_matrix(s);
+  expect_points(n, {"data", "checkpoint", "delete"});
+}
+
 // A raw BASE (grown by truncate) under a qcow2 TOP with a child.
 TEST_CASE("merge.kill_points.raw_base") {
   Scenario s{.name = "raw",
