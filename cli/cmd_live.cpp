@@ -185,9 +185,8 @@ void validate(LiveArgs& a, const po::variables_map& vm) {
         a.page_cache_name + "'");
   a.page_cache = *src;
   a.json_out = parse_output(a.output) == Output::kJson;
-  a.wait_limit = a.wait == "0"
-                     ? Duration::zero()
-                     : std::chrono::duration_cast<Duration>(parse_duration(a.wait, "--wait"));
+  a.wait_limit = std::chrono::duration_cast<Duration>(parse_wait(a.wait));
+  (void)parse_budget(a.budget);
   a.uri_given = vm.count("connect") || vm.count("uri");
   a.budget_given = vm.count("budget") > 0;
   if (!a.max_rate.empty()) {
@@ -783,7 +782,7 @@ int LiveRun::finish(bool loop_broken) {
 plugin::DaemonConfig live_config(LiveArgs& a) {
   plugin::DaemonConfig cfg;
   cfg.uri = a.uri;
-  cfg.defaults.budget = parse_duration(a.budget, "--budget");
+  cfg.defaults.budget = parse_budget(a.budget);
   if (!a.probe.empty()) {
     try {
       plugin::read_probe(a.probe, "--probe", cfg.defaults);

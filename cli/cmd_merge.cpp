@@ -180,6 +180,7 @@ struct MergeArgs {
   std::string top, base, output = "human", budget, trace, probe = "on", cotenants = "on";
   std::string config_path = defaults::kConfigPath;
   bool config_given = false;
+  bool libvirt_required = false;  // -c or --cotenants given: libvirt must answer
   bool verbose = false;
   std::vector<std::string> rebase, allow_dirs;
   bool del = false, no_direct = false, force_direct = false, no_io_uring = false;
@@ -261,13 +262,16 @@ void validate(const MergeArgs& a) {
   if (!a.max_rate.empty()) (void)parse_max_rate(a.max_rate);
   if (a.no_direct && a.force_direct)
     throw UsageError("--direct and --no-direct exclude each other");
-  if (a.governed()) {
-    if (a.probe != "on" && a.probe != "off") throw UsageError("--probe must be 'on' or 'off'");
-    if (a.cotenants != "on" && a.cotenants != "off")
-      throw UsageError("--cotenants must be 'on' or 'off'");
-  } else if (!a.trace.empty()) {
+  // Every value is checked, whatever the other options make of it.
+  if (a.governed() && !a.budget.empty()) (void)parse_budget(a.budget);
+  (void)parse_wait(a.lock_wait);
+  (void)parse_output(a.output);
+  if (a.probe != "on" && a.probe != "off")
+    throw UsageError("--probe must be 'on' or 'off', not '" + a.probe + "'");
+  if (a.cotenants != "on" && a.cotenants != "off")
+    throw UsageError("--cotenants must be 'on' or 'off', not '" + a.cotenants + "'");
+  if (!a.governed() && !a.trace.empty())
     throw UsageError("--trace needs a budget (the trace records the controller's decisions)");
-  }
 }
 
 // False when --help was asked for (and printed).
@@ -296,6 +300,7 @@ void validate(const MergeArgs& a) {
           "\nAfter a crash or kill, run the same command again: it resumes from its checkpoint.\n"))
     return false;
   a.config_given = vm.count("config") > 0;
+  a.libvirt_required = vm.count("connect") || vm.count("uri") || vm.count("cotenants");
   validate(a);
   return true;
 }
@@ -315,8 +320,7 @@ engine::MergeOptions merge_options(const MergeArgs& a) {
   // libvirt's users of the layers (its pools' images, its domains); the --domain form's own
   // domain is redefined by the merge, not orphaned.
   if (a.del) mo.find_users = libvirt_layer_users(a.uri, a.domain);
-  mo.lock_wait =
-      a.lock_wait == "0" ? std::chrono::nanoseconds::zero() : parse_duration(a.lock_wait, "--wait");
+  mo.lock_wait = parse_wait(a.lock_wait);
   mo.io_uring = !a.no_io_uring;
   mo.write_mode = a.force_direct ? engine::WriteMode::kDirect
                   : a.no_direct  ? engine::WriteMode::kBuffered
@@ -327,10 +331,11 @@ engine::MergeOptions merge_options(const MergeArgs& a) {
 
 MergePolicyOptions policy_options(const MergeArgs& a) {
   MergePolicyOptions p;
-  if (a.governed() && !a.budget.empty()) p.budget = parse_duration(a.budget);
+  if (a.governed() && !a.budget.empty()) p.budget = parse_budget(a.budget);
   p.config_path = a.config_path;
   p.config_given = a.config_given;
   p.uri = a.uri;
+  p.libvirt_required = a.libvirt_required;
   p.domain = a.domain;
   p.cotenants = a.cotenants == "on";
   if (!a.max_rate.empty()) p.max_rate_bytes_per_s = parse_max_rate(a.max_rate);
@@ -360,7 +365,9 @@ struct GovernedMerge {
       for (const auto& n : policy->notes) print_json(note_json(n));
     } else {
       std::printf("%s\n", policy->budget_line().c_str());
-      if (args.verbose || !policy->cotenant_disks.empty())
+      // Co-tenant pacing off because libvirt is unreachable is said without -v too.
+      if (args.verbose || !policy->cotenant_disks.empty() ||
+          policy->cotenant_state == "unavailable")
         std::printf("%s\n", policy->cotenant_line().c_str());
       std::fflush(stdout);
       for (const auto& n : policy->notes) std::fprintf(stderr, "%s\n", n.c_str());

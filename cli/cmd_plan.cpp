@@ -85,9 +85,19 @@ struct PlanArgs {
   std::string top, base, output = "human", rate, budget, uri = defaults::kUri;
   std::string config_path = defaults::kConfigPath;
   bool config_given = false;
+  bool uri_given = false;  // -c: libvirt must answer
   std::vector<std::string> rebase, allow_dirs;
   bool measure = false;
 };
+
+// Every value checked before any image is opened, whatever the other options are.
+void validate(const PlanArgs& a) {
+  (void)parse_output(a.output);
+  if (!a.rate.empty()) (void)parse_rate(a.rate, "--rate");
+  if (!a.budget.empty() && a.budget != "off") (void)parse_budget(a.budget);
+  if (!a.rate.empty() && a.measure)
+    throw UsageError("--rate and --measure exclude each other (a given rate or a measured one)");
+}
 
 // The options, or nothing when --help was asked for (and answered).
 std::optional<PlanArgs> parse_plan_args(const Args& args) {
@@ -125,6 +135,8 @@ std::optional<PlanArgs> parse_plan_args(const Args& args) {
              "--measure\n"))
     return std::nullopt;
   a.config_given = vm.count("config") > 0;
+  a.uri_given = vm.count("connect") || vm.count("uri");
+  validate(a);
   return a;
 }
 
@@ -157,8 +169,7 @@ Eta estimate(const PlanArgs& a, const engine::MergePlan& p,
              const std::optional<MergePolicy>& policy) {
   Eta e;
   if (!a.rate.empty()) {
-    e.bytes_per_s = double(parse_size(a.rate));
-    if (!(e.bytes_per_s > 0)) return e;  // no ETA at no rate
+    e.bytes_per_s = parse_rate(a.rate, "--rate");
     e.source = "given";
     e.estimate.seconds = e.estimate.low_seconds = e.estimate.high_seconds =
         double(p.data_bytes) / e.bytes_per_s;
@@ -186,10 +197,11 @@ Eta estimate(const PlanArgs& a, const engine::MergePlan& p,
 std::optional<MergePolicy> merge_policy(const PlanArgs& a, const engine::MergePlan& p) {
   if (a.budget == "off") return std::nullopt;
   MergePolicyOptions popts;
-  if (!a.budget.empty()) popts.budget = parse_duration(a.budget);
+  if (!a.budget.empty()) popts.budget = parse_budget(a.budget);
   popts.config_path = a.config_path;
   popts.config_given = a.config_given;
   popts.uri = a.uri;
+  popts.libvirt_required = a.uri_given;
   return resolve_merge_policy(popts, p.base);
 }
 

@@ -21,8 +21,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-constexpr double kMinMaxRateBytesPerS = 4096.0;  // the smallest floor a policy allows
-
 std::string ms_text(std::chrono::nanoseconds d) {
   char b[32];
   std::snprintf(b, sizeof b, "%g", std::chrono::duration<double, std::milli>(d).count());
@@ -91,6 +89,10 @@ MergePolicy resolve_merge_policy(const MergePolicyOptions& o, const std::string&
     p.libvirt_reachable = false;
     p.libvirt_error = src->last_error();
   }
+  if (!p.libvirt_reachable && o.libvirt_required && o.cotenants)
+    throw std::runtime_error("libvirt " + o.uri + ": " +
+                             (p.libvirt_error.empty() ? "cannot connect" : p.libvirt_error) +
+                             " (the co-tenants' block stats need it; --cotenants off goes without)");
   if (p.libvirt_reachable) {
     p.pool = src->target_pool();
     if (p.pool) {
@@ -186,14 +188,7 @@ std::shared_ptr<engine::BudgetGovernor> make_budget_governor(const MergePolicy& 
   return std::make_shared<engine::BudgetGovernor>(cfg);
 }
 
-double parse_max_rate(const std::string& s) {
-  std::string size = s;
-  if (size.size() > 2 && size.compare(size.size() - 2, 2, "/s") == 0) size.resize(size.size() - 2);
-  const auto rate = static_cast<double>(parse_size(size));
-  if (rate < kMinMaxRateBytesPerS)
-    throw UsageError("--max-rate " + s + ": at least 4K (bytes per second), e.g. 50M");
-  return rate;
-}
+double parse_max_rate(const std::string& s) { return parse_rate(s, "--max-rate"); }
 
 namespace {
 

@@ -25,6 +25,9 @@ struct MergePolicyOptions {
   std::string config_path = defaults::kConfigPath;
   bool config_given = false;  // --config: the file must exist (the default path may be missing)
   std::string uri = defaults::kUri;
+  // The user named the connection (-c) or asked for co-tenants (--cotenants on): a connection
+  // that fails is an error, not co-tenant pacing silently off.
+  bool libvirt_required = false;
   std::string domain;     // --domain: its metadata may override the pool's policy
   bool cotenants = true;  // --cotenants on|off
   std::optional<double> max_rate_bytes_per_s;  // --max-rate: caps the policy's floor and ceiling
@@ -58,7 +61,7 @@ struct MergePolicy {
 
 // Resolves the policy of a merge into `base`.  Throws std::runtime_error naming the
 // configuration file when it is unreadable or invalid (a missing file at the default path is
-// the built-in default).
+// the built-in default), and naming the URI when libvirt is unreachable and o.libvirt_required.
 [[nodiscard]] MergePolicy resolve_merge_policy(const MergePolicyOptions& o,
                                                const std::string& base);
 
@@ -68,8 +71,8 @@ struct MergePolicy {
 [[nodiscard]] std::shared_ptr<engine::BudgetGovernor> make_budget_governor(
     const MergePolicy& p, const std::string& trace_path, bool probe, const std::string& top = {});
 
-// --max-rate's value: a size (cli::parse_size's grammar, "50M", "1.5G", "4096"), optionally
-// followed by "/s"; at least the smallest floor a policy allows (4K).  Throws UsageError.
+// --max-rate's value: a rate (common/units.h: "50M", "1.5G", "50M/s"); at least the smallest
+// floor a policy allows (4K).  Throws UsageError.
 [[nodiscard]] double parse_max_rate(const std::string& s);
 
 // The governor of a merge without a budget (--budget off) but with --max-rate: no controller,

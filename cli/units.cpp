@@ -5,38 +5,47 @@
 #include <cstdio>
 
 #include "cli/options.h"
-#include "plugin/config.h"
+#include "common/units.h"
 
 namespace qcommit::cli {
 
-std::chrono::nanoseconds parse_duration(const std::string& s, const std::string& option) {
-  std::string error;
-  const auto d = plugin::read_duration(s, error);
-  if (!d) throw UsageError(option + " " + s + ": " + error);
-  if (d->count() <= 0) throw UsageError(option + " " + s + ": must be more than 0");
-  return *d;
+namespace {
+
+// The value a units:: reader gives, or UsageError "OPTION VALUE: problem".
+template <class T>
+T or_usage_error(const std::optional<T>& v, const std::string& option, const std::string& s,
+                 const std::string& error) {
+  if (!v) throw UsageError(option + " " + s + ": " + error);
+  return *v;
 }
 
-uint64_t parse_size(const std::string& s) {
-  size_t used = 0;
-  double v = 0;
-  try {
-    v = std::stod(s, &used);
-  } catch (...) {
-    throw UsageError("bad size '" + s + "' (examples: 4096, 50M, 1.5G)");
-  }
-  std::string unit = s.substr(used);
-  if (!unit.empty() && (unit.back() == 'B' || unit.back() == 'b') && unit != "b") unit.pop_back();
-  if (unit.size() == 2 && unit[1] == 'i') unit.pop_back();
-  double mul = 1;
-  if (unit.empty()) mul = 1;
-  else if (unit == "K" || unit == "k") mul = 1024.0;
-  else if (unit == "M" || unit == "m") mul = 1024.0 * 1024;
-  else if (unit == "G" || unit == "g") mul = 1024.0 * 1024 * 1024;
-  else if (unit == "T" || unit == "t") mul = 1024.0 * 1024 * 1024 * 1024;
-  else throw UsageError("bad size unit in '" + s + "' (K, M, G, T)");
-  if (v < 0 || !std::isfinite(v)) throw UsageError("size must not be negative: '" + s + "'");
-  return uint64_t(v * mul);
+}  // namespace
+
+std::chrono::nanoseconds parse_duration(const std::string& s, const std::string& option) {
+  std::string error;
+  const auto d = or_usage_error(units::read_duration(s, error), option, s, error);
+  if (d.count() <= 0) throw UsageError(option + " " + s + ": must be more than 0");
+  return d;
+}
+
+std::chrono::nanoseconds parse_budget(const std::string& s, const std::string& option) {
+  std::string error;
+  return or_usage_error(units::read_budget(s, error), option, s, error);
+}
+
+std::chrono::nanoseconds parse_wait(const std::string& s, const std::string& option) {
+  std::string error;
+  return or_usage_error(units::read_wait(s, error), option, s, error);
+}
+
+uint64_t parse_size(const std::string& s, const std::string& option) {
+  std::string error;
+  return static_cast<uint64_t>(or_usage_error(units::read_size(s, error), option, s, error));
+}
+
+double parse_rate(const std::string& s, const std::string& option) {
+  std::string error;
+  return or_usage_error(units::read_rate(s, error), option, s, error);
 }
 
 namespace {

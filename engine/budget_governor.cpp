@@ -12,6 +12,7 @@
 #include <string_view>
 
 #include "common/safe_file.h"
+#include "common/units.h"
 #include "qcow2/error.h"
 
 namespace qcommit::engine {
@@ -141,8 +142,7 @@ struct BudgetGovernor::Feed {
 };
 
 std::string BudgetGovernorConfig::validate() const {
-  if (budget <= Duration::zero()) return "the latency budget must be positive";
-  if (budget > std::chrono::seconds(60)) return "a latency budget over 60 s makes no sense; use --budget off";
+  if (auto e = units::budget_problem(budget)) return "the latency budget " + *e;
   if (cotenants && (cotenant_interval <= Duration::zero() || cotenant_interval > std::chrono::seconds(1)))
     return "the co-tenant sampling interval must be in (0, 1s]";
   throttle::ControllerConfig c = controller;
@@ -160,11 +160,13 @@ BudgetGovernor::BudgetGovernor(BudgetGovernorConfig cfg)
       pacer_(cfg_.controller.initial_rate_bytes_per_s),
       epoch_(Clock::now()),
       wall_epoch_(std::chrono::system_clock::now()) {
+  // Before any thread starts: a trace that cannot be written throws out of the constructor, and
+  // a joinable std::thread destroyed there would terminate the process.
+  open_trace();
   if (cfg_.cotenants) {
     feed_ = std::make_shared<Feed>(cfg_.cotenants, cfg_.cotenant_interval);
     if (cfg_.cotenant_thread) feed_thread_ = std::thread([f = feed_] { Feed::run(f); });
   }
-  open_trace();
   decision_ = ctl_.tick({.now = tp(Clock::now())});
 }
 

@@ -30,69 +30,7 @@ struct ErrorDeleter {
   void operator()(GError* e) const { g_error_free(e); }
 };
 
-std::string trim(const std::string& s) {
-  size_t b = 0, e = s.size();
-  while (b < e && std::isspace(static_cast<unsigned char>(s[b]))) ++b;
-  while (e > b && std::isspace(static_cast<unsigned char>(s[e - 1]))) --e;
-  return s.substr(b, e - b);
-}
-
-// Splits "12.5ms" into 12.5 and "ms".  false when there is no leading number.
-bool split_number(const std::string& in, double& value, std::string& unit) {
-  const std::string s = trim(in);
-  if (s.empty() || !(std::isdigit(static_cast<unsigned char>(s[0])) || s[0] == '.')) return false;
-  errno = 0;
-  char* end = nullptr;
-  value = std::strtod(s.c_str(), &end);
-  if (errno != 0 || end == s.c_str() || !std::isfinite(value) || value < 0) return false;
-  unit = trim(std::string(end));
-  return true;
-}
-
 }  // namespace
-
-std::optional<std::chrono::nanoseconds> read_duration(std::string_view text, std::string& error) {
-  const std::string s = trim(std::string(text));
-  size_t n = 0;
-  bool digits = false, dot = false;
-  for (; n < s.size(); ++n) {
-    if (std::isdigit(static_cast<unsigned char>(s[n]))) digits = true;
-    else if (s[n] == '.' && !dot) dot = true;
-    else break;
-  }
-  if (!digits) {
-    error = "bad duration '" + s + "' (examples: 20ms, 1.5s, 500us)";
-    return std::nullopt;
-  }
-  const std::string number = s.substr(0, n);
-  const std::string unit = trim(s.substr(n));
-  if (unit.empty()) {
-    error = "a duration needs a unit: " + number + "ms or " + number + "s";
-    return std::nullopt;
-  }
-  double ns_per_unit = 0;
-  if (unit == "ns") ns_per_unit = 1;
-  else if (unit == "us") ns_per_unit = 1e3;
-  else if (unit == "ms") ns_per_unit = 1e6;
-  else if (unit == "s") ns_per_unit = 1e9;
-  else {
-    error = "bad duration unit in '" + s + "' (use ns, us, ms or s)";
-    return std::nullopt;
-  }
-  double v = 0;
-  const auto [end, ec] = std::from_chars(number.data(), number.data() + number.size(), v, std::chars_format::fixed);
-  const double ns = v * ns_per_unit;
-  const double max_ns = std::chrono::duration<double, std::nano>(kMaxDuration).count();
-  if (ec == std::errc::result_out_of_range || (ec == std::errc{} && end == number.data() + number.size() && !(ns <= max_ns))) {
-    error = "duration '" + s + "' is longer than one hour";
-    return std::nullopt;
-  }
-  if (ec != std::errc{} || end != number.data() + number.size()) {
-    error = "bad duration '" + s + "' (examples: 20ms, 1.5s, 500us)";
-    return std::nullopt;
-  }
-  return std::chrono::nanoseconds(static_cast<std::int64_t>(std::llround(ns)));
-}
 
 std::chrono::nanoseconds parse_duration(const std::string& s, const std::string& what) {
   std::string error;
@@ -102,28 +40,15 @@ std::chrono::nanoseconds parse_duration(const std::string& s, const std::string&
 }
 
 double parse_size(const std::string& s, const std::string& what) {
-  double v = 0;
-  std::string unit;
-  if (!split_number(s, v, unit))
-    throw ConfigError(what + ": bad size '" + s + "' (expected e.g. 4096, 64K, 1M, 1G)");
-  std::string u;
-  for (char c : unit) u += static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  if (u.size() == 3 && u.substr(1) == "IB") u = u.substr(0, 1);
-  if (u.size() == 2 && u[1] == 'B' && u[0] != 'B') u = u.substr(0, 1);
-  double mult = 0;
-  if (u.empty() || u == "B") mult = 1;
-  else if (u == "K") mult = 1024.0;
-  else if (u == "M") mult = 1024.0 * 1024;
-  else if (u == "G") mult = 1024.0 * 1024 * 1024;
-  else if (u == "T") mult = 1024.0 * 1024 * 1024 * 1024;
-  else throw ConfigError(what + ": bad size unit in '" + s + "' (use K, M, G or T)");
-  return v * mult;
+  std::string error;
+  const auto v = units::read_size(s, error);
+  if (!v) throw ConfigError(what + ": " + error);
+  return *v;
 }
 
 std::optional<std::string> Policy::validate() const {
-  if (budget <= std::chrono::nanoseconds::zero()) return "budget must be > 0";
-  if (budget > std::chrono::seconds(60)) return "budget must be <= 60s";
-  if (!(floor_bytes_per_s >= 4096.0)) return "floor must be >= 4K (bytes/s)";
+  if (auto e = units::budget_problem(budget)) return "budget " + *e;
+  if (!(floor_bytes_per_s >= units::kMinRateBytesPerS)) return "floor must be >= 4K (bytes/s)";
   if (!(ceiling_bytes_per_s >= floor_bytes_per_s)) return "ceiling must be >= floor";
   if (!(ceiling_bytes_per_s <= kMaxCeilingBytesPerS)) return "ceiling must be <= 1T (bytes/s)";
   if (auto e = probe_config().validate()) return *e + " (or auto, off)";

@@ -23,6 +23,7 @@
 #include <string_view>
 
 #include "common/defaults.h"
+#include "common/units.h"
 #include "throttle/controller.h"
 #include "throttle/probe.h"
 
@@ -30,9 +31,8 @@ namespace qcommit::plugin {
 
 inline constexpr const char* kMetadataNamespace = "https://qcommit.dev/xmlns/1";
 inline constexpr const char* kMetadataPrefix = "qcommit";
-// The largest ceiling a policy may set (bytes/s): far above any storage, and exact as a double
-// and as the int64 speed QEMU takes.
-inline constexpr double kMaxCeilingBytesPerS = 1024.0 * 1024 * 1024 * 1024;
+// The largest ceiling a policy may set (bytes/s): common/units.h holds the bounds.
+inline constexpr double kMaxCeilingBytesPerS = units::kMaxRateBytesPerS;
 
 struct ConfigError : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -66,20 +66,16 @@ struct DaemonConfig {
   [[nodiscard]] std::optional<std::string> validate() const;
 };
 
-// The one duration grammar of qcommit, qcommitd and this configuration (qcommit(1), DURATIONS):
-// a decimal number (digits with at most one '.', no sign, no exponent), optional blanks, then a
-// unit: ns, us, ms or s ("20ms", "20 ms", "0.02s", "1.5s", "500us"). A bare number is refused:
-// "20" is 20 ms to some readers and 20 s to others. At most kMaxDuration.
-inline constexpr std::chrono::hours kMaxDuration{1};
-// The duration, or nullopt with `error` set to one line that shows the fix ("a duration needs
-// a unit: 20ms or 20s").
-[[nodiscard]] std::optional<std::chrono::nanoseconds> read_duration(std::string_view s, std::string& error);
+// The one duration grammar of qcommit, qcommitd and this configuration: common/units.h
+// (qcommit(1), DURATIONS AND SIZES).
+inline constexpr std::chrono::hours kMaxDuration = units::kMaxDuration;
+using units::read_duration;
 // read_duration that throws ConfigError "<what>: <error>".
 [[nodiscard]] std::chrono::nanoseconds parse_duration(const std::string& s, const std::string& what);
 // probe=off, auto (the default period) or a period (on any storage) onto `p`: the policy file's
 // key and `qcommit live --probe`.  Throws ConfigError naming `what`.
 void read_probe(const std::string& value, const std::string& what, Policy& p);
-// "4096", "64K", "1M", "1.5G", "1MiB" (binary units); throws ConfigError naming `what`.
+// "4096", "64K", "1M", "1.5G", "1MiB" (common/units.h); throws ConfigError naming `what`.
 [[nodiscard]] double parse_size(const std::string& s, const std::string& what);
 
 // Key-file text → config.  `origin` (the path) prefixes every error.  Throws ConfigError.

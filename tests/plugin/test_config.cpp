@@ -46,7 +46,7 @@ TEST_CASE("plugin.config.errors") {
   CHECK(err("[default]\nfloor=2G\nceiling=1G\n").find("ceiling must be >= floor") != std::string::npos);
   CHECK(err("[default]\nceiling=2T\n").find("ceiling must be <= 1T") != std::string::npos);
   CHECK(err("[default]\nceiling=1e300T\n").find("ceiling must be <= 1T") != std::string::npos);
-  CHECK(err("[default]\nbudget=0ms\n").find("budget must be > 0") != std::string::npos);
+  CHECK(err("[default]\nbudget=0ms\n").find("budget must be more than 0") != std::string::npos);
   CHECK(err("[default]\nbugdet=1ms\n").find("unknown key 'bugdet'") != std::string::npos);
   CHECK(err("[pools:x]\nbudget=1ms\n").find("unknown section [pools:x]") != std::string::npos);
   CHECK(err("not a key file").find("q.conf:") == 0);
