@@ -119,13 +119,10 @@ RebaseTarget prepare_rebase(const std::string& child, const qcow2::ChainOptions&
   t.writer->check_header_fits();
   if (rebased_before) return t;  // its zeros were durable before its header named BASE
   t.old_view = std::make_unique<Chain>(Chain::open(child, child_options));
+  // Every child the writer accepts can be given them (zero flags, zero data in a v2 child); one
+  // with an external data file, whose raw file other readers may take for the disk, was refused
+  // above.
   t.zero_first = zeros_to_keep_view(*t.old_view, chain, base_depth);
-  // Zero flags would leave the raw data file (which other readers take for the disk) showing
-  // BASE's old bytes: not a write this writer makes.
-  if (!t.zero_first.empty() && (t.image->header().autoclear_features & qcow2::kAutoclearDataFileRaw))
-    throw Error(child, "cannot be rebased onto " + base.path + " without its view changing past " +
-                           std::to_string(chain.virtual_size()) +
-                           " bytes: its raw external data file would have to be written with zeros; refusing");
   return t;
 }
 

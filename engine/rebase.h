@@ -64,9 +64,10 @@ struct RebaseTarget {
 };
 
 // Opens `child` (whose backing file is TOP, the top of `chain`, or already BASE when
-// `rebased_before`: an interrupted run of this merge switched it, with its zeros) for writing.
-// Refuses, before anything is written, a child that cannot be switched without its view
-// changing. `chain` is the merge's chain with BASE at `base_depth`, as before the copy.
+// `rebased_before`: an interrupted run of this merge switched it, with its zeros) for writing
+// and decides its zero_first ranges; a child the writer refuses (corrupt, dirty, an external data
+// file) refuses the merge before anything is written. `chain` is the merge's chain with BASE at
+// `base_depth`, as before the copy.
 [[nodiscard]] RebaseTarget prepare_rebase(const std::string& child, const qcow2::ChainOptions& child_options,
                                           bool rebased_before, qcow2::Chain& chain, size_t base_depth);
 

@@ -379,6 +379,59 @@ TEST_CASE("merge.crash_device") {
   CHECK(d.durable()[0] == 2);
 }
 
+// A child rebased past the end of a shorter TOP (engine/rebase.h) is given zeros and the header
+// naming its new backing file in one commit. Crashed after every device write, with the unflushed
+// writes lost or written back in any order: wherever the surviving header names the new backing
+// file, the zeroed range reads as zeros in the child itself (zero flags or zero data), never
+// through to the backing file. v3 (flags) and v2 (zero data); the range starts inside a cluster.
+TEST_CASE("merge.crash_child_zeros_before_backing") {
+  constexpr uint64_t kFrom = 1 * MiB + 4 * KiB, kTo = 3 * MiB;
+  constexpr int kTornSeeds = 16;
+  for (const uint32_t version : {3u, 2u}) {
+    const std::vector<uint8_t> initial = make_qcow2(16, 4 * MiB, 4, version);
+    int named = 0;
+    for (uint64_t k = 1;; ++k) {
+      auto dev = std::make_unique<CrashDevice>("child", initial);
+      dev->crash_after_write(k);
+      bool crashed = false;
+      try {
+        auto img = qcow2::Image::open(std::make_unique<BorrowedDevice>(*dev), {.writable = true});
+        qcow2::Writer w(*img);
+        w.set_backing("base.qcow2", "qcow2");
+        const qcow2::ViewReader old_view = [](uint64_t, std::span<uint8_t> out) {
+          std::fill(out.begin(), out.end(), uint8_t{0});
+        };
+        w.write_zeroes(kFrom, kTo - kFrom, old_view);
+        w.commit();
+      } catch (const SimulatedCrash&) {
+        crashed = true;
+      }
+      for (int s = 0; s <= (crashed ? kTornSeeds : 0); ++s) {
+        std::mt19937_64 rng(k * 1000 + uint64_t(s));
+        auto img = qcow2::Image::open(std::make_unique<qcow2::MemoryDevice>("crashed", s == 0 ? dev->durable() : dev->torn(rng)));
+        if (img->backing_name() != "base.qcow2") continue;
+        ++named;
+        for (uint64_t off = kFrom; off < kTo;) {
+          const qcow2::Run r = img->lookup(off, kTo - off);
+          REQUIRE(r.length > 0);
+          CHECK_MESSAGE((r.type != qcow2::SubclusterType::kUnallocatedPlain &&
+                         r.type != qcow2::SubclusterType::kUnallocatedAlloc),
+                        "v" << version << ", crash after write " << k << ", seed " << s
+                            << ": the header names the backing file, " << off << " reads through to it");
+          if (r.type == qcow2::SubclusterType::kNormal) {
+            std::vector<uint8_t> data(r.length);
+            img->read_run(r, off, data);
+            CHECK(std::all_of(data.begin(), data.end(), [](uint8_t b) { return b == 0; }));
+          }
+          off += r.length;
+        }
+      }
+      if (!crashed) break;
+    }
+    CHECK(named > 0);
+  }
+}
+
 TEST_CASE("merge.crash_write_points") { crash_everywhere(Mode::kPoints, 0); }
 TEST_CASE("merge.crash_write_points_torn") { crash_everywhere(Mode::kPoints, 3); }
 TEST_CASE("merge.crash_every_write") { crash_everywhere(Mode::kWrites, 0); }
