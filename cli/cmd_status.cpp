@@ -102,9 +102,10 @@ void print_job_row(const json::Value& j) {
 }
 
 // How soon the job's first speed was seen in QEMU after it was found, and whether it was
-// adopted late; nothing from a qcommitd before time to govern.
+// adopted late; nothing until then (or from a qcommitd before time to govern).
 void print_governed_line(const json::Value& j) {
-  if (!json::member(j, "time_to_govern_ms")) return;
+  const json::Value* t = json::member(j, "time_to_govern_ms");
+  if (!t || !t->is_number()) return;  // not governed yet, or an older qcommitd
   std::string late;
   if (is_true(j, "late_adoption"))
     late = ", late adoption: " +

@@ -139,8 +139,7 @@ void DaemonLog::log_governed(const JobStatus& j, Known& k) {
   k.governed = true;
   char buf[200];
   const int n = std::snprintf(
-      buf, sizeof buf, "speed %.1f MiB/s in QEMU %.1f ms after the job was found (%s)",
-      static_cast<double>(j.speed_bytes_per_s) / kBytesPerMiB,
+      buf, sizeof buf, "first speed read back from QEMU %.1f ms after the job was found (%s)",
       std::chrono::duration<double, std::milli>(*j.time_to_govern).count(), to_string(j.found_by));
   std::string m = job_name(j.domain, j.disk) + ": " + std::string(buf, static_cast<size_t>(n));
   if (j.late_adoption) {

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
+# libvirt.daemon_first_speed: a plain `virsh blockcommit --active` (no --bandwidth: QEMU starts the
+# job unlimited) under qcommitd.  `qcommit status --output=json` must show the job's time to
+# govern (from QEMU's JOB_STATUS_CHANGE event, or the poll) within kMaxTimeToGovernMs, a speed
+# QEMU has (libvirt's bandwidth of the job equals the status's speed), and the monitor event
+# registration must not have tainted the domain (its QEMU log names no taint).
+# usage: daemon-first-speed.sh QCOMMIT QCOMMITD
+set -euo pipefail
+source "$(dirname "$0")/lib.sh"
+QCOMMIT=$(realpath "$1") QCOMMITD=$(realpath "$2")
+daemon_test_init libvirt.daemon_first_speed qfs
+# Discovery is bounded by the 0.5 s poll; the rest is a few libvirt calls (generous for a busy
+# 2-core CI machine).
+kMaxTimeToGovernMs=1500
+qemu-img create -q -f qcow2 base.qcow2 1G
+qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2
+qemu-io -c 'write -P 5 0 256M' top.qcow2 >/dev/null
+qemu-img convert -O raw top.qcow2 view-before.raw
+# A ceiling that keeps the 256 MiB copy running for seconds once governed.
+start_test_qcommitd '[default]\nbudget=20ms\nfloor=1M\nceiling=16M\n'
+define_disk_domain "$dom" "$dir/top.qcow2" "$dir"
+virsh -q start "$dom" >/dev/null
+virsh -q blockcommit "$dom" vda --active >/dev/null
+status=
+for ((i = 0; i < 100; i++)); do
+  status=$("$QCOMMIT" status --socket "$dir/d.sock" --output=json |
+    python3 -c 'import json,sys
+j=[x for x in json.load(sys.stdin)["jobs"] if x["disk"]=="vda"]
+if j and j[0].get("time_to_govern_ms") is not None:
+    x=j[0]; print(x["found_by"], "%.1f" % x["time_to_govern_ms"], x["speed_bytes_per_s"], x["copied_before_governed_bytes"])')
+  [[ -n $status ]] && break
+  sleep 0.1
+done
+[[ -n $status ]] || fail "no time to govern in qcommit status after 10 s"
+read -r found_by ttg speed copied <<<"$status"
+echo "governed ${ttg} ms after it was found by $found_by, speed $speed B/s, $copied bytes copied by then"
+[[ $found_by == event || $found_by == poll ]] || fail "found_by '$found_by'"
+awk -v t="$ttg" -v m="$kMaxTimeToGovernMs" 'BEGIN {exit !(t <= m)}' || fail "time to govern $ttg ms > $kMaxTimeToGovernMs ms"
+((speed > 0)) || fail "the status claims speed $speed"
+bw=$(virsh -q blockjob "$dom" vda --raw --bytes | awk -F= '$1 ~ /bandwidth/ {print $2}')
+((bw > 0)) || fail "libvirt reports bandwidth '$bw' for the governed job"
+grep -q "after the job was found ($found_by)" d.log || fail "no time-to-govern line in the daemon log"
+if grep -qi "taint" "/var/log/libvirt/qemu/$dom.log" 2>/dev/null; then
+  fail "the domain was tainted: $(grep -i taint "/var/log/libvirt/qemu/$dom.log")"
+fi
+virsh -q blockjob "$dom" vda --abort >/dev/null
+virsh -q destroy "$dom" >/dev/null
+qemu-img compare -q top.qcow2 view-before.raw || fail "the guest view changed"
+echo "libvirt.daemon_first_speed: OK"
