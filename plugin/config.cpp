@@ -172,6 +172,9 @@ DaemonConfig parse_config(const std::string& text, const std::string& origin) {
 }
 
 DaemonConfig load_config(const std::string& path, bool missing_ok) {
+  // The default path means "the policy file if there is one", also when it is named (the
+  // packaged unit passes it): missing is the built-in policy.
+  missing_ok = missing_ok || path == defaults::kConfigPath;
   gchar* data = nullptr;
   gsize len = 0;
   GError* raw_err = nullptr;

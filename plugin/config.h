@@ -80,7 +80,8 @@ void read_probe(const std::string& value, const std::string& what, Policy& p);
 
 // Key-file text → config.  `origin` (the path) prefixes every error.  Throws ConfigError.
 [[nodiscard]] DaemonConfig parse_config(const std::string& text, const std::string& origin);
-// Reads and parses; a missing file at the default path yields the defaults.  Throws ConfigError.
+// Reads and parses; a missing file yields the defaults (origin empty) when missing_ok or at the
+// default path (defaults::kConfigPath, even when named).  Throws ConfigError.
 [[nodiscard]] DaemonConfig load_config(const std::string& path, bool missing_ok);
 
 // The policy of a disk in `pool` (by name, then UUID), else [default].

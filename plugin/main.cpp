@@ -350,6 +350,9 @@ int main(int argc, char** argv) {
   if (std::optional<int> rc = parse_daemon_args(argc, argv, args, log)) return *rc;
   try {
     const DaemonConfig cfg = daemon_config(args);
+    if (cfg.origin.empty())
+      log.record(log_field(args.config_path) + " does not exist: the built-in policy (budget " +
+                 qcommit::defaults::budget_text() + ")");
     const GovernorOptions opt = governor_options(args, log);
     install_signal_handlers();
     set_up_event_loop();

@@ -9,7 +9,8 @@
 # file in the directory of a job's target), so those directories must stay writable: the unit's
 # ProtectSystem=, ReadOnlyPaths= and ReadWritePaths= are read as systemd.exec(5) defines them (the
 # most specific path decides) and every directory where images usually live is checked, with
-# /run/qcommit (its socket). This is a reading of the unit file, not a run under systemd.
+# /run/qcommit (its socket). This is a reading of the unit file, not a run under systemd; the
+# unit's command line is then run (without systemd) where its policy file does not exist.
 #
 # usage: systemd-unit.sh UNIT QCOMMITD
 set -euo pipefail
@@ -65,6 +66,27 @@ if command -v systemd-analyze >/dev/null; then
     fail "systemd-analyze verify: $(cat "$work/verify.txt")"
 else
   echo "skip: no systemd-analyze"
+fi
+# The unit's command line starts the daemon without its policy file (a fresh install has none):
+# qcommitd runs with the built-in policy and says so in one line; a missing file named anywhere
+# else stays an error. (Against libvirt's test driver and a socket of its own; the default path
+# must not exist here, else this part is skipped.)
+exec_args=$(sed -n 's|^ExecStart=/usr/sbin/qcommitd||p' "$unit")
+default_conf=$(sed -n 's|.*--config \([^ ]*\).*|\1|p' <<<"$exec_args")
+[[ -n $default_conf ]] || fail "the unit's ExecStart names no --config"
+if [[ -n $default_conf && ! -e $default_conf ]]; then
+  rc=0
+  # shellcheck disable=SC2086
+  timeout 3 "$qcommitd" $exec_args --uri test:///default --socket "$work/qcd.sock" >"$work/qcd.out" 2>"$work/qcd.err" || rc=$?
+  [[ $rc == 124 ]] || fail "qcommitd $exec_args without $default_conf: exit $rc, expected to keep running: $(cat "$work/qcd.err")"
+  grep -qF "$default_conf does not exist: the built-in policy" "$work/qcd.err" ||
+    fail "qcommitd without $default_conf does not say it runs the built-in policy: $(cat "$work/qcd.err")"
+  rc=0
+  timeout 10 "$qcommitd" --config "$work/none.conf" --uri test:///default --socket "$work/qcd2.sock" >/dev/null 2>"$work/qcd2.err" || rc=$?
+  [[ $rc != 0 && $rc != 124 ]] || fail "qcommitd --config $work/none.conf (missing): exit $rc, expected an error"
+  grep -qF "none.conf" "$work/qcd2.err" || fail "qcommitd's error does not name the missing file: $(cat "$work/qcd2.err")"
+else
+  echo "skip: $default_conf exists here"
 fi
 if ((${#failures[@]})); then
   printf 'packaging.systemd_unit: %d failure(s)\n' "${#failures[@]}"
