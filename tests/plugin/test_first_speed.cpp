@@ -6,8 +6,10 @@
 #include <algorithm>
 #include <chrono>
 #include <string>
+#include <string_view>
 #include <vector>
 
+#include "plugin/daemon_log.h"
 #include "plugin/governor.h"
 #include "tests/plugin/world.h"
 
@@ -101,6 +103,17 @@ TEST_CASE("plugin.governor.late_adoption_reported") {
   REQUIRE(st.jobs[0].time_to_govern.has_value());
   CHECK(st.jobs[0].late_adoption);
   CHECK(st.jobs[0].copied_before_governed_bytes >= (1ull << 30));
+  // The daemon's record says so, once.
+  std::vector<std::string> records;
+  DaemonLog log([&records](std::string_view r) { records.emplace_back(r); });
+  log.observe(st, "qemu:///system", "");
+  log.observe(gv.g.status(w.now), "qemu:///system", "");
+  const auto late = std::count_if(records.begin(), records.end(), [](const std::string& r) {
+    return r.find("domain vm1 disk vda: first speed read back from QEMU ") == 0 &&
+           r.find("after the job was found (poll); late adoption: 1024.0 MiB copied unpaced") !=
+               std::string::npos;
+  });
+  CHECK(late == 1);
 }
 
 // QEMU keeps speed 0 although the calls succeed: the governor reads it back, says so once (one
