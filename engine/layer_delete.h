@@ -16,13 +16,17 @@
 namespace qcommit::engine {
 
 // Guest bytes compared per read of each view.
-inline constexpr uint64_t kViewCompareChunkBytes = 4ull << 20;
+inline constexpr uint64_t kViewCompareChunkBytes = 8ull << 20;
 
 // The first guest offset in `extents` (what the layers above BASE provide, zero extents too)
 // where BASE's view (the chain read from `base_depth`) differs from TOP's (from depth 0);
 // nullopt when BASE holds TOP's view on all of them.
-[[nodiscard]] std::optional<uint64_t> first_view_difference(qcow2::Chain& chain, size_t base_depth,
-                                                            const std::vector<qcow2::MapEntry>& extents);
+// `prefetch(offset, length)`, when given, is told each guest range about to be read next, while the
+// one before it is compared: BASE's data, just written O_DIRECT, is read from the storage, and
+// a read ahead keeps more than one request in flight.
+[[nodiscard]] std::optional<uint64_t> first_view_difference(
+    qcow2::Chain& chain, size_t base_depth, const std::vector<qcow2::MapEntry>& extents,
+    const std::function<void(uint64_t, uint64_t)>& prefetch = nullptr);
 
 // The names that removing the layer the chain opened at `path` unlinks, as absolute paths: the
 // layer is the file the chain resolved (`real_path`); a symlink that named it is removed first

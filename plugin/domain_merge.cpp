@@ -672,7 +672,10 @@ void DomainMerge::delete_merged_files(engine::MergeResult& merged) {
   }
   for (const auto& p : journal_.merged) {
     std::error_code ec;
-    if (fs::remove(p, ec)) merged.deleted.push_back(p);
+    if (fs::remove(p, ec))
+      merged.deleted.push_back(p);
+    else if (ec)  // never passed over silently: the merge then exits 4 naming it
+      merged.not_deleted.push_back({p, ec.message()});
   }
 }
 
