@@ -590,6 +590,8 @@ int cmd_merge(const Args& args) {
   else if (!a.via_libvirt())
     mo.governor = gm.rate_cap();
   MergeProgress shown(gm.out, isatty(2) && gm.out == Output::kHuman, !a.dry_run);
+  if (gm.governor)
+    shown.set_p99_source([g = gm.governor] { return g->take_foreground_p99(); });
   mo.on_progress = [&shown](const engine::Progress& p) { shown.on_progress(p); };
   mo.on_lock_wait = [&shown](const engine::WaitNotice& n) { shown.on_lock_wait(n); };
   engine::MergeResult r;

@@ -24,11 +24,14 @@ std::optional<double> eta_s(const engine::Progress& p) {
   return double(p.total_bytes - p.done_bytes) / p.rate_bps;
 }
 
-json::Ordered progress_json(const engine::Progress& p) {
+double ms(std::chrono::nanoseconds d) { return std::chrono::duration<double, std::milli>(d).count(); }
+
+json::Ordered progress_json(const engine::Progress& p, std::optional<std::chrono::nanoseconds> p99) {
   json::Ordered j{{"event", "progress"},       {"phase", p.phase},
                   {"done", p.done_bytes},      {"total", p.total_bytes},
                   {"rate", whole(p.rate_bps)}, {"elapsed", rounded(p.elapsed_s, 3)}};
   if (const auto eta = eta_s(p)) j["eta"] = rounded(*eta, 1);
+  if (p99) j["guest-p99-ms"] = rounded(ms(*p99), 3);
   if (p.phase == "resume") j["resume-offset"] = p.resume_offset;
   return j;
 }
@@ -64,7 +67,45 @@ void MergeProgress::stop() {
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
-  if (bar_ && last_ && last_->phase == "copy") std::fputc('\n', stderr);
+  std::lock_guard lk(mu_);
+  break_line_locked();
+}
+
+void MergeProgress::set_p99_source(std::function<std::optional<std::chrono::nanoseconds>()> source) {
+  std::lock_guard lk(mu_);
+  p99_ = std::move(source);
+}
+
+void MergeProgress::break_line() {
+  std::lock_guard lk(mu_);
+  break_line_locked();
+}
+
+void MergeProgress::break_line_locked() {
+  if (!bar_open_) return;
+  std::fputc('\n', stderr);
+  bar_open_ = false;
+}
+
+// "qcommit: copy 12.0 MiB of 100.0 MiB (12.0%), 8.0 MiB/s, ETA 11s, 1m 2s elapsed, guests' p99
+// 3.2 ms"
+void MergeProgress::print_plain(const engine::Progress& p) {
+  plain_at_ = Clock::now();
+  const double pct = p.total_bytes ? 100.0 * double(p.done_bytes) / double(p.total_bytes) : 100.0;
+  const auto eta = eta_s(p);
+  const std::string eta_text = eta ? std::to_string(int64_t(*eta + 0.5)) + "s" : "unknown";
+  std::string p99_text;
+  if (p99_)
+    if (const auto p99 = p99_()) {
+      char b[48];
+      std::snprintf(b, sizeof b, ", guests' p99 %.1f ms", ms(*p99));
+      p99_text = b;
+    }
+  std::fprintf(stderr, "qcommit: copy %s of %s (%.1f%%), %s/s, ETA %s, %.0fs elapsed%s\n",
+               format_size(p.done_bytes).c_str(), format_size(p.total_bytes).c_str(), pct,
+               format_size(uint64_t(p.rate_bps)).c_str(), eta_text.c_str(), p.elapsed_s,
+               p99_text.c_str());
+  std::fflush(stderr);
 }
 
 void MergeProgress::on_progress(const engine::Progress& p) {
@@ -76,6 +117,7 @@ void MergeProgress::on_progress(const engine::Progress& p) {
 
 void MergeProgress::on_lock_wait(const engine::WaitNotice& notice) {
   std::lock_guard lk(mu_);
+  break_line_locked();
   show_wait(notice, out_ == Output::kJson, "qcommit");
   shown_at_ = Clock::now();
 }
@@ -83,12 +125,17 @@ void MergeProgress::on_lock_wait(const engine::WaitNotice& notice) {
 void MergeProgress::show(const engine::Progress& p) {
   shown_at_ = Clock::now();
   if (out_ == Output::kJson) {
-    print_json(progress_json(p));
+    print_json(progress_json(p, p99_ && p.phase == "copy" ? p99_() : std::nullopt));
   } else if (p.phase == "resume") {
+    break_line_locked();
     std::fprintf(stderr, "qcommit: resuming an interrupted merge from guest offset %s\n",
                  format_size(p.resume_offset).c_str());
   } else if (bar_ && p.phase == "copy") {
     print_bar(p);
+    bar_open_ = true;
+  } else if (!bar_ && p.phase == "copy" &&
+             (plain_at_ == Clock::time_point{} || shown_at_ - plain_at_ >= kPlainLineInterval)) {
+    print_plain(p);
   }
 }
 

@@ -1,12 +1,15 @@
 // SPDX-License-Identifier: GPL-2.0-or-later
-// What `qcommit merge` shows while it runs: the engine's progress as JSON lines or a terminal bar,
-// and at least once a second even when the engine reports nothing (a long request at a low rate,
-// a wait for a lock, planning a large chain): the last state again, with the time advanced and
-// the average rate and ETA recomputed.
+// What `qcommit merge` shows while it runs: the engine's progress as JSON lines, a terminal bar,
+// or (human output that is not a terminal: a log file, the journal) a plain line every
+// kPlainLineInterval; JSON and the bar at least once a second even when the engine reports
+// nothing (a long request at a low rate, a wait for a lock, planning a large chain): the last
+// state again, with the time advanced and the average rate and ETA recomputed. Governed, each
+// shows the guests' p99 latency since the previous one.
 #pragma once
 
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -20,6 +23,8 @@ namespace qcommit::cli {
 
 // The longest time without a progress line or event while a merge runs.
 inline constexpr std::chrono::milliseconds kProgressHeartbeat{1000};
+// How often a plain progress line is written where no bar can be drawn.
+inline constexpr std::chrono::seconds kPlainLineInterval{5};
 
 class MergeProgress {
  public:
@@ -35,16 +40,25 @@ class MergeProgress {
   void on_lock_wait(const engine::WaitNotice& notice);
   // Ends the heartbeat (before the result is printed).
   void stop();
+  // Where the guests' p99 latency since the previous call comes from (a governed merge).
+  void set_p99_source(std::function<std::optional<std::chrono::nanoseconds>()> source);
+  // Ends the bar's line, so that a message written next starts on a line of its own.
+  void break_line();
 
  private:
   using Clock = std::chrono::steady_clock;
   void show(const engine::Progress& p);  // with mu_ held
+  void print_plain(const engine::Progress& p);  // with mu_ held
+  void break_line_locked();
   void heartbeat();
   // The last state with `since` seconds more elapsed: the average rate over the copy so far.
   [[nodiscard]] static engine::Progress advanced(const engine::Progress& p, double since);
 
   Output out_;
   bool bar_;
+  bool bar_open_ = false;  // the bar is drawn and its line not ended
+  std::function<std::optional<std::chrono::nanoseconds>()> p99_;
+  Clock::time_point plain_at_{};  // when the last plain line was written
   std::mutex mu_;
   std::condition_variable cv_;
   bool stopping_ = false;

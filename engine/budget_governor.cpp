@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -20,6 +21,9 @@ namespace qcommit::engine {
 namespace {
 inline constexpr auto kPausedWait = std::chrono::milliseconds(10);
 inline constexpr auto kWindowFullWait = std::chrono::milliseconds(1);
+// The foreground samples kept for take_foreground_p99 between two calls: minutes of probes and
+// co-tenant polls; later ones are dropped rather than growing without bound.
+inline constexpr size_t kRecentSamples = 1 << 16;
 
 throttle::TimePoint to_tp(Clock::time_point t) {
   return throttle::TimePoint(std::chrono::duration_cast<throttle::Duration>(t.time_since_epoch()));
@@ -266,6 +270,18 @@ void BudgetGovernor::sample_cotenants(Clock::time_point now) {
   feed_->record_locked(disks, now);
 }
 
+std::optional<Duration> BudgetGovernor::take_foreground_p99() {
+  std::vector<throttle::Duration> s;
+  {
+    std::lock_guard lk(mu_);
+    s.swap(recent_fg_);
+  }
+  if (s.empty()) return std::nullopt;
+  const size_t rank = (s.size() * 99 + 99) / 100 - 1;  // nearest rank, 1-based → index
+  std::nth_element(s.begin(), s.begin() + std::ptrdiff_t(rank), s.end());
+  return std::chrono::duration_cast<Duration>(s[rank]);
+}
+
 CotenantStats BudgetGovernor::cotenant_stats() {
   if (!feed_) return {};
   std::lock_guard lk(feed_->mu);
@@ -302,6 +318,8 @@ void BudgetGovernor::tick(Clock::time_point now) {
   std::vector<throttle::Duration> fg = fg_samples_;
   fg.insert(fg.end(), cot.latencies.begin(), cot.latencies.end());
   in.foreground_latencies = fg;
+  recent_fg_.insert(recent_fg_.end(), fg.begin(),
+                    fg.begin() + std::ptrdiff_t(std::min(fg.size(), kRecentSamples - std::min(kRecentSamples, recent_fg_.size()))));
   in.foreground_outstanding = cot.outstanding;
   in.foreground_oldest_outstanding = cot.oldest_outstanding;
   const int64_t started = probe_started_ns_;

@@ -22,6 +22,7 @@
 #include <chrono>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -111,6 +112,9 @@ class BudgetGovernor final : public CopyGovernor {
   // cotenant_interval).  No-op without cfg.cotenants.
   void sample_cotenants(Clock::time_point now);
   [[nodiscard]] CotenantStats cotenant_stats();
+  // The 99th percentile of the foreground latencies (the probe's and the co-tenants', what the
+  // guests see) since the previous call, and forgets them; nullopt without any.
+  [[nodiscard]] std::optional<Duration> take_foreground_p99();
 
  private:
   struct Feed;
@@ -130,6 +134,7 @@ class BudgetGovernor final : public CopyGovernor {
   Clock::time_point epoch_;
   std::chrono::system_clock::time_point wall_epoch_;  // epoch_ on the wall clock (trace's start)
   std::vector<throttle::Duration> fg_samples_;
+  std::vector<throttle::Duration> recent_fg_;  // since take_foreground_p99, at most kRecentSamples
   std::vector<throttle::CopySample> copy_samples_;
   uint64_t inflight_ = 0;
   uint64_t drained_ = 0;

@@ -45,7 +45,9 @@ TEST_CASE("plugin.config.errors") {
   CHECK(err("[default]\nfloor=1X\n").find("bad size unit") != std::string::npos);
   CHECK(err("[default]\nfloor=2G\nceiling=1G\n").find("ceiling must be >= floor") != std::string::npos);
   CHECK(err("[default]\nceiling=2T\n").find("ceiling must be <= 1T") != std::string::npos);
-  CHECK(err("[default]\nceiling=1e300T\n").find("ceiling must be <= 1T") != std::string::npos);
+  CHECK(err("[default]\nceiling=1e300T\n").find("bad size unit") != std::string::npos);  // no exponent
+  CHECK(err("[default]\nceiling=99999999999999999999T\n").find("larger than 1 PiB") != std::string::npos);
+  CHECK(err("[default]\nbudget=61s\n").find("budget must be at most 60s") != std::string::npos);
   CHECK(err("[default]\nbudget=0ms\n").find("budget must be more than 0") != std::string::npos);
   CHECK(err("[default]\nbugdet=1ms\n").find("unknown key 'bugdet'") != std::string::npos);
   CHECK(err("[pools:x]\nbudget=1ms\n").find("unknown section [pools:x]") != std::string::npos);
