@@ -71,6 +71,27 @@ std::vector<ByteRange> zeros_to_keep_view(Chain& child_chain, Chain& chain, size
   return view_changes_on_rebase(sizes, allocated, nonzero);
 }
 
+// The child's view before the switch, for the part of a cluster its zeros do not cover: its own
+// data, else TOP's view, read through the merge's chain (whose BASE is the one the copy wrote:
+// the child's own opening of BASE may hold tables the copy has replaced since), else zeros.
+void read_old_view(Chain& child_chain, Chain& chain, uint64_t offset, std::span<uint8_t> out) {
+  const uint64_t top_size = chain.virtual_size();
+  for (uint64_t pos = 0; pos < out.size();) {
+    const uint64_t off = offset + pos;
+    const MapEntry e = child_chain.status(off, out.size() - pos, 0, size_t{1});
+    if (e.length == 0) throw Error(child_chain.top().path, "block status made no progress");
+    std::span<uint8_t> piece = out.subspan(pos, e.length);
+    if (e.present) {
+      child_chain.read(off, piece, 0);
+    } else {
+      const uint64_t below_top = off < top_size ? std::min<uint64_t>(piece.size(), top_size - off) : 0;
+      if (below_top) chain.read(off, piece.first(below_top), 0);
+      std::fill(piece.begin() + long(below_top), piece.end(), uint8_t{0});
+    }
+    pos += e.length;
+  }
+}
+
 }  // namespace
 
 std::vector<ByteRange> view_changes_on_rebase(const RebaseSizes& sizes, std::span<const ByteRange> child_allocated,
@@ -126,11 +147,13 @@ RebaseTarget prepare_rebase(const std::string& child, const qcow2::ChainOptions&
   return t;
 }
 
-uint64_t switch_child(RebaseTarget& t, const std::function<void(std::string_view)>& point) {
-  t.writer->on_write_point = [&point](qcow2::WritePoint wp) { point(qcow2::to_string(wp)); };
+uint64_t switch_child(RebaseTarget& t, Chain& chain, const std::function<void(std::string_view)>& point) {
+  t.writer->on_write_point = [point](qcow2::WritePoint wp) { point(qcow2::to_string(wp)); };
   uint64_t zeroed = 0;
   if (!t.zero_first.empty()) {
-    const qcow2::ViewReader old_view = [&t](uint64_t o, std::span<uint8_t> out) { t.old_view->read(o, out, 0); };
+    const qcow2::ViewReader old_view = [&t, &chain](uint64_t o, std::span<uint8_t> out) {
+      read_old_view(*t.old_view, chain, o, out);
+    };
     point("child-zero");
     for (const ByteRange& r : t.zero_first) {
       t.writer->write_zeroes(r.start, r.end - r.start, old_view);

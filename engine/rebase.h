@@ -58,8 +58,8 @@ struct RebaseTarget {
   std::string backing_name;               // BASE, relative if the child's old name was
   // Made to read as zeros in the child before its backing switches (view_changes_on_rebase).
   std::vector<ByteRange> zero_first;
-  // The child as it reads before the switch (read-only, through TOP): what a partial cluster
-  // that zero_first allocates keeps of it.
+  // The child opened read-only before the switch: its own data, which a partial cluster that
+  // zero_first allocates keeps.
   std::unique_ptr<qcow2::Chain> old_view;
 };
 
@@ -71,10 +71,12 @@ struct RebaseTarget {
 [[nodiscard]] RebaseTarget prepare_rebase(const std::string& child, const qcow2::ChainOptions& child_options,
                                           bool rebased_before, qcow2::Chain& chain, size_t base_depth);
 
-// The switch of one child: its zero_first ranges, then one commit that makes them durable
-// before the header names BASE (data → flush → refcounts → L2 → L1 → flush → header). `point`
+// The switch of one child, after the copy: its zero_first ranges, then one commit that makes
+// them durable before the header names BASE (data → flush → refcounts → L2 → L1 → flush →
+// header). `chain` is the merge's chain (TOP's view where a partial cluster needs it). `point`
 // is told before each write ("child-zero", "rebase", the writer's persistence points).
 // Returns the bytes made to read as zeros.
-uint64_t switch_child(RebaseTarget& target, const std::function<void(std::string_view)>& point);
+uint64_t switch_child(RebaseTarget& target, qcow2::Chain& chain,
+                      const std::function<void(std::string_view)>& point);
 
 }  // namespace qcommit::engine

@@ -7,7 +7,8 @@
 # BASE shows something), and a TOP larger than a MID shorter than BASE reads zeros past MID's end,
 # which BASE must show after the merge. Each row of ROWS is one chain (sizes; "-": no such
 # layer); every layer has its own data pattern, data near its end, zero clusters; TOP has
-# compressed clusters; flags pick qcow2 v2 (compat=0.10) or extended L2 for some layers.
+# compressed clusters; flags pick qcow2 v2 (compat=0.10), extended L2 or 2 MiB clusters in the
+# children for some rows.
 # For each row: the views of TOP and of each child (qemu-img convert -O raw), then
 #   qcommit merge TOP [--base BASE] --rebase CHILD... --budget off
 # then: every child's view unchanged (qemu-img compare) and backed by BASE; BASE shows TOP's old
@@ -38,7 +39,7 @@ ROWS=(
   "child-v2         20M 16M    -     8M      16M           child-v2"
   "base-v2          20M 16M    -     8M      16M           base-v2"
   "xl2-unaligned    -   16M    -     8200k   16M           xl2"
-  "unaligned        20M 16M    -     8200k   16M,8264k     -"
+  "unaligned        20M 16M    -     8200k   16M,8264k     child-2m"
   "child-smaller    20M 16M    -     12M     4M,12M        -"
   "mid-short        -   16M    6M    16M     16M           -"
   "mid-short-top<   20M 16M    6M    10M     16M           -"
@@ -85,6 +86,7 @@ build_row() {  # below base mid top children flags
   has_flag "$flags" base-v2 && base_opts=(-o compat=0.10)
   has_flag "$flags" child-v2 && child_opts=(-o compat=0.10)
   has_flag "$flags" xl2 && top_opts=(-o extended_l2=on) child_opts=(-o extended_l2=on)
+  has_flag "$flags" child-2m && child_opts=(-o cluster_size=2M)  # TOP's end inside a child cluster
   if has_flag "$flags" raw-base; then
     new base.raw "$base" -f raw
     qio -f raw base.raw "write -P 40 0 $base"
@@ -120,8 +122,8 @@ build_row() {  # below base mid top children flags
     csize=$(bytes "$c")
     # Data of its own on both sides of TOP's end and near its own end; a zero range past TOP's.
     local past=()
-    ((csize > tsize + 2 * 1048576)) &&
-      past=("write -P $((90 + i)) $((tsize + 1048576)) 64k" "write -z $((tsize + 1572864)) 64k")
+    ((csize > tsize + 3 * 1048576)) &&
+      past=("write -P $((90 + i)) $((tsize + 2 * 1048576 + 65536)) 64k" "write -z $((tsize + 2 * 1048576 + 524288)) 64k")
     qio -f qcow2 "child$i.qcow2" "write -P $((70 + i)) 64k 64k" "write -P $((80 + i)) $((csize - 65536)) 64k" "${past[@]}"
     CHILDREN+=("child$i.qcow2")
   done
