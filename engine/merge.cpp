@@ -1207,6 +1207,21 @@ class MergeJob {
                                            "; nothing was written (name them with --rebase, or merge without --delete)");
   }
 
+  // Asks the kernel to read ahead BASE's host ranges of a guest range (POSIX_FADV_WILLNEED).
+  [[nodiscard]] std::function<void(uint64_t, uint64_t)> base_read_ahead() {
+    auto* file = dynamic_cast<qcow2::FileDevice*>(base->qcow2 ? &base->qcow2->data_device() : base->raw.get());
+    if (!file) return nullptr;
+    return [this, fd = file->fd()](uint64_t off, uint64_t len) {
+      for (uint64_t z = off, end = off + len; z < end;) {
+        const MapEntry e = chain->status(z, end - z, base_depth);
+        if (e.length == 0) return;
+        if (e.offset && e.depth == base_depth)
+          (void)::posix_fadvise(fd, off_t(*e.offset), off_t(e.length), POSIX_FADV_WILLNEED);
+        z += e.length;
+      }
+    };
+  }
+
   // Before any merged layer is deleted, whatever a checkpoint said about the copy: BASE must show
   // TOP's view on every range the layers above BASE provide (zero ranges read as zeros). A re-run
   // that trusted a checkpoint over a BASE changed since (an internal snapshot applied, an older
@@ -1215,7 +1230,7 @@ class MergeJob {
   void verify_base_holds_view() {
     uint64_t bytes = 0;
     const std::vector<MapEntry> above = extents_above(*chain, base_depth, 0, bytes);
-    if (const std::optional<uint64_t> at = first_view_difference(*chain, base_depth, above))
+    if (const std::optional<uint64_t> at = first_view_difference(*chain, base_depth, above, base_read_ahead()))
       throw Error(base->path, "does not show TOP's data at guest offset " + std::to_string(*at) + " (" +
                                   qcow2::hex(*at) + "): not deleting the merged layers (nothing deleted, "
                                   "checkpoint kept)");
