@@ -126,6 +126,7 @@ json::Ordered result_json(const engine::MergeResult& r, const std::optional<Merg
                   {"zeroed", r.zeroed_bytes},
                   {"resumed", r.resumed},
                   {"resumed-from", r.resumed_from},
+                  {"base-changed", r.base_changed},
                   {"leaks-repaired", r.leaks_repaired},
                   {"bitmaps-removed", r.bitmaps_removed},
                   {"direct-io", r.direct_io},
@@ -506,7 +507,11 @@ void print_merge_result(const engine::MergeResult& r, engine::WriteMode mode,
               : mode == engine::WriteMode::kAuto ? "O_DIRECT for large requests, buffered for small"
                                                  : "O_DIRECT",
               batched.c_str());
-  if (r.resumed)
+  if (r.resumed && r.base_changed)
+    std::printf("resumed an interrupted run, but %s had changed since (replaced, rolled back or "
+                "restored): copied everything again\n",
+                r.base.c_str());
+  else if (r.resumed)
     std::printf("resumed an interrupted run (from offset %s)\n",
                 format_size(r.resumed_from).c_str());
   if (r.leaks_repaired)
