@@ -40,26 +40,53 @@ void print_statistics(const qcow2::CheckResult& r) {
   if (r.image_end_offset) std::printf("Image end offset: %" PRIu64 "\n", r.image_end_offset);
 }
 
+// The command line with --repair's and -r's values joined to them: a bare --repair takes no
+// value from the next word ("check --repair IMAGE" repairs leaks of IMAGE; boost would read IMAGE
+// as the value), and -r takes one as qemu-img check spells it ("-r leaks", "-r all").
+Args joined_repair(const Args& in) {
+  Args args;
+  for (size_t i = 0; i < in.size(); ++i) {
+    const bool value_next = i + 1 < in.size() && (in[i + 1] == "leaks" || in[i + 1] == "all");
+    if (in[i] == "--repair" || in[i] == "-r") {
+      if (value_next) {
+        args.push_back("--repair=" + in[++i]);
+      } else if (in[i] == "-r") {
+        throw UsageError("-r needs 'leaks' or 'all' (as qemu-img check -r)");
+      } else {
+        args.push_back("--repair=leaks");
+      }
+    } else {
+      args.push_back(in[i]);
+    }
+  }
+  return args;
+}
+
+// What qemu-img check prints when it repaired something, before checking the image again.
+void print_repaired(const qcow2::CheckResult& r) {
+  std::printf("The following inconsistencies were found and repaired:\n\n"
+              "    %" PRIu64 " leaked clusters\n    %" PRIu64 " corruptions\n\n"
+              "Double checking the fixed image now...\n",
+              r.leaks_fixed, r.corruptions_fixed);
+}
+
 int run_check(const Args& in_args) {
-  // A bare --repair takes no value from the next word: "check --repair IMAGE" repairs leaks of
-  // IMAGE (boost would otherwise read IMAGE as the value of --repair).
-  Args args = in_args;
-  for (size_t i = 0; i < args.size(); ++i)
-    if (args[i] == "--repair" &&
-        (i + 1 == args.size() || (args[i + 1] != "leaks" && args[i + 1] != "all")))
-      args[i] = "--repair=leaks";
+  const Args args = joined_repair(in_args);
   po::options_description opts("options");
   std::string image, output = "human", repair;
   opts.add_options()("image", po::value(&image)->required(), "image file")(
-      "repair", po::value(&repair)->implicit_value("leaks"), "repair: 'leaks' (default) or 'all'")(
+      "repair,r", po::value(&repair)->implicit_value("leaks"),
+      "repair: 'leaks' (default) or 'all'; -r leaks|all as qemu-img check spells it")(
       "output", po::value(&output), "human or json");
   po::positional_options_description pos;
   pos.add("image", 1);
   po::variables_map vm;
-  if (!parse(args, opts, pos, vm, "qcommit check IMAGE [--repair[=leaks|all]] [--output=json]",
+  if (!parse(args, opts, pos, vm,
+             "qcommit check IMAGE [--repair[=leaks|all] | -r leaks|all] [--output=json]",
              "exit status (as qemu-img check): 0 clean, 1 check not run (error), 2 corruptions,\n"
              "3 leaked clusters only, 63 not a qcow2 image\n"
-             "examples:\n  qcommit check base.qcow2\n  qcommit check --repair base.qcow2\n"))
+             "examples:\n  qcommit check base.qcow2\n  qcommit check --repair base.qcow2\n"
+             "  qcommit check -r all base.qcow2\n"))
     return kExitOk;
   const Output out = parse_output(output);
   qcow2::Repair mode = qcow2::Repair::kNone;
@@ -93,12 +120,17 @@ int run_check(const Args& in_args) {
                              {"check-errors", 0}});
   } else {
     for (const auto& m : r.messages) std::fprintf(stderr, "%s\n", m.c_str());
-    if (r.leaks_fixed || r.corruptions_fixed)
-      std::printf("repaired %" PRIu64 " leaked clusters and %" PRIu64 " corruptions\n",
-                  r.leaks_fixed, r.corruptions_fixed);
+    if (r.leaks_fixed || r.corruptions_fixed) print_repaired(r);
+    // qemu-img check's verdict, word for word (scripts and people read it).
     if (!corruptions && !leaks) std::printf("No errors were found on the image.\n");
-    if (corruptions) std::printf("%" PRIu64 " errors were found on the image.\n", corruptions);
-    if (leaks) std::printf("%" PRIu64 " leaked clusters were found on the image.\n", leaks);
+    if (corruptions)
+      std::printf("\n%" PRIu64 " errors were found on the image.\n"
+                  "Data may be corrupted, or further writes to the image may corrupt it.\n",
+                  corruptions);
+    if (leaks)
+      std::printf("\n%" PRIu64 " leaked clusters were found on the image.\n"
+                  "This means waste of disk space, but no harm to data.\n",
+                  leaks);
     print_statistics(r);
   }
   if (corruptions) return kCheckExitCorrupt;

@@ -329,7 +329,7 @@ void read_param(const std::string& line, std::map<std::string, std::string>& par
 
 Trace read_trace(const std::string& path) {
   std::ifstream in(path);
-  if (!in) throw std::runtime_error(path + ": cannot open");
+  if (!in) throw std::runtime_error(path + ": cannot open: " + std::strerror(errno));
   Trace t;
   std::string line;
   size_t lineno = 0;

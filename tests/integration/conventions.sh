@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
+# cli.conventions: qcommit spells what qemu-img and other tools spell the same way.
+#   check: -r leaks|all as qemu-img check takes it (and --repair), the verdict lines qemu-img
+#   check prints (clean, leaked, corrupt, repaired: every line of standard output but the image
+#   end offset, which differs after a repair because qemu-img truncates the file);
+#   `qcommit help merge` is `qcommit merge --help`; `qcommit --version`;
+#   `report` of a missing file names the reason (errno text);
+#   bash completion: values after --output= and --repair=, none but durations for live --budget,
+#   the commands after `help`. ~3 s.
+# usage: conventions.sh QCOMMIT COMPLETION
+set -euo pipefail
+. "$(dirname "$0")/lib.sh"
+QCOMMIT=$(realpath "$1")
+COMPLETION=$(realpath "$2")
+PATCH=$(realpath "$(dirname "$0")/../hostile/qcow2_patch.py")
+setup cli.conventions
+
+# --- check: the verdict and -r, against qemu-img check ------------------------------------------
+image() {  # image NAME: 2 data clusters in a 4M image
+  qemu-img create -q -f qcow2 -o cluster_size=65536 "$1.qcow2" 4M
+  qemu-io -c 'write -P 1 0 64k' -c 'write -P 2 64k 64k' "$1.qcow2" >/dev/null
+}
+image clean
+image leaky && python3 "$PATCH" leaky.qcow2 l2-entry 1 0 >/dev/null
+image corrupt && python3 "$PATCH" corrupt.qcow2 refcount-of 0 0 >/dev/null
+# same_verdict NAME ARGS...: qcommit check and qemu-img check ARGS on copies of NAME: the same
+# exit status and the same standard output but the image end offset.
+same_verdict() {
+  local name=$1 rc_q=0 rc_i=0
+  shift
+  cp "$name.qcow2" q.qcow2
+  cp "$name.qcow2" i.qcow2
+  "$QCOMMIT" check "$@" q.qcow2 >q.out 2>q.err || rc_q=$?
+  qemu-img check "$@" i.qcow2 >i.out 2>i.err || rc_i=$?
+  [[ $rc_q == "$rc_i" ]] || fail "check $* $name: exit $rc_q, qemu-img $rc_i: $(cat q.out q.err)"
+  diff <(grep -v '^Image end offset' i.out) <(grep -v '^Image end offset' q.out) >diff.txt ||
+    fail "check $* $name: the output differs from qemu-img check's (< qemu-img, > qcommit): $(cat diff.txt)"
+  rm -f q.qcow2 i.qcow2 q.out i.out q.err i.err
+}
+for name in clean leaky corrupt; do same_verdict "$name"; done
+same_verdict leaky -r leaks
+same_verdict leaky -r all
+same_verdict clean -r leaks
+# --repair stays, as before.
+cp leaky.qcow2 r.qcow2
+"$QCOMMIT" check --repair r.qcow2 >r.out 2>&1 || fail "check --repair: $(cat r.out)"
+qemu-img check r.qcow2 >/dev/null || fail "check --repair left the leak"
+rc=0
+"$QCOMMIT" check -r leaky.qcow2 >/dev/null 2>r.err || rc=$?
+[[ $rc == 1 ]] && grep -qF -- "-r needs 'leaks' or 'all'" r.err || fail "check -r without a value: exit $rc: $(cat r.err)"
+
+# --- help, version, report ----------------------------------------------------------------------
+"$QCOMMIT" help merge >help.txt || fail "qcommit help merge failed"
+"$QCOMMIT" merge --help >merge-help.txt
+cmp -s help.txt merge-help.txt || fail "qcommit help merge differs from qcommit merge --help: $(head -3 help.txt)"
+grep -q '^usage: qcommit merge' help.txt || fail "qcommit help merge: $(head -3 help.txt)"
+rc=0
+"$QCOMMIT" help nosuch >/dev/null 2>err.txt || rc=$?
+[[ $rc == 2 ]] && grep -qF "unknown command 'nosuch'" err.txt || fail "qcommit help nosuch: exit $rc: $(cat err.txt)"
+"$QCOMMIT" --version | grep -qE '^qcommit [0-9]+\.[0-9]+' || fail "qcommit --version: $("$QCOMMIT" --version)"
+rc=0
+"$QCOMMIT" report nope.csv >/dev/null 2>err.txt || rc=$?
+[[ $rc == 1 && $(wc -l <err.txt) == 1 ]] || fail "report nope.csv: exit $rc: $(cat err.txt)"
+grep -qF "nope.csv: cannot open: No such file or directory" err.txt || fail "report nope.csv names no reason: $(cat err.txt)"
+
+# --- bash completion ----------------------------------------------------------------------------
+# complete_words LINE: what the completion offers for LINE (the cursor at its end), split as
+# bash splits it (COMP_WORDBREAKS: '=' is a word of its own).
+complete_words() {
+  bash -c '
+    . "$1"
+    line=$2
+    COMP_LINE=$line COMP_POINT=${#line}
+    read -ra COMP_WORDS <<<"${line//=/ = }"
+    [[ $line == *" " ]] && COMP_WORDS+=("")
+    COMP_CWORD=$((${#COMP_WORDS[@]} - 1))
+    _qcommit
+    printf "%s\n" "${COMPREPLY[@]}"' _ "$COMPLETION" "$1"
+}
+offers() {  # offers LINE WORDS...: the completion of LINE is exactly WORDS
+  local line=$1 got want
+  shift
+  got=$(complete_words "$line" | sort | tr '\n' ' ')
+  want=$(printf '%s\n' "$@" | sort | tr '\n' ' ')
+  [[ $got == "$want" ]] || fail "completion of '$line': '$got', expected '$want'"
+}
+offers "qcommit merge top.qcow2 --output=" human json
+offers "qcommit merge top.qcow2 --output=j" json
+offers "qcommit merge top.qcow2 --output " human json
+offers "qcommit check --repair=" leaks all
+offers "qcommit check -r " leaks all
+offers "qcommit live vm1 vda --budget " 10ms 20ms 50ms
+offers "qcommit merge top.qcow2 --budget " 10ms 20ms 50ms off
+offers "qcommit help me" merge
+echo "cli.conventions: OK"
