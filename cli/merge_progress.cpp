@@ -133,9 +133,11 @@ void MergeProgress::show(const engine::Progress& p) {
   } else if (bar_ && p.phase == "copy") {
     print_bar(p);
     bar_open_ = true;
-  } else if (!bar_ && p.phase == "copy" &&
-             (plain_at_ == Clock::time_point{} || shown_at_ - plain_at_ >= kPlainLineInterval)) {
-    print_plain(p);
+  } else if (!bar_ && p.phase == "copy") {
+    // The first line one interval into the copy: a merge refused or done within it says only
+    // its result (an error stays one line).
+    if (plain_at_ == Clock::time_point{}) plain_at_ = shown_at_;
+    if (shown_at_ - plain_at_ >= kPlainLineInterval) print_plain(p);
   }
 }
 
