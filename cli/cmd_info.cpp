@@ -150,6 +150,18 @@ void print_layer(Chain& chain, size_t i) {
   if (L.qcow2) print_qcow2_layer(*L.qcow2);
 }
 
+// The chain's end when its last backing file does not exist: where it was looked for, how it
+// is named; {"missing": true} in JSON.
+json::Ordered missing_json(const qcow2::MissingBacking& m, size_t depth) {
+  return json::Ordered{{"depth", depth}, {"filename", m.path}, {"named-as", m.name}, {"missing", true}};
+}
+
+void print_missing(const qcow2::MissingBacking& m, size_t depth) {
+  std::cout << "\nbacking image (depth " << depth << "): " << m.path << "\n"
+            << "named as: " << m.name << "\n"
+            << "missing: the file does not exist\n";
+}
+
 }  // namespace
 
 int cmd_info(const Args& args) {
@@ -160,15 +172,24 @@ int cmd_info(const Args& args) {
        .examples = "examples:\n  qcommit info vm.qcow2\n  qcommit info --output=json vm.qcow2\n"});
   if (!cmd) return kExitOk;
   const std::string& image = cmd->image;
-  Chain chain = Chain::open(image, cmd->chain);
+  qcow2::ChainOptions options = cmd->chain;
+  options.stop_at_missing_backing = true;  // shown down to the missing file, then an error
+  Chain chain = Chain::open(image, options);
+  const auto& missing = chain.missing_backing();
   if (cmd->output == Output::kJson) {
     json::Ordered layers = json::Ordered::array();
     for (size_t i = 0; i < chain.depth(); ++i) layers.push_back(layer_json(chain, i));
+    if (missing) layers.push_back(missing_json(*missing, chain.depth()));
     print_json(json::Ordered{{"filename", image}, {"chain", layers}});
-    return kExitOk;
+  } else {
+    for (size_t i = 0; i < chain.depth(); ++i) print_layer(chain, i);
+    if (missing) print_missing(*missing, chain.depth());
   }
-  for (size_t i = 0; i < chain.depth(); ++i) print_layer(chain, i);
-  return kExitOk;
+  if (!missing) return kExitOk;
+  std::cout.flush();
+  // Exit 1, as qemu-img info --backing-chain does for the same chain.
+  throw qcow2::Error(missing->named_by, "backing file '" + missing->name + "' (" + missing->path +
+                                            ") does not exist");
 }
 
 }  // namespace qcommit::cli

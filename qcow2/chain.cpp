@@ -130,6 +130,12 @@ Chain Chain::open(const std::string& path, ChainOptions options, std::optional<F
       throw Error(path, "backing chain deeper than " + std::to_string(options.max_depth) + " layers");
     const bool writable = (depth == 0 && options.writable_top) ||
                           (options.writable_depth && *options.writable_depth == depth);
+    struct stat missing_st {};
+    if (depth > 0 && options.stop_at_missing_backing && !options.await_missing &&
+        ::lstat(current.c_str(), &missing_st) != 0 && errno == ENOENT) {
+      chain.missing_ = MissingBacking{named_by, named_as, current};
+      break;
+    }
     // Nothing is opened for I/O before the policy and the loop check ran on the lookup.
     const PathHandle handle =
         depth == 0 ? PathHandle::lookup(current)

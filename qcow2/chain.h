@@ -64,6 +64,16 @@ struct ChainOptions {
   // Asked when a backing or external data file does not exist (ENOENT), with the path looked up:
   // true once it may be there (it is looked up again), false to fail as without it. Empty: fail.
   std::function<bool(const std::string& path)> await_missing;
+  // A backing file that does not exist ends the chain there instead of failing the open (what
+  // `qcommit info` shows); Chain::missing_backing() names it. The chain then must not be read.
+  bool stop_at_missing_backing = false;
+};
+
+// The backing file a chain opened with stop_at_missing_backing lacks.
+struct MissingBacking {
+  std::string named_by;  // the image that names it (the chain's last layer)
+  std::string name;      // as that image names it
+  std::string path;      // where it was looked up
 };
 
 // Probes a file's format: qcow2 by magic, otherwise raw.
@@ -94,6 +104,8 @@ class Chain {
   [[nodiscard]] const Layer& layer(size_t i) const { return *layers_.at(i); }
   [[nodiscard]] Layer& top() { return *layers_.front(); }
   [[nodiscard]] uint64_t virtual_size() const { return layers_.front()->virtual_size(); }
+  // Set when the chain was opened with stop_at_missing_backing and ends at a missing file.
+  [[nodiscard]] const std::optional<MissingBacking>& missing_backing() const { return missing_; }
 
   // Block status of [offset, offset+len) as one entry (the first run), looking through layers
   // from `from_depth` down. Mirrors QEMU's bdrv_block_status + qemu-img map's depth loop.
@@ -119,6 +131,7 @@ class Chain {
   };
   [[nodiscard]] LayerStatus layer_status(size_t i, uint64_t offset, uint64_t len);
   std::vector<std::unique_ptr<Layer>> layers_;
+  std::optional<MissingBacking> missing_;
 };
 
 // Merges adjacent entries the way qemu-img map does.
