@@ -85,10 +85,13 @@ qemu-img convert -t unsafe -O raw child.qcow2 child.view
 wait $!
 # The grown range's gaps read zeros in TOP (BELOW is not visible past BASE's end).
 cmp -s -n $((4 * MiB)) -i $((1276 * MiB)) top.view /dev/zero || { echo "setup: TOP's tail is not zeros" >&2; exit 1; }
-cp base.qcow2 base.orig
-cp child.qcow2 child.orig
-ln top.qcow2 top.orig # TOP itself is only read; --delete unlinks this name
-top_sum=$(sha256sum <top.orig)
+# The pristine copies live in a directory of their own: a copy of the child beside TOP would be
+# an image backed by TOP, a user that --delete refuses to orphan.
+mkdir -p orig
+cp base.qcow2 orig/base.orig
+cp child.qcow2 orig/child.orig
+ln top.qcow2 orig/top.orig # TOP itself is only read; --delete unlinks this name
+top_sum=$(sha256sum <orig/top.orig)
 echo "setup: TOP holds $((top_data / MiB)) MiB of data, $(since "$t0") s"
 
 # compare_views WHAT VIEW IMAGE [WHAT VIEW IMAGE]...: qemu-img compare of saved raw views with
@@ -131,9 +134,9 @@ declare -A phase_count=()
 
 reset_images() {
   rm -f "$CP" "$CP.tmp" run.json run.err final.json final.err
-  cp base.orig base.qcow2
-  cp child.orig child.qcow2
-  ln -f top.orig top.qcow2
+  cp orig/base.orig base.qcow2
+  cp orig/child.orig child.qcow2
+  ln -f orig/top.orig top.qcow2
 }
 
 # One run of the merge, killed as `spec` says:
@@ -240,7 +243,7 @@ after_kill() {
   elif [[ $child_backing == "$work/top.qcow2" ]]; then
     state=fresh
     left_untouched=$((left_untouched + 1))
-    cmp -s base.qcow2 base.orig || fail "$label: BASE was written but no checkpoint is there"
+    cmp -s base.qcow2 orig/base.orig || fail "$label: BASE was written but no checkpoint is there"
   else
     state=complete
     left_complete=$((left_complete + 1))
@@ -368,7 +371,7 @@ done
 
 # ---------------------------------------------------------------------------------------------
 tname=summary
-[[ "$(sha256sum <top.orig)" == "$top_sum" ]] || fail "TOP's file was modified"
+[[ "$(sha256sum <orig/top.orig)" == "$top_sum" ]] || fail "TOP's file was modified"
 timed_kills=$((kills - named_kills))
 timed_hits=$((hits - named_hits))
 ((named_hits == named_kills)) || fail "$((named_kills - named_hits)) of $named_kills named kills missed"
