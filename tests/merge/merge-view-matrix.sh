@@ -8,7 +8,8 @@
 # which BASE must show after the merge. Each row of ROWS is one chain (sizes; "-": no such
 # layer); every layer has its own data pattern, data near its end, zero clusters; TOP has
 # compressed clusters; flags pick qcow2 v2 (compat=0.10), extended L2 or 2 MiB clusters in the
-# children for some rows.
+# children for some rows; an internal snapshot in BASE (its view unchanged afterwards) or
+# persistent bitmaps in BASE (removed: they would be stale).
 # For each row: the views of TOP and of each child (qemu-img convert -O raw), then
 #   qcommit merge TOP [--base BASE] --rebase CHILD... --budget off
 # then: every child's view unchanged (qemu-img compare) and backed by BASE; BASE shows TOP's old
@@ -50,6 +51,8 @@ ROWS=(
   "equal            16M 16M    16M   16M     16M           -"
   "mid-large        -   8M     16M   12M     16M           -"
   "raw-base         -   16M    -     8M      16M           raw-base"
+  "base-snapshot    20M 16M    -     8M      16M           base-snap"
+  "base-bitmaps     -   16M    6M    12M     16M,12M       base-bitmap"
 )
 
 # Bytes of a size as the table writes it (16M, 8200k).
@@ -102,6 +105,12 @@ build_row() {  # below base mid top children flags
       fill_layer base.qcow2 "$(bytes "$base")" 41 "write -P 40 $((2 * 1048576)) 4M"
     fi
     BASE=base.qcow2 BFMT=qcow2
+    # An internal snapshot of BASE (its view must survive the merge) and persistent bitmaps (the
+    # merge removes them: they would be stale).
+    has_flag "$flags" base-snap && qemu-img snapshot -c s0 base.qcow2 &&
+      qio -f qcow2 base.qcow2 "write -P 44 1M 192k"
+    has_flag "$flags" base-bitmap && qemu-img bitmap --add base.qcow2 b0 &&
+      qemu-img bitmap --add base.qcow2 b1
   fi
   local under=$BASE ufmt=$BFMT
   if [[ $mid != - ]]; then
@@ -140,6 +149,7 @@ run_row() {
   bsize=$(bytes "$base")
   qemu-img convert -O raw top.qcow2 before-top.raw
   qemu-img convert -f "$bfmt" -O raw "$BASE" before-base.raw
+  has_flag "$flags" base-snap && qemu-img convert -f qcow2 -l snapshot.name=s0 -O raw "$BASE" before-snap.raw
   for c in "${CHILDREN[@]}"; do
     qemu-img convert -O raw "$c" "before-$c.raw"
     args+=(--rebase "$c")
@@ -165,6 +175,14 @@ run_row() {
     fail "$name: BASE does not show TOP's old view then its own: $(cmp expect.raw after-base.raw 2>&1 | head -c 200)"
   if [[ $bfmt == qcow2 ]]; then
     qemu-img check -q "$BASE" >/dev/null 2>&1 || fail "$name: qemu-img check BASE not clean"
+  fi
+  if has_flag "$flags" base-snap; then
+    qemu-img convert -f qcow2 -l snapshot.name=s0 -O raw "$BASE" after-snap.raw
+    cmp -s before-snap.raw after-snap.raw || fail "$name: BASE's internal snapshot s0 changed"
+  fi
+  if has_flag "$flags" base-bitmap; then
+    [[ $(qemu-img info --output=json "$BASE" | jq '."format-specific".data.bitmaps // [] | length') == 0 ]] ||
+      fail "$name: BASE still has persistent bitmaps (stale after the merge)"
   fi
   popd >/dev/null
   rm -rf "$dir"
