@@ -159,8 +159,10 @@ void print_dry_run(Output out, const engine::MergePlan& p, bool del, const DryRu
     std::printf("  would grow %s from %s to %s\n", p.base.c_str(), format_size(p.base_size).c_str(),
                 format_size(p.top_size).c_str());
   if (p.data_bytes || p.zero_bytes || p.extents)
-    std::printf("  would copy %s in %zu extents and zero %s\n", format_size(p.data_bytes).c_str(),
-                p.extents, format_size(p.zero_bytes).c_str());
+    // The zeros TOP shows; the merge writes only those BASE does not already read as zeros.
+    std::printf("  would copy %s in %zu extents; %s must read as zeros (written where BASE "
+                "holds data there)\n",
+                format_size(p.data_bytes).c_str(), p.extents, format_size(p.zero_bytes).c_str());
   if (p.base_bitmaps)
     std::printf("  would remove %u persistent bitmaps of %s\n", p.base_bitmaps, p.base.c_str());
   if (p.resume_from)
@@ -500,9 +502,12 @@ void print_merge_result(const engine::MergeResult& r, engine::WriteMode mode,
                                   : "; " + std::to_string(r.io_uring_writes) +
                                         (r.io_uring_writes == 1 ? " request" : " requests") +
                                         " under 64 KiB O_DIRECT in batches through io_uring";
-  std::printf("merged %s into %s: %s copied, %s zeroed in %.2fs (%s%s)\n", r.top.c_str(),
-              r.base.c_str(), format_size(r.copied_bytes).c_str(),
-              format_size(r.zeroed_bytes).c_str(), r.copy_seconds,
+  // The zeros written, and those BASE already read as zeros (the dry run's figure is their sum).
+  const std::string already =
+      r.skipped_zero_bytes ? " (" + format_size(r.skipped_zero_bytes) + " already read as zeros)" : "";
+  std::printf("merged %s into %s: %s copied, %s of zeros written%s in %.2fs (%s%s)\n",
+              r.top.c_str(), r.base.c_str(), format_size(r.copied_bytes).c_str(),
+              format_size(r.zeroed_bytes).c_str(), already.c_str(), r.copy_seconds,
               !r.direct_io                       ? "buffered, bounded dirty data"
               : mode == engine::WriteMode::kAuto ? "O_DIRECT for large requests, buffered for small"
                                                  : "O_DIRECT",

@@ -119,7 +119,8 @@ std::optional<PlanArgs> parse_plan_args(const Args& args) {
   add("rate", po::value(&a.rate), "expected copy rate for the ETA, e.g. 80M (per second)");
   add("measure", po::bool_switch(&a.measure),
       "rehearse the merge's copy for the ETA: up to 256 MiB (at most 3 s) of TOP copied as the "
-      "merge copies, at its budget, into a scratch file beside BASE");
+      "merge copies, at its budget, into a scratch file beside BASE (unnamed where the "
+      "filesystem allows it, else unlinked at once; the images are not written)");
   add("budget", po::value(&a.budget), budget_help.c_str());
   add("config", po::value(&a.config_path), config_help.c_str());
   add("connect,c", po::value(&a.uri), connect_help.c_str());
@@ -332,7 +333,11 @@ void print_budget_and_eta(const std::optional<MergePolicy>& policy, const Eta& e
 
 void print_plan_human(const engine::MergePlan& p, const std::optional<MergePolicy>& policy,
                       const Eta& eta) {
-  std::printf("merge plan (nothing written)\n");
+  if (eta.trial)
+    std::printf("merge plan (no image written; --measure copied into a scratch file beside BASE, "
+                "unnamed where the filesystem allows it, else unlinked at once)\n");
+  else
+    std::printf("merge plan (nothing written)\n");
   print_contents(p);
   print_space_and_switch(p);
   print_budget_and_eta(policy, eta);

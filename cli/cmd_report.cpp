@@ -137,6 +137,19 @@ double nice_ceiling(double v) {
   return 10 * p;
 }
 
+// The time axis's labels: multiples of a step of 1, 2 or 5 times a power of ten, at most
+// kTimeTicks + 1 of them, each written with the decimals its step needs, so that no two read
+// the same (a 0.25 s trace gave 0.0 0.1 0.1 0.2 0.2).
+constexpr int kTimeTicks = 5;
+struct TimeTicks {
+  double step;
+  int decimals;
+};
+TimeTicks time_ticks(double tmax) {
+  const double step = nice_ceiling(tmax / kTimeTicks);
+  return {step, std::max(0, -static_cast<int>(std::floor(std::log10(step) + 1e-9)))};
+}
+
 // A plot's frame: the title, the grid with the values at its lines, the axes and their labels.
 struct PlotFrame {
   int w = kPlotWidth, h = kPlotHeight, m = kMargin;
@@ -162,11 +175,18 @@ void draw_frame(Svg& svg, const PlotFrame& f, const std::string& title, const st
                   {"data-y", yy}},
                  number(yv))
         .newline();
-    const double xv = f.tmax * i / 5;
+  }
+  const TimeTicks tt = time_ticks(f.tmax);
+  for (int i = 0; i * tt.step <= f.tmax * (1 + 1e-9); ++i) {
+    const double xv = i * tt.step;
     char buf[32];
-    std::snprintf(buf, sizeof buf, "%.1f", xv);
+    std::snprintf(buf, sizeof buf, "%.*f", tt.decimals, xv);
     svg.element("text",
-                {{"x", f.x(xv)}, {"y", h - m + 26}, {"text-anchor", "middle"}, {"font-size", 11}},
+                {{"class", "xtick"},
+                 {"x", f.x(xv)},
+                 {"y", h - m + 26},
+                 {"text-anchor", "middle"},
+                 {"font-size", 11}},
                 buf)
         .newline();
   }

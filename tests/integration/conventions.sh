@@ -5,7 +5,8 @@
 #   check prints (clean, leaked, corrupt, repaired: every line of standard output but the image
 #   end offset, which differs after a repair because qemu-img truncates the file);
 #   `qcommit help merge` is `qcommit merge --help`; `qcommit --version`;
-#   `report` of a missing file names the reason (errno text);
+#   `report` of a missing file names the reason (errno text); its time axis on a 0.25 s trace has
+#   labels that all differ, evenly spaced;
 #   bash completion: values after --output= and --repair=, none but durations for live --budget,
 #   the commands after `help`. ~3 s.
 # usage: conventions.sh QCOMMIT COMPLETION
@@ -63,6 +64,22 @@ rc=0
 "$QCOMMIT" report nope.csv >/dev/null 2>err.txt || rc=$?
 [[ $rc == 1 && $(wc -l <err.txt) == 1 ]] || fail "report nope.csv: exit $rc: $(cat err.txt)"
 grep -qF "nope.csv: cannot open: No such file or directory" err.txt || fail "report nope.csv names no reason: $(cat err.txt)"
+# The report's time axis of a short trace (its first 0.25 s): labels that all differ, evenly spaced.
+qemu-img create -q -f qcow2 tb.qcow2 16M
+qemu-img create -q -f qcow2 -b tb.qcow2 -F qcow2 tt.qcow2
+qemu-io -c 'write -P 1 0 4M' tt.qcow2 >/dev/null
+"$QCOMMIT" merge tt.qcow2 --budget 20ms --cotenants off --trace trace.csv >/dev/null || fail "traced merge failed"
+awk -F, '!/^[0-9]/ || $1 <= 0.25' trace.csv >short.csv
+(($(grep -c '^[0-9]' short.csv) >= 2)) || fail "the trace has fewer than 2 rows in its first 0.25 s: $(cat trace.csv)"
+"$QCOMMIT" report short.csv -o short.html >/dev/null || fail "report short.csv failed"
+ticks=$(grep -o '<text class="xtick"[^>]*>[^<]*' short.html | sed 's/.*>//' | awk '$1 == 0 && NR > 1 {print ""} {printf "%s ", $1}')
+[[ -n $ticks ]] || fail "report: no time axis labels (class xtick) in short.html"
+while read -r axis; do
+  [[ $(tr ' ' '\n' <<<"$axis" | sed '/^$/d' | sort -u | wc -l) == $(wc -w <<<"$axis") ]] ||
+    fail "report: time axis labels repeat: $axis"
+  python3 -c 'import sys; v=[float(x) for x in sys.argv[1:]]; d=[b-a for a,b in zip(v,v[1:])]; sys.exit(0 if len(v) >= 3 and max(d)-min(d) < 1e-9 else 1)' $axis ||
+    fail "report: time axis labels not evenly spaced (or fewer than 3): $axis"
+done <<<"$ticks"
 
 # --- bash completion ----------------------------------------------------------------------------
 # complete_words LINE: what the completion offers for LINE (the cursor at its end), split as
