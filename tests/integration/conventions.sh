@@ -7,6 +7,8 @@
 #   `qcommit help merge` is `qcommit merge --help`; `qcommit --version`;
 #   `report` of a missing file names the reason (errno text); its time axis on a 0.25 s trace has
 #   labels that all differ, evenly spaced;
+#   a dry run's zeros add up to the merge's (written + already zeros); plan --measure names its
+#   scratch file;
 #   bash completion: values after --output= and --repair=, none but durations for live --budget,
 #   the commands after `help`. ~3 s.
 # usage: conventions.sh QCOMMIT COMPLETION
@@ -80,6 +82,26 @@ while read -r axis; do
   python3 -c 'import sys; v=[float(x) for x in sys.argv[1:]]; d=[b-a for a,b in zip(v,v[1:])]; sys.exit(0 if len(v) >= 3 and max(d)-min(d) < 1e-9 else 1)' $axis ||
     fail "report: time axis labels not evenly spaced (or fewer than 3): $axis"
 done <<<"$ticks"
+
+# --- the same words for the same bytes ----------------------------------------------------------
+# A dry run's zeros are what must read as zeros; the merge's, those it wrote and those BASE
+# already read as zeros: the two add up to the dry run's figure.
+qemu-img create -q -f qcow2 zb.qcow2 16M
+qemu-io -c 'write -P 9 4M 1M' zb.qcow2 >/dev/null
+qemu-img create -q -f qcow2 -b zb.qcow2 -F qcow2 zt.qcow2
+qemu-io -c 'write -P 1 0 1M' -c 'write -z 2M 1M' -c 'write -z 4M 1M' zt.qcow2 >/dev/null
+"$QCOMMIT" merge zt.qcow2 --dry-run --budget off >dry.txt
+grep -qE "; 2\.0 MiB must read as zeros" dry.txt || fail "dry run: no '2.0 MiB must read as zeros': $(cat dry.txt)"
+"$QCOMMIT" merge zt.qcow2 --budget off >merged.txt
+grep -qE "1\.0 MiB of zeros written \(1\.0 MiB already read as zeros\)" merged.txt ||
+  fail "merge: the zeros written and already there do not add up to the dry run's 2.0 MiB: $(cat merged.txt)"
+# plan --measure says where its rehearsal writes.
+qemu-img create -q -f qcow2 pb.qcow2 16M
+qemu-img create -q -f qcow2 -b pb.qcow2 -F qcow2 pt.qcow2
+qemu-io -c 'write -P 1 0 1M' pt.qcow2 >/dev/null
+"$QCOMMIT" plan pt.qcow2 --measure --budget off >plan.txt
+head -n 1 plan.txt | grep -qF "scratch file beside BASE" || fail "plan --measure: the first line does not name its scratch file: $(head -n 1 plan.txt)"
+head -n 1 plan.txt | grep -qF "nothing written" && fail "plan --measure says 'nothing written': $(head -n 1 plan.txt)"
 
 # --- bash completion ----------------------------------------------------------------------------
 # complete_words LINE: what the completion offers for LINE (the cursor at its end), split as
