@@ -443,7 +443,7 @@ ProbeOpening SystemTargetFiles::open_probe(const std::string& path) {
   // nothing planted in the target's directory is opened (common/safe_file.h).
   safe_file::Opened opened = safe_file::create_scratch(d, ".qcommit-probe-", true);
   if (!opened.ok())
-    return {nullptr, "cannot create the probe file in " + log_field(d) + ": " + opened.problem};
+    return failed(opened.err, "cannot create the probe file in " + log_field(d));
   const std::string name = opened.name.empty() ? d + "/(unnamed probe file)" : opened.name;
   const int fd = opened.fd.release();  // ProbeShared owns it from here
   auto shared = std::make_shared<ProbeShared>(fd, name);
