@@ -96,9 +96,13 @@ PathHandle look_up_named(const std::string& image, const std::string& what, cons
   if (!allowed.empty() && !inside_dirs(h.real_path(), allowed)) {
     std::string dirs;
     for (const auto& d : allowed) dirs += (dirs.empty() ? "" : ", ") + d;
-    throw Error(image, what + " '" + name + "' resolves to " + h.real_path() +
+    // The exact option that would let it be followed: its directory.
+    const std::string& real = h.real_path();
+    const size_t slash = real.rfind('/');
+    const std::string dir = slash == 0 || slash == std::string::npos ? "/" : real.substr(0, slash);
+    throw Error(image, what + " '" + name + "' resolves to " + real +
                            ", outside the allowed directories (" + dirs +
-                           "); use --allow-backing-dir to widen the policy");
+                           "); to follow it, add --allow-backing-dir " + dir);
   }
   if (!h.regular_or_block())
     throw Error(image, what + " '" + name + "' (" + h.real_path() + ") is " + h.kind() +

@@ -185,6 +185,9 @@ for t in dotdot:../outside/base.qcow2 link:link.qcow2 dirlink:dirlink/base.qcow2
   for cmd in info map; do
     refused_unopened "policy-$tag-$cmd" "$name" "$outside_real" "outside the allowed directories" \
       "$cmd" "allowed/top-$tag.qcow2"
+    # The refusal names the exact option and directory that would let the chain be followed.
+    grep -qF -- "add --allow-backing-dir $work/policy/outside" "$err" ||
+      fail "policy-$tag-$cmd: the error does not name --allow-backing-dir $work/policy/outside: $(cat "$err")"
   done
   refused_unopened "policy-$tag-merge" "$name" "$outside_real" "outside the allowed directories" \
     merge "allowed/top-$tag.qcow2" --budget off
