@@ -93,8 +93,11 @@ uri="test://$run/node.xml"
 # --- merge TOP --------------------------------------------------------------------------------
 dry "merge TOP --dry-run" 0 "$QCOMMIT" merge top.qcow2 --base base.qcow2 --dry-run --budget off
 grep -q "^would merge top.qcow2 into base.qcow2 (nothing written)" "$run/out" || fail "merge --dry-run report: $(cat "$run/out")"
-dry "merge TOP --dry-run --delete" 0 "$QCOMMIT" merge top.qcow2 --dry-run --delete --budget off
+# CHILD is backed by TOP and not named with --rebase: --delete would orphan it, so the dry run
+# exits 1 as the merge would, naming it.
+dry "merge TOP --dry-run --delete" 1 "$QCOMMIT" merge top.qcow2 --dry-run --delete --budget off
 grep -q "would delete top.qcow2" "$run/out" || fail "merge --dry-run --delete does not say what it would delete: $(cat "$run/out")"
+grep -q "would refuse --delete: image .*child.qcow2" "$run/out" || fail "merge --dry-run --delete does not name the child it would orphan: $(cat "$run/out")"
 dry "merge TOP --dry-run --delete --rebase CHILD" 0 \
   "$QCOMMIT" merge top.qcow2 --dry-run --delete --rebase child.qcow2 --base base.qcow2 --budget off
 grep -q "would rebase child.qcow2 onto base.qcow2" "$run/out" && grep -q "would delete mid.qcow2" "$run/out" ||
@@ -107,7 +110,7 @@ ev=$(jq -c 'select(.event == "dry-run")' "$run/out")
    $(jq -r '."data-bytes"' <<<"$ev") == $(((2 + 1) << 20)) ]] || fail "merge --dry-run JSON: $ev"
 # Governed (the default): the policy is resolved and shown; no governor, so no probe file.
 dry "merge TOP --dry-run (budget from --config)" 0 \
-  "$QCOMMIT" merge top.qcow2 --dry-run --delete --config qcommitd.conf --connect "$uri"
+  "$QCOMMIT" merge top.qcow2 --dry-run --delete --rebase child.qcow2 --config qcommitd.conf --connect "$uri"
 grep -q "^budget 9 ms" "$run/out" || fail "governed dry run does not show the budget: $(cat "$run/out")"
 dry "merge TOP --dry-run --budget 20ms --probe on" 0 \
   "$QCOMMIT" merge top.qcow2 --dry-run --rebase child.qcow2 --budget 20ms --probe on --connect "$uri"
