@@ -237,7 +237,9 @@ void add_merge_options(po::options_description& opts, MergeArgs& a) {
                         .c_str())(
       "cotenants", po::value(&a.cotenants),
       "on (default): the block stats of running guests on BASE's storage (libvirt) join the probe; "
-      "off")("verbose,v", po::bool_switch(&a.verbose), "say also why co-tenants are off")(
+      "off")("verbose,v", po::bool_switch(&a.verbose),
+             "say also when no co-tenant runs or --cotenants off (libvirt unreachable is said "
+             "always; a URI named with -c that does not connect is an error)")(
       "no-direct", po::bool_switch(&a.no_direct),
       "buffered writes with bounded dirty data, large requests too (--budget off default: large "
       "O_DIRECT, small buffered)")(

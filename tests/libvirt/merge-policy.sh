@@ -9,7 +9,8 @@
 #  - a file outside every pool, on another filesystem than the pool, gets [default] (15 ms);
 #  - a shut-off domain's <qcommit:policy budget="4ms"/> metadata wins for --domain, --budget
 #    still beats it;
-#  - libvirt unreachable: [default], co-tenants "unavailable"; --cotenants off: "off".
+#  - libvirt unreachable through a URI named with --connect: an error naming it before anything
+#    is written (merge and plan); with --cotenants off: [default], co-tenants "off".
 # Every merge must keep the guest view (qemu-img compare) and leave clean images.
 # usage: merge-policy.sh QCOMMIT
 set -euo pipefail
@@ -134,15 +135,24 @@ virsh -q define dom2.xml >/dev/null
   fail "merge --domain --budget result: $(grep '"result"' f.json)"
 check_merged "$dir" f
 
-# 6. libvirt unreachable: no pool known ([default]), co-tenants silently off (JSON says why);
-#    --cotenants off.
+# 6. libvirt unreachable through the URI the user named: an error naming it before anything is
+#    written, merge and plan alike (co-tenant pacing is not turned off behind the user's back);
+#    with --cotenants off the merge goes on: no pool known ([default]).
 chain "$dir" g
-"$QCOMMIT" merge "$dir/g.qcow2" --config "$conf" --connect qemu+unix:///system?socket=/nonexistent.sock \
-  --output=json >g.json 2>g.err || fail "merge without libvirt failed: $(cat g.err)"
-[[ $(field g.json result budget-source) == default-policy && $(field g.json policy cotenants) == unavailable ]] ||
-  fail "merge without libvirt: $(grep -E '"(policy|result)"' g.json)"
-"$QCOMMIT" plan "$dir/g.qcow2" --config "$conf" --output=json --connect qemu+unix:///system?socket=/nonexistent.sock >g2.json
-[[ $(jq -r '.cotenants' g2.json) == unavailable ]] || fail "plan without libvirt: $(cat g2.json)"
+unreachable='qemu+unix:///system?socket=/nonexistent.sock'
+g_before=$(sha256sum "$dir/g.base.qcow2" "$dir/g.qcow2")
+rc=0
+"$QCOMMIT" merge "$dir/g.qcow2" --config "$conf" --connect "$unreachable" --output=json >g.json 2>g.err || rc=$?
+[[ $rc == 1 && $(wc -l <g.err) == 1 ]] && grep -qF "nonexistent.sock" g.err ||
+  fail "merge through an unreachable --connect: exit $rc, expected 1 naming the URI: $(cat g.err)"
+[[ $(sha256sum "$dir/g.base.qcow2" "$dir/g.qcow2") == "$g_before" ]] || fail "refused merge through an unreachable --connect wrote"
+rc=0
+"$QCOMMIT" plan "$dir/g.qcow2" --config "$conf" --output=json --connect "$unreachable" >g2.json 2>g2.err || rc=$?
+[[ $rc == 1 ]] && grep -qF "nonexistent.sock" g2.err || fail "plan through an unreachable --connect: exit $rc: $(cat g2.err)"
+"$QCOMMIT" merge "$dir/g.qcow2" --config "$conf" --connect "$unreachable" --cotenants off \
+  --output=json >g.json 2>g.err || fail "merge --cotenants off without libvirt failed: $(cat g.err)"
+[[ $(field g.json result budget-source) == default-policy && $(field g.json policy cotenants) == off ]] ||
+  fail "merge --cotenants off without libvirt: $(grep -E '"(policy|result)"' g.json)"
 check_merged "$dir" g
 chain "$dir" h
 "$QCOMMIT" merge "$dir/h.qcow2" --config "$conf" --cotenants off --output=json >h.json 2>h.err || fail "merge --cotenants off failed"
