@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "common/defaults.h"
+#include "common/safe_file.h"
 #include "plugin/config.h"
 #include "plugin/control.h"
 #include "plugin/daemon_log.h"
@@ -192,8 +193,13 @@ class TraceFile {
 
 TraceFile::TraceFile(const std::string& path) {
   if (path.empty()) return;
-  f_ = std::fopen(path.c_str(), "a");
+  // Appended to; never through a symlink or into a FIFO or someone else's file (safe_file.h).
+  qcommit::safe_file::Opened out =
+      qcommit::safe_file::open_output(path, qcommit::safe_file::OutputMode::kAppend);
+  if (!out.ok()) throw ConfigError(log_field(path) + ": cannot open the trace file: " + out.problem);
+  f_ = ::fdopen(out.fd.get(), "a");
   if (!f_) throw ConfigError(log_field(path) + ": cannot open the trace file");
+  (void)out.fd.release();  // the FILE owns it now
   std::fputs("mono_s,domain,disk,speed_bps,window_bytes,backlog_bytes,p99_ms,bytes_left,phase\n",
              f_);
 }
