@@ -71,7 +71,37 @@ std::vector<engine::LayerUser> domain_users(virConnectPtr conn, const engine::La
   return out;
 }
 
+// The directories of the files every domain's disks and their backing chains name.
+std::vector<std::string> domain_disk_directories(virConnectPtr conn) {
+  std::vector<std::string> dirs;
+  virDomainPtr* list = nullptr;
+  const int n = virConnectListAllDomains(conn, &list, 0);  // running and shut off
+  for (lv::Domain& d : lv::take_list<lv::Domain>(list, n)) {
+    lv::CString desc(virDomainGetXMLDesc(d.get(), 0));
+    if (!desc) continue;
+    const xml::Doc doc = xml::parse(desc.get());
+    if (!doc) continue;
+    for (xmlNodePtr source : xml::select(doc.get(), "/domain/devices/disk//source")) {
+      const std::string path = source_path(source);
+      const size_t slash = path.rfind('/');
+      // Files only: a device under /dev does not make /dev a directory of images.
+      if (path.empty() || slash == std::string::npos || path.rfind("/dev/", 0) == 0) continue;
+      dirs.push_back(slash == 0 ? "/" : path.substr(0, slash));
+    }
+  }
+  return dirs;
+}
+
 }  // namespace
+
+std::vector<std::string> libvirt_image_directories(const std::string& uri) {
+  virSetErrorFunc(nullptr, [](void*, virErrorPtr) {});  // no libvirtd here: not printed
+  lv::Conn conn(virConnectOpenReadOnly(uri.c_str()));
+  if (!conn) return {};
+  std::vector<std::string> dirs = pool_directories(conn.get());
+  for (std::string& d : domain_disk_directories(conn.get())) dirs.push_back(std::move(d));
+  return dirs;
+}
 
 engine::FindLayerUsers libvirt_layer_users(std::string uri, std::string merged_domain) {
   return [uri = std::move(uri), merged_domain = std::move(merged_domain)](

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "engine/layer_users.h"
 
@@ -14,5 +15,10 @@ namespace qcommit::cli {
 // Asks libvirt at `uri` (read-only) each time it is called; nothing when libvirt does not answer.
 // `merged_domain`: the domain whose disk the merge itself redefines (--domain), not a user.
 [[nodiscard]] engine::FindLayerUsers libvirt_layer_users(std::string uri, std::string merged_domain);
+
+// The directories where the host at `uri` (read-only) keeps images: the target directories of
+// its active storage pools and the directories of the files its domains' disks (running or not)
+// and their <backingStore> chains name. Empty when libvirt does not answer.
+[[nodiscard]] std::vector<std::string> libvirt_image_directories(const std::string& uri);
 
 }  // namespace qcommit::cli

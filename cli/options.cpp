@@ -8,6 +8,8 @@
 #include <iostream>
 #include <new>
 
+#include "cli/merge_users.h"
+#include "common/defaults.h"
 #include "qcow2/error.h"
 
 namespace qcommit::cli {
@@ -89,6 +91,8 @@ std::vector<std::string> backing_policy(const std::string& image,
                                         const std::vector<std::string>& extra) {
   std::vector<std::string> dirs = extra;
   dirs.push_back(std::filesystem::absolute(image).parent_path().string());
+  // Where this host keeps images: a template in a pool of its own is followed without a flag.
+  for (std::string& d : libvirt_image_directories(defaults::kUri)) dirs.push_back(std::move(d));
   return dirs;
 }
 

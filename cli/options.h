@@ -44,7 +44,8 @@ int run_reporting_failures(const std::string& cmd, const std::function<int()>& b
                            FailureExits exits = {});
 
 // The backing-file policy option shared by every command that follows a chain:
-// backing files must lie inside the image's own directory tree, or one given with
+// backing files must lie inside the image's own directory tree, a directory where the host's
+// libvirt (qemu:///system) keeps images (its storage pools, its domains' disks), or one given with
 // --allow-backing-dir (repeatable; "/" allows everything).
 void add_backing_policy(po::options_description& opts, std::vector<std::string>& dirs);
 std::vector<std::string> backing_policy(const std::string& image,
