@@ -1276,8 +1276,8 @@ MergePlan plan_merge(const MergeOptions& opt) {
   p.top_size = chain.virtual_size();
   p.base_size = base.virtual_size();
   // The checks the merge makes before it writes, with the same errors (and exit codes).
-  const bool have_checkpoint = load_checkpoint(checkpoint_path(base.path)).has_value();
-  check_layers(layers_to_check(chain, p.base_depth, have_checkpoint), base.path);
+  const std::optional<Checkpoint> cp = load_checkpoint(checkpoint_path(base.path));
+  check_layers(layers_to_check(chain, p.base_depth, cp.has_value()), base.path);
   refuse_before_writing(base, p.top_size);
   if (base.qcow2) {
     p.base_snapshots = base.qcow2->header().nb_snapshots;
@@ -1293,8 +1293,7 @@ MergePlan plan_merge(const MergeOptions& opt) {
     if (e.compressed) p.compressed_bytes += e.length;
   }
   const std::string identity = merge_identity(chain, p.base_depth);
-  if (auto cp = load_checkpoint(checkpoint_path(base.path)); cp && cp->identity == identity)
-    p.resume_from = resumable_offset(*cp, base);
+  if (cp && cp->identity == identity) p.resume_from = resumable_offset(*cp, base);
   p.rebase = opt.rebase;
   if (opt.delete_merged) {
     LayerUserQuery q{p.layers, {}};
