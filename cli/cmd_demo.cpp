@@ -10,7 +10,7 @@
 
 #include "cli/json.h"
 #include "cli/options.h"
-#include "plugin/process.h"
+#include "plugin/host/process.h"
 #include "qcow2/chain.h"
 
 namespace qcommit::cli {

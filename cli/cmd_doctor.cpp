@@ -22,10 +22,10 @@
 #include "common/defaults.h"
 #include "engine/mounts.h"
 #include "engine/proc_walk.h"
-#include "plugin/libvirt_hypervisor.h"
-#include "plugin/process.h"
-#include "plugin/qmp_hypervisor.h"
-#include "plugin/writeback.h"
+#include "plugin/hypervisor/libvirt_hypervisor.h"
+#include "plugin/host/process.h"
+#include "plugin/hypervisor/qmp_hypervisor.h"
+#include "plugin/govern/writeback.h"
 
 namespace qcommit::cli {
 

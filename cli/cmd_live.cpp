@@ -3,8 +3,8 @@
 // qcommit live --qmp SOCKET DISK: the same on a QEMU that libvirt does not manage, over QMP.
 // Glue, in named steps: options, the connection (libvirt's event loop or the QMP socket), the
 // wait for a block job somebody else runs on the disk, the plan, then the loop that runs the job
-// order (plugin/live.cpp) beside the pacing and shows progress.  The pacing is qcommitd's
-// governor (plugin/governor.cpp), run in-process, or qcommitd itself when it answers on its socket.
+// order (plugin/live/live.cpp) beside the pacing and shows progress.  The pacing is qcommitd's
+// governor (plugin/govern/governor.cpp), run in-process, or qcommitd itself when it answers on its socket.
 #include <libvirt/libvirt.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -29,14 +29,14 @@
 #include "cli/units.h"
 #include "cli/wait_event.h"
 #include "common/defaults.h"
-#include "plugin/config.h"
-#include "plugin/governor.h"
-#include "plugin/json.h"
-#include "plugin/libvirt_hypervisor.h"
-#include "plugin/live.h"
-#include "plugin/mono_clock.h"
-#include "plugin/qmp_hypervisor.h"
-#include "plugin/writeback.h"
+#include "plugin/policy/config.h"
+#include "plugin/govern/governor.h"
+#include "plugin/host/json.h"
+#include "plugin/hypervisor/libvirt_hypervisor.h"
+#include "plugin/live/live.h"
+#include "plugin/host/mono_clock.h"
+#include "plugin/hypervisor/qmp_hypervisor.h"
+#include "plugin/govern/writeback.h"
 #include "throttle/backoff.h"
 
 namespace qcommit::cli {

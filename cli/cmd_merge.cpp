@@ -9,7 +9,7 @@
 #include <filesystem>
 #include <iostream>
 
-#include "plugin/domain_merge.h"
+#include "plugin/domain/domain_merge.h"
 #include "cli/json.h"
 #include "cli/merge_policy.h"
 #include "cli/merge_progress.h"

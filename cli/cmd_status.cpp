@@ -15,7 +15,7 @@
 #include "cli/options.h"
 #include "cli/units.h"
 #include "common/defaults.h"
-#include "plugin/json.h"
+#include "plugin/host/json.h"
 
 namespace qcommit::cli {
 namespace {

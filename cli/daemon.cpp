@@ -10,7 +10,7 @@
 #include <cstring>
 
 #include "cli/options.h"
-#include "plugin/json.h"
+#include "plugin/host/json.h"
 #include "qcow2/unique_fd.h"
 
 namespace qcommit::cli {

@@ -9,7 +9,7 @@
 #include <limits>
 #include <string>
 
-#include "plugin/json.h"
+#include "plugin/host/json.h"
 
 namespace qcommit::cli {
 

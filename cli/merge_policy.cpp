@@ -11,7 +11,7 @@
 #include "cli/json.h"
 #include "cli/options.h"
 #include "cli/units.h"
-#include "plugin/libvirt_hypervisor.h"
+#include "plugin/hypervisor/libvirt_hypervisor.h"
 #include "qcow2/chain.h"
 #include "throttle/pacer.h"
 

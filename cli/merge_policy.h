@@ -14,9 +14,9 @@
 
 #include "common/defaults.h"
 #include "engine/budget_governor.h"
-#include "plugin/config.h"
-#include "plugin/cotenants.h"
-#include "plugin/json.h"
+#include "plugin/policy/config.h"
+#include "plugin/govern/cotenants.h"
+#include "plugin/host/json.h"
 
 namespace qcommit::cli {
 

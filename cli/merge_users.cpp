@@ -4,8 +4,8 @@
 #include <libvirt/libvirt.h>
 #include <libvirt/virterror.h>
 
-#include "plugin/libvirt_handles.h"
-#include "plugin/xml.h"
+#include "plugin/hypervisor/libvirt_handles.h"
+#include "plugin/host/xml.h"
 
 namespace qcommit::cli {
 

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: GPL-2.0-or-later
 // Whether a target's storage can be shared with other hosts, from the type of the filesystem it
-// is on (statfs(2) f_type): what the shared-queue probe's `auto` mode (plugin/config.h) asks; and
+// is on (statfs(2) f_type): what the shared-queue probe's `auto` mode (plugin/policy/config.h) asks; and
 // whether the page cache is the storage itself (tmpfs, ramfs), which a merge's resume asks before it
 // drops cached pages to read BASE again (engine/merge.cpp).
 //

@@ -3,7 +3,7 @@
 # libvirt.domain_started_during_merge: `qcommit merge --domain --delete` while someone starts the
 # domain, against a real libvirtd. The domain is checked once at the start of the merge, and the
 # copy takes its time: a `virsh start` can come at any moment after that. The merge is stopped
-# (QCOMMIT_TEST_STOP_AT, plugin/domain_merge.cpp) at its named points after the copy:
+# (QCOMMIT_TEST_STOP_AT, plugin/domain/domain_merge.cpp) at its named points after the copy:
 #   data-merged  the data is in BASE, the definition still names TOP, nothing deleted yet;
 #   defined      the definition names BASE, the merged files are about to be deleted;
 # the test runs `virsh start` there, then lets the merge go on. The merge holds QEMU's image

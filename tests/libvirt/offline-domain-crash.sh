@@ -8,7 +8,7 @@
 # a <backingStore> chain, as libvirt writes it), data in every layer, the domain shut off; the
 # guest view of the active layer saved as raw. The merge is killed
 #   - from outside with SIGKILL while it copies (copy-sigkill),
-#   - at the test-only points of QCOMMIT_TEST_KILL_AT (plugin/domain_merge.cpp): after the first
+#   - at the test-only points of QCOMMIT_TEST_KILL_AT (plugin/domain/domain_merge.cpp): after the first
 #     committed copy window (the re-run must resume from the engine's checkpoint), after the data
 #     is merged, after the snapshot metadata is removed, after the domain is redefined,
 # for the active layer and for a range below it (--top base.s1 --base base.qcow2), with and
@@ -58,7 +58,7 @@ setup() {
   qemu-img convert -O raw base.s3 view0.raw
 }
 
-# The merge journal kept in the domain's definition (plugin/domain_merge.cpp); fails when absent.
+# The merge journal kept in the domain's definition (plugin/domain/domain_merge.cpp); fails when absent.
 journal() { virsh -q metadata "$dom" urn:qcommit:domain-merge --config 2>/dev/null; }
 # The image chain of FILE as qemu-img sees it, absolute paths, one per line.
 file_chain() { qemu-img info --backing-chain --output=json "$1" | jq -r '.[] | ."filename"' | xargs -n1 realpath; }

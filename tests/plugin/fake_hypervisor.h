@@ -12,8 +12,8 @@
 #include <utility>
 #include <vector>
 
-#include "plugin/hypervisor.h"
-#include "plugin/writeback.h"
+#include "plugin/hypervisor/hypervisor.h"
+#include "plugin/govern/writeback.h"
 
 namespace qcommit::plugin::test {
 

@@ -12,7 +12,7 @@
 #include <string_view>
 #include <vector>
 
-#include "plugin/target_throttle.h"
+#include "plugin/govern/target_throttle.h"
 
 namespace qcommit::plugin::test {
 

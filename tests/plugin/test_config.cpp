@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: GPL-2.0-or-later
 #include <doctest/doctest.h>
 
-#include "plugin/config.h"
-#include "plugin/libvirt_hypervisor.h"
+#include "plugin/policy/config.h"
+#include "plugin/hypervisor/libvirt_hypervisor.h"
 
 using namespace qcommit::plugin;
 using namespace std::chrono_literals;

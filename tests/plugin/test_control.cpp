@@ -9,8 +9,8 @@
 #include <cstring>
 #include <string>
 
-#include "plugin/control.h"
-#include "plugin/json.h"
+#include "plugin/daemon/control.h"
+#include "plugin/host/json.h"
 
 using namespace qcommit::plugin;
 namespace json = qcommit::json;

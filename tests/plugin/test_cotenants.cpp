@@ -5,8 +5,8 @@
 #include <doctest/doctest.h>
 
 #include "fake_hypervisor.h"
-#include "plugin/config.h"
-#include "plugin/cotenants.h"
+#include "plugin/policy/config.h"
+#include "plugin/govern/cotenants.h"
 
 using namespace qcommit::plugin;
 using namespace std::chrono_literals;

@@ -9,11 +9,12 @@
 #include <string>
 #include <vector>
 
-#include "plugin/daemon_log.h"
-#include "plugin/governor.h"
+#include "plugin/daemon/daemon_log.h"
+#include "plugin/govern/governor.h"
 #include "tests/plugin/fake_hypervisor.h"
 #include "tests/plugin/world.h"
 
+using namespace qcommit;
 using namespace qcommit::plugin;
 using namespace qcommit::plugin::test;
 using namespace std::chrono_literals;

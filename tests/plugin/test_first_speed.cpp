@@ -9,8 +9,8 @@
 #include <string_view>
 #include <vector>
 
-#include "plugin/daemon_log.h"
-#include "plugin/governor.h"
+#include "plugin/daemon/daemon_log.h"
+#include "plugin/govern/governor.h"
 #include "tests/plugin/world.h"
 
 namespace qcommit::plugin::test {

@@ -5,8 +5,8 @@
 
 #include <algorithm>
 
-#include "plugin/control.h"
-#include "plugin/governor.h"
+#include "plugin/daemon/control.h"
+#include "plugin/govern/governor.h"
 #include "tests/plugin/fake_hypervisor.h"
 #include "tests/plugin/fake_qemu_graph.h"
 #include "tests/plugin/world.h"

@@ -7,9 +7,9 @@
 #include <utility>
 #include <vector>
 
-#include "plugin/control.h"
-#include "plugin/governor.h"
-#include "plugin/json.h"
+#include "plugin/daemon/control.h"
+#include "plugin/govern/governor.h"
+#include "plugin/host/json.h"
 #include "tests/plugin/fake_hypervisor.h"
 #include "tests/plugin/world.h"
 

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: GPL-2.0-or-later
 #include <doctest/doctest.h>
 
-#include "plugin/live.h"
+#include "plugin/live/live.h"
 #include "tests/plugin/fake_hypervisor.h"
 
 using namespace qcommit::plugin;

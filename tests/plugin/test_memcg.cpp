@@ -16,10 +16,10 @@
 #include <sstream>
 #include <thread>
 
-#include "plugin/completion_clock.h"
-#include "plugin/memcg.h"
-#include "plugin/memcg_target.h"
-#include "plugin/writeback.h"
+#include "plugin/govern/completion_clock.h"
+#include "plugin/host/memcg.h"
+#include "plugin/govern/memcg_target.h"
+#include "plugin/govern/writeback.h"
 
 using namespace qcommit::plugin;
 namespace fs = std::filesystem;

@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "plugin/overlay_file.h"
-#include "plugin/process.h"
+#include "plugin/hypervisor/overlay_file.h"
+#include "plugin/host/process.h"
 
 using qcommit::plugin::create_fresh_overlay;
 using qcommit::plugin::ProcessResult;

@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <string>
 
-#include "plugin/target_throttle.h"
+#include "plugin/govern/target_throttle.h"
 #include "tests/plugin/fake_qemu_graph.h"
 
 namespace qcommit::plugin::test {

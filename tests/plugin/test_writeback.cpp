@@ -15,10 +15,10 @@
 #include <map>
 #include <random>
 
-#include "plugin/hypervisor.h"
-#include "plugin/proc_fds.h"
-#include "plugin/process.h"
-#include "plugin/writeback.h"
+#include "plugin/hypervisor/hypervisor.h"
+#include "plugin/host/proc_fds.h"
+#include "plugin/host/process.h"
+#include "plugin/govern/writeback.h"
 
 using namespace qcommit::plugin;
 

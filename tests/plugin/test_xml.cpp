@@ -1,13 +1,13 @@
 // SPDX-License-Identifier: GPL-2.0-or-later
-// plugin/xml.h's builder and the XML qcommitd hands to libvirt: written by libxml2 and read back
+// plugin/host/xml.h's builder and the XML qcommitd hands to libvirt: written by libxml2 and read back
 // by the same parser, whatever characters the names and paths hold.
 #include <doctest/doctest.h>
 
 #include <string>
 #include <vector>
 
-#include "plugin/libvirt_hypervisor.h"
-#include "plugin/xml.h"
+#include "plugin/hypervisor/libvirt_hypervisor.h"
+#include "plugin/host/xml.h"
 
 using namespace qcommit::plugin;
 

@@ -13,7 +13,7 @@
 #include <memory>
 #include <string>
 
-#include "plugin/governor.h"
+#include "plugin/govern/governor.h"
 #include "tests/plugin/fake_hypervisor.h"
 
 namespace qcommit::plugin::test {

@@ -19,7 +19,7 @@
 #include <thread>
 #include <vector>
 
-#include "plugin/json.h"
+#include "plugin/host/json.h"
 
 namespace qcommit::plugin::test {
 

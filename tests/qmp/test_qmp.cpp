@@ -13,10 +13,10 @@
 #include <thread>
 #include <vector>
 
-#include "plugin/json.h"
-#include "plugin/qemu_cmdline.h"
-#include "plugin/qmp_client.h"
-#include "plugin/qmp_hypervisor.h"
+#include "plugin/host/json.h"
+#include "plugin/hypervisor/qemu_cmdline.h"
+#include "plugin/hypervisor/qmp_client.h"
+#include "plugin/hypervisor/qmp_hypervisor.h"
 #include "tests/qmp/fake_qmp.h"
 
 using namespace qcommit::plugin;

@@ -9,7 +9,7 @@
 #include <limits>
 #include <string>
 
-#include "plugin/qmp_hypervisor.h"
+#include "plugin/hypervisor/qmp_hypervisor.h"
 #include "tests/qmp/fake_qmp.h"
 
 using namespace qcommit::plugin;
