@@ -52,6 +52,7 @@ std::optional<std::string> ControllerConfig::validate() const {
     return "throttle config: slowdown_interval must be >= 4 x slowdown_duration";
   if (!(probe_requests_per_sample >= 1))
     return "throttle config: probe_requests_per_sample must be >= 1";
+  if (copy_requests_in_flight == 0) return "throttle config: copy_requests_in_flight must be > 0";
   return std::nullopt;
 }
 
@@ -70,6 +71,7 @@ Controller::Controller(ControllerConfig cfg) : cfg_(cfg) {
     cfg_.slowdown_duration = std::chrono::milliseconds(200);
   cfg_.slowdown_interval = std::max(cfg_.slowdown_interval, 4 * cfg_.slowdown_duration);
   if (!(cfg_.probe_requests_per_sample >= 1)) cfg_.probe_requests_per_sample = 1;
+  cfg_.copy_requests_in_flight = std::max<std::uint32_t>(cfg_.copy_requests_in_flight, 1);
   rate_ = cfg_.initial_rate_bytes_per_s;
   drain_est_ = cfg_.initial_rate_bytes_per_s;
   drain_max_seen_ = drain_est_;
@@ -96,6 +98,7 @@ void Controller::update_drain(const TickInput& in, Duration dt, bool window_limi
     // bound, so they count only when they raise the estimate (BBR).
     drain_samples_.push_back({in.now, r, acc_window_limited_ || r > drain_est_});
     drain_sampled_ = true;
+    ++drain_sample_count_;
     acc_bytes_ = 0;
     acc_time_ = Duration::zero();
     acc_window_limited_ = true;
@@ -145,7 +148,8 @@ void Controller::start_slowdown(TimePoint now) {
 }
 
 // The tick's own timing: interval since the previous tick (bounded), the budget and the delay
-// target, widened to one indivisible copy request's service time when that is longer.
+// target, widened to one indivisible copy request's service time when that is longer; then the
+// copy is floor-limited, and only a delay beyond all its requests in flight is a stall.
 Controller::TickTiming Controller::timing(TimePoint now) const {
   TickTiming t;
   t.dt = started_ ? now - last_now_ : cfg_.tick_interval;
@@ -158,6 +162,11 @@ Controller::TickTiming Controller::timing(TimePoint now) const {
   const double configured_s = seconds(cfg_.latency_budget);
   t.budget_s = std::max(configured_s, unit_s);
   t.target = from_seconds(std::max(configured_s * kTargetFraction, unit_s));
+  t.unit_s = unit_s;
+  t.floor_limited = unit_s > configured_s;
+  const double stall_s = kEmergencyFactor * t.budget_s;
+  t.stall = from_seconds(t.floor_limited ? std::max(stall_s, unit_s * cfg_.copy_requests_in_flight)
+                                         : stall_s);
   return t;
 }
 
@@ -277,6 +286,32 @@ void Controller::update_slowdown(const TickInput& in, bool had_fg_base, bool fre
   }
 }
 
+// Floor-limited (kFloorLimitedDrainShare): the first time, slow start runs again whatever ended
+// it (one request ahead of a guest's before the storage's rate was known), and ends once the
+// storage's measured rate stops growing -- the delay cannot tell it that the storage is full.
+void Controller::update_floor_ramp(const TickTiming& t, bool new_drain_sample, TimePoint now) {
+  if (!t.floor_limited || paused_) return;
+  if (!floor_entered_) {
+    floor_entered_ = true;
+    slow_start_ = true;
+    ramp_best_ = drain_max_seen_;
+    ramp_flat_samples_ = 0;
+    return;
+  }
+  if (!slow_start_ || !new_drain_sample || in_slowdown_) return;
+  if (drain_max_seen_ >= kFloorLimitedGrowth * ramp_best_) {
+    ramp_best_ = drain_max_seen_;
+    ramp_flat_samples_ = 0;
+  } else if (prev_rate_ >= kFloorLimitedGrowth * ramp_best_ &&
+             ++ramp_flat_samples_ >= kFloorLimitedPlateauSamples) {
+    // Paced above the best drain and not given more: the storage is full.  The queue the ramp
+    // built drains in a slowdown (the copy at the floor rate), then the copy goes on at the share.
+    slow_start_ = false;
+    rate_ = std::min(rate_, kFloorLimitedDrainShare * drain_max_seen_);
+    start_slowdown(now);
+  }
+}
+
 // Emergency stop: the delay passed kEmergencyFactor × the budget.  Returns true on entering it.
 bool Controller::enter_pause(TimePoint now) {
   if (paused_) return false;
@@ -310,11 +345,12 @@ void Controller::decrease_rate(TimePoint now, Duration q, Duration target) {
   ++stats_.decreases;
 }
 
-// Slow start doubles every kSlowStartDoublingTime while q stays under half the target; then the
-// rate grows additively, with a gain that falls to zero as q reaches the target.
-void Controller::increase_rate(Duration q, Duration target, double dt_s) {
+// Slow start doubles every kSlowStartDoublingTime while q stays under half the target (floor-
+// limited: until update_floor_ramp ends it); then the rate grows additively, with a gain that
+// falls to zero as q reaches the target.
+void Controller::increase_rate(Duration q, Duration target, double dt_s, bool floor_limited) {
   if (slow_start_) {
-    if (q < target / 2)
+    if (q < target / 2 || floor_limited)
       rate_ *= std::exp2(dt_s / seconds(kSlowStartDoublingTime));
     else
       slow_start_ = false;
@@ -326,12 +362,16 @@ void Controller::increase_rate(Duration q, Duration target, double dt_s) {
   rate_ += cfg_.additive_increase_bytes_per_s2 * dt_s * gain;
 }
 
-// The rate between the floor and headroom × drain estimate (itself within floor and ceiling).
-void Controller::clamp_rate() {
+// The rate between the floor and headroom × drain estimate (itself within floor and ceiling);
+// floor-limited, never below kFloorLimitedDrainShare of the storage's measured rate.
+void Controller::clamp_rate(bool floor_limited) {
   const double headroom = slow_start_ ? kSlowStartHeadroomOverDrain : kRateHeadroomOverDrain;
-  rate_ = std::clamp(rate_, cfg_.floor_rate_bytes_per_s,
-                     std::clamp(headroom * drain_est_, cfg_.floor_rate_bytes_per_s,
-                                cfg_.ceiling_rate_bytes_per_s));
+  double lo = cfg_.floor_rate_bytes_per_s;
+  if (floor_limited)
+    lo = std::clamp(kFloorLimitedDrainShare * drain_max_seen_, lo, cfg_.ceiling_rate_bytes_per_s);
+  const double hi =
+      std::clamp(headroom * drain_est_, cfg_.floor_rate_bytes_per_s, cfg_.ceiling_rate_bytes_per_s);
+  rate_ = std::clamp(rate_, lo, std::max(lo, hi));
 }
 
 // What the caller may do until the next tick, and when that is.
@@ -363,7 +403,10 @@ Decision Controller::tick(const TickInput& in) {
   const TimePoint now = in.now;
   const TickTiming t = timing(now);
   ++stats_.ticks;
+  const std::uint64_t samples_before = drain_sample_count_;
   const bool busy = measure_drain(in, t);
+  update_floor_ramp(t, drain_sample_count_ != samples_before, now);
+  const bool ramp = t.floor_limited && slow_start_;
   start_periodic_slowdown(in);
 
   const bool had_fg_base = fg_base_.value().has_value();
@@ -375,18 +418,18 @@ Decision Controller::tick(const TickInput& in) {
   const Duration q =
       std::max({foreground_delay(in, now), copy_delay(in, now, copy_norm), pq, Duration::zero()});
 
-  const bool emergency_now = q > from_seconds(t.budget_s * kEmergencyFactor);
+  const bool emergency_now = q > t.stall;
   update_slowdown(in, had_fg_base, fresh);
   bool entered_pause = false;
   if (emergency_now)
     entered_pause = enter_pause(now);
   else if (paused_)
     maybe_resume(in, q, t.target, fresh);
-  else if (!in_slowdown_ && q > t.target)
+  else if (!in_slowdown_ && q > t.target && !ramp)
     decrease_rate(now, q, t.target);
   else if (!in_slowdown_ && fresh && busy)
-    increase_rate(q, t.target, t.dt_s);
-  clamp_rate();
+    increase_rate(q, t.target, t.dt_s, ramp);
+  clamp_rate(t.floor_limited);
 
   Decision d = decide(now, q, t.target, fresh);
   d.emergency = entered_pause;
@@ -394,6 +437,11 @@ Decision Controller::tick(const TickInput& in) {
   d.copy_base = cb;
   d.probe_base = probe_base_.value();
   d.probe_delay = pq;
+  // Said once the storage's rate is measured (the ramp is over): before, a service time from the
+  // start rate would claim a floor that storage able to meet the budget does not have.
+  d.floor_limited = t.floor_limited && floor_entered_ && !slow_start_;
+  if (d.floor_limited) d.floor_latency = from_seconds(t.unit_s);
+  d.storage_rate_bytes_per_s = drain_max_seen_;
   started_ = true;
   last_now_ = now;
   prev_window_ = d.window_bytes;

@@ -34,6 +34,11 @@
 //    foreground I/O at all: TickInput::foreground_idle) counts as fresh.
 //  * Emergency stop: q > kEmergencyFactor × budget ⇒ paused (and R halved).  Resumes when fresh
 //    samples show q ≤ target, or after kPauseProbeAfter when nothing at all is outstanding.
+//  * Floor-limited (config.copy_request_bytes, kFloorLimitedDrainShare): where one indivisible
+//    copy request takes the storage longer than the budget, the delay target is that request's
+//    service time, the rate is never cut below a share of the storage's measured rate, slow
+//    start measures that rate once (ending on its plateau, not on the delay), and only a delay
+//    beyond all the copy's requests in flight is an emergency.  Decision::floor_limited says so.
 //  * Slowdowns (LEDBAT++): every slowdown_interval, aligned to multiples of the interval on the
 //    caller's monotonic clock so that several controllers on one host (CLOCK_MONOTONIC is
 //    system-wide) drain the queue together, the copy drops to the floor rate and the minimum
@@ -113,6 +118,25 @@ inline constexpr Duration kPauseProbeAfter = std::chrono::milliseconds(250);
 inline constexpr Duration kMaxTickGap = std::chrono::seconds(1);  // longer gaps count as 1 s
 inline constexpr Duration kMinNextTick = std::chrono::milliseconds(1);
 
+// Floor-limited copies: one indivisible copy request (ControllerConfig::copy_request_bytes) takes
+// the storage longer than the budget lets a guest's request wait, once the storage's rate is
+// measured.  A guest's request that finds one ahead of it waits that long whatever the rate: a
+// lower rate makes it rarer, not shorter, and cutting the rate only stretches the copy (lab,
+// QEMU 10's mirror at cache=none on a raw base, 50 MB/s storage, 1.5 GiB: 3.65x its ungoverned
+// time, guests' p99 41.7 ms -- about two requests of 1 MiB).  There the rate is never cut below
+// this share of the storage's measured rate S.  N bytes then take N / (0.7 S) = 1.43 x N / S;
+// the periodic slowdowns (200 ms at the floor rate every 10 s) add 2 % (1.46x), and the ramp
+// that measures S (from 4 MiB/s, doubling every 250 ms: ~1 s to 50 MiB/s, plus the plateau's
+// 0.6 s) adds about 1.6 s: 1.51x for 1.5 GiB at 50 MiB/s (31 s), under the 1.6x a merge may take.
+inline constexpr double kFloorLimitedDrainShare = 0.7;
+// The first time a copy is floor-limited, slow start runs (again) and the delay does not end it,
+// as the delay says nothing of the rate there: it ends once the storage's measured rate has not
+// grown by kFloorLimitedGrowth over kFloorLimitedPlateauSamples drain samples taken while it was
+// paced that much above it (the storage, not the pacing, limits the copy), or on a stall (BBR's
+// "full bandwidth reached"); what the ramp queued then drains in a slowdown.
+inline constexpr double kFloorLimitedGrowth = 1.25;
+inline constexpr int kFloorLimitedPlateauSamples = 2;
+
 // The budget users give is the latency a guest's durable write may gain.  That write is a chain
 // of storage requests -- the data write, then the flush (FUA or a cache flush) -- and each one
 // waits behind what the copy has queued, so the guest sees the queueing delay about twice.
@@ -146,6 +170,10 @@ struct ControllerConfig {
   // shorter, so the delay target and the emergency threshold are never set below it (once a
   // drain rate has been measured).
   std::uint64_t copy_request_bytes = 0;
+  // The most of those requests the copy keeps in flight at once (QEMU's mirror: 16).  Where one
+  // of them exceeds the budget (floor-limited, kFloorLimitedDrainShare), a guest's request may
+  // wait behind that many of them at any rate: only a longer delay is a stall that pauses the copy.
+  std::uint32_t copy_requests_in_flight = 1;
   // Storage requests one probe sample spans: a write and a flush (the probe's delay is compared
   // per request, as the guests' per-request block stats are).  1 where the probe is one request.
   double probe_requests_per_sample = kStorageRequestsPerGuestSyncWrite;
@@ -210,6 +238,12 @@ struct Decision {
   double drain_estimate_bytes_per_s = 0;
   bool fresh = false;      // this tick brought latency samples
   bool emergency = false;  // this tick entered the emergency stop
+  // Floor-limited (kFloorLimitedDrainShare): the delay accepted, one copy request's service time
+  // at the storage's measured rate (zero when not floor-limited).
+  bool floor_limited = false;
+  Duration floor_latency{};
+  // The best drain rate measured: the storage's rate, as service times are computed from it.
+  double storage_rate_bytes_per_s = 0;
 };
 
 struct ControllerStats {
@@ -268,6 +302,9 @@ class Controller {
     double dt_s = 0;
     double budget_s = 0;  // the budget, or one copy request's service time if longer
     Duration target{};    // the delay steered to
+    double unit_s = 0;    // one copy request's service time (0 before a drain is measured)
+    bool floor_limited = false;  // unit_s exceeds the configured budget
+    Duration stall{};            // a delay beyond this pauses the copy
   };
   [[nodiscard]] TickTiming timing(TimePoint now) const;
   [[nodiscard]] bool measure_drain(const TickInput& in, const TickTiming& t);
@@ -280,11 +317,12 @@ class Controller {
   [[nodiscard]] Duration copy_delay(const TickInput& in, TimePoint now,
                                     std::vector<Duration>& copy_norm);
   void update_slowdown(const TickInput& in, bool had_fg_base, bool fresh);
+  void update_floor_ramp(const TickTiming& t, bool new_drain_sample, TimePoint now);
   [[nodiscard]] bool enter_pause(TimePoint now);
   void maybe_resume(const TickInput& in, Duration q, Duration target, bool fresh);
   void decrease_rate(TimePoint now, Duration q, Duration target);
-  void increase_rate(Duration q, Duration target, double dt_s);
-  void clamp_rate();
+  void increase_rate(Duration q, Duration target, double dt_s, bool floor_limited);
+  void clamp_rate(bool floor_limited);
   [[nodiscard]] Decision decide(TimePoint now, Duration q, Duration target, bool fresh) const;
   [[nodiscard]] std::uint64_t compute_window() const;
   void start_slowdown(TimePoint now);
@@ -318,6 +356,11 @@ class Controller {
   bool acc_window_limited_ = true;
   std::deque<DrainSample> drain_samples_;
   bool drain_sampled_ = false;  // a drain sample has been taken
+  std::uint64_t drain_sample_count_ = 0;
+  // Floor-limited: entered once (its ramp started), and the ramp's plateau detection.
+  bool floor_entered_ = false;
+  double ramp_best_ = 0;
+  int ramp_flat_samples_ = 0;
 };
 
 }  // namespace qcommit::throttle

@@ -55,6 +55,8 @@ struct Simulator::Job {
   std::optional<ProbeSchedule> probe;
   std::vector<Duration> probe_inbox;
   std::uint64_t drained_since_tick = 0;
+  Ns slice_end = 0;       // request_bytes: the end of the job's current rate-limit slice
+  double slice_debt = 0;  // bytes sent beyond the quota of the slices gone by
   // The time this job's controller and probe are given (its host's clock).
   [[nodiscard]] TimePoint host_time(Ns now) const { return tp(now + cfg.clock_offset); }
   JobStats stats;
@@ -411,7 +413,7 @@ void Simulator::job_tick(int ji) {
   }
   if (!j.outstanding.empty() && j.cfg.copy_latency_visible)
     in.copy_oldest_outstanding = Duration(now_ - j.outstanding.begin()->second);
-  in.backlog_bytes = job_backlog(j);
+  in.backlog_bytes = j.cfg.request_bytes > 0 ? 0 : job_backlog(j);
   in.drained_bytes = j.drained_since_tick;
   j.decision = j.ctl->tick(in);
   j.stats.ticks.push_back({now_, j.decision, in.backlog_bytes,
@@ -433,6 +435,10 @@ void Simulator::job_tick(int ji) {
 
 void Simulator::job_try_issue(int ji) {
   Job& j = *jobs_[static_cast<std::size_t>(ji)];
+  if (j.cfg.request_bytes > 0) {
+    job_issue_requests(ji);
+    return;
+  }
   for (;;) {
     if (!j.started || j.cancelled || j.finished || j.waiting_pacer || j.decision.paused) return;
     if (j.submitted >= j.cfg.total_bytes) return;
@@ -459,6 +465,33 @@ void Simulator::job_try_issue(int ji) {
       return;
     }
     job_submit(ji, io);
+  }
+}
+
+// QEMU's mirror paced by its speed: whole requests while the job is within the quota of its
+// 100 ms slices (what went out beyond it is owed by the next slices), at most
+// fixed_max_inflight bytes in flight; a completion or the next slice tries again.
+void Simulator::job_issue_requests(int ji) {
+  Job& j = *jobs_[static_cast<std::size_t>(ji)];
+  while (j.started && !j.cancelled && !j.finished && !j.waiting_pacer && !j.decision.paused &&
+         j.submitted < j.cfg.total_bytes) {
+    if (j.inflight + j.cfg.request_bytes > j.cfg.fixed_max_inflight) return;
+    const double quota = j.decision.rate_bytes_per_s * static_cast<double>(j.cfg.rate_slice) / kSec;
+    if (now_ >= j.slice_end) {
+      const Ns slices = 1 + (now_ - j.slice_end) / j.cfg.rate_slice;
+      j.slice_debt = std::max(0.0, j.slice_debt - quota * static_cast<double>(slices));
+      j.slice_end += slices * j.cfg.rate_slice;
+    }
+    if (j.slice_debt >= quota) {
+      j.waiting_pacer = true;
+      schedule(j.slice_end, [this, ji] {
+        jobs_[static_cast<std::size_t>(ji)]->waiting_pacer = false;
+        job_try_issue(ji);
+      });
+      return;
+    }
+    j.slice_debt += static_cast<double>(j.cfg.request_bytes);
+    job_submit(ji, j.cfg.request_bytes);
   }
 }
 

@@ -103,6 +103,13 @@ struct JobConfig {
   std::optional<Ns> wall_clock_error;
   Ns start = 0;
   std::optional<Ns> cancel_at;
+  // > 0: the copy is QEMU's mirror at cache=none as qcommitd paces it: requests of exactly this
+  // size, up to fixed_max_inflight bytes of them in flight whatever the window, the decision's
+  // rate enforced as QEMU's block-job speed is (rate_slice: requests go out while the job is
+  // within its slices' quota, an overshoot carried to the next slices), and no backlog told to
+  // the controller (the daemon sees no page cache of such a job; copy_latency_visible false).
+  std::uint64_t request_bytes = 0;
+  Ns rate_slice = 100 * kMs;
   Ns tick_jitter_max = 0;   // added uniformly to every tick interval
   double sample_loss = 0;   // probability each latency sample is lost
   double tick_loss = 0;     // probability that a tick gets no samples at all
@@ -184,6 +191,7 @@ class Simulator {
   [[nodiscard]] bool job_active(const Job& j) const;
   void job_tick(int ji);
   void job_try_issue(int ji);
+  void job_issue_requests(int ji);  // JobConfig::request_bytes
   void job_submit(int ji, std::uint64_t bytes);
   void cache_pump();
   [[nodiscard]] std::uint64_t job_backlog(const Job& j) const;
