@@ -18,6 +18,9 @@
 #   lab_merge CMD...                  run a host command as the merge action (marks merge_start /
 #                                     merge_end, sets LAB_MERGE_RC, LAB_MERGE_S); CMD sees LAB_DOM,
 #                                     LAB_MNT, LAB_BASE, LAB_OVERLAY, LAB_BW_BPS
+#   lab_job_watch_start [DISK] / lab_job_watch_stop
+#                                     when QEMU's job first had a speed (LAB_JOB_govern_ms from
+#                                     merge_start) and what it had copied by then
 #   lab_collect ROW BASELINE_S [SETTLE_S]
 #                                     probe statistics around the merge: sets LAB_STATS_* vars,
 #                                     appends ROW's samples to $LAB_DIR/timeline.csv
@@ -335,6 +338,49 @@ lab_mark() { printf '%s %s\n' "$1" "$(lab_now)" >>"$LAB_DIR/events"; }
 
 lab_event() { awk -v k="$1" '$1==k {v=$2} END {print v}' "$LAB_DIR/events"; }
 
+# lab_job_watch_start [DISK]: until lab_job_watch_stop, asks libvirt about DISK's (vda) block job
+# every ~10 ms over one virsh connection and appends "host_time bandwidth cur end" per answer that
+# shows a job to $LAB_DIR/jobwatch.txt. lab_job_watch_stop then sets LAB_JOB_govern_ms: from the
+# first answer showing the job (its creation, to the watcher's ~10-20 ms) to the first showing a
+# speed set on it ("-" when none did while it ran: the job went unpaced); LAB_JOB_unpaced_mib:
+# what it had copied by then; LAB_JOB_answers.
+lab_job_watch_start() {
+  local disk=${1:-vda}
+  : >"$LAB_DIR/jobwatch.txt"
+  rm -f "$LAB_DIR/jobwatch.stop"
+  (
+    while [ ! -e "$LAB_DIR/jobwatch.stop" ]; do
+      echo "blockjob $LAB_DOM $disk --raw --bytes"
+      sleep 0.01
+    done | virsh -q 2>/dev/null | while IFS= read -r line; do
+      case $line in
+        *bandwidth=*) bw=${line##*=} ;;
+        *cur=*) cur=${line##*=} ;;
+        *end=*) printf '%s %s %s %s\n' "$EPOCHREALTIME" "${bw:-0}" "${cur:-0}" "${line##*=}" ;;
+      esac
+    done >>"$LAB_DIR/jobwatch.txt"
+  ) &
+  LAB_JOB_WATCH_PID=$!
+}
+
+lab_job_watch_stop() {
+  [ -n "${LAB_JOB_WATCH_PID:-}" ] || return 0
+  touch "$LAB_DIR/jobwatch.stop"
+  wait "$LAB_JOB_WATCH_PID" 2>/dev/null || true
+  LAB_JOB_WATCH_PID=""
+  local out
+  out=$(awk '
+    n++ == 0 { t0 = $1 }
+    $2 > 0 && !found { found = 1; t = ($1 - t0) * 1000; cur = $3 }
+    END {
+      if (found) printf "govern_ms=%.0f unpaced_mib=%.0f answers=%d\n", t, cur / 1048576, n
+      else printf "govern_ms=- unpaced_mib=- answers=%d\n", n
+    }' "$LAB_DIR/jobwatch.txt")
+  local kv
+  for kv in $out; do printf -v "LAB_JOB_${kv%%=*}" '%s' "${kv#*=}"; done
+  lab_log "job watch: $out"
+}
+
 lab_merge() {
   lab_log "merge: $*"
   local t0 t1
@@ -417,6 +463,7 @@ lab_teardown() {
   trap - EXIT
   set +e
   [ -n "${LAB_DIR:-}" ] || return "$rc"
+  [ -z "${LAB_JOB_WATCH_PID:-}" ] || touch "$LAB_DIR/jobwatch.stop"
   lab_guest_stop
   lab_guest2_stop
   if [ -n "${LAB_READER_PID:-}" ]; then
