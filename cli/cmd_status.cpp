@@ -193,6 +193,10 @@ int status_once(const std::string& socket_path, bool json_out) {
       if (!str(j, "target_throttle").empty())
         std::printf("throttle filter: %s %s: %s\n", str(j, "domain").c_str(),
                     str(j, "disk").c_str(), str(j, "target_throttle").c_str());
+    for (const auto& j : *jobs)  // absent where no floor applies
+      if (!str(j, "floor").empty())
+        std::printf("floor: %s %s: %s\n", str(j, "domain").c_str(), str(j, "disk").c_str(),
+                    str(j, "floor").c_str());
   }
   for (std::size_t i = 0; i < earlier.size() && i < kEarlierEndsShown; ++i)
     std::printf("earlier: %s %s (%s) %s, %.0f s ago\n", str(*earlier[i], "domain").c_str(),

@@ -87,7 +87,8 @@ json::Ordered job_json(const JobStatus& j) {
                        {"probe_p99_ms", ms_or_null(j.probe_p99)},
                        {"probe_last_ms", ms_or_null(j.probe_last)},
                        {"policy_error", j.policy_error},
-                       {"target_throttle", j.target_throttle}};
+                       {"target_throttle", j.target_throttle},
+                       {"floor", j.floor}};
 }
 
 json::Ordered released_json(const ReleasedJob& r, TimePoint now) {

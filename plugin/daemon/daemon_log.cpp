@@ -60,6 +60,12 @@ void DaemonLog::log_target_throttle(const JobStatus& j, Known& k) {
   k.target_throttle = j.target_throttle;
 }
 
+void DaemonLog::log_floor(const JobStatus& j, Known& k) {
+  if (k.floor_logged || j.floor.empty()) return;
+  k.floor_logged = true;
+  record(job_name(j.domain, j.disk) + ": floor-limited: " + j.floor);
+}
+
 void DaemonLog::log_governed(const JobStatus& j, Known& k) {
   if (k.governed || !j.time_to_govern) return;
   k.governed = true;
@@ -101,6 +107,7 @@ void DaemonLog::observe(const GovernorStatus& st, std::string_view uri,
     Known& k = it->second;
     log_probe(j, k);
     log_target_throttle(j, k);
+    log_floor(j, k);
     log_governed(j, k);
     const std::string d = decision_of(j, k.decision);
     if (d != k.decision) {
@@ -121,7 +128,7 @@ void DaemonLog::observe(const GovernorStatus& st, std::string_view uri,
 }
 
 void DaemonLog::log_adopted(const JobStatus& j) {
-  Known k{j.id, decision_of(j, "adopted"), j.ready, {}, {}, false};
+  Known k{j.id, decision_of(j, "adopted"), j.ready, {}, {}, false, false};
   std::string m = "governing " + std::string(to_string(j.type)) + " job on " +
                   job_name(j.domain, j.disk) + " (target " + log_field(j.target) + ", storage " +
                   log_field(j.storage);
@@ -134,6 +141,7 @@ void DaemonLog::log_adopted(const JobStatus& j) {
   Known& known = jobs_.insert_or_assign({j.domain, j.disk}, std::move(k)).first->second;
   log_probe(j, known);
   log_target_throttle(j, known);
+  log_floor(j, known);
   log_governed(j, known);
 }
 

@@ -9,10 +9,10 @@
 // DaemonLog turns successive GovernorStatus snapshots into records: connection changes, one per
 // job adopted, one per decision change, one per job released — never one per tick.  A job whose
 // policy asks for the shared-queue probe but that runs without it gets one record saying why
-// (when adopted, or when the probe is given up later).  A decision
-// is the controller's phase (slow-start, steady, paused) or the job becoming ready; the periodic
-// slowdowns (throttle::ControllerConfig::slowdown_interval) are scheduled, not decided, and are
-// not logged.
+// (when adopted, or when the probe is given up later); a job that is floor-limited
+// (JobStatus::floor) gets one record naming the floor, the first time.  A decision is the
+// controller's phase (slow-start, steady, paused) or the job becoming ready; the periodic slowdowns
+// (throttle::ControllerConfig::slowdown_interval) are scheduled, not decided, and are not logged.
 #pragma once
 
 #include <functional>
@@ -48,6 +48,7 @@ class DaemonLog {
     std::string probe_off;        // the reason logged for a probe that is off
     std::string target_throttle;  // the filter's state logged last
     bool governed = false;        // its time to govern was logged
+    bool floor_logged = false;    // its floor (JobStatus::floor) was logged
   };
   // The record of a job adopted: its type, target, storage, budget, first decision and figures.
   void log_adopted(const JobStatus& j);
@@ -58,6 +59,8 @@ class DaemonLog {
   void log_probe(const JobStatus& j, Known& k);
   // One record when the throttle filter under `j`'s target goes in, out, or is not used.
   void log_target_throttle(const JobStatus& j, Known& k);
+  // One record, the first time `j` is floor-limited: which floor and its figures.
+  void log_floor(const JobStatus& j, Known& k);
   // One record when `j`'s first speed is seen in QEMU: its time to govern, how it was found, and
   // whether it was adopted late.
   void log_governed(const JobStatus& j, Known& k);

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 
 #include "plugin/govern/cotenants.h"
@@ -105,6 +106,32 @@ bool governed(JobType t) {
 // QEMU's mirror job (active commit, copy): 16 x 1 MiB bursts, ready when it has caught up.
 bool mirror(JobType t) {
   return t == JobType::ActiveCommit || t == JobType::Copy;
+}
+
+// JobStatus::floor for a job whose controller decided `d` with config `c`: "" unless it is
+// floor-limited.
+std::string floor_text(JobType type, const std::string& cache, const throttle::ControllerConfig& c,
+                       const throttle::Decision& d) {
+  if (!d.floor_limited) return {};
+  const char* job = mirror(type)            ? "QEMU mirror"
+                    : type == JobType::Pull ? "QEMU stream"
+                                            : "QEMU commit";
+  const std::uint64_t kib = c.copy_request_bytes / 1024;
+  const std::string size =
+      kib % 1024 == 0 ? std::to_string(kib / 1024) + " MiB" : std::to_string(kib) + " KiB";
+  const auto ms = [](Duration x) { return std::chrono::duration<double, std::milli>(x).count(); };
+  char buf[256];
+  const int n = std::snprintf(
+      buf, sizeof buf,
+      "%s: %s requests (%u in flight) at cache=%s: %.0f ms per request at %.1f MiB/s, above the "
+      "budget's %.0f ms per request; runs at >= %.0f %% of the storage",
+      job, size.c_str(), c.copy_requests_in_flight, cache.c_str(), ms(d.floor_latency),
+      d.storage_rate_bytes_per_s / throttle::kMiB, ms(c.latency_budget),
+      100 * throttle::kFloorLimitedDrainShare);
+  std::string s(buf, static_cast<std::size_t>(std::max(n, 0)));
+  // qcommit live merges with a non-active commit first: 512 KiB requests, one in flight.
+  if (type == JobType::ActiveCommit) s += "; `qcommit live` would do better for this disk";
+  return s;
 }
 
 // The bytes of `extents` (ascending) at or beyond `offset`.
@@ -221,6 +248,7 @@ struct Governor::Job {
       : key(std::move(k)),
         type(t),
         policy(p),
+        cache_mode(cache),
         direct_io(direct_cache(cache)),
         ctl(controller_config(p, t, cache)) {}
   // cache=none/directsync: the job's writes bypass the page cache.
@@ -236,6 +264,12 @@ struct Governor::Job {
                                                       const std::string& cache) {
     throttle::ControllerConfig c = p.controller_config();
     if (direct_chunks(t, cache)) c.copy_request_bytes = kQemuChunkBytes;
+    // A mirror's requests reach the storage as they are, with or without a throttle filter
+    // (which admits whole requests): no rate makes one of them shorter.
+    if (direct_cache(cache) && mirror(t)) {
+      c.copy_request_bytes = kQemuMirrorRequestBytes;
+      c.copy_requests_in_flight = kQemuMirrorRequestsInFlight;
+    }
     return c;
   }
   // Identity and policy.
@@ -249,6 +283,7 @@ struct Governor::Job {
   std::string storage;
   std::string pool;
   Policy policy;
+  std::string cache_mode;  // the disk's <driver cache=...>
   std::string policy_error;
   bool direct_io;  // direct_cache(): its writes bypass the page cache
   // Control: the controller, its last decision, the job as of the last tick, the speed set.
@@ -1348,6 +1383,7 @@ GovernorStatus Governor::status(TimePoint now) const {
       js.target_throttle = "on";
     else if (!j->throttle_off.empty())
       js.target_throttle = "off: " + j->throttle_off;
+    if (j->decision) js.floor = floor_text(j->type, j->cache_mode, j->ctl.config(), *j->decision);
     std::vector<Duration> lat;
     for (const auto& [t, l] : j->history.latencies)
       if (t >= now - kLatencyHistory) lat.push_back(l);

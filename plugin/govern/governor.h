@@ -132,6 +132,10 @@ inline constexpr std::uint64_t kThrottleFilterFromQemuVersion = 8001000;
 // QEMU's mirror (active commit) writes its copy in requests of this size (MAX_IO_BYTES): one of
 // them ahead of a guest's request is a delay no rate avoids (ControllerConfig::copy_request_bytes).
 inline constexpr std::uint64_t kQemuMirrorRequestBytes = 1024 * 1024;
+// ... and keeps up to this many of them in flight (MAX_IN_FLIGHT): a guest's request may find
+// them all ahead of it (ControllerConfig::copy_requests_in_flight).  The commit and stream jobs
+// keep one.
+inline constexpr std::uint32_t kQemuMirrorRequestsInFlight = 16;
 // The throttle filter shapes the job's bursts; the job's speed, set as for any job, keeps its
 // average.  The filter lets a burst out at this multiple of the speed (at least
 // kMinThrottleRateBytesPerS), and follows the speed only when it is off by more than
@@ -256,6 +260,10 @@ struct JobStatus {
   // The throttle filter under the target (GovernorOptions::target_throttle): "on", "off: why",
   // or "" where it does not apply (not an active commit into a cache=none target).
   std::string target_throttle;
+  // Floor-limited (throttle::kFloorLimitedDrainShare): which of QEMU's requests set the floor the
+  // job runs at, that floor at the storage's measured rate against the budget, the share of the
+  // storage the job keeps, and what would do better; "" where no floor applies.
+  std::string floor;
 };
 
 // Reasons a job is released for: libvirt's end events, and ends the daemon saw without one.
