@@ -519,8 +519,18 @@ std::string Governor::storage_key(const std::string& path, std::optional<std::ui
 // New jobs are held at a safe speed as each is found (hold_found_job), before the pools, the
 // orphan sweep and every adoption's file work (adopt): at page-cache speed, each 0.1 s a job runs
 // unpaced is about 100 MB more for the guests to wait behind.
+// The domains a job event named, each looked up alone: a new job's first speed waits for its own
+// domain's description, not for every running domain's (three libvirt calls each).  Those not
+// running any more are left out, as running_domains() would.
+std::vector<DomainInfo> Governor::scanned_domains(const std::set<std::string>& names) {
+  std::vector<DomainInfo> out;
+  for (const std::string& n : names)
+    if (std::optional<DomainInfo> d = hv_.running_domain(n)) out.push_back(std::move(*d));
+  return out;
+}
+
 void Governor::poll(TimePoint now, const std::set<std::string>* only) {
-  std::vector<DomainInfo> doms = hv_.running_domains();
+  std::vector<DomainInfo> doms = only ? scanned_domains(*only) : hv_.running_domains();
   std::set<DiskKey> listed;
   std::vector<Found> found = find_jobs(doms, only, listed, now);
   if (!only) pools_ = hv_.pools();

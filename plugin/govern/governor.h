@@ -363,6 +363,7 @@ class Governor {
     SpeedCheck check;
   };
   void poll(TimePoint now, const std::set<std::string>* only_domains);
+  [[nodiscard]] std::vector<DomainInfo> scanned_domains(const std::set<std::string>& names);
   // The governed jobs of the domains polled (into `listed`); each new one held at once.
   [[nodiscard]] std::vector<Found> find_jobs(const std::vector<DomainInfo>& doms,
                                              const std::set<std::string>* only_domains,

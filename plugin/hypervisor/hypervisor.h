@@ -142,10 +142,17 @@ class Hypervisor {
 
   // Running domains with their disks.
   [[nodiscard]] virtual std::vector<DomainInfo> running_domains() = 0;
-  // One running domain, with what the per-tick running_domains() may leave out (defined_disks,
-  // iothreads, each disk's iothread and io: what `qcommit doctor` reads); nullopt when no domain
-  // of that name runs.  By default the running_domains() entry.
+  // One domain, with what the per-tick running_domains() may leave out (defined_disks,
+  // iothreads, each disk's iothread and io: what `qcommit doctor` reads); nullopt when there is
+  // no domain of that name (the libvirt adapter also describes a shut-off one: an offline merge
+  // reads its policy).  By default the running_domains() entry.
   [[nodiscard]] virtual std::optional<DomainInfo> domain(const std::string& name) {
+    for (DomainInfo& d : running_domains())
+      if (d.name == name) return std::move(d);
+    return std::nullopt;
+  }
+  // The running_domains() entry of one domain, looked up alone; nullopt when it does not run.
+  [[nodiscard]] virtual std::optional<DomainInfo> running_domain(const std::string& name) {
     for (DomainInfo& d : running_domains())
       if (d.name == name) return std::move(d);
     return std::nullopt;

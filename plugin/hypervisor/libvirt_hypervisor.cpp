@@ -350,6 +350,16 @@ std::optional<DomainInfo> LibvirtHypervisor::domain(const std::string& name) {
   return describe(d.get());
 }
 
+std::optional<DomainInfo> LibvirtHypervisor::running_domain(const std::string& name) {
+  check_alive();
+  Domain d(virDomainLookupByName(conn_, name.c_str()));
+  if (!d || virDomainIsActive(d.get()) != 1) {
+    check_alive();
+    return std::nullopt;
+  }
+  return describe(d.get());
+}
+
 void LibvirtHypervisor::start_commit(const std::string& domain, const std::string& disk,
                                      const std::string& base, const std::string& top,
                                      std::uint64_t bandwidth_bytes_per_s, bool active) {

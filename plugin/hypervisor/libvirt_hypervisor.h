@@ -26,6 +26,7 @@ class LibvirtHypervisor final : public Hypervisor, public BlockJobControl {
   [[nodiscard]] bool connected() const override;
   [[nodiscard]] std::optional<std::uint64_t> qemu_version() const override { return qemu_version_; }
   [[nodiscard]] std::vector<DomainInfo> running_domains() override;
+  [[nodiscard]] std::optional<DomainInfo> running_domain(const std::string& name) override;
   [[nodiscard]] std::vector<PoolInfo> pools() override;
   [[nodiscard]] std::optional<PoolInfo> pool_of_volume(const std::string& path) override;
   [[nodiscard]] std::optional<BlockStats> block_stats(const std::string& domain,

@@ -38,6 +38,9 @@ class FakeHypervisor final : public Hypervisor {
   // This many speed calls from now on succeed but leave the job's speed as it was (a speed QEMU
   // did not take).
   int speed_calls_ignored = 0;
+  // Called once per domain described (running_domains, domain): a test makes libvirt's
+  // per-domain calls (its XML, its metadata) slow by advancing its clock.
+  std::function<void()> on_describe;
   // Disks whose job query fails while the connection stays up (libvirt's domain lock timing out,
   // a domain in transition): query_job says kUnknown, job_info nothing.
   std::set<std::pair<std::string, std::string>> unknown_jobs;
@@ -72,7 +75,18 @@ class FakeHypervisor final : public Hypervisor {
   std::optional<std::uint64_t> qemu_version() const override { return version; }
   std::vector<DomainInfo> running_domains() override {
     check();
+    if (on_describe)
+      for (std::size_t i = 0; i < domains.size(); ++i) on_describe();
     return domains;
+  }
+  std::optional<DomainInfo> running_domain(const std::string& name) override {
+    check();
+    for (const DomainInfo& d : domains)
+      if (d.name == name) {
+        if (on_describe) on_describe();
+        return d;
+      }
+    return std::nullopt;
   }
   std::vector<PoolInfo> pools() override {
     check();

@@ -88,6 +88,48 @@ TEST_CASE("plugin.governor.first_speed_before_slow_adoption") {
   }
 }
 
+// A host running many domains, each described by libvirt in 5 ms (its XML, its metadata): the
+// scan a job event causes looks up the event's domain alone, so the job's first speed does not
+// wait for the other 60 domains' descriptions (300 ms).
+TEST_CASE("plugin.governor.first_speed_among_many_domains") {
+  World w;
+  for (int i = 0; i < 60; ++i) {
+    const std::string name = "busy" + std::to_string(i);
+    DomainInfo d{name, "00000000-0000-0000-0000-0000000000" + std::to_string(10 + i), {}, std::nullopt};
+    d.disks.push_back(DiskInfo{"vda", "/other/" + name + ".qcow2", {}, std::nullopt,
+                               static_cast<std::uint64_t>(100 + i), "", ""});
+    w.hv.domains.push_back(d);
+    w.hv.stats[{name, "vda"}] = {};
+  }
+  constexpr Duration kDescribe = 5ms;
+  constexpr Duration kFirstSpeedWithin = 100ms;
+  w.hv.clock = [&w] { return w.now; };
+  GovernorOptions opt;
+  opt.clock = [&w] { return w.now; };
+  Governed gv(w, DaemonConfig{}, opt);
+  gv.run(200ms);  // connected, the first poll done
+  w.hv.on_describe = [&w, kDescribe] { w.now += kDescribe; };
+  w.start_job(JobType::ActiveCommit);
+  JobEvent e;
+  e.kind = JobEventKind::StatusChange;
+  e.domain = w.dom;
+  e.detail = "running";
+  e.started = true;
+  e.at = w.now;
+  const TimePoint started = w.now;
+  w.hv.emit(e);
+  gv.run(150ms);
+  const SpeedCall* c = first_call(w.hv, w.dom, "vda");
+  REQUIRE(c != nullptr);
+  CHECK(c->speed > 0);
+  CHECK(c->at - started <= kFirstSpeedWithin);
+  const JobStatus* j = job_of(gv.g.status(w.now), w.dom);
+  REQUIRE(j != nullptr);
+  REQUIRE(j->time_to_govern.has_value());
+  CHECK(*j->time_to_govern <= kFirstSpeedWithin);
+  CHECK(j->found_by == FoundBy::kEvent);
+}
+
 // A job found by the poll with 1 GiB copied already is governed, and reported as adopted late.
 TEST_CASE("plugin.governor.late_adoption_reported") {
   World w;
