@@ -116,6 +116,20 @@ void print_governed_line(const json::Value& j) {
               str(j, "found_by").c_str(), late.c_str());
 }
 
+// A job that escaped governance (its target far dirtier than its budget allows when qcommitd
+// found it): how much, the storage time that stands for, whether it is still held at the floor,
+// and the kernel's dirty limit on its storage; nothing for the others (or an older qcommitd).
+void print_escape_line(const json::Value& j) {
+  if (!is_true(j, "escaped")) return;
+  const std::string limit =
+      str(j, "bdi_limit").empty() ? "" : "; kernel dirty limit " + str(j, "bdi_limit");
+  std::printf("escaped: %s %s: %s dirty, about %s of storage; %s%s\n", str(j, "domain").c_str(),
+              str(j, "disk").c_str(), num_or_dash(j, "escaped_bytes", "%.1fMiB", 1048576.0).c_str(),
+              num_or_dash(j, "escape_cost_s", "%.1fs").c_str(),
+              is_true(j, "escape_held") ? "held at the floor" : "back within its window",
+              limit.c_str());
+}
+
 // A job that ended lately: its row, with how it ended and when.
 void print_ended_row(const json::Value& r) {
   char ago[32];
@@ -189,6 +203,7 @@ int status_once(const std::string& socket_path, bool json_out) {
         std::printf("probe off: %s %s: %s\n", str(j, "domain").c_str(), str(j, "disk").c_str(),
                     str(j, "probe_off_reason").c_str());
     for (const auto& j : *jobs) print_governed_line(j);
+    for (const auto& j : *jobs) print_escape_line(j);
     for (const auto& j : *jobs)  // "on", or "off: why"; absent where the filter does not apply
       if (!str(j, "target_throttle").empty())
         std::printf("throttle filter: %s %s: %s\n", str(j, "domain").c_str(),

@@ -57,6 +57,10 @@ json::Ordered ms_or_null(const std::optional<Duration>& d) {
   return d ? json::Ordered(ms(*d)) : json::Ordered(nullptr);
 }
 
+json::Ordered s_or_null(const std::optional<Duration>& d) {
+  return d ? json::Ordered(std::chrono::duration<double>(*d).count()) : json::Ordered(nullptr);
+}
+
 json::Ordered job_json(const JobStatus& j) {
   return json::Ordered{{"domain", j.domain},
                        {"disk", j.disk},
@@ -88,6 +92,11 @@ json::Ordered job_json(const JobStatus& j) {
                        {"probe_last_ms", ms_or_null(j.probe_last)},
                        {"policy_error", j.policy_error},
                        {"target_throttle", j.target_throttle},
+                       {"escaped", j.escaped},
+                       {"escaped_bytes", j.escaped_bytes},
+                       {"escape_cost_s", s_or_null(j.escape_cost)},
+                       {"escape_held", j.escape_held},
+                       {"bdi_limit", j.bdi_limit},
                        {"floor", j.floor}};
 }
 

@@ -232,8 +232,18 @@ DaemonConfig daemon_config(const DaemonArgs& a) {
   return cfg;
 }
 
-GovernorOptions governor_options(const DaemonArgs& a, DaemonLog& log) {
+// The record of the kernel dirty limits set for escaped jobs (GovernorOptions::bdi_state_path),
+// in the daemon's runtime directory: the control socket's (systemd's RuntimeDirectory, a tmpfs:
+// no record outlives a reboot).
+std::string bdi_state_path(const DaemonConfig& cfg) {
+  const std::string::size_type slash = cfg.socket_path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : cfg.socket_path.substr(0, slash);
+  return (dir.empty() ? "/" : dir + "/") + "bdi-limits";
+}
+
+GovernorOptions governor_options(const DaemonArgs& a, const DaemonConfig& cfg, DaemonLog& log) {
   GovernorOptions opt;
+  opt.bdi_state_path = bdi_state_path(cfg);
   opt.target_throttle = a.throttle_filter == "on";
   opt.notice = [&log](const std::string& m) { log.record(m); };
   opt.clock = mono_now;  // time to govern: stamps within a step
@@ -361,7 +371,7 @@ int main(int argc, char** argv) {
     if (cfg.origin.empty())
       log.record(log_field(args.config_path) + " does not exist: the built-in policy (budget " +
                  qcommit::defaults::budget_text() + ")");
-    const GovernorOptions opt = governor_options(args, log);
+    const GovernorOptions opt = governor_options(args, cfg, log);
     install_signal_handlers();
     set_up_event_loop();
     Daemon d(args, cfg, opt, log);

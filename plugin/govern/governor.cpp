@@ -324,6 +324,9 @@ struct Governor::Job {
   bool probe_wanted = false;  // the policy asks for a probe on this job's storage
   std::string probe_local;    // probe=auto and the storage is not shared: why no probe is wanted
   std::string probe_off;      // why there is none although wanted
+  // Escaped governance (escape.h), and its storage's kernel dirty limit (JobStatus::bdi_limit).
+  EscapeState escape;
+  std::string bdi_limit;
 };
 
 Governor::Governor(Hypervisor& hv, TargetFiles& files, DaemonConfig cfg, GovernorOptions opt)
@@ -333,6 +336,11 @@ Governor::Governor(Hypervisor& hv, TargetFiles& files, DaemonConfig cfg, Governo
       opt_(opt),
       reconnect_(opt.reconnect_min, opt.reconnect_max) {
   hv_.set_event_sink([this](const JobEvent& e) { pending_events_.push_back(e); });
+  if (!opt_.bdi_state_path.empty()) {
+    bdi_ = std::make_unique<BdiLimits>(BdiSysfs(opt_.sysfs_root), opt_.bdi_state_path);
+    for (const std::string& line : bdi_->restore_recorded())
+      if (opt_.notice) opt_.notice(line);
+  }
 }
 
 Governor::~Governor() {
@@ -831,6 +839,7 @@ void Governor::release(const DiskKey& k, const std::string& reason, TimePoint no
   auto it = jobs_.find(k);
   if (it == jobs_.end()) return;
   remove_target_throttle(*it->second);
+  release_target_bdi(it->second->id);
   released_.push_front(ReleasedJob{it->second->id, k.domain, k.disk, it->second->type, reason, now,
                                    from_event, it->second->ready});
   while (released_.size() > kMaxReleasedHistory) released_.pop_back();
@@ -1139,7 +1148,10 @@ void Governor::tick_job(Job& j, const JobInfo& info, const throttle::ForegroundS
   const bool holding = settle(j, pc, now);
   const throttle::Decision d = decide(j, in, holding);
   j.probe_samples.clear();
-  apply_speed(j, info, job_speed(j, info, d, pc, own_bound, holding));
+  const bool escape_hold = track_escape(j, pc, d, now);
+  apply_speed(j, info,
+              escape_hold ? JobSpeed{opt_.min_speed_bytes_per_s, true}
+                          : job_speed(j, info, d, pc, own_bound, holding));
   record_tick(j, s, info, backlog, now);
 }
 
@@ -1193,6 +1205,46 @@ bool Governor::settled_for_pivot(const std::string& domain, const std::string& d
   if (!st.pivot_asked) st.pivot_asked = now;
   // No reading of the target arrives (it cannot be read): the pivot waits no longer than a hold.
   return st.pivot_ready || now - *st.pivot_asked >= 2 * opt_.settle_max_hold;
+}
+
+// Escaped jobs (escape.h) are told from exact per-file readings only: a memory cgroup's count (an
+// upper bound the guests' own cached writes inflate) or the host-wide one would find escapes that
+// are not the job's.  A job whose writes bypass the page cache leaves nothing dirty.  A tick
+// without such a reading keeps a hold as it is.  The escape is found at the first tick after the
+// adoption (within GovernorOptions::tick; the job is held at its first speed meanwhile), whose
+// whole-file reading of the target it uses instead of one more.
+bool Governor::track_escape(Job& j, const std::optional<PageCacheState>& pc,
+                            const throttle::Decision& d, TimePoint now) {
+  EscapeState& e = j.escape;
+  if (j.direct_io || !pc || !pc->per_file || pc->dirty_upper_bound) return e.hold_since.has_value();
+  const EscapeNews news = observe_escape(e, pc->dirty_bytes + pc->writeback_bytes, d.window_bytes,
+                                         d.drain_estimate_bytes_per_s, now);
+  if (news == EscapeNews::kEscaped) limit_target_bdi(j, d.window_bytes);
+  if (news != EscapeNews::kNone && opt_.notice)
+    opt_.notice("domain " + log_field(j.key.domain) + " disk " + log_field(j.key.disk) + ": " +
+                escape_line(news, e, log_field(j.target), d.window_bytes, j.bdi_limit));
+  return e.hold_since.has_value();
+}
+
+// The kernel bound for an escaped job's storage: twice what a governed job may have there (its
+// window queued plus one QEMU burst dirty, kDirtyAllowanceBytes), since the kernel throttles a
+// strict-limited bdi's writers from about half its bound on: the bound stops what escapes the
+// governor, not what the governor allows.  Set once, at the escape, until the job is released.
+void Governor::limit_target_bdi(Job& j, std::uint64_t window_bytes) {
+  if (!bdi_) return;
+  const std::optional<std::uint64_t> dev = j.file ? j.file->device() : std::nullopt;
+  if (!dev) {
+    j.bdi_limit = "off: the storage device of " + log_field(j.target) + " is not known";
+    return;
+  }
+  j.bdi_limit =
+      bdi_->limit(j.id, *dev, kBdiLimitHeadroom * (window_bytes + kDirtyAllowanceBytes)).text;
+}
+
+void Governor::release_target_bdi(std::uint64_t id) {
+  if (!bdi_) return;
+  for (const std::string& line : bdi_->release(id))
+    if (opt_.notice) opt_.notice(line);
 }
 
 void Governor::pace_gates(TimePoint now) {
@@ -1343,6 +1395,9 @@ void Governor::release_all() {
     ++it;
   }
   jobs_.clear();
+  if (bdi_)
+    for (const std::string& line : bdi_->release_all())
+      if (opt_.notice) opt_.notice(line);
 }
 
 GovernorStatus Governor::status(TimePoint now) const {
@@ -1393,6 +1448,11 @@ GovernorStatus Governor::status(TimePoint now) const {
       js.target_throttle = "on";
     else if (!j->throttle_off.empty())
       js.target_throttle = "off: " + j->throttle_off;
+    js.escaped = j->escape.escaped;
+    js.escaped_bytes = j->escape.peak_bytes;
+    js.escape_cost = j->escape.cost();
+    js.escape_held = j->escape.hold_since.has_value();
+    js.bdi_limit = j->bdi_limit;
     if (j->decision) js.floor = floor_text(j->type, j->cache_mode, j->ctl.config(), *j->decision);
     std::vector<Duration> lat;
     for (const auto& [t, l] : j->history.latencies)

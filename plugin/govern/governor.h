@@ -17,6 +17,11 @@
 //    writeback, plus dirty beyond kDirtyAllowanceBytes) exceed the window;
 //  * every `pace` the WritebackPlanner starts writeback of the target's dirty pages within the
 //    last window;
+//  * a job whose target is far dirtier than its window allows (escape.h: adopted late, after a
+//    restart, or QEMU did not take its speed) has escaped: said once, held at the minimum speed
+//    until the pacer has written its target out to the window (a mirror that is never ready
+//    cannot be pivoted), and its storage's dirty pages bounded in the kernel while it runs
+//    (bdi_limit.h, GovernorOptions::bdi_state_path);
 //  * shared-queue probe (policy `probe`, throttle/probe.h): a 4 KiB write + fdatasync of a file
 //    beside the target, started when its ProbeSchedule says, at every step; its latencies and the
 //    age of the one running go to the controller (TickInput::probe_latencies/probe_outstanding),
@@ -55,6 +60,8 @@
 
 #include "plugin/policy/config.h"
 #include "plugin/hypervisor/hypervisor.h"
+#include "plugin/govern/bdi_limit.h"
+#include "plugin/govern/escape.h"
 #include "plugin/govern/speed_check.h"
 #include "plugin/govern/target_throttle.h"
 #include "plugin/govern/writeback.h"
@@ -210,6 +217,12 @@ struct GovernorOptions {
   // The governor's own clock read within a step, for the stamps of a job's time to govern (a
   // step's hypervisor calls and file work take time).  Empty: the step's `now`.
   std::function<TimePoint()> clock;
+  // A job that escaped governance (escape.h) gets its target storage's dirty pages bounded in
+  // the kernel while it runs (bdi_limit.h): sysfs is at `sysfs_root`, and what the limits
+  // changed is recorded in `bdi_state_path` (the daemon's runtime directory) and restored by the
+  // next Governor with that path should this process die.  Empty path: no kernel limits.
+  std::string bdi_state_path;
+  std::string sysfs_root = "/sys";
   [[nodiscard]] std::optional<std::string> validate() const;
 };
 
@@ -264,6 +277,15 @@ struct JobStatus {
   // job runs at, that floor at the storage's measured rate against the budget, the share of the
   // storage the job keeps, and what would do better; "" where no floor applies.
   std::string floor;
+  // The job escaped governance (escape.h): its target held escaped_bytes dirty or under
+  // writeback at the most, escape_cost of storage at the drain rate known to the job; held at
+  // the floor until its target is within the window (escape_held); the kernel's dirty limit on
+  // its storage: "on: ...", "off: why", or "" (not escaped, or no limits configured).
+  bool escaped = false;
+  std::uint64_t escaped_bytes = 0;
+  std::optional<Duration> escape_cost;
+  bool escape_held = false;
+  std::string bdi_limit;
 };
 
 // Reasons a job is released for: libvirt's end events, and ends the daemon saw without one.
@@ -425,6 +447,12 @@ class Governor {
   void remove_target_throttle(Job& j);
   void sweep_orphan_throttles(const std::vector<DomainInfo>& doms);
   void lost_connection(TimePoint now);
+  // Escaped jobs (escape.h): this tick's exact reading of the target; true while the job is
+  // held at the floor for it.  Its storage's kernel dirty limit on escape, off at its release.
+  [[nodiscard]] bool track_escape(Job& j, const std::optional<PageCacheState>& pc,
+                                  const throttle::Decision& d, TimePoint now);
+  void limit_target_bdi(Job& j, std::uint64_t window_bytes);
+  void release_target_bdi(std::uint64_t id);
 
   Hypervisor& hv_;
   TargetFiles& files_;
@@ -449,6 +477,7 @@ class Governor {
   std::map<DiskKey, std::unique_ptr<Job>> jobs_;
   std::deque<ReleasedJob> released_;
   std::uint64_t adopted_ = 0;  // jobs adopted so far (the last JobStatus::id)
+  std::unique_ptr<BdiLimits> bdi_;  // GovernorOptions::bdi_state_path set
 };
 
 }  // namespace qcommit::plugin
