@@ -62,12 +62,13 @@ struct DaemonArgs {
   std::string page_cache_name = "auto";
   PageCacheSource page_cache = PageCacheSource::kAuto;
   std::string throttle_filter = "on";
+  std::string bdi_limit = "on";
 };
 
 constexpr const char* kSynopsis =
     "usage: qcommitd [--config PATH] [-c|--connect URI] [--socket PATH] [--trace FILE]\n"
     "                [--page-cache auto|no-cachestat|meminfo] [--throttle-filter on|off]\n"
-    "                [--version]\n";
+    "                [--bdi-limit on|off] [--version]\n";
 
 constexpr const char* kEpilogue =
     "Logs one line per connection change, job adopted, decision change and job released on\n"
@@ -99,7 +100,11 @@ po::options_description daemon_options(DaemonArgs& a) {
       "throttle-filter", po::value(&a.throttle_filter),
       "on (default): an active commit into a cache=none/directsync disk gets a QEMU throttle "
       "filter node under its target, through libvirt's monitor passthrough (libvirt marks the "
-      "domain tainted), which spreads QEMU's 16 MiB copy bursts; off: the job's speed only");
+      "domain tainted), which spreads QEMU's 16 MiB copy bursts; off: the job's speed only")(
+      "bdi-limit", po::value(&a.bdi_limit),
+      "on (default): the storage of a job that escaped governance gets a kernel dirty limit "
+      "(/sys/class/bdi/*/strict_limit and max_bytes, Linux 6.2 and later) while it runs; off: "
+      "the job is only held at the floor");
   return opts;
 }
 
@@ -132,6 +137,10 @@ std::optional<int> parse_daemon_args(int argc, char** argv, DaemonArgs& a, Daemo
   a.page_cache = *src;
   if (a.throttle_filter != "on" && a.throttle_filter != "off") {
     log.record("--throttle-filter: " + log_field(a.throttle_filter) + " is not on or off");
+    return kExitUsage;
+  }
+  if (a.bdi_limit != "on" && a.bdi_limit != "off") {
+    log.record("--bdi-limit: " + log_field(a.bdi_limit) + " is not on or off");
     return kExitUsage;
   }
   return std::nullopt;
@@ -243,7 +252,9 @@ std::string bdi_state_path(const DaemonConfig& cfg) {
 
 GovernorOptions governor_options(const DaemonArgs& a, const DaemonConfig& cfg, DaemonLog& log) {
   GovernorOptions opt;
+  // Off: no limits set; the record a crashed daemon left is still restored.
   opt.bdi_state_path = bdi_state_path(cfg);
+  opt.bdi_limits = a.bdi_limit == "on";
   opt.target_throttle = a.throttle_filter == "on";
   opt.notice = [&log](const std::string& m) { log.record(m); };
   opt.clock = mono_now;  // time to govern: stamps within a step

@@ -1231,7 +1231,7 @@ bool Governor::track_escape(Job& j, const std::optional<PageCacheState>& pc,
 // strict-limited bdi's writers from about half its bound on: the bound stops what escapes the
 // governor, not what the governor allows.  Set once, at the escape, until the job is released.
 void Governor::limit_target_bdi(Job& j, std::uint64_t window_bytes) {
-  if (!bdi_) return;
+  if (!bdi_ || !opt_.bdi_limits) return;
   const std::optional<std::uint64_t> dev = j.file ? j.file->device() : std::nullopt;
   if (!dev) {
     j.bdi_limit = "off: the storage device of " + log_field(j.target) + " is not known";

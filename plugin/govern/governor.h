@@ -221,7 +221,9 @@ struct GovernorOptions {
   // the kernel while it runs (bdi_limit.h): sysfs is at `sysfs_root`, and what the limits
   // changed is recorded in `bdi_state_path` (the daemon's runtime directory) and restored by the
   // next Governor with that path should this process die.  Empty path: no kernel limits.
+  // bdi_limits false: none set, but a record left by a process that died is still restored.
   std::string bdi_state_path;
+  bool bdi_limits = true;
   std::string sysfs_root = "/sys";
   [[nodiscard]] std::optional<std::string> validate() const;
 };

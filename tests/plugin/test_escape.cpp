@@ -238,6 +238,28 @@ TEST_CASE("plugin.governor.escaped_limit_restored_at_release_all") {
   CHECK_FALSE(fs::exists(t.state()));
 }
 
+// With kernel limits off (qcommitd --bdi-limit off) an escaped job is held, and no bdi attribute
+// is touched.
+TEST_CASE("plugin.governor.escaped_without_bdi_limits") {
+  TempTree t;
+  t.add_virtual_bdi(kFakeBdi);
+  const std::map<std::string, std::string> before = t.snapshot();
+  World w;
+  escaped_world(w, 200 * kMiB);
+  std::vector<std::string> notices;
+  GovernorOptions opt = escape_options(t, notices, w);
+  opt.bdi_limits = false;
+  Governed gv(w, DaemonConfig{}, opt);
+  gv.run(150ms);
+  const GovernorStatus st = gv.g.status(w.now);
+  REQUIRE(st.jobs.size() == 1);
+  CHECK(st.jobs[0].escaped);
+  CHECK(st.jobs[0].escape_held);
+  CHECK(st.jobs[0].bdi_limit.empty());
+  CHECK(w.hv.jobs[{"vm1", "vda"}].bandwidth_bytes_per_s == kMinJobSpeedBytesPerS);
+  CHECK(t.snapshot() == before);
+}
+
 // The daemon dies with the limit set: the next Governor with the same state path restores it
 // when it starts, and says so.
 TEST_CASE("plugin.governor.escaped_limit_restored_after_a_crash") {
