@@ -163,7 +163,8 @@ Controller::TickTiming Controller::timing(TimePoint now) const {
   t.budget_s = std::max(configured_s, unit_s);
   t.target = from_seconds(std::max(configured_s * kTargetFraction, unit_s));
   t.unit_s = unit_s;
-  t.floor_limited = unit_s > configured_s;
+  t.floor_limited =
+      unit_s > configured_s && cfg_.copy_requests_in_flight >= kFloorLimitedMinRequestsInFlight;
   const double stall_s = kEmergencyFactor * t.budget_s;
   t.stall = from_seconds(t.floor_limited ? std::max(stall_s, unit_s * cfg_.copy_requests_in_flight)
                                          : stall_s);
@@ -298,18 +299,42 @@ void Controller::update_floor_ramp(const TickTiming& t, bool new_drain_sample, T
     ramp_flat_samples_ = 0;
     return;
   }
-  if (!slow_start_ || !new_drain_sample || in_slowdown_) return;
+  if (!new_drain_sample || in_slowdown_) return;
+  if (!slow_start_) {
+    follow_slower_storage();
+    return;
+  }
+  const bool above_best = prev_rate_ >= kFloorLimitedGrowth * ramp_best_ ||
+                          prev_rate_ >= kFloorRampCeilingFraction * cfg_.ceiling_rate_bytes_per_s;
   if (drain_max_seen_ >= kFloorLimitedGrowth * ramp_best_) {
     ramp_best_ = drain_max_seen_;
     ramp_flat_samples_ = 0;
-  } else if (prev_rate_ >= kFloorLimitedGrowth * ramp_best_ &&
-             ++ramp_flat_samples_ >= kFloorLimitedPlateauSamples) {
+  } else if (above_best && ++ramp_flat_samples_ >= kFloorLimitedPlateauSamples) {
     // Paced above the best drain and not given more: the storage is full.  The queue the ramp
     // built drains in a slowdown (the copy at the floor rate), then the copy goes on at the share.
     slow_start_ = false;
     rate_ = std::min(rate_, kFloorLimitedDrainShare * drain_max_seen_);
     start_slowdown(now);
   }
+}
+
+// Floor-limited after the ramp (kFloorShortfall): samples in a row short of the paced rate make
+// the best of them the storage's rate; the higher samples before them no longer count.
+void Controller::follow_slower_storage() {
+  const double r = drain_samples_.back().bytes_per_s;
+  if (r >= kFloorShortfall * prev_rate_) {
+    shortfall_samples_ = 0;
+    shortfall_best_ = 0;
+    return;
+  }
+  shortfall_best_ = std::max(shortfall_best_, r);
+  if (++shortfall_samples_ < kFloorShortfallSamples) return;
+  const double rate = std::max(shortfall_best_, cfg_.floor_rate_bytes_per_s);
+  std::erase_if(drain_samples_, [rate](const DrainSample& d) { return d.bytes_per_s > rate; });
+  drain_max_seen_ = rate;
+  drain_est_ = std::min(drain_est_, rate);
+  shortfall_samples_ = 0;
+  shortfall_best_ = 0;
 }
 
 // Emergency stop: the delay passed kEmergencyFactor × the budget.  Returns true on entering it.

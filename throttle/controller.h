@@ -136,6 +136,23 @@ inline constexpr double kFloorLimitedDrainShare = 0.7;
 // "full bandwidth reached"); what the ramp queued then drains in a slowdown.
 inline constexpr double kFloorLimitedGrowth = 1.25;
 inline constexpr int kFloorLimitedPlateauSamples = 2;
+// The ramp also ends once it is paced at this fraction of the policy's ceiling: a ceiling (or
+// --max-rate) below the storage's rate is all the copy may have, and the plateau test above
+// could never pass under it.
+inline constexpr double kFloorRampCeilingFraction = 0.99;
+// Only copies with several requests in flight are floor-limited (QEMU's mirror: 16 x 1 MiB):
+// theirs is the crawl the share prevents.  A copy with one request in flight (QEMU's commit and
+// stream, 512 KiB) has its delay target widened to one request's service time and is otherwise
+// paced as any copy, so that a busy guest keeps what it needs of the storage.
+inline constexpr std::uint32_t kFloorLimitedMinRequestsInFlight = 2;
+// A floor-limited copy follows storage that gives less than it is asked for (the storage slowed
+// down, another copy shares it): kFloorShortfallSamples drain samples in a row below
+// kFloorShortfall of the rate it was paced at make the best of them the storage's measured rate,
+// and the share follows it down.  A sample at the paced rate never lowers it: a copy held at 70 %
+// of the storage cannot tell how much more there is.  0.75: QEMU's mirror achieves about its
+// speed; two copies at 70 % each of one storage get about 50 % each.
+inline constexpr double kFloorShortfall = 0.75;
+inline constexpr int kFloorShortfallSamples = 5;
 
 // The budget users give is the latency a guest's durable write may gain.  That write is a chain
 // of storage requests -- the data write, then the flush (FUA or a cache flush) -- and each one
@@ -318,6 +335,7 @@ class Controller {
                                     std::vector<Duration>& copy_norm);
   void update_slowdown(const TickInput& in, bool had_fg_base, bool fresh);
   void update_floor_ramp(const TickTiming& t, bool new_drain_sample, TimePoint now);
+  void follow_slower_storage();
   [[nodiscard]] bool enter_pause(TimePoint now);
   void maybe_resume(const TickInput& in, Duration q, Duration target, bool fresh);
   void decrease_rate(TimePoint now, Duration q, Duration target);
@@ -360,6 +378,8 @@ class Controller {
   // Floor-limited: entered once (its ramp started), and the ramp's plateau detection.
   bool floor_entered_ = false;
   double ramp_best_ = 0;
+  int shortfall_samples_ = 0;   // floor-limited: drain samples in a row short of the paced rate
+  double shortfall_best_ = 0;   // the best of them
   int ramp_flat_samples_ = 0;
 };
 
