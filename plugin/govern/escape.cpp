@@ -54,16 +54,15 @@ std::string escape_line(EscapeNews news, const EscapeState& st, const std::strin
                         std::uint64_t window_bytes, const std::string& bdi_limit) {
   const std::string cost =
       "about " + seconds(st.cost()) + " of storage at " + mib(st.drain_bytes_per_s) + "/s";
+  const std::string limit = bdi_limit.empty() ? "" : "; kernel dirty limit " + bdi_limit;
   if (news == EscapeNews::kBackWithinWindow)
     return "escaped job back within its window after " + seconds(st.held_for) +
-           " at the minimum speed; peak " + mib(static_cast<double>(st.peak_bytes)) + ", " + cost;
-  std::string m = "escaped governance: " + mib(static_cast<double>(st.peak_bytes)) + " of " +
-                  target + " dirty or under writeback (more than the " +
-                  mib(static_cast<double>(escape_threshold(window_bytes))) +
-                  " a governed job ever has), " + cost +
-                  "; held at the minimum speed until it is written out to its window";
-  if (!bdi_limit.empty()) m += "; kernel dirty limit " + bdi_limit;
-  return m;
+           " at the minimum speed; peak " + mib(static_cast<double>(st.peak_bytes)) + ", " + cost +
+           limit;
+  return "escaped governance: " + mib(static_cast<double>(st.peak_bytes)) + " of " + target +
+         " dirty or under writeback (more than the " +
+         mib(static_cast<double>(escape_threshold(window_bytes))) + " a governed job ever has), " +
+         cost + "; held at the minimum speed until it is written out to its window" + limit;
 }
 
 }  // namespace qcommit::plugin

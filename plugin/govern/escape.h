@@ -8,7 +8,12 @@
 // waits for it, with the guests' requests behind it (lab: 1.5 GB queued, the guest frozen
 // 27.5 s).  The governor (governor.h) holds such a job at the minimum speed until the pacer has
 // written the target out to within its window -- a mirror that is never ready cannot be
-// pivoted -- and bounds the storage's dirty pages in the kernel meanwhile (bdi_limit.h).
+// pivoted -- and from then on bounds the storage's dirty pages in the kernel (bdi_limit.h) until
+// the job ends, so that it cannot escape again (a speed QEMU keeps not taking).  Not before: a
+// strict bound of a few tens of MiB on a device with hundreds of MiB dirty makes the kernel
+// (balance_dirty_pages) throttle every buffered writer of that storage -- the guests' own
+// cache=writeback writes through QEMU too, up to 200 ms a call -- until all of it is written
+// back, and makes the flusher write it all out at once: the stall the paced drain avoids.
 // Pure: time is a parameter.
 #pragma once
 
@@ -48,6 +53,10 @@ struct EscapeState {
 // governor, not what the governor allows.
 inline constexpr std::uint64_t kBdiLimitHeadroom = 2;
 
+// The kernel limit's state at the escape, where limits are configured: it goes on once the
+// target is written out to its window (not before, see above).
+inline constexpr char kBdiLimitPending[] = "pending: set once the target is within its window";
+
 enum class EscapeNews { kNone, kEscaped, kBackWithinWindow };
 
 // One exact reading of the target (`target_bytes`: dirty + writeback), the job's window and the
@@ -59,7 +68,8 @@ enum class EscapeNews { kNone, kEscaped, kBackWithinWindow };
 
 // The log line for `news` (after "domain D disk K: "): how much of `target` (a log field) was
 // dirty, the storage time it stands for, what the governor does; the kernel limit's state
-// (`bdi_limit`, "" when none is configured).
+// (`bdi_limit`: kBdiLimitPending at the escape, "on: ..." or "off: why" once the target is back
+// within its window; "" when none is configured).
 [[nodiscard]] std::string escape_line(EscapeNews news, const EscapeState& st,
                                       const std::string& target, std::uint64_t window_bytes,
                                       const std::string& bdi_limit);

@@ -1212,24 +1212,33 @@ bool Governor::settled_for_pivot(const std::string& domain, const std::string& d
 // are not the job's.  A job whose writes bypass the page cache leaves nothing dirty.  A tick
 // without such a reading keeps a hold as it is.  The escape is found at the first tick after the
 // adoption (within GovernorOptions::tick; the job is held at its first speed meanwhile), whose
-// whole-file reading of the target it uses instead of one more.
+// whole-file reading of the target it uses instead of one more.  Its storage's kernel limit goes
+// on when the target is back within the window (limit_target_bdi); the escape says it will.
 bool Governor::track_escape(Job& j, const std::optional<PageCacheState>& pc,
                             const throttle::Decision& d, TimePoint now) {
   EscapeState& e = j.escape;
   if (j.direct_io || !pc || !pc->per_file || pc->dirty_upper_bound) return e.hold_since.has_value();
   const EscapeNews news = observe_escape(e, pc->dirty_bytes + pc->writeback_bytes, d.window_bytes,
                                          d.drain_estimate_bytes_per_s, now);
-  if (news == EscapeNews::kEscaped) limit_target_bdi(j, d.window_bytes);
+  if (news == EscapeNews::kBackWithinWindow) limit_target_bdi(j, d.window_bytes);
+  const bool limit_follows = news == EscapeNews::kEscaped && bdi_ && opt_.bdi_limits;
   if (news != EscapeNews::kNone && opt_.notice)
     opt_.notice("domain " + log_field(j.key.domain) + " disk " + log_field(j.key.disk) + ": " +
-                escape_line(news, e, log_field(j.target), d.window_bytes, j.bdi_limit));
+                escape_line(news, e, log_field(j.target), d.window_bytes,
+                            limit_follows ? std::string(kBdiLimitPending) : j.bdi_limit));
   return e.hold_since.has_value();
 }
 
 // The kernel bound for an escaped job's storage: twice what a governed job may have there (its
 // window queued plus one QEMU burst dirty, kDirtyAllowanceBytes), since the kernel throttles a
 // strict-limited bdi's writers from about half its bound on: the bound stops what escapes the
-// governor, not what the governor allows.  Set once, at the escape, until the job is released.
+// governor, not what the governor allows.  Set once, when the escaped job's target is back within
+// its window, until the job is released: from then on it keeps the job from escaping again (a
+// speed QEMU keeps not taking).  Not at the escape: a strict bound of a few tens of MiB on a
+// device with hundreds of MiB dirty makes the kernel (balance_dirty_pages) throttle every
+// buffered writer of that storage -- the guests' own cache=writeback writes through QEMU too, up
+// to 200 ms a call -- until all of it is written back, and makes the flusher write it all out at
+// once: the stall the paced drain at the minimum speed avoids.
 void Governor::limit_target_bdi(Job& j, std::uint64_t window_bytes) {
   if (!bdi_ || !opt_.bdi_limits) return;
   const std::optional<std::uint64_t> dev = j.file ? j.file->device() : std::nullopt;

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: GPL-2.0-or-later
 // Jobs that escaped governance (plugin/govern/escape.h): found, reported, held at the floor until
-// their target is written out to the window, and their storage's dirty pages bounded in the
-// kernel (plugin/govern/bdi_limit.h) in a sysfs tree of the test's own, restored at the job's
-// release, at release_all and by the next Governor after a crash.
+// their target is written out to the window, and then -- not before -- their storage's dirty
+// pages bounded in the kernel (plugin/govern/bdi_limit.h) in a sysfs tree of the test's own,
+// restored at the job's release, at release_all and by the next Governor after a crash.
 #include <doctest/doctest.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
@@ -123,13 +123,24 @@ void escaped_world(World& w, std::uint64_t dirty) {
   w.base->dirty = dirty;
 }
 
+// Runs `gv` until its one job, escaped and held, is back within its window (at most 30 s);
+// whether it got there.
+bool run_until_back_within_window(Governed& gv, World& w) {
+  for (Duration ran = 0s; ran < 30s; ran += 500ms) {
+    gv.run(500ms);
+    if (!gv.g.status(w.now).jobs.at(0).escape_held) return true;
+  }
+  return false;
+}
+
 }  // namespace
 
 // Adopted with 200 MiB of BASE dirty (its window is well under 1 MiB): reported escaped with
 // the bytes and the storage time they stand for, in status, its JSON and the log; held at the
 // minimum speed until its target is down to the window, not merely to the dirty allowance the
-// hold-at-floor path gives a governed job; its storage's bdi limited while it runs (the state
-// recorded first) and restored when it ends.
+// hold-at-floor path gives a governed job; its storage's bdi left alone while the backlog drains
+// (a strict limit below it would throttle every writer of the storage), limited from the moment
+// the target is back within its window (the state recorded first) and restored when it ends.
 TEST_CASE("plugin.governor.escaped_job_held_and_its_storage_limited") {
   TempTree t;
   t.add_virtual_bdi(kFakeBdi);
@@ -155,7 +166,7 @@ TEST_CASE("plugin.governor.escaped_job_held_and_its_storage_limited") {
   CHECK(w.hv.jobs[{"vm1", "vda"}].bandwidth_bytes_per_s == kMinJobSpeedBytesPerS);
   // The log: once, naming the domain, disk, MiB, seconds and what is done.
   REQUIRE(count_with(notices, "escaped governance") == 1);
-  const std::string& line = *std::find_if(notices.begin(), notices.end(), [](const auto& l) {
+  const std::string line = *std::find_if(notices.begin(), notices.end(), [](const auto& l) {
     return l.find("escaped governance") != std::string::npos;
   });
   CAPTURE(line);
@@ -163,7 +174,8 @@ TEST_CASE("plugin.governor.escaped_job_held_and_its_storage_limited") {
   CHECK(line.find(" MiB of /pool/vm1-base.qcow2 dirty or under writeback") != std::string::npos);
   CHECK(line.find(" s of storage at 4.0 MiB/s") != std::string::npos);
   CHECK(line.find("held at the minimum speed") != std::string::npos);
-  CHECK(line.find("kernel dirty limit on: bdi 0:7: max_bytes ") != std::string::npos);
+  CHECK(line.find("; kernel dirty limit pending: set once the target is within its window") !=
+        std::string::npos);
   // Status JSON (qcommit status).
   std::optional<json::Value> doc =
       json::parse(status_json(st, w.now), json::kControlResponseLimits, nullptr);
@@ -175,8 +187,44 @@ TEST_CASE("plugin.governor.escaped_job_held_and_its_storage_limited") {
         doctest::Approx(std::chrono::duration<double>(*j.escape_cost).count()));
   CHECK(jj["escape_held"].get<bool>());
   CHECK(jj["bdi_limit"].get<std::string>() == j.bdi_limit);
+  // No kernel limit while ~200 MiB of the storage are dirty: nothing changed, nothing recorded.
+  CHECK(j.bdi_limit.empty());
+  CHECK(t.value(kFakeBdi, "strict_limit") == "0");
+  CHECK(t.value(kFakeBdi, "max_bytes") == std::to_string(kDefaultMaxBytes));
+  CHECK_FALSE(fs::exists(t.state()));
 
-  // The kernel limit: strict, max_bytes twice (window + dirty allowance), recorded first.
+  // Held at the floor until BASE's dirty + writeback is within the window: the first speed
+  // above the floor comes only then, and the storage is not limited before it.
+  std::optional<std::uint64_t> total_at_release, window_at_release;
+  bool limited_while_held = false;
+  gv.run(30s, [&] {
+    if (total_at_release) return;
+    if (w.hv.jobs[{"vm1", "vda"}].bandwidth_bytes_per_s == kMinJobSpeedBytesPerS) {
+      if (gv.g.status(w.now).jobs.at(0).escape_held && t.value(kFakeBdi, "strict_limit") != "0")
+        limited_while_held = true;
+      return;
+    }
+    total_at_release = w.base->dirty + w.base->writeback;
+    window_at_release = gv.g.status(w.now).jobs.at(0).window_bytes;
+  });
+  CHECK_FALSE(limited_while_held);
+  REQUIRE(total_at_release.has_value());
+  CHECK(*total_at_release <= *window_at_release);
+  st = gv.g.status(w.now);
+  CHECK(st.jobs.at(0).escaped);
+  CHECK_FALSE(st.jobs.at(0).escape_held);
+  CHECK(count_with(notices, "escaped governance") == 1);
+  REQUIRE(count_with(notices, "domain vm1 disk vda: escaped job back within its window after ") ==
+          1);
+  const std::string back = *std::find_if(notices.begin(), notices.end(), [](const auto& l) {
+    return l.find("escaped job back within its window") != std::string::npos;
+  });
+  CAPTURE(back);
+  CHECK(back.find("; kernel dirty limit on: bdi 0:7: max_bytes ") != std::string::npos);
+  CHECK(st.jobs.at(0).bdi_limit.rfind("on: bdi 0:7: max_bytes ", 0) == 0);
+
+  // The kernel limit, from then until the job ends: strict, max_bytes twice (window + dirty
+  // allowance), recorded first.
   CHECK(t.value(kFakeBdi, "strict_limit") == "1");
   const std::uint64_t max_bytes = std::stoull(t.value(kFakeBdi, "max_bytes"));
   CHECK(max_bytes >= 2 * kDirtyAllowanceBytes);
@@ -184,25 +232,6 @@ TEST_CASE("plugin.governor.escaped_job_held_and_its_storage_limited") {
   CHECK(slurp(t.state()).find("bdi=0:7 strict_limit=0 max_ratio_fine=1000000") !=
         std::string::npos);
   put(t.attr(kFakeBdi, "max_ratio_fine"), "6700\n");  // the kernel's ratio for that max_bytes
-
-  // Held at the floor until BASE's dirty + writeback is within the window: the first speed
-  // above the floor comes only then.
-  std::optional<std::uint64_t> total_at_release, window_at_release;
-  gv.run(30s, [&] {
-    if (total_at_release ||
-        w.hv.jobs[{"vm1", "vda"}].bandwidth_bytes_per_s == kMinJobSpeedBytesPerS)
-      return;
-    total_at_release = w.base->dirty + w.base->writeback;
-    window_at_release = gv.g.status(w.now).jobs.at(0).window_bytes;
-  });
-  REQUIRE(total_at_release.has_value());
-  CHECK(*total_at_release <= *window_at_release);
-  st = gv.g.status(w.now);
-  CHECK(st.jobs.at(0).escaped);
-  CHECK_FALSE(st.jobs.at(0).escape_held);
-  CHECK(count_with(notices, "escaped governance") == 1);
-  CHECK(count_with(notices, "domain vm1 disk vda: escaped job back within its window after ") == 1);
-  CHECK(t.value(kFakeBdi, "strict_limit") == "1");  // until the job ends
 
   // The job ends: the bdi gets its attributes back, the record goes.
   w.hv.jobs.erase({"vm1", "vda"});
@@ -230,6 +259,8 @@ TEST_CASE("plugin.governor.escaped_limit_restored_at_release_all") {
   std::vector<std::string> notices;
   Governed gv(w, DaemonConfig{}, escape_options(t, notices, w));
   gv.run(150ms);
+  REQUIRE(t.value(kFakeBdi, "strict_limit") == "0");  // held; limited once back within its window
+  REQUIRE(run_until_back_within_window(gv, w));
   REQUIRE(t.value(kFakeBdi, "strict_limit") == "1");
   put(t.attr(kFakeBdi, "max_ratio_fine"), "6700\n");
   gv.g.release_all();
@@ -272,6 +303,8 @@ TEST_CASE("plugin.governor.escaped_limit_restored_after_a_crash") {
     std::vector<std::string> notices;
     Governed gv(w, DaemonConfig{}, escape_options(t, notices, w));
     gv.run(150ms);
+    REQUIRE(t.value(kFakeBdi, "strict_limit") == "0");
+    REQUIRE(run_until_back_within_window(gv, w));
     REQUIRE(t.value(kFakeBdi, "strict_limit") == "1");
     put(t.attr(kFakeBdi, "max_ratio_fine"), "6700\n");
     REQUIRE(fs::exists(t.state()));
@@ -293,7 +326,7 @@ TEST_CASE("plugin.governor.escaped_limit_restored_after_a_crash") {
 // A job adopted in time never holds more than its window plus a burst: not escaped, no bdi
 // attribute touched, no record.  When its target runs away later (QEMU copied 300 MiB at page
 // cache speed between two ticks, as a job whose speed QEMU dropped would), the next tick finds
-// the escape.
+// the escape; its storage is limited once the target is written out to its window again.
 TEST_CASE("plugin.governor.job_governed_in_time_escapes_only_when_it_runs_away") {
   TempTree t;
   t.add_virtual_bdi(kFakeBdi);
@@ -324,8 +357,10 @@ TEST_CASE("plugin.governor.job_governed_in_time_escapes_only_when_it_runs_away")
   CHECK(st.jobs.at(0).escape_held);
   CHECK(st.jobs.at(0).escaped_bytes >= kBurst - 10 * kMiB);
   CHECK(count_with(notices, "domain vm1 disk vda: escaped governance: ") == 1);
-  CHECK(t.value(kFakeBdi, "strict_limit") == "1");
+  CHECK(t.value(kFakeBdi, "strict_limit") == "0");
   CHECK(w.hv.jobs[{"vm1", "vda"}].bandwidth_bytes_per_s == kMinJobSpeedBytesPerS);
+  REQUIRE(run_until_back_within_window(gv, w));
+  CHECK(t.value(kFakeBdi, "strict_limit") == "1");
 }
 
 // Where a device's bdi is: a filesystem without a block device by its own number, a whole disk
