@@ -20,8 +20,10 @@
 //  * a job whose target is far dirtier than its window allows (escape.h: adopted late, after a
 //    restart, or QEMU did not take its speed) has escaped: said once, held at the minimum speed
 //    until the pacer has written its target out to the window (a mirror that is never ready
-//    cannot be pivoted), and its storage's dirty pages bounded in the kernel while it runs
-//    (bdi_limit.h, GovernorOptions::bdi_state_path);
+//    cannot be pivoted); from then on, until it ends, its storage's dirty pages are bounded in
+//    the kernel (bdi_limit.h, GovernorOptions::bdi_state_path), so that it cannot escape again;
+//    not before, as a limit far below what is already dirty would block every writer of that
+//    storage, the guests' own writes included, until all of it is written back;
 //  * shared-queue probe (policy `probe`, throttle/probe.h): a 4 KiB write + fdatasync of a file
 //    beside the target, started when its ProbeSchedule says, at every step; its latencies and the
 //    age of the one running go to the controller (TickInput::probe_latencies/probe_outstanding),
@@ -218,7 +220,7 @@ struct GovernorOptions {
   // step's hypervisor calls and file work take time).  Empty: the step's `now`.
   std::function<TimePoint()> clock;
   // A job that escaped governance (escape.h) gets its target storage's dirty pages bounded in
-  // the kernel while it runs (bdi_limit.h): sysfs is at `sysfs_root`, and what the limits
+  // the kernel once its target is back within its window, until it ends (bdi_limit.h): sysfs is at `sysfs_root`, and what the limits
   // changed is recorded in `bdi_state_path` (the daemon's runtime directory) and restored by the
   // next Governor with that path should this process die.  Empty path: no kernel limits.
   // bdi_limits false: none set, but a record left by a process that died is still restored.
@@ -450,7 +452,8 @@ class Governor {
   void sweep_orphan_throttles(const std::vector<DomainInfo>& doms);
   void lost_connection(TimePoint now);
   // Escaped jobs (escape.h): this tick's exact reading of the target; true while the job is
-  // held at the floor for it.  Its storage's kernel dirty limit on escape, off at its release.
+  // held at the floor for it.  Its storage's kernel dirty limit once it is back within its
+  // window, off at its release.
   [[nodiscard]] bool track_escape(Job& j, const std::optional<PageCacheState>& pc,
                                   const throttle::Decision& d, TimePoint now);
   void limit_target_bdi(Job& j, std::uint64_t window_bytes);
