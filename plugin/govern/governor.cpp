@@ -128,7 +128,7 @@ std::string floor_text(JobType type, const std::string& cache, const throttle::C
       job, size.c_str(), c.copy_requests_in_flight, cache.c_str(), ms(d.floor_latency),
       d.storage_rate_bytes_per_s / throttle::kMiB, ms(c.latency_budget),
       100 * throttle::kFloorLimitedDrainShare);
-  std::string s(buf, static_cast<std::size_t>(std::max(n, 0)));
+  std::string s(buf, static_cast<std::size_t>(std::clamp(n, 0, static_cast<int>(sizeof buf) - 1)));
   // qcommit live merges with a non-active commit first: 512 KiB requests, one in flight.
   if (type == JobType::ActiveCommit) s += "; `qcommit live` would do better for this disk";
   return s;
