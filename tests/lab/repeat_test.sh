@@ -7,8 +7,12 @@
 # merge so the job reads its overlay from the storage (reads unthrottled: a fast NFS mount),
 # which lets an unpaced job dirty the whole overlay's worth of BASE within a second
 # (scripts/bench-stall --repeat --drop-caches). Judged per run:
-#   - governed in time: QEMU's job shows a speed within kMaxGovernMs of the job's start (a
-#     watcher asks libvirt every ~10 ms; "-" means it never did: the job escaped);
+#   - governed in time: QEMU's job shows a speed within kMaxGovernMs of the job's creation ("-"
+#     means it never did: the job escaped). The target is 100 ms; the watcher asks libvirt about
+#     the job every ~10 ms and each answer takes a round trip through libvirtd and QEMU's monitor
+#     (an answer every ~21 ms under TCG in the lab), so each end of the measured interval may be
+#     one answer late: kMaxGovernMs allows two. The 20-run rows in docs/benchmarks.md judge the
+#     100 ms itself on a quiet host;
 #   - no stall: the guest's probe max stays under kMaxProbeMs (the users' "under 1 s"; an escaped
 #     256 MiB job stalls it ~5 s at the pivot). The latency targets themselves are judged by
 #     bench-stall on a quiet host, not here.
@@ -18,7 +22,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 src=$(cd "$here/../.." && pwd)
 which=${1:-host}
-kMaxGovernMs=100
+kMaxGovernMs=150
 kMaxProbeMs=1000
 runs=${QCOMMIT_LAB_REPEAT:-3}
 
@@ -57,4 +61,4 @@ while read -r label _bp50 _bmax _p50 _p99 max _gap merge_s rc _n _t _p _f1 _f2 _
 done <"$out/results.txt"
 [ "$n" = "$runs" ] || fail "$n runs recorded, $runs wanted"
 [ "$bad" = 0 ] || exit 1
-echo "PASS repeat_governed ($which): $runs runs, each governed within $kMaxGovernMs ms, probe max under $kMaxProbeMs ms ($SECONDS s)"
+echo "PASS repeat_governed ($which): $runs runs, each governed within $kMaxGovernMs ms (the watcher's resolution included), probe max under $kMaxProbeMs ms ($SECONDS s)"
