@@ -351,7 +351,8 @@ void Daemon::publish_status(TimePoint now) {
 }
 
 void Daemon::run() {
-  server_.start();
+  server_.start();  // throws when another qcommitd listens: its limits are its own
+  gov_.restore_recorded_limits();
   log_.record("governing block jobs on " + log_field(cfg_.uri) + ", control socket " +
               log_field(cfg_.socket_path));
   while (!g_stop) {

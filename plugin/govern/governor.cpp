@@ -336,11 +336,14 @@ Governor::Governor(Hypervisor& hv, TargetFiles& files, DaemonConfig cfg, Governo
       opt_(opt),
       reconnect_(opt.reconnect_min, opt.reconnect_max) {
   hv_.set_event_sink([this](const JobEvent& e) { pending_events_.push_back(e); });
-  if (!opt_.bdi_state_path.empty()) {
+  if (!opt_.bdi_state_path.empty())
     bdi_ = std::make_unique<BdiLimits>(BdiSysfs(opt_.sysfs_root), opt_.bdi_state_path);
-    for (const std::string& line : bdi_->restore_recorded())
-      if (opt_.notice) opt_.notice(line);
-  }
+}
+
+void Governor::restore_recorded_limits() {
+  if (!bdi_) return;
+  for (const std::string& line : bdi_->restore_recorded())
+    if (opt_.notice) opt_.notice(line);
 }
 
 Governor::~Governor() {

@@ -327,6 +327,11 @@ struct GovernorStatus {
 class Governor {
  public:
   Governor(Hypervisor& hv, TargetFiles& files, DaemonConfig cfg, GovernorOptions opt = {});
+
+  // Restores the kernel dirty limits a process that died left recorded at
+  // GovernorOptions::bdi_state_path.  Called by the daemon once it owns its control socket, so
+  // that a second qcommitd started by mistake never undoes the running one's limits.
+  void restore_recorded_limits();
   ~Governor();
   Governor(const Governor&) = delete;
   Governor& operator=(const Governor&) = delete;

@@ -315,6 +315,12 @@ TEST_CASE("plugin.governor.escaped_limit_restored_after_a_crash") {
   World w;
   std::vector<std::string> notices;
   Governed gv(w, DaemonConfig{}, escape_options(t, notices, w));
+  // Nothing is restored before the daemon owns its control socket (a second qcommitd started
+  // by mistake must not undo the running one's limits) ...
+  CHECK(t.value(kFakeBdi, "strict_limit") == "1");
+  CHECK(fs::exists(t.state()));
+  // ... and all of it once it does.
+  gv.g.restore_recorded_limits();
   CHECK(t.value(kFakeBdi, "strict_limit") == "0");
   CHECK(t.value(kFakeBdi, "max_ratio_fine") == "1000000");
   CHECK_FALSE(fs::exists(t.state()));
