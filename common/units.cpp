@@ -1,10 +1,13 @@
 // SPDX-License-Identifier: GPL-2.0-or-later
 #include "common/units.h"
 
+#include <algorithm>
 #include <cctype>
 #include <charconv>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <string>
 
 namespace qcommit::units {
 namespace {
@@ -153,6 +156,13 @@ std::optional<double> read_rate(std::string_view text, std::string& error) {
     return std::nullopt;
   }
   return rate;
+}
+
+std::string mib_text(double bytes) {
+  char buf[48];
+  const int n = std::snprintf(buf, sizeof buf, "%.1f MiB", bytes / (1024.0 * 1024.0));
+  return std::string(buf,
+                     static_cast<std::size_t>(std::clamp(n, 0, static_cast<int>(sizeof buf) - 1)));
 }
 
 }  // namespace qcommit::units

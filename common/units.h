@@ -43,6 +43,9 @@ inline constexpr double kMaxSizeBytes = 1024.0 * 1024 * 1024 * 1024 * 1024;  // 
 // A rate in bytes per second, from kMinRateBytesPerS to kMaxRateBytesPerS.
 [[nodiscard]] std::optional<double> read_rate(std::string_view text, std::string& error);
 
+// `bytes` in MiB with one decimal, as log lines and status show sizes and rates: "32.6 MiB".
+[[nodiscard]] std::string mib_text(double bytes);
+
 // The problem of a budget outside (0, kMaxBudget], nullopt when it is fine.
 [[nodiscard]] std::optional<std::string> budget_problem(std::chrono::nanoseconds budget);
 

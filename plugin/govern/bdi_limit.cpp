@@ -17,6 +17,7 @@
 
 #include "common/safe_file.h"
 #include "common/unique_fd.h"
+#include "common/units.h"
 
 namespace qcommit::plugin {
 
@@ -27,7 +28,6 @@ namespace {
 constexpr std::size_t kMaxBdiNameBytes = 64;
 constexpr std::size_t kMaxAttrBytes = 64;              // one number and a newline
 constexpr std::size_t kMaxStateFileBytes = 64 * 1024;  // a few lines per governed storage
-constexpr double kBytesPerMiB = 1024.0 * 1024.0;
 constexpr const char* kStateHeader = "# qcommitd: bdi attributes to restore (bdi_limit.h)\n";
 
 // A bdi's name as the kernel forms them ("8:0", "0:45", "0:45-fuseblk", "btrfs-1"): never a path.
@@ -38,12 +38,6 @@ bool valid_bdi_name(const std::string& n) {
         c != '.')
       return false;
   return true;
-}
-
-std::string mib(std::uint64_t bytes) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(bytes) / kBytesPerMiB);
-  return buf;
 }
 
 std::string errno_text(int err) {
@@ -269,7 +263,8 @@ BdiLimits::Outcome BdiLimits::apply(const std::string& bdi, std::uint64_t max_by
   Held& h = held_[bdi];
   h.saved = s;
   if (!changes(s)) {
-    h.text = "on: bdi " + bdi + " limited already: max_bytes " + mib(bound) + ", strict_limit 1";
+    h.text = "on: bdi " + bdi + " limited already: max_bytes " +
+             units::mib_text(static_cast<double>(bound)) + ", strict_limit 1";
     return {true, h.text};
   }
   if (!record(why)) {
@@ -286,8 +281,9 @@ BdiLimits::Outcome BdiLimits::apply(const std::string& bdi, std::uint64_t max_by
     (void)record(ignored);
     return {false, "off: bdi " + bdi + ": " + why};
   }
-  h.text = "on: bdi " + bdi + ": max_bytes " + mib(bound) + ", strict_limit 1 (were " +
-           mib(*cur_max) + ", " + std::to_string(*strict) + ")";
+  h.text = "on: bdi " + bdi + ": max_bytes " + units::mib_text(static_cast<double>(bound)) +
+           ", strict_limit 1 (were " + units::mib_text(static_cast<double>(*cur_max)) + ", " +
+           std::to_string(*strict) + ")";
   return {true, h.text};
 }
 

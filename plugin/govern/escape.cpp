@@ -4,15 +4,13 @@
 #include <algorithm>
 #include <cstdio>
 
+#include "common/units.h"
+
 namespace qcommit::plugin {
 
 namespace {
 
-std::string mib(double bytes) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.1f MiB", bytes / (1024.0 * 1024.0));
-  return buf;
-}
+using units::mib_text;
 
 std::string seconds(std::optional<throttle::Duration> t) {
   char buf[32];
@@ -53,16 +51,17 @@ EscapeNews observe_escape(EscapeState& st, std::uint64_t target_bytes, std::uint
 std::string escape_line(EscapeNews news, const EscapeState& st, const std::string& target,
                         std::uint64_t window_bytes, const std::string& bdi_limit) {
   const std::string cost =
-      "about " + seconds(st.cost()) + " of storage at " + mib(st.drain_bytes_per_s) + "/s";
+      "about " + seconds(st.cost()) + " of storage at " + mib_text(st.drain_bytes_per_s) + "/s";
   const std::string limit = bdi_limit.empty() ? "" : "; kernel dirty limit " + bdi_limit;
   if (news == EscapeNews::kBackWithinWindow)
     return "escaped job back within its window after " + seconds(st.held_for) +
-           " at the minimum speed; peak " + mib(static_cast<double>(st.peak_bytes)) + ", " + cost +
-           limit;
-  return "escaped governance: " + mib(static_cast<double>(st.peak_bytes)) + " of " + target +
+           " at the minimum speed; peak " + mib_text(static_cast<double>(st.peak_bytes)) + ", " +
+           cost + limit;
+  return "escaped governance: " + mib_text(static_cast<double>(st.peak_bytes)) + " of " + target +
          " dirty or under writeback (more than the " +
-         mib(static_cast<double>(escape_threshold(window_bytes))) + " a governed job ever has), " +
-         cost + "; held at the minimum speed until it is written out to its window" + limit;
+         mib_text(static_cast<double>(escape_threshold(window_bytes))) +
+         " a governed job ever has), " + cost +
+         "; held at the minimum speed until it is written out to its window" + limit;
 }
 
 }  // namespace qcommit::plugin

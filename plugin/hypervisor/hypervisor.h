@@ -147,9 +147,7 @@ class Hypervisor {
   // no domain of that name (the libvirt adapter also describes a shut-off one: an offline merge
   // reads its policy).  By default the running_domains() entry.
   [[nodiscard]] virtual std::optional<DomainInfo> domain(const std::string& name) {
-    for (DomainInfo& d : running_domains())
-      if (d.name == name) return std::move(d);
-    return std::nullopt;
+    return running_domain(name);
   }
   // The running_domains() entry of one domain, looked up alone; nullopt when it does not run.
   [[nodiscard]] virtual std::optional<DomainInfo> running_domain(const std::string& name) {

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "plugin/daemon/daemon_log.h"
@@ -25,6 +26,17 @@ const SpeedCall* first_call(const FakeHypervisor& hv, const std::string& dom,
       std::find_if(hv.speed_calls.begin(), hv.speed_calls.end(),
                    [&](const SpeedCall& c) { return c.domain == dom && c.disk == disk; });
   return it == hv.speed_calls.end() ? nullptr : &*it;
+}
+
+// QEMU's JOB_STATUS_CHANGE saying a job started on `dom` at `at` (`detail`: its status).
+JobEvent job_started(const std::string& dom, TimePoint at, std::string detail = "running") {
+  JobEvent e;
+  e.kind = JobEventKind::StatusChange;
+  e.domain = dom;
+  e.detail = std::move(detail);
+  e.started = true;
+  e.at = at;
+  return e;
 }
 
 const JobStatus* job_of(const GovernorStatus& st, const std::string& dom) {
@@ -60,13 +72,7 @@ TEST_CASE("plugin.governor.first_speed_before_slow_adoption") {
   w.hv.jobs[{"vm3", "vdc"}] = JobInfo{JobType::ActiveCommit, 0, 8ull << 30, 0};
   const TimePoint started = w.now - 3ms;  // QEMU's timestamp: the events arrive 3 ms later
   for (const char* dom : {"vm1", "vm3"}) {
-    JobEvent e;
-    e.kind = JobEventKind::StatusChange;
-    e.domain = dom;
-    e.detail = "running";
-    e.started = true;
-    e.at = started;
-    w.hv.emit(e);
+    w.hv.emit(job_started(dom, started));
   }
   gv.run(3s);
   for (const auto& [dom, disk] : {std::pair{"vm1", "vda"}, std::pair{"vm3", "vdc"}}) {
@@ -110,14 +116,8 @@ TEST_CASE("plugin.governor.first_speed_among_many_domains") {
   gv.run(200ms);  // connected, the first poll done
   w.hv.on_describe = [&w, kDescribe] { w.now += kDescribe; };
   w.start_job(JobType::ActiveCommit);
-  JobEvent e;
-  e.kind = JobEventKind::StatusChange;
-  e.domain = w.dom;
-  e.detail = "running";
-  e.started = true;
-  e.at = w.now;
   const TimePoint started = w.now;
-  w.hv.emit(e);
+  w.hv.emit(job_started(w.dom, started));
   gv.run(150ms);
   const SpeedCall* c = first_call(w.hv, w.dom, "vda");
   REQUIRE(c != nullptr);
@@ -170,12 +170,7 @@ TEST_CASE("plugin.governor.speed_not_taken_is_read_back_and_retried") {
   Governor g(w.hv, w.files, DaemonConfig{}, opt);
   (void)g.step(w.now);  // connect; nothing runs yet
   w.start_job(JobType::ActiveCommit);
-  JobEvent e;
-  e.kind = JobEventKind::StatusChange;
-  e.domain = w.dom;
-  e.started = true;
-  e.at = w.now;
-  w.hv.emit(e);
+  w.hv.emit(job_started(w.dom, w.now, ""));
   w.hv.speed_calls_ignored = 5;  // every call of the adopting step
   const std::size_t calls_before = w.hv.speed_calls.size();
   TimePoint next = g.step(w.now);  // finds, holds and adopts the job
