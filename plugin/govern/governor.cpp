@@ -341,9 +341,12 @@ Governor::Governor(Hypervisor& hv, TargetFiles& files, DaemonConfig cfg, Governo
 }
 
 void Governor::restore_recorded_limits() {
-  if (!bdi_) return;
-  for (const std::string& line : bdi_->restore_recorded())
-    if (opt_.notice) opt_.notice(line);
+  if (bdi_) notice_all(bdi_->restore_recorded());
+}
+
+void Governor::notice_all(const std::vector<std::string>& lines) const {
+  if (!opt_.notice) return;
+  for (const std::string& line : lines) opt_.notice(line);
 }
 
 Governor::~Governor() {
@@ -1254,9 +1257,7 @@ void Governor::limit_target_bdi(Job& j, std::uint64_t window_bytes) {
 }
 
 void Governor::release_target_bdi(std::uint64_t id) {
-  if (!bdi_) return;
-  for (const std::string& line : bdi_->release(id))
-    if (opt_.notice) opt_.notice(line);
+  if (bdi_) notice_all(bdi_->release(id));
 }
 
 void Governor::pace_gates(TimePoint now) {
@@ -1407,9 +1408,7 @@ void Governor::release_all() {
     ++it;
   }
   jobs_.clear();
-  if (bdi_)
-    for (const std::string& line : bdi_->release_all())
-      if (opt_.notice) opt_.notice(line);
+  if (bdi_) notice_all(bdi_->release_all());
 }
 
 GovernorStatus Governor::status(TimePoint now) const {

@@ -445,6 +445,7 @@ class Governor {
   // `*speed_set`); a mismatch is said through opt_.notice.
   void read_back(const DiskKey& k, std::uint64_t wanted, bool accepted, SpeedCheck& check,
                  std::uint64_t* speed_set);
+  void notice_all(const std::vector<std::string>& lines) const;  // through opt_.notice, if set
   [[nodiscard]] TimePoint clock_now() const { return opt_.clock ? opt_.clock() : step_now_; }
   void set_gate_speed(Job& j, bool open);  // the chunk gate's open or closed speed
   // The throttle filter under a job's target: in, its rate after the job's speed, out (ready,
