@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: GPL-2.0-or-later
 # merge.race_soak: a monitoring agent's `qemu-img info` (which takes a shared lock) is waited out,
-# never fatal. 200 merges of small chains BASE <- MID <- TOP (varied writes, sometimes TOP larger
-# than BASE; into MID or, with --base, into BASE; some with --rebase CHILD, half with --delete)
+# never fatal. MERGES (default 200) merges of small chains BASE <- MID <- TOP (varied writes,
+# sometimes TOP larger than BASE; into MID or, with --base, into BASE; some with --rebase CHILD,
+# half with --delete)
 # while a background loop runs `qemu-img info` on every image every 50 ms. Asserts: every merge
 # exits 0, the image merged into shows TOP's view saved before the merge (qemu-img compare against
-# `qemu-img convert -O raw`), qemu-img check is clean, 200 compares done; reports (and asserts
+# `qemu-img convert -O raw`), qemu-img check is clean, MERGES compares done; reports (and asserts
 # at least one of) the waits seen in the JSON events and on stderr.
 #
 # usage: merge-race-soak.sh QCOMMIT [MERGES]

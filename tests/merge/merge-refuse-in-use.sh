@@ -3,7 +3,7 @@
 # merge.refuse_in_use: (1) while QEMU holds TOP open read-write, qcommit merge TOP exits non-zero
 # with one line naming TOP and the holder, and TOP and BASE are byte-identical afterwards;
 # (2) two concurrent merges of one chain: the second is refused; (3) while a merge runs, qemu-io
-# cannot write BASE (lock error).
+# cannot write BASE (lock error); (4) that merge, killed, is finished by a re-run that resumes it.
 #
 # usage: merge-refuse-in-use.sh QCOMMIT
 set -euo pipefail
@@ -85,8 +85,19 @@ else
   still=0
   kill -0 "$mpid" 2>/dev/null && still=1
   echo "first merge still running after the checks: $still"
+  [[ $still == 1 ]] || fail "the first merge ended during the concurrency checks (make it slower)"
 fi
-wait "$mpid" || fail "the first merge failed: $(cat first.err)"
+# The first merge, paced to a 1 ms budget, would take minutes: it is killed here, and a second
+# run (no budget) must resume it from its checkpoint and finish the job.
+if kill -9 "$mpid" 2>/dev/null; then
+  wait "$mpid" 2>/dev/null || true
+  [[ -e .base.qcow2.qcommit-merge ]] || fail "the killed merge left no checkpoint to resume from"
+  "$QCOMMIT" merge top.qcow2 --budget off --output=json >resume.json 2>resume.err ||
+    fail "the resumed merge failed: $(cat resume.err)"
+  grep -q '"resumed": true' resume.json || fail "the second run did not resume the killed merge: $(tail -n 3 resume.json)"
+else
+  wait "$mpid" || fail "the first merge failed: $(cat first.err)"
+fi
 qemu-img compare -f raw -F qcow2 view.raw base.qcow2 >/dev/null || fail "BASE differs from TOP's view after the first merge"
 qemu-img check -q base.qcow2 || fail "BASE not clean"
 if ((${#failures[@]})); then printf '  %s\n' "${failures[@]}" >&2; exit 1; fi
