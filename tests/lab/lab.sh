@@ -163,9 +163,9 @@ lab_storage_stop() {
 }
 
 # The test guest's domain XML: NAME, DIR (holding vmlinuz and initramfs.cpio.gz), raw disk BASE,
-# CACHE mode, FILL MiB, probe INTERVAL ms, serial CONSOLE file.
+# CACHE mode, FILL MiB, probe INTERVAL ms, serial CONSOLE file[, busy WRITER KiB/s, READ probe 0|1].
 lab_domain_xml() {
-  local name=$1 dir=$2 base=$3 cache=$4 fill=$5 interval=$6 console=$7
+  local name=$1 dir=$2 base=$3 cache=$4 fill=$5 interval=$6 console=$7 writer=${8:-0} read=${9:-0}
   cat <<EOF
 <domain type='qemu'>
   <name>$name</name>
@@ -175,7 +175,7 @@ lab_domain_xml() {
     <type arch='x86_64' machine='pc'>hvm</type>
     <kernel>$dir/vmlinuz</kernel>
     <initrd>$dir/initramfs.cpio.gz</initrd>
-    <cmdline>console=ttyS0 quiet panic=1 lab.fill=$fill lab.interval=$interval</cmdline>
+    <cmdline>console=ttyS0 quiet panic=1 lab.fill=$fill lab.interval=$interval lab.writer=$writer lab.read=$read</cmdline>
   </os>
   <features><acpi/></features>
   <clock offset='utc'><timer name='hpet' present='yes'/></clock>
@@ -200,7 +200,8 @@ EOF
 }
 
 # The options of lab_guest_start and lab_guest2_start (WHO), set in the caller's locals: cache,
-# fill, interval, size, and uri where WHO takes --uri.
+# fill, interval, size, writer (--writer KiB/s: a busy guest's writer, tests/lab/guest/probe.c),
+# read (--read-probe: a 4 KiB read probe too), and uri where WHO takes --uri.
 lab_guest_options() {
   local who=$1
   shift
@@ -211,6 +212,8 @@ lab_guest_options() {
       --fill) fill=$2; shift 2 ;;
       --interval) interval=$2; shift 2 ;;
       --disk-size) size=$2; shift 2 ;;
+      --writer) writer=$2; shift 2 ;;
+      --read-probe) read=1; shift ;;
       *) lab_die "$who: unknown option $1" ;;
     esac
   done
@@ -228,7 +231,7 @@ lab_domain_boot() {
 }
 
 lab_guest_start() {
-  local cache=writeback fill=0 interval=100 size=2560M
+  local cache=writeback fill=0 interval=100 size=2560M writer=0 read=0
   lab_guest_options lab_guest_start "$@"
   LAB_BASE=$LAB_MNT/base.${LAB_BASE_FORMAT:-raw}
   LAB_OVERLAY=$LAB_MNT/overlay.qcow2
@@ -246,13 +249,13 @@ lab_guest_start() {
   cp "$LAB_CACHE/vmlinuz" "$LAB_CACHE/initramfs.cpio.gz" "$LAB_DIR/"
   : >"$LAB_DIR/console.log"
   lab_domain_xml "$LAB_DOM" "$LAB_DIR" "$LAB_BASE" "$cache" "$fill" "$interval" "$LAB_DIR/console.log" \
-    >"$LAB_DIR/domain.xml"
+    "$writer" "$read" >"$LAB_DIR/domain.xml"
   LAB_DOM_DEFINED=1
   lab_domain_boot "$LIBVIRT_DEFAULT_URI" "$LAB_DOM" "$LAB_DIR/domain.xml" "$LAB_OVERLAY"
   lab_reader_start
   virsh -q resume "$LAB_DOM" >/dev/null
   lab_mark guest_resumed
-  lab_log "guest $LAB_DOM running (cache=$cache, fill ${fill} MiB, probe every ${interval} ms)"
+  lab_log "guest $LAB_DOM running (cache=$cache, fill ${fill} MiB, probe every ${interval} ms, writer ${writer} KiB/s, read probe $read)"
 }
 
 # A second guest on the run's storage, under another libvirtd (standing for a guest on another
@@ -262,7 +265,7 @@ lab_guest_start() {
 # fill is written (its probe then runs every INTERVAL ms; a long interval leaves it idle).
 # Sets LAB2_URI, LAB2_DOM, LAB2_BASE, LAB2_OVERLAY; lab_teardown removes it.
 lab_guest2_start() {
-  local uri="" cache=writeback fill=0 interval=100 size=2560M
+  local uri="" cache=writeback fill=0 interval=100 size=2560M writer=0 read=0
   lab_guest_options lab_guest2_start "$@"
   [ -n "$uri" ] || lab_die "lab_guest2_start: --uri is required"
   local dir=$LAB_DIR/second
@@ -275,7 +278,7 @@ lab_guest2_start() {
   cp "$LAB_CACHE/vmlinuz" "$LAB_CACHE/initramfs.cpio.gz" "$dir/"
   : >"$dir/console.log"
   lab_domain_xml "$LAB2_DOM" "$dir" "$LAB2_BASE" "$cache" "$fill" "$interval" "$dir/console.log" \
-    >"$dir/domain.xml"
+    "$writer" "$read" >"$dir/domain.xml"
   LAB2_DEFINED=1
   lab_domain_boot "$uri" "$LAB2_DOM" "$dir/domain.xml" "$LAB2_OVERLAY"
   virsh -q -c "$uri" resume "$LAB2_DOM" >/dev/null
@@ -398,11 +401,48 @@ lab_merge() {
 }
 
 # Probe samples as "completion_epoch latency_ms", guest clock mapped onto the host clock by the
-# smallest (host arrival - guest completion) difference.
+# smallest (host arrival - guest completion) difference. `lab_samples KIND` for the busy guest's
+# lines: R (read probe: latency), W (writer: one per MiB, its fdatasync's latency).
 lab_samples() {
-  awk -F'\t' '$2 ~ /^P / {split($2, f, " "); print $1, f[3] / 1000, f[4] / 1000}' "$LAB_DIR/console.stamped" |
+  awk -F'\t' -v k="${1:-P}" '$2 ~ "^" k " " {split($2, f, " "); print $1, f[3] / 1000, f[4] / 1000}' \
+    "$LAB_DIR/console.stamped" |
     awk '{h[NR] = $1; g[NR] = $2; l[NR] = $3; d = $1 - $2; if (NR == 1 || d < off) off = d}
          END {for (i = 1; i <= NR; i++) printf "%.6f %.3f\n", g[i] + off, l[i]}'
+}
+
+# The busy guest around the last merge (windows as lab_collect's: BASELINE s before it; the merge
+# until SETTLE s after): the writer's MiB/s and its fdatasync p99/max, the read probe's p99/max.
+# Sets LAB_STATS_w_base_mibps, w_mibps, w_kept_pct, w_sync_base_p99, w_sync_p99, w_sync_max,
+# r_base_p99, r_base_max, r_p99, r_max ("-" where the guest had none).
+lab_busy_collect() {
+  local baseline=$1 settle=${2:-2} ms me kind out kv
+  ms=$(lab_event merge_start)
+  me=$(lab_event merge_end)
+  for kind in W R; do
+    lab_samples "$kind" >"$LAB_DIR/samples-$kind.txt"
+    out=$(awk -v ms="$ms" -v me="$me" -v bl="$baseline" -v st="$settle" -v k="$kind" '
+      function pct(a, n, p,   i, j, t, x) {
+        if (n == 0) return "-"
+        for (i = 2; i <= n; i++) { t = a[i]; for (j = i - 1; j >= 1 && a[j] > t; j--) a[j + 1] = a[j]; a[j + 1] = t }
+        x = int(p * n + 0.999999); if (x < 1) x = 1; if (x > n) x = n
+        return sprintf("%.1f", a[x])
+      }
+      $1 >= ms - bl && $1 < ms { nb++; b[nb] = $2 }
+      $1 >= ms && $1 <= me + st { nm++; m[nm] = $2; if ($2 > mx) mx = $2 }
+      END {
+        if (k == "W") {
+          base = nb / bl; rate = me > ms ? nm / (me + st - ms) : 0
+          printf "w_base_mibps=%s w_mibps=%s w_kept_pct=%s ", nb ? sprintf("%.2f", base) : "-", nm ? sprintf("%.2f", rate) : "-", nb && nm ? sprintf("%.0f", 100 * rate / base) : "-"
+          printf "w_sync_base_p99=%s w_sync_p99=%s w_sync_max=%s\n", pct(b, nb, 0.99), pct(m, nm, 0.99), nm ? sprintf("%.1f", mx) : "-"
+        } else {
+          printf "r_base_p99=%s r_base_max=%s r_p99=%s r_max=%s\n", pct(b, nb, 0.99), nb ? pct(b, nb, 1) : "-", pct(m, nm, 0.99), nm ? sprintf("%.1f", mx) : "-"
+        }
+      }' "$LAB_DIR/samples-$kind.txt")
+    for kv in $out; do
+      printf -v "LAB_STATS_${kv%%=*}" '%s' "${kv#*=}"
+    done
+    lab_log "busy guest ($kind): $out"
+  done
 }
 
 # Statistics around the last merge: baseline = samples completed in the BASELINE_S before the

@@ -11,6 +11,17 @@
  *    interval delays the next one (no catch-up burst).
  * Marker lines: "LAB FILL <mib>", "LAB FILLED <ms>", "LAB PROBING <interval_ms>", "LAB ERROR ...".
  *
+ *   probe DEV FILL_MIB INTERVAL_MS WRITER_KIBPS READ_PROBE
+ *
+ * A busy guest, beside the probe (each in its own process, from the end of the fill on):
+ * - WRITER_KIBPS > 0: a database-like writer. 256 KiB O_DIRECT writes paced to WRITER_KIBPS KiB/s
+ *   (no catch-up burst after a slow write) over the WRITER_AREA after the fill, an fdatasync
+ *   after every MiB, one line per MiB: "W <seq> <completion_ms> <fdatasync_us> <mib_us>" (mib_us:
+ *   the MiB's writes and its fdatasync, which is what the writer's own pacing waits for).
+ * - READ_PROBE = 1: every INTERVAL_MS one 4 KiB O_DIRECT read of the filled data (spread over it,
+ *   never the same block twice in a row): "R <seq> <completion_ms> <latency_us>". Reads queue
+ *   behind the copy's writes too.
+ *
  *   probe pattern DEV
  *
  * Known patterns at known offsets for merge tests (tests/lab/boot_verify.py regenerates them).
@@ -41,6 +52,9 @@
 #define PROBE_BYTES 4096
 #define PROBE_AREA (64 * MIB)
 #define PROBE_SLOTS 4096 /* rotate over 16 MiB of the probe area */
+#define WRITER_AREA (256 * MIB)
+#define WRITER_BLOCK (256 * 1024)
+#define WRITER_SYNC_EVERY (1 * MIB)
 
 static int64_t now_ns(void) {
   struct timespec ts;
@@ -132,15 +146,99 @@ static int pattern_main(const char *dev) {
   return 0;
 }
 
+static void sleep_until(int64_t t) {
+  struct timespec ts = {(time_t)(t / 1000000000LL), (long)(t % 1000000000LL)};
+  while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR) {
+  }
+}
+
+/* The busy writer (see the head of this file): never returns. */
+static void writer_main(const char *dev, off_t area, long long kibps) {
+  int fd = open(dev, O_RDWR | O_DIRECT);
+  char *buf = NULL;
+  if (fd < 0 || posix_memalign((void **)&buf, 4096, WRITER_BLOCK) != 0) {
+    say("LAB ERROR writer open %s: %s\n", dev, strerror(errno));
+    _exit(1);
+  }
+  for (int i = 0; i < WRITER_BLOCK; i++) buf[i] = (char)(i * 17 + 3);
+  const int64_t block_ns = (int64_t)WRITER_BLOCK * 1000000000LL / (kibps * 1024LL);
+  const long long blocks_per_sync = WRITER_SYNC_EVERY / WRITER_BLOCK;
+  say("LAB WRITER %lld\n", kibps);
+  int64_t next = now_ns();
+  for (unsigned long long mib = 0;; mib++) {
+    int64_t start = now_ns();
+    for (long long b = 0; b < blocks_per_sync; b++) {
+      unsigned long long n = mib * (unsigned long long)blocks_per_sync + (unsigned long long)b;
+      memcpy(buf, &n, sizeof n);
+      off_t off = area + (off_t)((n * WRITER_BLOCK) % WRITER_AREA);
+      if (pwrite(fd, buf, WRITER_BLOCK, off) != WRITER_BLOCK) say("LAB ERROR writer write: %s\n", strerror(errno));
+      next += block_ns;
+      int64_t now = now_ns();
+      if (next < now) next = now;
+      if (b + 1 < blocks_per_sync) sleep_until(next);
+    }
+    int64_t sync_start = now_ns();
+    if (fdatasync(fd) != 0) say("LAB ERROR writer fdatasync: %s\n", strerror(errno));
+    int64_t end = now_ns();
+    say("W %llu %.3f %lld %lld\n", mib, (double)end / 1e6, (long long)((end - sync_start) / 1000),
+        (long long)((end - start) / 1000));
+    if (next < end) next = end;
+    sleep_until(next);
+  }
+}
+
+/* The read probe (see the head of this file): never returns. */
+static void reader_main(const char *dev, long long fill_mib, long long interval_ms) {
+  int fd = open(dev, O_RDONLY | O_DIRECT);
+  char *buf = NULL;
+  if (fd < 0 || posix_memalign((void **)&buf, 4096, PROBE_BYTES) != 0) {
+    say("LAB ERROR reader open %s: %s\n", dev, strerror(errno));
+    _exit(1);
+  }
+  const unsigned long long blocks = (unsigned long long)(fill_mib * MIB / PROBE_BYTES);
+  say("LAB READING %lld\n", interval_ms);
+  int64_t next = now_ns();
+  for (unsigned long long seq = 0;; seq++) {
+    /* A stride prime to the block count: every block once before any twice, none cached. */
+    off_t off = (off_t)(((seq * 2654435761ULL) % blocks) * PROBE_BYTES);
+    int64_t start = now_ns();
+    ssize_t n = pread(fd, buf, PROBE_BYTES, off);
+    int64_t end = now_ns();
+    if (n != PROBE_BYTES) say("LAB ERROR read probe: %s\n", n < 0 ? strerror(errno) : "short");
+    say("R %llu %.3f %lld\n", seq, (double)end / 1e6, (long long)((end - start) / 1000));
+    next += interval_ms * 1000000LL;
+    if (next < end) next = end;
+    sleep_until(next);
+  }
+}
+
+/* Starts the busy guest's writer and read probe (each a child process) as asked. */
+static int start_busy(const char *dev, long long fill_mib, long long interval_ms, long long writer_kibps,
+                      int read_probe) {
+  if (writer_kibps > 0) {
+    pid_t pid = fork();
+    if (pid < 0) return -1;
+    if (pid == 0) writer_main(dev, (off_t)(fill_mib * MIB), writer_kibps);
+  }
+  if (read_probe && fill_mib > 0) {
+    pid_t pid = fork();
+    if (pid < 0) return -1;
+    if (pid == 0) reader_main(dev, fill_mib, interval_ms);
+  }
+  return 0;
+}
+
 int main(int argc, char **argv) {
   if (argc == 3 && strcmp(argv[1], "pattern") == 0) return pattern_main(argv[2]);
-  if (argc != 4) {
-    say("LAB ERROR usage: probe DEV FILL_MIB INTERVAL_MS\n");
+  if (argc != 4 && argc != 6) {
+    say("LAB ERROR usage: probe DEV FILL_MIB INTERVAL_MS [WRITER_KIBPS READ_PROBE]\n");
     return 2;
   }
   const char *dev = argv[1];
   long long fill_mib = atoll(argv[2]);
   long long interval_ms = atoll(argv[3]);
+  long long writer_kibps = argc == 6 ? atoll(argv[4]) : 0;
+  int read_probe = argc == 6 && atoi(argv[5]) == 1;
   if (interval_ms <= 0) interval_ms = 100;
 
   int fd = open(dev, O_RDWR | O_DIRECT);
@@ -149,7 +247,9 @@ int main(int argc, char **argv) {
     return 1;
   }
   unsigned long long dev_bytes = 0;
-  if (ioctl(fd, BLKGETSIZE64, &dev_bytes) < 0 || dev_bytes < (unsigned long long)(fill_mib * MIB + 2 * PROBE_AREA)) {
+  unsigned long long writer_bytes = writer_kibps > 0 ? (unsigned long long)WRITER_AREA : 0;
+  if (ioctl(fd, BLKGETSIZE64, &dev_bytes) < 0 ||
+      dev_bytes < (unsigned long long)(fill_mib * MIB + 2 * PROBE_AREA) + writer_bytes) {
     say("LAB ERROR %s: %llu bytes is too small for fill %lld MiB\n", dev, dev_bytes, fill_mib);
     return 1;
   }
@@ -184,6 +284,10 @@ int main(int argc, char **argv) {
     return 1;
   }
   off_t area = (off_t)(dev_bytes - PROBE_AREA);
+  if (start_busy(dev, fill_mib, interval_ms, writer_kibps, read_probe) != 0) {
+    say("LAB ERROR fork: %s\n", strerror(errno));
+    return 1;
+  }
   say("LAB PROBING %lld\n", interval_ms);
   int64_t next = now_ns();
   for (unsigned long long seq = 0;; seq++) {
@@ -196,8 +300,6 @@ int main(int argc, char **argv) {
     say("P %llu %.3f %lld\n", seq, (double)end / 1e6, (long long)((end - start) / 1000));
     next += interval_ms * 1000000LL;
     if (next < end) next = end;
-    struct timespec ts = {(time_t)(next / 1000000000LL), (long)(next % 1000000000LL)};
-    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR) {
-    }
+    sleep_until(next);
   }
 }
