@@ -130,7 +130,11 @@ void Controller::skip_until(TimePoint now) {
 
 std::uint64_t Controller::compute_window() const {
   const double t = seconds(cfg_.latency_budget);
-  const double cap = t * drain_est_;  // hard cap: budget × drain
+  // Hard cap: budget × drain.  Where the caller bounds the copy's own queue, the time that queue
+  // takes at storage is its bytes over the storage's rate, which a busy guest keeps above the
+  // copy's share (drain): the cap is then budget × that rate.
+  const double rate = own_queue_known_ ? std::max(drain_est_, own_queue_rate()) : drain_est_;
+  const double cap = t * rate;
   double w = cap;
   w = std::clamp(w, static_cast<double>(cfg_.min_window_bytes),
                  static_cast<double>(cfg_.max_window_bytes));
@@ -424,6 +428,39 @@ Decision Controller::decide(TimePoint now, Duration q, Duration target, bool fre
   return d;
 }
 
+// The copy's own requests of this tick whose bytes and time at storage are known: each is a lower
+// bound of the storage's rate (it served at least those bytes in that time).
+void Controller::learn_service_rate(const TickInput& in) {
+  for (const auto samples : {in.own_service_samples, in.copy_samples}) {
+    for (const CopySample& c : samples) {
+      if (c.bytes < kMinServiceSampleBytes || c.latency <= Duration::zero()) continue;
+      service_rates_.push_back({in.now, static_cast<double>(c.bytes) / seconds(c.latency), true});
+    }
+  }
+  while (!service_rates_.empty() && in.now - service_rates_.front().at > kServiceRateHorizon)
+    service_rates_.pop_front();
+}
+
+// The rate the copy's own queue drains at, at least: the best drain rate measured, or the best
+// of its own requests' service rates, whichever is higher (0: neither known yet).
+double Controller::own_queue_rate() const {
+  double best = drain_sampled_ ? drain_max_seen_ : 0.0;
+  for (const DrainSample& s : service_rates_) best = std::max(best, s.bytes_per_s);
+  return best;
+}
+
+// The delay charged to the copy: what was measured, but at most the time the storage takes to
+// clear the copy's own queue (TickInput::own_queue_bytes) at own_queue_rate().  In a FIFO queue a
+// foreground request waits behind at most those of the copy's bytes; the rest of its wait is for
+// other foreground requests.  Both rates are lower bounds of the storage's, so the bound errs
+// long.
+Duration Controller::charged_delay(const TickInput& in, Duration measured) const {
+  const double rate = own_queue_rate();
+  if (!in.own_queue_bytes || rate <= 0) return measured;
+  const double own_s = static_cast<double>(*in.own_queue_bytes) / rate;
+  return std::min(measured, from_seconds(own_s));
+}
+
 Decision Controller::tick(const TickInput& in) {
   const TimePoint now = in.now;
   const TickTiming t = timing(now);
@@ -434,14 +471,22 @@ Decision Controller::tick(const TickInput& in) {
   const bool ramp = t.floor_limited && slow_start_;
   start_periodic_slowdown(in);
 
+  learn_service_rate(in);
+  own_queue_known_ = in.own_queue_bytes.has_value();
   const bool had_fg_base = fg_base_.value().has_value();
   std::vector<Duration> copy_norm = learn_base_latencies(in);
   const std::optional<Duration> fgb = fg_base_.value();
   const std::optional<Duration> cb = copy_base_.value();
   const bool fresh = is_fresh(in);
   const Duration pq = probe_delay(in);
-  const Duration q =
+  const Duration measured =
       std::max({foreground_delay(in, now), copy_delay(in, now, copy_norm), pq, Duration::zero()});
+  const Duration q = charged_delay(in, measured);
+  // A delay charged from the copy's own queue is the most any request can wait behind the copy,
+  // not a sample of what requests waited: it is steered to the whole budget, where measured
+  // delays are steered to a fraction of it for their noise and overshoot.
+  const bool own_bounded = q < measured;
+  const Duration target = own_bounded ? std::max(t.target, from_seconds(t.budget_s)) : t.target;
 
   const bool emergency_now = q > t.stall;
   update_slowdown(in, had_fg_base, fresh);
@@ -449,24 +494,27 @@ Decision Controller::tick(const TickInput& in) {
   if (emergency_now)
     entered_pause = enter_pause(now);
   else if (paused_)
-    maybe_resume(in, q, t.target, fresh);
-  else if (!in_slowdown_ && q > t.target && !ramp)
-    decrease_rate(now, q, t.target);
+    maybe_resume(in, q, target, fresh);
+  else if (!in_slowdown_ && q > target && !ramp)
+    decrease_rate(now, q, target);
   else if (!in_slowdown_ && fresh && busy)
-    increase_rate(q, t.target, t.dt_s, ramp);
+    increase_rate(q, target, t.dt_s, ramp);
   clamp_rate(t.floor_limited);
 
-  Decision d = decide(now, q, t.target, fresh);
+  Decision d = decide(now, q, target, fresh);
   d.emergency = entered_pause;
   d.foreground_base = fgb;
   d.copy_base = cb;
   d.probe_base = probe_base_.value();
   d.probe_delay = pq;
+  d.measured_delay = measured;
+  d.own_queue_bounded = own_bounded;
   // Said once the storage's rate is measured (the ramp is over): before, a service time from the
   // start rate would claim a floor that storage able to meet the budget does not have.
   d.floor_limited = t.floor_limited && floor_entered_ && !slow_start_;
   if (d.floor_limited) d.floor_latency = from_seconds(t.unit_s);
   d.storage_rate_bytes_per_s = drain_max_seen_;
+  d.own_queue_rate_bytes_per_s = own_queue_rate();
   started_ = true;
   last_now_ = now;
   prev_window_ = d.window_bytes;

@@ -32,6 +32,14 @@
 //    allowance (window-limited or drained ≥ kBusyFraction of the paced bytes).  Without fresh
 //    samples neither rate nor window ever increase; a tick the caller reports idle (no
 //    foreground I/O at all: TickInput::foreground_idle) counts as fresh.
+//  * Own queue (TickInput::own_queue_bytes, where the caller can bound the copy's bytes ahead of a
+//    foreground request): q is charged to the copy only up to those bytes ÷ the storage's
+//    measured rate -- the best of the drain estimate and of the copy's own requests' bytes ÷
+//    their time at storage (TickInput::own_service_samples, copy_samples: a request that
+//    waited behind others gives a low figure, the max filter keeps the clean ones).
+//    Measured delay beyond that is the foreground's own queueing (a busy guest queues behind its
+//    own writes and flushes at any copy rate): the copy keeps its share instead of backing off
+//    to the floor, and its own queue stays bounded by the window and steered to the target.
 //  * Emergency stop: q > kEmergencyFactor × budget ⇒ paused (and R halved).  Resumes when fresh
 //    samples show q ≤ target, or after kPauseProbeAfter when nothing at all is outstanding.
 //  * Floor-limited (config.copy_request_bytes, kFloorLimitedDrainShare): where one indivisible
@@ -154,6 +162,13 @@ inline constexpr std::uint32_t kFloorLimitedMinRequestsInFlight = 2;
 inline constexpr double kFloorShortfall = 0.75;
 inline constexpr int kFloorShortfallSamples = 5;
 
+// The storage's rate as the copy's own requests show it (bytes / time from submission to
+// completion): requests below kMinServiceSampleBytes are left out (their time is mostly the
+// storage's fixed latency, not its rate), and the best figure of kServiceRateHorizon is kept (a
+// request that did not wait behind a busy guest's is rare while the guest is busy).
+inline constexpr std::uint64_t kMinServiceSampleBytes = 64 * 1024;
+inline constexpr Duration kServiceRateHorizon = std::chrono::seconds(10);
+
 // The budget users give is the latency a guest's durable write may gain.  That write is a chain
 // of storage requests -- the data write, then the flush (FUA or a cache flush) -- and each one
 // waits behind what the copy has queued, so the guest sees the queueing delay about twice.
@@ -234,6 +249,20 @@ struct TickInput {
   std::uint64_t backlog_bytes = 0;
   // Bytes of the copy that reached storage since the previous tick.
   std::uint64_t drained_bytes = 0;
+  // The most bytes of the copy's own that can be ahead of a foreground request at the storage,
+  // when the caller can bound them: what it has submitted and not seen completed -- its writes in
+  // flight (with direct I/O, as many as it may have at once) and the target's pages under
+  // writeback (dirty pages not yet submitted are behind the request, not ahead of it).  Then the
+  // delay charged to the copy is at most the time the storage takes to clear them at its measured
+  // rate: a foreground request that waited longer waited behind the foreground's own requests (a
+  // busy guest's writer, its flushes), which no cut of the copy's rate would shorten.
+  // nullopt: every delay is charged.
+  std::optional<std::uint64_t> own_queue_bytes{};
+  // Requests of the copy's own whose bytes and time from submission to completion are known
+  // without being copy latencies the delay is computed from (a daemon's writeback ranges, waited
+  // for): each bounds the storage's rate from below (bytes / time), which own_queue_bytes is
+  // divided by.  copy_samples count as such too.
+  std::span<const CopySample> own_service_samples{};
 };
 
 enum class Phase { SlowStart, Steady, Slowdown, Paused };
@@ -247,7 +276,11 @@ struct Decision {
   Duration next_tick{};            // call tick() again after this long
   // Diagnostics.
   Phase phase = Phase::SlowStart;
-  Duration queue_delay{};  // q this tick (max of all signals)
+  Duration queue_delay{};     // q this tick: the delay charged to the copy, steered to the target
+  Duration measured_delay{};  // the max of all signals, before the own-queue bound
+  // The delay measured exceeded what the copy's own queue can explain (TickInput::own_queue_bytes):
+  // queue_delay is that bound, the rest is the foreground's own queueing.
+  bool own_queue_bounded = false;
   std::optional<Duration> foreground_base{};
   std::optional<Duration> copy_base{};
   std::optional<Duration> probe_base{};
@@ -261,6 +294,9 @@ struct Decision {
   Duration floor_latency{};
   // The best drain rate measured: the storage's rate, as service times are computed from it.
   double storage_rate_bytes_per_s = 0;
+  // The rate own_queue_bytes is divided by: the best of that and of the copy's own requests'
+  // service rates (0 while neither is known).
+  double own_queue_rate_bytes_per_s = 0;
 };
 
 struct ControllerStats {
@@ -333,6 +369,9 @@ class Controller {
   [[nodiscard]] Duration probe_delay(const TickInput& in) const;
   [[nodiscard]] Duration copy_delay(const TickInput& in, TimePoint now,
                                     std::vector<Duration>& copy_norm);
+  void learn_service_rate(const TickInput& in);
+  [[nodiscard]] double own_queue_rate() const;
+  [[nodiscard]] Duration charged_delay(const TickInput& in, Duration measured) const;
   void update_slowdown(const TickInput& in, bool had_fg_base, bool fresh);
   void update_floor_ramp(const TickTiming& t, bool new_drain_sample, TimePoint now);
   void follow_slower_storage();
@@ -381,6 +420,9 @@ class Controller {
   int shortfall_samples_ = 0;   // floor-limited: drain samples in a row short of the paced rate
   double shortfall_best_ = 0;   // the best of them
   int ramp_flat_samples_ = 0;
+  // The copy's own requests' service rates (learn_service_rate), for kServiceRateHorizon.
+  std::deque<DrainSample> service_rates_;
+  bool own_queue_known_ = false;  // this tick's TickInput::own_queue_bytes was given
 };
 
 }  // namespace qcommit::throttle

@@ -52,6 +52,8 @@ struct Simulator::Job {
   Decision decision{};
   std::vector<Duration> fg_inbox;
   std::vector<CopySample> copy_inbox;
+  std::vector<CopySample> service_inbox;  // JobConfig::own_queue_visible
+  Ns prev_completion = 0;                 // of the copy's previous request
   std::optional<ProbeSchedule> probe;
   std::vector<Duration> probe_inbox;
   std::uint64_t drained_since_tick = 0;
@@ -189,6 +191,11 @@ void Simulator::on_complete(const Req& r) {
         if (!(j.cfg.sample_loss > 0 && u(rng_) < j.cfg.sample_loss))
           j.copy_inbox.push_back({Duration(now_ - r.submit), r.bytes});
       }
+      // Its time at storage: from its submission, or from the completion of the copy's request
+      // before it if that came later (it waited behind the copy's own), to its completion.
+      if (j.ctl && !j.cancelled && j.cfg.own_queue_visible)
+        j.service_inbox.push_back({Duration(now_ - std::max(r.submit, j.prev_completion)), r.bytes});
+      j.prev_completion = now_;
       if (j.stats.drained_total >= j.cfg.total_bytes) {
         j.finished = true;
         j.stats.finished_at = now_;
@@ -415,12 +422,17 @@ void Simulator::job_tick(int ji) {
     in.copy_oldest_outstanding = Duration(now_ - j.outstanding.begin()->second);
   in.backlog_bytes = j.cfg.request_bytes > 0 ? 0 : job_backlog(j);
   in.drained_bytes = j.drained_since_tick;
+  if (j.cfg.own_queue_visible) {
+    in.own_queue_bytes = j.inflight + writeback_[static_cast<std::size_t>(j.index)];
+    in.own_service_samples = j.service_inbox;
+  }
   j.decision = j.ctl->tick(in);
   j.stats.ticks.push_back({now_, j.decision, in.backlog_bytes,
                            !in.foreground_latencies.empty() || !in.copy_samples.empty() ||
                                !in.probe_latencies.empty()});
   j.fg_inbox.clear();
   j.copy_inbox.clear();
+  j.service_inbox.clear();
   j.probe_inbox.clear();
   j.drained_since_tick = 0;
   j.pacer.set_rate(tp(now_), j.decision.rate_bytes_per_s);

@@ -96,6 +96,11 @@ struct JobConfig {
   // The controller is told when its host's guests did no I/O for kHostIdleAfter (the daemon's
   // TickInput::foreground_idle).
   bool idle_signal = false;
+  // The controller is told the copy's own bytes in the storage's queue (TickInput::
+  // own_queue_bytes: its requests in flight and its pages under writeback) and, as
+  // own_service_samples, each of its requests' bytes and time from submission to completion (a
+  // daemon knows them of the writeback ranges it waits for, not of the job's I/O).
+  bool own_queue_visible = false;
   std::optional<ProbeConfig> probe;  // shared-queue probe of the job's host
   Ns clock_offset = 0;               // added to the time the controller is given
   // The host's synchronised wall clock (TickInput::wall_clock) = virtual time + this error;
