@@ -15,8 +15,33 @@ using boost::endian::load_big_u64;
 namespace {
 // Snapshot L1 tables are read in pieces of at most this many bytes.
 inline constexpr uint64_t kSnapshotL1ChunkBytes = 1ull << 20;
+// FNV-1a, 64 bits: the hash of the metadata a plan was computed from.
+inline constexpr uint64_t kFnvOffsetBasis = 0xcbf29ce484222325ull;
+inline constexpr uint64_t kFnvPrime = 0x100000001b3ull;
+
+// Folds the bytes [offset, offset + size) of `file` (the part inside the file) into `hash`.
+uint64_t hash_region(BlockDevice& file, uint64_t offset, uint64_t size, uint64_t hash) {
+  const uint64_t file_size = file.size();
+  if (offset >= file_size) return hash;
+  std::vector<uint8_t> buf(size_t(std::min(size, file_size - offset)));
+  file.read(offset, buf);
+  for (const uint8_t b : buf) hash = (hash ^ b) * kFnvPrime;
+  return hash;
+}
 }  // namespace
 
+PlannedState planned_state(Image& image) {
+  const Header& h = image.header();
+  BlockDevice& file = image.file();
+  uint64_t hash = hash_region(file, 0, image.cluster_size(), kFnvOffsetBasis);
+  hash = hash_region(file, h.l1_table_offset, uint64_t(h.l1_size) * 8, hash);
+  hash = hash_region(file, h.refcount_table_offset,
+                     uint64_t(h.refcount_table_clusters) * image.cluster_size(), hash);
+  return {file.size(), hash};
+}
+
+// Step 1 of a check: counts every reference the metadata makes, compares the counts with the
+// stored refcounts and lays out the repairs as a RepairPlan. Reads only.
 class Checker {
  public:
   Checker(Image& img, Repair repair)
@@ -25,7 +50,20 @@ class Checker {
     refs_.assign(nb_clusters_, 0);
   }
 
-  CheckResult run() {
+  RepairPlan run() {
+    plan_.mode = repair_;
+    plan_.state = planned_state(img_);
+    count_references();
+    compare();
+    plan_repairs();
+    plan_.clear_dirty_when_clean = repair_ != Repair::kNone && img_.dirty();
+    plan_.findings = std::move(res_);
+    return std::move(plan_);
+  }
+
+ private:
+  // Every reference of the header, tables, bitmaps and encryption header, counted in refs_.
+  void count_references() {
     const Header& h = img_.header();
     res_.total_clusters = guest_clusters(h.size);
     inc(0, cs_, "header");
@@ -59,22 +97,8 @@ class Checker {
       if (e.type == kExtFullDiskEncryption && e.data.size() >= 16)
         inc(load_big_u64(e.data.data()), load_big_u64(e.data.data() + 8), "encryption header");
     }
-    compare();
-    if (repair_ != Repair::kNone && img_.dirty() && res_.clean()) {
-      Header hd = img_.header_;
-      hd.incompatible_features &= ~kIncompatDirty;
-      // Only the feature bits change: the rest of the header stays as it is on disk.
-      const big_uint64_buf_t features(hd.incompatible_features);
-      img_.file().write(offsetof(RawHeader, incompatible_features),
-                        std::span<const uint8_t>(features.data(), sizeof features));
-      img_.file().flush();
-      img_.header_ = hd;
-      res_.dirty_cleared = true;
-    }
-    return res_;
   }
 
- private:
   // Counts a problem and keeps its message among the first kMaxCheckMessages. `msg` builds the
   // message and runs only while messages are kept: a hostile image (thousands of snapshots
   // sharing broken tables) yields millions of problems, and building each message cost most of
@@ -191,7 +215,7 @@ class Checker {
           return "ERROR OFLAG_COPIED L2 cluster: l1_index=" + std::to_string(i) +
                  " l1_entry=" + hex(e) + " refcount=" + std::to_string(rc);
         });
-        copied_fix_l1_.push_back(i);
+        copied_fix_l1_.push_back({i, e});
       }
       if (count_l2_table(l2, 1)) walk_l2(l2, true, 1);
     }
@@ -263,7 +287,7 @@ class Checker {
             return "ERROR OFLAG_COPIED data cluster: l2_entry=" + hex(e) +
                    " refcount=" + std::to_string(rc);
           });
-          copied_fix_l2_.push_back({l2, i});
+          copied_fix_l2_.push_back({l2, i, e});
         }
       }
       inc(host, cs_, "data cluster", weight);
@@ -349,13 +373,7 @@ class Checker {
             "without bitmap support wrote the image); its " +
             std::to_string(stale->nb_bitmaps) +
             " bitmaps are ignored and their clusters are not in use");
-      if (repair_ != Repair::kNone) {
-        const std::vector<uint8_t> h = img_.encode_header(img_.header_);
-        img_.file().write(0, std::span<const uint8_t>(h.data(), h.size()));
-        img_.file().flush();
-        img_.stale_bitmaps_.reset();
-        res_.stale_bitmaps_dropped = true;
-      }
+      plan_.drop_stale_bitmaps = repair_ != Repair::kNone;
       return;
     }
     const auto bad =
@@ -382,51 +400,74 @@ class Checker {
     }
   }
 
+  // Compares every cluster's references with its stored refcount. Clusters of a refcount block
+  // that is missing or unreadable all have refcount 0: decided once per block. (Per cluster,
+  // references far beyond the end of the file cost one CorruptionError each, millions for a
+  // few-KiB image: seconds of check and of merge.)
   void compare() {
     const uint64_t n = std::max<uint64_t>(refs_.size(), nb_clusters_);
-    std::vector<std::pair<uint64_t, uint64_t>> fixes;  // (cluster, new refcount)
-    // Clusters of a refcount block that is missing or unreadable all have refcount 0: decided
-    // once per block. (Per cluster, references far beyond the end of the file cost one
-    // CorruptionError each, millions for a few-KiB image: seconds of check and of merge.)
     const uint64_t block_entries = geo_.refcount_block_entries();
     uint64_t seen_block = ~0ull;
-    bool block_missing = false;
-    uint64_t unrepairable = 0;
+    uint64_t block_offset = 0;  // of the block describing cluster c; 0: none usable
     for (uint64_t c = 0; c < n; ++c) {
       const uint64_t want = c < refs_.size() ? refs_[c] : 0;
       if (c / block_entries != seen_block) {
         seen_block = c / block_entries;
-        block_missing = !readable_refcount_block(seen_block).table;
+        const Image::RefcountBlock b = readable_refcount_block(seen_block);
+        block_offset = b.table ? b.offset : 0;
       }
-      const uint64_t have = block_missing ? 0 : safe_refcount(c);
+      const uint64_t have = block_offset ? safe_refcount(c) : 0;
       // As qemu-img check: the end of the last cluster referenced or with a refcount (a leak).
       if (want || have) res_.image_end_offset = (c + 1) * cs_;
-      if (have == want) continue;
-      if (have > want) {
-        ++res_.leaks;
-        if (res_.messages.size() < kMaxCheckMessages)
-          res_.messages.push_back("Leaked cluster " + std::to_string(c) + " refcount=" +
-                                  std::to_string(have) + " reference=" + std::to_string(want));
-        if (repair_ != Repair::kNone) fixes.push_back({c, want});
-      } else {
-        problem(true, [&] {
-          return "ERROR cluster " + std::to_string(c) + " refcount=" + std::to_string(have) +
-                 " reference=" + std::to_string(want);
-        });
-        // Without a refcount block there is nothing to repair (the loop below would skip it);
-        // queueing millions of such clusters (references far beyond the file) took >256 MiB.
-        if (repair_ == Repair::kAll && want <= geo_.refcount_max()) {
-          if (!block_missing)
-            fixes.push_back({c, want});
-          else
-            ++unrepairable;
-        }
-      }
+      if (have != want) mismatch(c, have, want, block_offset);
     }
-    if (unrepairable && res_.messages.size() < kMaxCheckMessages)
-      res_.messages.push_back("cannot repair " + std::to_string(unrepairable) +
+  }
+
+  // Cluster `c` stores refcount `have` but has `want` references: reported, and a fix planned
+  // as the repair mode allows, in the refcount block at `block_offset` (0: none usable).
+  void mismatch(uint64_t c, uint64_t have, uint64_t want, uint64_t block_offset) {
+    if (have > want) {
+      ++res_.leaks;
+      if (res_.messages.size() < kMaxCheckMessages)
+        res_.messages.push_back("Leaked cluster " + std::to_string(c) + " refcount=" +
+                                std::to_string(have) + " reference=" + std::to_string(want));
+      if (repair_ != Repair::kNone) plan_.refcount_fixes.push_back({c, block_offset, have, want});
+      return;
+    }
+    problem(true, [&] {
+      return "ERROR cluster " + std::to_string(c) + " refcount=" + std::to_string(have) +
+             " reference=" + std::to_string(want);
+    });
+    if (repair_ != Repair::kAll) return;
+    if (want > geo_.refcount_max())
+      unrepairable(c, UnrepairableRun::Why::kAboveRefcountWidth);
+    else if (!block_offset)
+      unrepairable(c, UnrepairableRun::Why::kRefcountBlockMissing);
+    else
+      plan_.refcount_fixes.push_back({c, block_offset, have, want});
+  }
+
+  // Records cluster `c` as not repairable, joined to the run of the cluster before it (clusters
+  // without a refcount block can be millions: one entry each took >256 MiB).
+  void unrepairable(uint64_t c, UnrepairableRun::Why why) {
+    auto& runs = plan_.unrepairable;
+    if (!runs.empty() && runs.back().why == why &&
+        runs.back().first_cluster + runs.back().clusters == c)
+      ++runs.back().clusters;
+    else
+      runs.push_back({c, 1, why});
+  }
+
+  // What the repair writes, once every refcount has been compared: nothing when references past
+  // the end of the file went uncounted, else the refcount fixes and (kAll) the COPIED flags.
+  void plan_repairs() {
+    uint64_t missing = 0;
+    for (const UnrepairableRun& r : plan_.unrepairable)
+      if (r.why == UnrepairableRun::Why::kRefcountBlockMissing) missing += r.clusters;
+    if (missing && res_.messages.size() < kMaxCheckMessages)
+      res_.messages.push_back("cannot repair " + std::to_string(missing) +
                               " clusters: their refcount blocks are missing");
-    if (fixes.empty() &&
+    if (plan_.refcount_fixes.empty() &&
         (repair_ != Repair::kAll || (copied_fix_l1_.empty() && copied_fix_l2_.empty())))
       return;
     if (references_past_file_) {
@@ -437,72 +478,47 @@ class Checker {
         res_.messages.push_back(
             "nothing repaired: references past the end of the file make the refcounts "
             "unreliable");
+      plan_.refcount_fixes.clear();
+      plan_.refused_unreliable = true;
       return;
     }
-    // Apply refcount fixes block by block.
-    const uint64_t per_block = geo_.refcount_block_entries();
-    std::vector<uint8_t> block(cs_);
-    uint64_t cur_block = ~0ull;
-    bool changed = false;
-    auto flush_block = [&] {
-      if (cur_block != ~0ull && changed) {
-        img_.file().write(cur_block, block);
-        img_.cache_.erase(cur_block);
-      }
-      changed = false;
-    };
-    for (auto [c, v] : fixes) {
-      const Image::RefcountBlock b = readable_refcount_block(c / per_block);
-      if (!b.table) {
-        if (res_.messages.size() < kMaxCheckMessages)
-          res_.messages.push_back("cannot repair cluster " + std::to_string(c) +
-                                  ": its refcount block is missing");
-        continue;
-      }
-      if (b.offset != cur_block) {
-        flush_block();
-        cur_block = b.offset;
-        block = *b.table;
-      }
-      const uint64_t old = refcount_entry(block.data(), geo_.refcount_order, c % per_block);
-      set_refcount_entry(block.data(), geo_.refcount_order, c % per_block, v);
-      changed = true;
-      if (old > v)
-        ++res_.leaks_fixed;
-      else
-        ++res_.corruptions_fixed;
-    }
-    flush_block();
-    img_.file().flush();
-    if (repair_ == Repair::kAll) fix_copied();
+    if (repair_ == Repair::kAll) plan_copied_flags();
   }
 
-  void fix_copied() {
-    // Recompute COPIED flags from the repaired refcounts.
-    for (uint64_t i : copied_fix_l1_) {
-      uint64_t e = img_.l1_[i];
-      const uint64_t rc = img_.refcount((e & kL1OffsetMask) / cs_);
-      e = rc == 1 ? (e | kOflagCopied) : (e & ~kOflagCopied);
-      img_.l1_[i] = e;
-      uint8_t b[8];
-      boost::endian::store_big_u64(b, e);
-      img_.file().write(img_.header().l1_table_offset + 8 * i, b);
-      ++res_.corruptions_fixed;
-    }
-    for (auto [l2, i] : copied_fix_l2_) {
-      uint8_t b[8];
-      const uint64_t at = l2 + i * geo_.l2_entry_bytes();
-      img_.file().read(at, b);
-      uint64_t e = load_big_u64(b);
-      const uint64_t rc = img_.refcount((e & kL2OffsetMask) / cs_);
-      e = rc == 1 ? (e | kOflagCopied) : (e & ~kOflagCopied);
-      boost::endian::store_big_u64(b, e);
-      img_.file().write(at, b);
-      img_.cache_.erase(l2);
-      ++res_.corruptions_fixed;
-    }
-    img_.file().flush();
+  // The COPIED flags of the entries found wrong, as the refcounts will be once the plan's
+  // refcount fixes are written: set exactly when the refcount is 1.
+  void plan_copied_flags() {
+    const uint64_t l1 = img_.header().l1_table_offset;
+    for (const auto& [i, e] : copied_fix_l1_)
+      plan_.copied_fixes.push_back({CopiedFlagFix::Table::kL1, l1, i, l1 + 8 * i, e,
+                                    with_copied(e, (e & kL1OffsetMask) / cs_)});
+    for (const L2Candidate& f : copied_fix_l2_)
+      plan_.copied_fixes.push_back({CopiedFlagFix::Table::kL2, f.table, f.index,
+                                    f.table + f.index * geo_.l2_entry_bytes(), f.entry,
+                                    with_copied(f.entry, (f.entry & kL2OffsetMask) / cs_)});
   }
+
+  [[nodiscard]] uint64_t with_copied(uint64_t entry, uint64_t cluster) {
+    return refcount_after_repair(cluster) == 1 ? (entry | kOflagCopied) : (entry & ~kOflagCopied);
+  }
+
+  // The refcount of cluster `c` once the plan's refcount fixes are written (throws
+  // CorruptionError when it has no readable refcount block).
+  [[nodiscard]] uint64_t refcount_after_repair(uint64_t c) {
+    const auto& fixes = plan_.refcount_fixes;
+    const auto it =
+        std::lower_bound(fixes.begin(), fixes.end(), c,
+                         [](const RefcountFix& f, uint64_t v) { return f.cluster < v; });
+    if (it != fixes.end() && it->cluster == c) return it->to;
+    return img_.refcount(c);
+  }
+
+  // An active L2 entry whose COPIED flag disagrees with its cluster's refcount.
+  struct L2Candidate {
+    uint64_t table = 0;
+    uint64_t index = 0;
+    uint64_t entry = 0;
+  };
 
   Image& img_;
   const Geometry geo_;
@@ -512,13 +528,14 @@ class Checker {
   std::vector<uint32_t> refs_;
   bool bad_blocks_ = false;
   bool references_past_file_ = false;  // some reference was not counted (see inc)
-  std::vector<uint64_t> copied_fix_l1_;
-  std::vector<std::pair<uint64_t, uint64_t>> copied_fix_l2_;
+  std::vector<std::pair<uint64_t, uint64_t>> copied_fix_l1_;  // (L1 index, entry)
+  std::vector<L2Candidate> copied_fix_l2_;
   std::vector<uint8_t> l2_buf_;
   CheckResult res_;
+  RepairPlan plan_;
 };
 
-CheckResult check(Image& image, Repair repair) {
+RepairPlan plan_repair(Image& image, Repair repair) {
   Checker c(image, repair);
   return c.run();
 }

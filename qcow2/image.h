@@ -160,8 +160,9 @@ class Image {
                                                                      uint64_t l1_index);
 
  private:
-  friend class Writer;   // qcow2/writer.h: allocation and metadata updates
-  friend class Checker;  // qcow2/check.cpp: consistency check and repair
+  friend class Writer;         // qcow2/writer.h: allocation and metadata updates
+  friend class Checker;        // qcow2/check.cpp: consistency check, repair plan
+  friend class RepairApplier;  // qcow2/check_apply.cpp: writes a repair plan
   Image(std::unique_ptr<BlockDevice> file, ImageOptions options);
   // Header parsing (parse_header), step by step; each step's contract is at its definition.
   void parse_header();
