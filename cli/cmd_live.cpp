@@ -34,6 +34,7 @@
 #include "plugin/host/json.h"
 #include "plugin/hypervisor/libvirt_hypervisor.h"
 #include "plugin/live/live.h"
+#include "plugin/live/progress.h"
 #include "plugin/host/mono_clock.h"
 #include "plugin/hypervisor/qmp_hypervisor.h"
 #include "plugin/govern/writeback.h"
@@ -424,7 +425,7 @@ void print_plan(const LiveArgs& a, const std::vector<plugin::LiveStep>& steps,
                              {"strategy", to_string(a.req.strategy)},
                              {"budget", a.budget},
                              {"governor", governor},
-                             {"dry-run", a.dry_run},
+                             {"dry_run", a.dry_run},
                              {"steps", described}});
   } else {
     std::printf("qcommit live: %s %s, strategy %s, budget %s, governed by %s\n",
@@ -438,18 +439,7 @@ void print_plan(const LiveArgs& a, const std::vector<plugin::LiveStep>& steps,
 
 // ---- pacing: in-process, or qcommitd's ----
 
-// One governed job's state as progress shows it.
-struct JobProgress {
-  std::string type;
-  std::uint64_t bytes_left = 0;
-  std::uint64_t speed_bytes_per_s = 0;
-  std::uint64_t window_bytes = 0;
-  std::optional<double> p99_ms;
-  std::optional<double> eta_s;
-  std::string phase;
-  std::string probe;             // the shared-queue probe: "on", "off", "disabled" ("" unknown)
-  std::string probe_off_reason;  // "off": why
-};
+using plugin::JobProgress;
 
 class Pacing {
  public:
@@ -496,19 +486,7 @@ class InProcessPacing final : public Pacing {
 
 std::vector<JobProgress> InProcessPacing::progress(TimePoint now) {
   std::vector<JobProgress> out;
-  for (const auto& j : gov_.status(now).jobs) {
-    JobProgress p{plugin::to_string(j.type),
-                  j.bytes_left,
-                  j.speed_bytes_per_s,
-                  j.window_bytes,
-                  std::nullopt,
-                  j.eta_s,
-                  j.phase,
-                  plugin::to_string(j.probe),
-                  j.probe_off_reason};
-    if (j.latency_p99) p.p99_ms = std::chrono::duration<double, std::milli>(*j.latency_p99).count();
-    out.push_back(std::move(p));
-  }
+  for (const auto& j : gov_.status(now).jobs) out.push_back(plugin::progress_of(j));
   return out;
 }
 
@@ -539,18 +517,6 @@ TimePoint DaemonPacing::step(TimePoint now) {
   return now + kEventWait;
 }
 
-std::optional<double> number_member(const json::Value& o, const char* key) {
-  const json::Value* v = json::member(o, key);
-  if (!v || !v->is_number()) return std::nullopt;
-  return v->get<double>();
-}
-
-// A byte count the daemon sent, exact (0 when absent or not a count).
-std::uint64_t count_member(const json::Value& o, const char* key) {
-  const json::Value* v = json::member(o, key);
-  return v ? json::to_uint64(*v).value_or(0) : 0;
-}
-
 std::vector<JobProgress> DaemonPacing::progress(TimePoint) {
   std::string error;
   const std::optional<std::string> line =
@@ -563,17 +529,7 @@ std::vector<JobProgress> DaemonPacing::progress(TimePoint) {
   for (const auto& j : *jobs) {
     if (json::string_member(j, "domain") != domain_ || json::string_member(j, "disk") != disk_)
       continue;
-    JobProgress p;
-    p.type = json::string_member(j, "type");
-    p.bytes_left = count_member(j, "bytes_left");
-    p.speed_bytes_per_s = count_member(j, "speed_bytes_per_s");
-    p.window_bytes = count_member(j, "window_bytes");
-    p.p99_ms = number_member(j, "latency_p99_ms");
-    p.eta_s = number_member(j, "eta_s");
-    p.phase = json::string_member(j, "phase");
-    p.probe = json::string_member(j, "probe");
-    p.probe_off_reason = json::string_member(j, "probe_off_reason");
-    out.push_back(std::move(p));
+    out.push_back(plugin::progress_of_status(j));
   }
   return out;
 }
@@ -595,25 +551,6 @@ std::string eta_text(double s) {
 std::optional<double> percent_done(const std::optional<plugin::JobInfo>& info) {
   if (!info || info->end == 0) return std::nullopt;
   return 100.0 * static_cast<double>(info->cur) / static_cast<double>(info->end);
-}
-
-// {"event": "progress", "type", "bytes-left", "speed", "window", "p99-ms", "phase", "percent",
-//  "eta-s"} (unknown values null)
-json::Ordered progress_json(const JobProgress& j, std::optional<double> percent) {
-  auto num_or_null = [](std::optional<double> v) {
-    return v ? json::Ordered(rounded(*v, 6)) : json::Ordered(nullptr);
-  };
-  return json::Ordered{{"event", "progress"},
-                       {"type", j.type},
-                       {"bytes-left", j.bytes_left},
-                       {"speed", j.speed_bytes_per_s},
-                       {"window", j.window_bytes},
-                       {"p99-ms", num_or_null(j.p99_ms)},
-                       {"phase", j.phase},
-                       {"percent", num_or_null(percent)},
-                       {"eta-s", num_or_null(j.eta_s)},
-                       {"probe", j.probe},
-                       {"probe-off-reason", j.probe_off_reason}};
 }
 
 // "  commit: 42%, 512.0 MiB left, 12.0 MiB/s, ETA 43 s, guests' p99 4.1 ms, window 4.0 MiB (phase)"
@@ -704,7 +641,7 @@ void LiveRun::report(TimePoint now) {
   const std::optional<double> pct = percent_done(merge_.last_info());
   for (const auto& j : pacing_.progress(now)) {
     if (a_.json_out) {
-      print_json(progress_json(j, pct));
+      print_json(plugin::progress_json(j, pct));
     } else {
       print_progress_line(j, pct);
       // A probe the policy asks for but that is off: said once (per reason).

@@ -55,7 +55,7 @@ jq -se --arg dom "$dom" 'map(select(.event == "wait"))[0] | .domain == $dom and 
 jq -se --arg s "$dir/d.sock" 'map(select(.event == "plan"))[0].governor == "qcommitd (\($s))"' events >/dev/null ||
   fail "the plan does not name qcommitd as the governor: $(head -n 2 events)"
 # qcommitd's figures for this disk: a speed it set, a phase, and a percent from the job.
-n=$(jq -se 'map(select(.event == "progress" and .speed > 0 and (.phase | length) > 0 and .percent != null)) | length' events)
+n=$(jq -se 'map(select(.event == "progress" and .speed_bytes_per_s > 0 and (.phase | length) > 0 and .percent != null)) | length' events)
 echo "  progress events with qcommitd's speed, phase and percent: $n"
 ((n >= 2)) || fail "expected progress from qcommitd: $(grep progress events | head -n 3)"
 [[ $(jq -se 'map(select(.event == "result"))[0].outcome' events) == '"done"' ]] || fail "no result 'done'"

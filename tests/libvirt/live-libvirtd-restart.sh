@@ -56,7 +56,7 @@ lrc=0
 wait "$lpid" || lrc=$?
 ((lrc == 0)) || fail "qcommit live failed (exit $lrc): $(cat err) $(tail -n 3 events)"
 took=$(echo "$(date +%s.%N) - $t0" | bc)
-top_speed=$(jq -s 'map(select(.event == "progress") | .speed // 0) | max // 0' events)
+top_speed=$(jq -s 'map(select(.event == "progress") | .speed_bytes_per_s // 0) | max // 0' events)
 echo "40 MiB at --max-rate 4M: ${took} s; largest progress speed $top_speed, largest QEMU speed $qemu_max bytes/s"
 n=$(jq -s 'map(select(.event == "wait" and .for == "connection")) | length' events)
 [[ $n == 1 ]] || fail "$n wait events for the connection, expected 1: $(grep wait events | head -3)"

@@ -67,7 +67,7 @@ refused 5ms "^qcommit live: --probe 5ms: probe period must be within \\[10ms, 10
 
 echo "case 2: auto (the default) on a local filesystem"
 merge_with local
-jq -se 'map(select(.event == "progress"))[0]["probe-off-reason"] |
+jq -se 'map(select(.event == "progress"))[0]["probe_off_reason"] |
   test("^probe=auto: .*/base.qcow2 is on (ext4|xfs|btrfs), which other hosts do not share$")' events >/dev/null ||
   fail "auto: the reason does not name the filesystem: $(grep progress events | head -n 1)"
 echo "case 3: --probe 50ms"
