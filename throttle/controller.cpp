@@ -130,11 +130,7 @@ void Controller::skip_until(TimePoint now) {
 
 std::uint64_t Controller::compute_window() const {
   const double t = seconds(cfg_.latency_budget);
-  // Hard cap: budget × drain.  Where the caller bounds the copy's own queue, the time that queue
-  // takes at storage is its bytes over the storage's rate, which a busy guest keeps above the
-  // copy's share (drain): the cap is then budget × that rate.
-  const double rate = own_queue_known_ ? std::max(drain_est_, own_queue_rate()) : drain_est_;
-  const double cap = t * rate;
+  const double cap = t * drain_est_;  // hard cap: budget × drain
   double w = cap;
   w = std::clamp(w, static_cast<double>(cfg_.min_window_bytes),
                  static_cast<double>(cfg_.max_window_bytes));
@@ -449,16 +445,20 @@ double Controller::own_queue_rate() const {
   return best;
 }
 
-// The delay charged to the copy: what was measured, but at most the time the storage takes to
-// clear the copy's own queue (TickInput::own_queue_bytes) at own_queue_rate().  In a FIFO queue a
-// foreground request waits behind at most those of the copy's bytes; the rest of its wait is for
-// other foreground requests.  Both rates are lower bounds of the storage's, so the bound errs
-// long.
-Duration Controller::charged_delay(const TickInput& in, Duration measured) const {
+// The delay charged to the copy.  In a FIFO queue a foreground request waits behind at most the
+// copy's own queue (TickInput::own_queue_bytes), which takes own_s at own_queue_rate() (a lower
+// bound of the storage's rate, so own_s errs long): min(measured, own_s) is never less than the
+// copy's share.  The foreground's own requests (foreground_own_bytes) explain at most guests_s of
+// it: measured − guests_s is what they cannot, which includes another host's copy.  The larger of
+// the two is charged; without both bounds, all of it.
+Controller::Charge Controller::charged_delay(const TickInput& in, Duration measured) const {
   const double rate = own_queue_rate();
-  if (!in.own_queue_bytes || rate <= 0) return measured;
-  const double own_s = static_cast<double>(*in.own_queue_bytes) / rate;
-  return std::min(measured, from_seconds(own_s));
+  if (!in.own_queue_bytes || !in.foreground_own_bytes || rate <= 0) return {measured, false};
+  const Duration own = std::min(measured, from_seconds(static_cast<double>(*in.own_queue_bytes) / rate));
+  const Duration guests = from_seconds(static_cast<double>(*in.foreground_own_bytes) / rate);
+  const Duration unexplained = measured > guests ? measured - guests : Duration::zero();
+  if (unexplained >= own) return {unexplained, false};
+  return {own, own < measured};
 }
 
 Decision Controller::tick(const TickInput& in) {
@@ -472,7 +472,6 @@ Decision Controller::tick(const TickInput& in) {
   start_periodic_slowdown(in);
 
   learn_service_rate(in);
-  own_queue_known_ = in.own_queue_bytes.has_value();
   const bool had_fg_base = fg_base_.value().has_value();
   std::vector<Duration> copy_norm = learn_base_latencies(in);
   const std::optional<Duration> fgb = fg_base_.value();
@@ -481,11 +480,12 @@ Decision Controller::tick(const TickInput& in) {
   const Duration pq = probe_delay(in);
   const Duration measured =
       std::max({foreground_delay(in, now), copy_delay(in, now, copy_norm), pq, Duration::zero()});
-  const Duration q = charged_delay(in, measured);
+  const Charge charge = charged_delay(in, measured);
+  const Duration q = charge.delay;
   // A delay charged from the copy's own queue is the most any request can wait behind the copy,
   // not a sample of what requests waited: it is steered to the whole budget, where measured
   // delays are steered to a fraction of it for their noise and overshoot.
-  const bool own_bounded = q < measured;
+  const bool own_bounded = charge.own_queue_bound;
   const Duration target = own_bounded ? std::max(t.target, from_seconds(t.budget_s)) : t.target;
 
   const bool emergency_now = q > t.stall;

@@ -32,11 +32,17 @@
 //    allowance (window-limited or drained ≥ kBusyFraction of the paced bytes).  Without fresh
 //    samples neither rate nor window ever increase; a tick the caller reports idle (no
 //    foreground I/O at all: TickInput::foreground_idle) counts as fresh.
-//  * Own queue (TickInput::own_queue_bytes, where the caller can bound the copy's bytes ahead of a
-//    foreground request): q is charged to the copy only up to those bytes ÷ the storage's
-//    measured rate -- the best of the drain estimate and of the copy's own requests' bytes ÷
-//    their time at storage (TickInput::own_service_samples, copy_samples: a request that
-//    waited behind others gives a low figure, the max filter keeps the clean ones).
+//  * The guests' own queueing (where the caller bounds both the copy's bytes ahead of a foreground
+//    request, TickInput::own_queue_bytes, and the foreground's own, foreground_own_bytes): the
+//    delay charged is the larger of what the copy's own queue can explain (at most those bytes ÷
+//    the storage's rate) and what the guests' own requests cannot (the delay less their bytes ÷
+//    that rate).  The first is never less than the copy's share of the delay, so a busy guest
+//    queueing behind its own writes and flushes does not hold the copy at its floor; the second
+//    keeps the delay that neither explains -- another host's copy on the same storage, which
+//    backs off for ours as ours for it -- charged.  The storage's rate: the best of the drain
+//    estimate and of the copy's own requests' bytes ÷ their time at storage (TickInput::
+//    own_service_samples, copy_samples: a request that waited behind others gives a low
+//    figure, the max filter keeps the clean ones), a lower bound of the storage's.
 //    Measured delay beyond that is the foreground's own queueing (a busy guest queues behind its
 //    own writes and flushes at any copy rate): the copy keeps its share instead of backing off
 //    to the floor, and its own queue stays bounded by the window and steered to the target.
@@ -167,7 +173,7 @@ inline constexpr int kFloorShortfallSamples = 5;
 // storage's fixed latency, not its rate), and the best figure of kServiceRateHorizon is kept (a
 // request that did not wait behind a busy guest's is rare while the guest is busy).
 inline constexpr std::uint64_t kMinServiceSampleBytes = 64 * 1024;
-inline constexpr Duration kServiceRateHorizon = std::chrono::seconds(10);
+inline constexpr Duration kServiceRateHorizon = std::chrono::seconds(2);
 
 // The budget users give is the latency a guest's durable write may gain.  That write is a chain
 // of storage requests -- the data write, then the flush (FUA or a cache flush) -- and each one
@@ -258,6 +264,11 @@ struct TickInput {
   // busy guest's writer, its flushes), which no cut of the copy's rate would shorten.
   // nullopt: every delay is charged.
   std::optional<std::uint64_t> own_queue_bytes{};
+  // The most bytes of the foreground's own requests that one of its requests can wait behind
+  // with no copy running, when the caller can tell: per guest doing I/O, its largest request (a
+  // write's bytes or, under a writeback cache, the data a flush writes).  A delay beyond what
+  // those bytes take at the storage's rate is not the guests' own doing.  nullopt: unknown.
+  std::optional<std::uint64_t> foreground_own_bytes{};
   // Requests of the copy's own whose bytes and time from submission to completion are known
   // without being copy latencies the delay is computed from (a daemon's writeback ranges, waited
   // for): each bounds the storage's rate from below (bytes / time), which own_queue_bytes is
@@ -278,8 +289,8 @@ struct Decision {
   Phase phase = Phase::SlowStart;
   Duration queue_delay{};     // q this tick: the delay charged to the copy, steered to the target
   Duration measured_delay{};  // the max of all signals, before the own-queue bound
-  // The delay measured exceeded what the copy's own queue can explain (TickInput::own_queue_bytes):
-  // queue_delay is that bound, the rest is the foreground's own queueing.
+  // The delay measured exceeded what the copy's own queue can explain (TickInput::own_queue_bytes)
+  // and the guests' own requests explain the rest: queue_delay is that bound.
   bool own_queue_bounded = false;
   std::optional<Duration> foreground_base{};
   std::optional<Duration> copy_base{};
@@ -371,7 +382,11 @@ class Controller {
                                     std::vector<Duration>& copy_norm);
   void learn_service_rate(const TickInput& in);
   [[nodiscard]] double own_queue_rate() const;
-  [[nodiscard]] Duration charged_delay(const TickInput& in, Duration measured) const;
+  struct Charge {
+    Duration delay{};
+    bool own_queue_bound = false;  // the delay is the copy's own queue's time, less than measured
+  };
+  [[nodiscard]] Charge charged_delay(const TickInput& in, Duration measured) const;
   void update_slowdown(const TickInput& in, bool had_fg_base, bool fresh);
   void update_floor_ramp(const TickTiming& t, bool new_drain_sample, TimePoint now);
   void follow_slower_storage();
@@ -422,7 +437,6 @@ class Controller {
   int ramp_flat_samples_ = 0;
   // The copy's own requests' service rates (learn_service_rate), for kServiceRateHorizon.
   std::deque<DrainSample> service_rates_;
-  bool own_queue_known_ = false;  // this tick's TickInput::own_queue_bytes was given
 };
 
 }  // namespace qcommit::throttle

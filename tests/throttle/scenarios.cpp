@@ -244,6 +244,9 @@ JobConfig host_merge(const Policy& p, int host, Ns start, Ns clock_offset) {
   JobConfig j = copy_job(p, kEndlessMergeBytes, start);
   j.host = host;
   j.copy_latency_visible = false;
+  // As qcommitd: its own queue at storage and its guests' largest requests (TickInput::
+  // own_queue_bytes, foreground_own_bytes).
+  j.own_queue_visible = true;
   j.idle_signal = true;
   j.clock_offset = clock_offset;
   // A simulated guest's write+fsync is one FIFO request, and so is the probe.

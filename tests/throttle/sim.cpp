@@ -425,6 +425,11 @@ void Simulator::job_tick(int ji) {
   if (j.cfg.own_queue_visible) {
     in.own_queue_bytes = j.inflight + writeback_[static_cast<std::size_t>(j.index)];
     in.own_service_samples = j.service_inbox;
+    // The largest request of each guest of the job's host (a write+fsync is one request here).
+    std::uint64_t guests = 0;
+    for (const auto& g : guests_)
+      if (g->cfg.host == j.cfg.host && g->cfg.start <= now_ && now_ < g->cfg.end) guests += g->cfg.io_bytes;
+    in.foreground_own_bytes = guests;
   }
   j.decision = j.ctl->tick(in);
   j.stats.ticks.push_back({now_, j.decision, in.backlog_bytes,

@@ -97,9 +97,10 @@ struct JobConfig {
   // TickInput::foreground_idle).
   bool idle_signal = false;
   // The controller is told the copy's own bytes in the storage's queue (TickInput::
-  // own_queue_bytes: its requests in flight and its pages under writeback) and, as
-  // own_service_samples, each of its requests' bytes and time from submission to completion (a
-  // daemon knows them of the writeback ranges it waits for, not of the job's I/O).
+  // own_queue_bytes: its requests in flight and its pages under writeback), as
+  // own_service_samples each of its requests' bytes and time at storage (a daemon knows them of
+  // the writeback ranges it waits for, not of the job's I/O), and as foreground_own_bytes the
+  // largest request of each guest of its host.
   bool own_queue_visible = false;
   std::optional<ProbeConfig> probe;  // shared-queue probe of the job's host
   Ns clock_offset = 0;               // added to the time the controller is given

@@ -3,9 +3,10 @@
 // write+fsync requests (8 MiB/s, about 17 % of 50 MB/s storage) queue behind each other and take
 // ~21 ms each at the storage whatever the copy does.  The daemon's controller sees every guest
 // request's latency (as per-operation block stats), so the writer's own service and queueing
-// look like delay.  Charged only up to what the copy's own queue explains
-// (TickInput::own_queue_bytes), the copy gets what the guests leave, and the probe still gains
-// no more than the budget.
+// look like delay.  Told its own queue and the guests' largest requests (TickInput::
+// own_queue_bytes, foreground_own_bytes), the controller charges the copy what its own queue
+// can explain: the copy gets what the guests leave, and the probe still gains no more than the
+// budget.  (Several hosts' copies, which the guests' requests do not explain: test_scenarios.)
 #include <doctest/doctest.h>
 
 #include "tests/throttle/scenarios.h"
