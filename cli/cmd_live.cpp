@@ -29,7 +29,7 @@
 #include "cli/units.h"
 #include "cli/wait_event.h"
 #include "common/defaults.h"
-#include "plugin/policy/config.h"
+#include "plugin/policy/command_policy.h"
 #include "plugin/govern/governor.h"
 #include "plugin/host/json.h"
 #include "plugin/hypervisor/libvirt_hypervisor.h"
@@ -69,11 +69,10 @@ struct LiveError : std::runtime_error {
 
 // ---- options ----
 
-struct LiveArgs {
+// --budget, --connect, --max-rate, --output: PolicyArgs (budget: the built-in default, set by
+// add_live_options).
+struct LiveArgs : PolicyArgs {
   plugin::LiveRequest req;
-  std::string uri = defaults::kUri;
-  std::string budget = defaults::budget_text();
-  std::string max_rate;  // --max-rate, "" when not given
   std::string probe;     // --probe, "" when not given (the policy's default: auto)
   std::string wait = defaults::lock_wait_text();
   std::string daemon_socket = defaults::kSocketPath;
@@ -81,12 +80,9 @@ struct LiveArgs {
   std::string overlay_dir;
   std::string strategy = plugin::to_string(plugin::kDefaultLiveStrategy);
   std::string page_cache_name = "auto";
-  std::string output = "human";
   bool dry_run = false;
   std::vector<std::string> pos;
   // Derived by validate().
-  bool uri_given = false;
-  bool budget_given = false;
   std::optional<double> max_rate_bytes_per_s;
   bool json_out = false;
   plugin::PageCacheSource page_cache = plugin::PageCacheSource::kAuto;
@@ -114,14 +110,17 @@ constexpr const char* kExamples =
 
 void add_live_options(po::options_description& opts, LiveArgs& a) {
   opts.add_options()("top", po::value(&a.req.top), "the layer to merge (default: the active one)")(
-      "base", po::value(&a.req.base), "the layer to merge into (default: the bottom of the chain)")(
-      "budget", po::value(&a.budget),
-      ("added latency the guests on the same storage may see (default " + defaults::budget_text() +
-       ")")
-          .c_str())(
-      "max-rate", po::value(&a.max_rate),
-      "never let the job copy faster than this many bytes per second, e.g. 50M (a size: K, M, "
-      "G, T; at least 64K), like virsh blockcommit --bandwidth, whatever the policy allows")(
+      "base", po::value(&a.req.base), "the layer to merge into (default: the bottom of the chain)");
+  a.budget = defaults::budget_text();
+  add_policy_args(opts, a,
+                  {.budget_off = false,
+                   .budget_from_policy = false,
+                   .config = false,
+                   .max_rate_use = "it caps the job's speed whatever the policy allows",
+                   .max_rate_least = "64K",
+                   .output_json = " (JSON lines on stdout: plan, wait, step, progress (1/s) and "
+                                  "result events)"});
+  opts.add_options()(
       "probe", po::value(&a.probe),
       "the shared-queue probe (a 4 KiB write + flush beside BASE, standing for guests on other "
       "hosts): auto (default: every 100ms where BASE is on storage other hosts can share, e.g. "
@@ -138,14 +137,10 @@ void add_live_options(po::options_description& opts, LiveArgs& a) {
       "two-phase: create the fresh overlay in DIR (e.g. local SSD) instead of next to TOP: the "
       "guest's writes during the merge then never wait behind it on shared storage. Until the "
       "pivot the disk depends on DIR: a host failure leaves its latest writes there")(
-      "connect,c", po::value(&a.uri), "libvirt connection URI (default qemu:///system)")(
-      "uri", po::value(&a.uri), "the same as --connect")(
       "wait", po::value(&a.wait),
       ("how long a block job somebody else runs on the disk is waited for (default " +
        defaults::lock_wait_text() + "; 0: refuse at once)")
           .c_str())("dry-run", po::bool_switch(&a.dry_run), "print the steps, change nothing")(
-      "output", po::value(&a.output),
-      "human or json (JSON lines on stdout: plan, wait, step, progress (1/s) and result events)")(
       "page-cache", po::value(&a.page_cache_name),
       "where the target's dirty pages are read: auto (cachestat(2) where the kernel has it, else "
       "no-cachestat), no-cachestat (forced: what a kernel before 6.5 gets), no-cachestat-shadow "
@@ -188,8 +183,7 @@ void validate(LiveArgs& a, const po::variables_map& vm) {
   a.json_out = parse_output(a.output) == Output::kJson;
   a.wait_limit = std::chrono::duration_cast<Duration>(parse_wait(a.wait));
   (void)parse_budget(a.budget);
-  a.uri_given = vm.count("connect") || vm.count("uri");
-  a.budget_given = vm.count("budget") > 0;
+  note_given(a, vm);
   if (!a.max_rate.empty()) {
     a.max_rate_bytes_per_s = parse_max_rate(a.max_rate);
     if (*a.max_rate_bytes_per_s < static_cast<double>(plugin::kMinJobSpeedBytesPerS))
@@ -715,30 +709,22 @@ int LiveRun::finish(bool loop_broken) {
   return kExitOk;
 }
 
-// The governor's configuration for this one disk (--budget, the built-in defaults).
+// The governor's configuration for this one disk (--budget, the built-in defaults):
+// plugin::live_policy's; the job starts at its initial speed.
 plugin::DaemonConfig live_config(LiveArgs& a) {
-  plugin::DaemonConfig cfg;
-  cfg.uri = a.uri;
-  cfg.defaults.budget = parse_budget(a.budget);
-  if (!a.probe.empty()) {
-    try {
-      plugin::read_probe(a.probe, "--probe", cfg.defaults);
-    } catch (const plugin::ConfigError&) {
-      throw UsageError("--probe " + a.probe + ": not auto, off or a period such as 50ms");
-    }
-    if (auto e = cfg.defaults.probe_config().validate())
-      throw UsageError("--probe " + a.probe + ": " + *e);
+  plugin::LivePolicyInputs in;
+  in.uri = a.uri;
+  in.budget = parse_budget(a.budget);
+  if (!a.probe.empty()) in.probe = a.probe;
+  in.max_rate_bytes_per_s = a.max_rate_bytes_per_s;
+  if (auto e = in.validate()) throw UsageError(*e);
+  try {
+    plugin::LivePolicy lp = plugin::live_policy(in);
+    a.req.initial_speed_bytes_per_s = static_cast<std::uint64_t>(lp.initial_speed_bytes_per_s);
+    return std::move(lp.config);
+  } catch (const plugin::ConfigError& e) {
+    throw UsageError(e.what());
   }
-  if (a.max_rate_bytes_per_s) {  // also the commit's starting speed
-    cfg.defaults.ceiling_bytes_per_s =
-        std::min(cfg.defaults.ceiling_bytes_per_s, *a.max_rate_bytes_per_s);
-    cfg.defaults.floor_bytes_per_s =
-        std::min(cfg.defaults.floor_bytes_per_s, cfg.defaults.ceiling_bytes_per_s);
-  }
-  if (auto e = cfg.defaults.validate()) throw UsageError(*e);
-  a.req.initial_speed_bytes_per_s =
-      static_cast<std::uint64_t>(cfg.defaults.controller_config().initial_rate_bytes_per_s);
-  return cfg;
 }
 
 plugin::GovernorOptions live_governor_options(const LiveArgs& a) {

@@ -179,18 +179,16 @@ void print_dry_run(Output out, const engine::MergePlan& p, bool del, const DryRu
 }
 
 // The command line of `qcommit merge`.
-struct MergeArgs {
-  std::string top, base, output = "human", budget, trace, probe = "on", cotenants = "on";
-  std::string config_path = defaults::kConfigPath;
-  bool config_given = false;
+// --budget, --config, --connect, --max-rate, --output: PolicyArgs.
+struct MergeArgs : PolicyArgs {
+  std::string top, base, trace, probe = "on", cotenants = "on";
   bool libvirt_required = false;  // -c or --cotenants given: libvirt must answer
   bool verbose = false;
   std::vector<std::string> rebase, allow_dirs;
   bool del = false, no_direct = false, force_direct = false, no_io_uring = false;
-  std::string domain, disk, pool, vol, uri = defaults::kUri;
+  std::string domain, disk, pool, vol;
   bool dry_run = false;
   std::string lock_wait = defaults::lock_wait_text();
-  std::string max_rate;  // --max-rate, "" when not given
 
   [[nodiscard]] bool via_libvirt() const { return !domain.empty() || !pool.empty(); }
   [[nodiscard]] bool governed() const { return budget != "off"; }
@@ -205,9 +203,6 @@ void add_merge_options(po::options_description& opts, MergeArgs& a) {
       "the domain's disk target, e.g. vda (TOP defaults to its active layer)")(
       "pool", po::value(&a.pool), "storage pool of the volume to merge (with --vol)")(
       "vol", po::value(&a.vol), "volume name in --pool to merge into its backing file")(
-      "connect,c", po::value(&a.uri),
-      (std::string("libvirt connection URI (default ") + defaults::kUri + ")").c_str())(
-      "uri", po::value(&a.uri), "the same as --connect")(
       "dry-run", po::bool_switch(&a.dry_run),
       "resolve and check everything, print what the merge would do (copy, rebase, delete, "
       "definition), write nothing")(
@@ -222,19 +217,12 @@ void add_merge_options(po::options_description& opts, MergeArgs& a) {
        "and for a --domain that is shutting down to shut off, each wait at most this long, e.g. "
        "30s; 0: refuse at once (default " +
        defaults::lock_wait_text() + "; a running guest is never waited for)")
-          .c_str())(
-      "max-rate", po::value(&a.max_rate),
-      "never copy faster than this many bytes per second, e.g. 50M or 1.5G (a size: K, M, G, T; "
-      "like virsh blockcommit --bandwidth); with a budget it caps the policy's ceiling, with "
-      "--budget off it paces the copy alone")(
-      "budget", po::value(&a.budget),
-      ("added-latency budget for co-tenants, e.g. 20ms, or 'off' (default: the policy of BASE's "
-       "pool in the qcommitd configuration, else its [default], else " +
-       defaults::budget_text() + ")")
-          .c_str())("config", po::value(&a.config_path),
-                    (std::string("qcommitd configuration with the per-pool policies (default ") +
-                     defaults::kConfigPath + ")")
-                        .c_str())(
+          .c_str());
+  add_policy_args(opts, a,
+                  {.max_rate_use = "with a budget it caps the policy's ceiling, with --budget off "
+                                   "it paces the copy alone",
+                   .output_json = " (JSON lines: progress events and the result)"});
+  opts.add_options()(
       "cotenants", po::value(&a.cotenants),
       "on (default): the block stats of running guests on BASE's storage (libvirt) join the probe; "
       "off")("verbose,v", po::bool_switch(&a.verbose),
@@ -251,8 +239,7 @@ void add_merge_options(po::options_description& opts, MergeArgs& a) {
       "trace", po::value(&a.trace),
       "write one CSV row per controller tick to this file (see scripts/plot-trace)")(
       "probe", po::value(&a.probe),
-      "on (default): time a 4 KiB O_DSYNC write on the target's filesystem each tick; off")(
-      "output", po::value(&a.output), "human or json (JSON lines: progress events and the result)");
+      "on (default): time a 4 KiB O_DSYNC write on the target's filesystem each tick; off");
   add_backing_policy(opts, a.allow_dirs);
 }
 
@@ -304,8 +291,8 @@ void validate(const MergeArgs& a) {
           "  qcommit merge --pool default --vol vm1-snap.qcow2\n"
           "\nAfter a crash or kill, run the same command again: it resumes from its checkpoint.\n"))
     return false;
-  a.config_given = vm.count("config") > 0;
-  a.libvirt_required = vm.count("connect") || vm.count("uri") || vm.count("cotenants");
+  note_given(a, vm);
+  a.libvirt_required = a.uri_given || vm.count("cotenants");
   validate(a);
   return true;
 }

@@ -81,11 +81,9 @@ void warn_short_space(const engine::MergePlan& p) {
 }
 
 // The command line of `qcommit plan`.
-struct PlanArgs {
-  std::string top, base, output = "human", rate, budget, uri = defaults::kUri;
-  std::string config_path = defaults::kConfigPath;
-  bool config_given = false;
-  bool uri_given = false;  // -c: libvirt must answer
+// --budget, --config, --connect, --output: PolicyArgs (-c: libvirt must answer).
+struct PlanArgs : PolicyArgs {
+  std::string top, base, rate;
   std::vector<std::string> rebase, allow_dirs;
   bool measure = false;
 };
@@ -103,14 +101,6 @@ void validate(const PlanArgs& a) {
 std::optional<PlanArgs> parse_plan_args(const Args& args) {
   PlanArgs a;
   po::options_description opts("options");
-  const std::string budget_help = "the budget the merge would be given on the command line (" +
-                                  defaults::budget_text() + ", off)";
-  const std::string config_help =
-      std::string("qcommitd configuration with the per-pool policies (default ") +
-      defaults::kConfigPath + ")";
-  const std::string connect_help =
-      std::string("libvirt connection URI for the pool of BASE and its co-tenants (default ") +
-      defaults::kUri + ")";
   auto add = opts.add_options();
   add("top", po::value(&a.top)->required(), "the image to merge (TOP)");
   add("base", po::value(&a.base),
@@ -121,11 +111,7 @@ std::optional<PlanArgs> parse_plan_args(const Args& args) {
       "rehearse the merge's copy for the ETA: up to 256 MiB (at most 3 s) of TOP copied as the "
       "merge copies, at its budget, into a scratch file beside BASE (unnamed where the "
       "filesystem allows it, else unlinked at once; the images are not written)");
-  add("budget", po::value(&a.budget), budget_help.c_str());
-  add("config", po::value(&a.config_path), config_help.c_str());
-  add("connect,c", po::value(&a.uri), connect_help.c_str());
-  add("uri", po::value(&a.uri), "the same as --connect");
-  add("output", po::value(&a.output), "human or json");
+  add_policy_args(opts, a, {});
   add_backing_policy(opts, a.allow_dirs);
   po::positional_options_description pos;
   pos.add("top", 1);
@@ -135,8 +121,7 @@ std::optional<PlanArgs> parse_plan_args(const Args& args) {
              "examples:\n  qcommit plan snap.qcow2\n  qcommit plan snap2.qcow2 --base base.qcow2 "
              "--measure\n"))
     return std::nullopt;
-  a.config_given = vm.count("config") > 0;
-  a.uri_given = vm.count("connect") || vm.count("uri");
+  note_given(a, vm);
   validate(a);
   return a;
 }

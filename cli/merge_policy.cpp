@@ -68,14 +68,16 @@ MergePolicy resolve_merge_policy(const MergePolicyOptions& o, const std::string&
     throw std::runtime_error(e.what());
   }
 
-  plugin::PolicyQuery q;
-  q.budget_option = o.budget;
+  plugin::MergePolicyInputs in;
+  in.budget = o.budget;
+  in.max_rate_bytes_per_s = o.max_rate_bytes_per_s;
+  in.domain = o.domain;
   auto hv = std::make_unique<plugin::LibvirtHypervisor>(o.uri);
   p.libvirt_reachable = hv->connect();
   if (!p.libvirt_reachable) p.libvirt_error = hv->last_error();
   if (p.libvirt_reachable && !o.domain.empty()) {
     try {
-      if (auto dom = hv->domain(o.domain)) q.domain_policy_xml = dom->policy_xml;
+      if (auto dom = hv->domain(o.domain)) in.domain_policy_xml = dom->policy_xml;
     } catch (const plugin::HypervisorDisconnected& e) {
       p.libvirt_reachable = false;
       p.libvirt_error = e.what();
@@ -96,21 +98,15 @@ MergePolicy resolve_merge_policy(const MergePolicyOptions& o, const std::string&
   if (p.libvirt_reachable) {
     p.pool = src->target_pool();
     if (p.pool) {
-      q.pool_name = p.pool->name;
-      if (!p.pool->uuid.empty()) q.pool_uuid = p.pool->uuid;
+      in.pool_name = p.pool->name;
+      if (!p.pool->uuid.empty()) in.pool_uuid = p.pool->uuid;
     }
   }
-  p.resolution = plugin::resolve_policy(cfg, q);
-  if (o.max_rate_bytes_per_s) {
-    plugin::Policy& pol = p.resolution.policy;
-    pol.ceiling_bytes_per_s = std::min(pol.ceiling_bytes_per_s, *o.max_rate_bytes_per_s);
-    pol.floor_bytes_per_s = std::min(pol.floor_bytes_per_s, pol.ceiling_bytes_per_s);
-    p.max_rate_bytes_per_s = o.max_rate_bytes_per_s;
-  }
-  if (p.resolution.source == plugin::PolicySource::DomainMetadata)
-    p.resolution.detail = "domain " + o.domain;
-  if (p.resolution.metadata_error)
-    p.notes.push_back("domain " + o.domain + ": " + *p.resolution.metadata_error + " (ignored)");
+  if (auto e = in.validate()) throw UsageError(*e);
+  plugin::MergePolicyDecision d = plugin::resolve_merge_policy(cfg, in);
+  p.resolution = std::move(d.resolution);
+  p.max_rate_bytes_per_s = d.max_rate_bytes_per_s;
+  p.notes = std::move(d.notes);
   if (!o.cotenants) {
     p.cotenant_state = "off";
   } else if (!p.libvirt_reachable) {

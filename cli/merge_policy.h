@@ -2,8 +2,9 @@
 // The budget, rate bounds and co-tenants of a governed offline merge (`qcommit merge`, `qcommit
 // plan`), decided from the same configuration as qcommitd's per-pool policy
 // (/etc/qcommit/qcommitd.conf, the domain's <qcommit:policy/> metadata) and from libvirt (the
-// pool holding BASE, the running guests on BASE's storage).  Glue: the order of precedence is
-// plugin::resolve_policy's, the co-tenant choice plugin::CotenantSource's.
+// pool holding BASE, the running guests on BASE's storage).  Glue: the policy is
+// plugin::resolve_merge_policy's (plugin/policy/command_policy.h), the co-tenant choice
+// plugin::CotenantSource's.
 #pragma once
 
 #include <chrono>
@@ -14,7 +15,7 @@
 
 #include "common/defaults.h"
 #include "engine/budget_governor.h"
-#include "plugin/policy/config.h"
+#include "plugin/policy/command_policy.h"
 #include "plugin/govern/cotenants.h"
 #include "plugin/host/json.h"
 

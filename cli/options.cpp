@@ -87,6 +87,42 @@ void add_backing_policy(po::options_description& opts, std::vector<std::string>&
       "the image's own directory)");
 }
 
+void add_policy_args(po::options_description& opts, PolicyArgs& a, const PolicyArgsUsage& usage) {
+  const std::string budget_help =
+      std::string("added latency the guests on the same storage may see, e.g. 20ms") +
+      (usage.budget_off ? ", or 'off'" : "") +
+      (usage.budget_from_policy
+           ? " (default: the policy of BASE's pool in the qcommitd configuration, else its "
+             "[default], else "
+           : " (default ") +
+      defaults::budget_text() + ")";
+  const std::string config_help =
+      std::string("qcommitd configuration with the per-pool policies (default ") +
+      defaults::kConfigPath + ")";
+  const std::string connect_help =
+      std::string("libvirt connection URI (default ") + defaults::kUri + ")";
+  const std::string max_rate_help =
+      std::string(
+          "never copy faster than this many bytes per second, e.g. 50M or 1.5G (a size: K, M, G, "
+          "T; at least ") +
+      usage.max_rate_least + "), like virsh blockcommit --bandwidth; " +
+      (usage.max_rate_use ? usage.max_rate_use : "");
+  const std::string output_help = std::string("human or json") + usage.output_json;
+  auto add = opts.add_options();
+  add("budget", po::value(&a.budget), budget_help.c_str());
+  if (usage.config) add("config", po::value(&a.config_path), config_help.c_str());
+  add("connect,c", po::value(&a.uri), connect_help.c_str());
+  add("uri", po::value(&a.uri), "the same as --connect");
+  if (usage.max_rate_use) add("max-rate", po::value(&a.max_rate), max_rate_help.c_str());
+  add("output", po::value(&a.output), output_help.c_str());
+}
+
+void note_given(PolicyArgs& a, const po::variables_map& vm) {
+  a.budget_given = vm.count("budget") > 0;
+  a.config_given = vm.count("config") > 0;
+  a.uri_given = vm.count("connect") || vm.count("uri");
+}
+
 std::vector<std::string> backing_policy(const std::string& image,
                                         const std::vector<std::string>& extra) {
   std::vector<std::string> dirs = extra;

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cli/commands.h"
+#include "common/defaults.h"
 #include "qcow2/chain.h"
 
 namespace qcommit::cli {
@@ -50,6 +51,32 @@ int run_reporting_failures(const std::string& cmd, const std::function<int()>& b
 void add_backing_policy(po::options_description& opts, std::vector<std::string>& dirs);
 std::vector<std::string> backing_policy(const std::string& image,
                                         const std::vector<std::string>& extra);
+
+// The options qcommit merge, plan and live share: the budget, the policy file, the libvirt
+// connection, the rate cap and the output.  Each command sets the defaults it starts from
+// (budget: "" for the policy's, or a duration) before parsing.
+struct PolicyArgs {
+  std::string budget;  // --budget, "" when not given and the command has no default
+  std::string config_path = defaults::kConfigPath;
+  std::string uri = defaults::kUri;
+  std::string max_rate;  // --max-rate, "" when not given
+  std::string output = "human";
+  // Set by note_given() after parsing.
+  bool budget_given = false, config_given = false, uri_given = false;
+};
+// How one command offers them: which of them, and what its help says where commands differ.
+struct PolicyArgsUsage {
+  bool budget_off = true;           // --budget off: no budget at all
+  bool budget_from_policy = true;   // the default budget is the policy's (else the built-in)
+  bool config = true;               // --config: the policy file is read
+  const char* max_rate_use = nullptr;  // what --max-rate does here (nullptr: not offered)
+  const char* max_rate_least = "4K";   // the smallest --max-rate
+  const char* output_json = "";        // after "human or json": what the JSON is
+};
+// Adds --budget, --config, -c/--connect and --uri, --max-rate and --output to `opts`.
+void add_policy_args(po::options_description& opts, PolicyArgs& a, const PolicyArgsUsage& usage);
+// Which of them the command line gave.
+void note_given(PolicyArgs& a, const po::variables_map& vm);
 
 // The command line of a command that reads one image's chain (info, map): IMAGE, --output
 // (described by `output_help`) and the backing-file policy.
