@@ -13,6 +13,7 @@
 #include <string_view>
 
 #include "common/safe_file.h"
+#include "common/trace_csv.h"
 #include "common/units.h"
 #include "qcow2/error.h"
 
@@ -29,27 +30,13 @@ throttle::TimePoint to_tp(Clock::time_point t) {
   return throttle::TimePoint(std::chrono::duration_cast<throttle::Duration>(t.time_since_epoch()));
 }
 
-// The trace's CSV header: a column per field of a row (trace_row).
-inline constexpr const char* kTraceColumns =
-    "t_s,fg_max_ms,fg_samples,fg_outstanding_ms,copy_max_ms,backlog_bytes,drained_bytes,"
-    "bytes_done,window_bytes,rate_bytes_per_s,paused,phase,queue_delay_ms,"
-    "drain_estimate_bytes_per_s,request_bytes,cotenant_max_ms,cotenant_samples,"
-    "cotenant_outstanding_ms\n";
-
-// A trace parameter's value on one line: backslash, CR and LF escaped.
-std::string trace_value(std::string_view v) {
-  std::string o;
-  for (char c : v) {
-    if (c == '\\')
-      o += "\\\\";
-    else if (c == '\n')
-      o += "\\n";
-    else if (c == '\r')
-      o += "\\r";
-    else
-      o += c;
-  }
-  return o;
+// The trace's header (common/trace_csv.h): a column per field of a row (trace_row).
+std::string trace_header() {
+  return trace_csv::header_line(
+      {"t_s", "fg_max_ms", "fg_samples", "fg_outstanding_ms", "copy_max_ms", "backlog_bytes",
+       "drained_bytes", "bytes_done", "window_bytes", "rate_bytes_per_s", "paused", "phase",
+       "queue_delay_ms", "drain_estimate_bytes_per_s", "request_bytes", "cotenant_max_ms",
+       "cotenant_samples", "cotenant_outstanding_ms"});
 }
 
 // A wall-clock time as ISO 8601 in UTC with milliseconds: 2026-12-02T13:55:00.123Z.
@@ -198,15 +185,20 @@ void BudgetGovernor::trace_row(Clock::time_point now, const throttle::TickInput&
   for (auto d : in.foreground_latencies) fg_max = std::max(fg_max, ms(d));
   for (auto& c : copy) copy_max = std::max(copy_max, ms(c.latency));
   for (auto d : cot.latencies) cot_max = std::max(cot_max, ms(d));
-  std::fprintf(trace_, "%.3f,%.3f,%zu,%.3f,%.3f,%llu,%llu,%llu,%llu,%.0f,%d,%s,%.3f,%.0f,%llu,%.3f,%zu,%.3f\n",
-               std::chrono::duration<double>(now - epoch_).count(), fg_max, in.foreground_latencies.size(),
-               in.foreground_oldest_outstanding ? ms(*in.foreground_oldest_outstanding) : 0.0, copy_max,
-               (unsigned long long)in.backlog_bytes, (unsigned long long)in.drained_bytes,
-               (unsigned long long)drained_total_, (unsigned long long)decision_.window_bytes,
-               decision_.rate_bytes_per_s, decision_.paused ? 1 : 0, throttle::to_string(decision_.phase),
-               ms(decision_.queue_delay), decision_.drain_estimate_bytes_per_s,
-               (unsigned long long)request_bytes_locked(), cot_max, cot.latencies.size(),
-               cot.oldest_outstanding ? ms(*cot.oldest_outstanding) : 0.0);
+  using trace_csv::fixed;
+  using std::to_string;
+  const std::string line = trace_csv::row_line(
+      {fixed(std::chrono::duration<double>(now - epoch_).count(), 3), fixed(fg_max, 3),
+       to_string(in.foreground_latencies.size()),
+       fixed(in.foreground_oldest_outstanding ? ms(*in.foreground_oldest_outstanding) : 0.0, 3),
+       fixed(copy_max, 3), to_string(in.backlog_bytes), to_string(in.drained_bytes),
+       to_string(drained_total_), to_string(decision_.window_bytes),
+       fixed(decision_.rate_bytes_per_s, 0), decision_.paused ? "1" : "0",
+       throttle::to_string(decision_.phase), fixed(ms(decision_.queue_delay), 3),
+       fixed(decision_.drain_estimate_bytes_per_s, 0), to_string(request_bytes_locked()),
+       fixed(cot_max, 3), to_string(cot.latencies.size()),
+       fixed(cot.oldest_outstanding ? ms(*cot.oldest_outstanding) : 0.0, 3)});
+  std::fputs(line.c_str(), trace_);
 }
 
 // The merge's parameters as "# key=value" lines (readers that know only the columns skip a
@@ -218,12 +210,13 @@ void BudgetGovernor::open_trace() {
   trace_ = ::fdopen(out.fd.get(), "w");
   if (!trace_) throw qcow2::IoError(cfg_.trace_path, "cannot write the trace", errno);
   (void)out.fd.release();  // the FILE owns it now
-  std::fprintf(trace_, "# start=%s\n", utc_iso8601(wall_epoch_).c_str());
-  std::fprintf(trace_, "# budget_ms=%g\n",
-               std::chrono::duration<double, std::milli>(cfg_.budget).count());
-  for (const auto& [key, value] : cfg_.trace_params)
-    std::fprintf(trace_, "# %s=%s\n", trace_value(key).c_str(), trace_value(value).c_str());
-  std::fputs(kTraceColumns, trace_);
+  char budget[32];
+  std::snprintf(budget, sizeof budget, "%g",
+                std::chrono::duration<double, std::milli>(cfg_.budget).count());
+  std::string head = trace_csv::param_line("start", utc_iso8601(wall_epoch_)) +
+                     trace_csv::param_line("budget_ms", budget);
+  for (const auto& [key, value] : cfg_.trace_params) head += trace_csv::param_line(key, value);
+  std::fputs((head + trace_header()).c_str(), trace_);
 }
 
 void BudgetGovernor::finish_trace(Clock::time_point now) {

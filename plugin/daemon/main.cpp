@@ -19,10 +19,10 @@
 #include <vector>
 
 #include "common/defaults.h"
-#include "common/safe_file.h"
 #include "plugin/policy/config.h"
 #include "plugin/daemon/control.h"
 #include "plugin/daemon/daemon_log.h"
+#include "plugin/daemon/trace_file.h"
 #include "plugin/govern/governor.h"
 #include "plugin/hypervisor/libvirt_hypervisor.h"
 #include "plugin/host/mono_clock.h"
@@ -31,7 +31,6 @@
 namespace {
 
 using namespace qcommit::plugin;
-using qcommit::csv_field;
 using qcommit::log_field;
 namespace po = boost::program_options;
 
@@ -43,9 +42,8 @@ void on_signal(int) {
 
 void wake_timer(int, void*) {}
 
-// How fresh the status (control socket, log decisions) and the trace are kept.
+// How fresh the status (control socket, log decisions) is kept (the trace: kTraceInterval).
 constexpr auto kStatusInterval = std::chrono::milliseconds(50);
-constexpr auto kTraceInterval = std::chrono::milliseconds(100);
 
 // Exit codes: bad options 2, failures 1 (as qcommit's).
 constexpr int kExitUsage = 2;
@@ -184,51 +182,6 @@ class StatusSnapshot {
   mutable std::mutex mu_;
   std::string json_ = "{\"ok\":true,\"connected\":false,\"jobs\":[],\"released\":[]}";
 };
-
-// --trace FILE: one CSV row per governed job every kTraceInterval.
-class TraceFile {
- public:
-  // Throws ConfigError when the file cannot be opened.
-  explicit TraceFile(const std::string& path);
-  ~TraceFile() {
-    if (f_) std::fclose(f_);
-  }
-  TraceFile(const TraceFile&) = delete;
-  TraceFile& operator=(const TraceFile&) = delete;
-  void write(const GovernorStatus& st, TimePoint now);
-
- private:
-  FILE* f_ = nullptr;
-  TimePoint next_{};
-};
-
-TraceFile::TraceFile(const std::string& path) {
-  if (path.empty()) return;
-  // Appended to; never through a symlink or into a FIFO or someone else's file (safe_file.h).
-  qcommit::safe_file::Opened out =
-      qcommit::safe_file::open_output(path, qcommit::safe_file::OutputMode::kAppend);
-  if (!out.ok()) throw ConfigError(log_field(path) + ": cannot open the trace file: " + out.problem);
-  f_ = ::fdopen(out.fd.get(), "a");
-  if (!f_) throw ConfigError(log_field(path) + ": cannot open the trace file");
-  (void)out.fd.release();  // the FILE owns it now
-  std::fputs("mono_s,domain,disk,speed_bps,window_bytes,backlog_bytes,p99_ms,bytes_left,phase\n",
-             f_);
-}
-
-void TraceFile::write(const GovernorStatus& st, TimePoint now) {
-  if (!f_ || now < next_) return;
-  next_ = now + kTraceInterval;
-  const double t = std::chrono::duration<double>(now.time_since_epoch()).count();
-  for (const auto& j : st.jobs)
-    std::fprintf(
-        f_, "%.3f,%s,%s,%llu,%llu,%llu,%.1f,%llu,%s\n", t, csv_field(j.domain).c_str(),
-        csv_field(j.disk).c_str(), static_cast<unsigned long long>(j.speed_bytes_per_s),
-        static_cast<unsigned long long>(j.window_bytes),
-        static_cast<unsigned long long>(j.backlog_bytes),
-        j.latency_p99 ? std::chrono::duration<double, std::milli>(*j.latency_p99).count() : -1.0,
-        static_cast<unsigned long long>(j.bytes_left), j.phase.c_str());
-  std::fflush(f_);
-}
 
 // ---- set-up ----
 
