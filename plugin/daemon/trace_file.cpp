@@ -36,7 +36,8 @@ TraceFile::TraceFile(const std::string& path) {
   if (path.empty()) return;
   // Appended to; never through a symlink or into a FIFO or someone else's file (safe_file.h).
   safe_file::Opened out = safe_file::open_output(path, safe_file::OutputMode::kAppend);
-  if (!out.ok()) throw ConfigError(log_field(path) + ": cannot open the trace file: " + out.problem);
+  if (!out.ok())
+    throw ConfigError(log_field(path) + ": cannot open the trace file: " + out.problem);
   struct stat sb {};
   const bool empty = ::fstat(out.fd.get(), &sb) == 0 && sb.st_size == 0;
   f_ = ::fdopen(out.fd.get(), "a");

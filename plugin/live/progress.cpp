@@ -30,9 +30,9 @@ std::uint64_t count_member(const json::Value& o, const char* key) {
 }  // namespace
 
 JobProgress progress_of(const JobStatus& j) {
-  JobProgress p{to_string(j.type), j.bytes_left,          j.speed_bytes_per_s,
-                j.window_bytes,    std::nullopt,          j.eta_s,
-                j.phase,           to_string(j.probe),    j.probe_off_reason};
+  JobProgress p{to_string(j.type), j.bytes_left,       j.speed_bytes_per_s,
+                j.window_bytes,    std::nullopt,       j.eta_s,
+                j.phase,           to_string(j.probe), j.probe_off_reason};
   if (j.latency_p99) p.p99_ms = std::chrono::duration<double, std::milli>(*j.latency_p99).count();
   return p;
 }
