@@ -7,6 +7,7 @@ namespace qcommit::throttle {
 
 void ForegroundSignals::add(const ForegroundSignals& o) {
   latencies.insert(latencies.end(), o.latencies.begin(), o.latencies.end());
+  own_bytes = own_bytes && o.own_bytes ? std::optional(*own_bytes + *o.own_bytes) : std::nullopt;
   outstanding += o.outstanding;
   if (o.oldest_outstanding && (!oldest_outstanding || *o.oldest_outstanding > *oldest_outstanding))
     oldest_outstanding = o.oldest_outstanding;
@@ -44,9 +45,26 @@ void IoCounterSampler::sample(TimePoint now, const IoCounters& c, Duration inter
     // Counters went backwards: a new QEMU process.  Its history says nothing about this one.
     last_completion_.reset();
     usual_.reset();
+    written_.clear();
   }
+  note_written(now, c, out);
   prev_ = c;
   has_prev_ = true;
+}
+
+// The bytes written since the previous sample join those of the last kForegroundOwnWindow, and
+// their sum goes to `out` (unknown where the counters carry no bytes).
+void IoCounterSampler::note_written(TimePoint now, const IoCounters& c, ForegroundSignals& out) {
+  if (c.wr_bytes < 0) {
+    out.own_bytes.reset();
+    return;
+  }
+  if (has_prev_ && prev_.wr_bytes >= 0 && c.wr_bytes > prev_.wr_bytes)
+    written_.emplace_back(now, static_cast<std::uint64_t>(c.wr_bytes - prev_.wr_bytes));
+  std::erase_if(written_, [&](const auto& w) { return now - w.first > kForegroundOwnWindow; });
+  std::uint64_t sum = 0;
+  for (const auto& w : written_) sum += w.second;
+  if (out.own_bytes) *out.own_bytes += sum;
 }
 
 }  // namespace qcommit::throttle

@@ -14,11 +14,17 @@
 //    reported as outstanding, with the silence beyond one usual interval as its age — a stuck
 //    request is never good news — for at most kMaxSuspectedStall (after that the guest has
 //    more likely gone idle);
-//  * counters that go backwards (the domain restarted) give no sample, only a new baseline.
+//  * counters that go backwards (the domain restarted) give no sample, only a new baseline;
+//  * where the counters carry the bytes written (wr_bytes >= 0), the bytes the disk wrote in the
+//    last kForegroundOwnWindow are what its own requests can hold at storage ahead of another of
+//    its requests (a flush writes what was written since the previous one; a guest that flushes
+//    less often than that window is counted short): ForegroundSignals::own_bytes, the
+//    controller's TickInput::foreground_own_bytes.
 #pragma once
 
 #include <cstdint>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "throttle/controller.h"
@@ -27,6 +33,7 @@ namespace qcommit::throttle {
 
 inline constexpr double kStallFactor = 3.0;  // silence > 3 × usual interval ⇒ stall
 inline constexpr Duration kMaxSuspectedStall = std::chrono::seconds(3);
+inline constexpr Duration kForegroundOwnWindow = std::chrono::milliseconds(250);
 
 // Cumulative counters of one disk (times in ns).
 struct IoCounters {
@@ -34,6 +41,7 @@ struct IoCounters {
   std::int64_t wr_total_times_ns = 0;
   std::int64_t flush_reqs = 0;
   std::int64_t flush_total_times_ns = 0;
+  std::int64_t wr_bytes = -1;  // bytes written; -1: not reported
 };
 
 // What the foreground did since the previous sample, in TickInput's terms.
@@ -41,6 +49,9 @@ struct ForegroundSignals {
   std::vector<Duration> latencies;
   std::uint32_t outstanding = 0;
   std::optional<Duration> oldest_outstanding;
+  // The bytes the disks wrote in the last kForegroundOwnWindow; nullopt when one of them does
+  // not report its bytes.
+  std::optional<std::uint64_t> own_bytes = 0;
 
   void add(const ForegroundSignals& o);
 };
@@ -58,8 +69,11 @@ class IoCounterSampler {
   }
 
  private:
+  void note_written(TimePoint now, const IoCounters& c, ForegroundSignals& out);
+
   IoCounters prev_{};
   bool has_prev_ = false;
+  std::vector<std::pair<TimePoint, std::uint64_t>> written_;  // bytes written per sample, recent
   std::optional<TimePoint> last_completion_;
   std::optional<Duration> usual_;  // EWMA of the time between samples with completions
 };

@@ -9,6 +9,7 @@
 #include <mutex>
 #include <system_error>
 #include <thread>
+#include <utility>
 
 #include "qcow2/unique_fd.h"
 
@@ -43,14 +44,43 @@ std::uint64_t CompletionTracker::in_flight_in(const ByteRange& r) const {
 
 std::optional<CompletionTracker::Pending> CompletionTracker::oldest() const {
   if (in_flight_.empty()) return std::nullopt;
-  return Pending{in_flight_.begin()->first, in_flight_.begin()->second.range};
+  const auto& [id, f] = *in_flight_.begin();
+  return Pending{id, f.range, f.bytes};
 }
+
+void ServiceMeter::issued(Duration now) {
+  if (in_flight_++ == 0) {
+    start_ = now;
+    bytes_ = 0;
+  }
+}
+
+void ServiceMeter::completed(std::uint64_t bytes, Duration now) {
+  if (in_flight_ == 0) return;  // never issued: nothing to time
+  bytes_ += bytes;
+  if (--in_flight_ == 0 || now - start_ >= kMaxServicePeriod) end_period(now);
+}
+
+// Records the period up to `now` and starts the next one there (ranges may still be in flight).
+void ServiceMeter::end_period(Duration now) {
+  if (bytes_ > 0 && now - start_ >= kMinServicePeriod && samples_.size() < kMaxServiceSamples)
+    samples_.push_back({now - start_, bytes_});
+  start_ = now;
+  bytes_ = 0;
+}
+
+std::vector<throttle::CopySample> ServiceMeter::take() { return std::exchange(samples_, {}); }
 
 struct WritebackWaiter::State {
   Wait wait;
   mutable std::mutex mu;
   std::condition_variable cv;
   CompletionTracker tracker;
+  ServiceMeter meter;
+  std::function<std::chrono::nanoseconds()> now = [] {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+        std::chrono::steady_clock::now().time_since_epoch());
+  };
   bool stop = false;
   bool running = false;
 };
@@ -83,8 +113,19 @@ void WritebackWaiter::issued(const ByteRange& r, std::optional<std::uint64_t> by
   {
     std::lock_guard lk(st_->mu);
     (void)st_->tracker.issue(r, bytes);
+    st_->meter.issued(st_->now());
   }
   st_->cv.notify_all();
+}
+
+std::vector<throttle::CopySample> WritebackWaiter::take_service_samples() {
+  std::lock_guard lk(st_->mu);
+  return st_->meter.take();
+}
+
+void WritebackWaiter::set_clock(std::function<std::chrono::nanoseconds()> now) {
+  std::lock_guard lk(st_->mu);
+  st_->now = std::move(now);
 }
 
 std::uint64_t WritebackWaiter::in_flight_bytes() const {
@@ -119,7 +160,7 @@ void wait_loop(const std::shared_ptr<WritebackWaiter::State>& st) {
     lk.unlock();
     st->wait(p.range);
     lk.lock();
-    (void)st->tracker.complete(p.id);
+    if (st->tracker.complete(p.id)) st->meter.completed(p.bytes, st->now());
   }
 }
 

@@ -15,6 +15,7 @@
 #include <optional>
 
 #include "plugin/govern/writeback.h"
+#include "throttle/controller.h"
 
 namespace qcommit::plugin {
 
@@ -36,6 +37,7 @@ class CompletionTracker {
   struct Pending {
     Id id = 0;
     ByteRange range;
+    std::uint64_t bytes = 0;
   };
   [[nodiscard]] std::optional<Pending> oldest() const;
 
@@ -48,6 +50,32 @@ class CompletionTracker {
   Id next_ = 0;
   std::uint64_t issued_ = 0;
   std::uint64_t completed_ = 0;
+};
+
+// The storage's rate as the target's own writeback shows it (throttle::TickInput::
+// own_service_samples): a busy period runs from a range issued while none was in flight to the
+// moment none is any more, or kMaxServicePeriod; its sample is the bytes completed in it over its
+// length.  Guests' requests the storage served in between make the figure lower, never higher,
+// and completions the kernel batched (adjacent ranges written as one request) fall in one period
+// instead of reading as ranges that took no time.  Pure: `now` is passed in.
+inline constexpr std::chrono::milliseconds kMaxServicePeriod{100};
+inline constexpr std::chrono::microseconds kMinServicePeriod{500};  // shorter: clock noise
+inline constexpr std::size_t kMaxServiceSamples = 64;                // kept between takes
+
+class ServiceMeter {
+ public:
+  using Duration = std::chrono::nanoseconds;  // since an arbitrary epoch
+  void issued(Duration now);
+  void completed(std::uint64_t bytes, Duration now);
+  // The periods that ended since the previous call.
+  [[nodiscard]] std::vector<throttle::CopySample> take();
+
+ private:
+  void end_period(Duration now);
+  std::uint64_t in_flight_ = 0;  // ranges
+  Duration start_{};
+  std::uint64_t bytes_ = 0;
+  std::vector<throttle::CopySample> samples_;
 };
 
 // Waits for each issued range in a thread of its own.  `wait` blocks until the range's writeback
@@ -68,6 +96,10 @@ class WritebackWaiter {
   [[nodiscard]] std::uint64_t completed_bytes() const;
   // False when no thread could be started: ranges are then never marked done.
   [[nodiscard]] bool running() const;
+  // The busy periods of the ranges waited for (ServiceMeter) since the previous call.
+  [[nodiscard]] std::vector<throttle::CopySample> take_service_samples();
+  // The clock the periods are timed with (default: steady_clock); tests set one before issuing.
+  void set_clock(std::function<std::chrono::nanoseconds()> now);
 
   struct State;  // shared with the thread
 

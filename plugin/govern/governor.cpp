@@ -323,6 +323,8 @@ struct Governor::Job {
   std::optional<Duration> probe_last;
   bool probe_wanted = false;  // the policy asks for a probe on this job's storage
   std::string probe_local;    // probe=auto and the storage is not shared: why no probe is wanted
+  // Its bytes at storage as last read (Governor::own_queue_bytes), for the other jobs on it.
+  std::optional<std::uint64_t> own_queue;
   std::string probe_off;      // why there is none although wanted
   // Escaped governance (escape.h), and its storage's kernel dirty limit (JobStatus::bdi_limit).
   EscapeState escape;
@@ -954,6 +956,38 @@ std::uint64_t Governor::own_backlog_bound(Job& j, const JobInfo& info,
   return since - std::min({since, progressed, allowed});
 }
 
+// The most of the job's own bytes ahead of a guest's request at storage (throttle::TickInput::
+// own_queue_bytes): a job writing past the page cache, the requests QEMU keeps in flight (where
+// their size is known); else the target's pages under writeback, where cachestat(2) counts them
+// for the file -- started by the pacer or by the kernel, and after a mirror's ready the guest's
+// writes it mirrors too: an upper bound.  nullopt where the count is host-wide or estimated (no
+// bound: every delay measured is charged to the job, as before).
+std::optional<std::uint64_t> Governor::own_queue_bytes(const Job& j,
+                                                       const std::optional<PageCacheState>& pc) {
+  if (j.direct_io) {
+    const throttle::ControllerConfig& c = j.ctl.config();
+    if (c.copy_request_bytes == 0) return std::nullopt;
+    return std::uint64_t{c.copy_requests_in_flight} * c.copy_request_bytes;
+  }
+  if (!pc || !pc->per_file || pc->dirty_upper_bound) return std::nullopt;
+  return pc->writeback_bytes;
+}
+
+// The copies of this host on the job's storage share its budget: each is charged the queues of
+// all of them (its own now, the others' as last read), so that none keeps the budget to itself
+// where the guests' own requests explain the delay.  nullopt when one of them is unknown.
+std::optional<std::uint64_t> Governor::local_copies_queue(Job& j, std::optional<std::uint64_t> own) {
+  j.own_queue = own;
+  if (!own) return std::nullopt;
+  std::uint64_t total = *own;
+  for (const auto& [k, other] : jobs_) {
+    if (other.get() == &j || other->storage != j.storage) continue;
+    if (!other->own_queue) return std::nullopt;
+    total += *other->own_queue;
+  }
+  return total;
+}
+
 // Bytes of the target queued at storage or about to be: under writeback, plus dirty pages beyond
 // `dirty_allowance`; at most `own_bound` (the job's own share where the reading is host-wide).
 std::uint64_t Governor::queued_bytes(const std::optional<PageCacheState>& pc,
@@ -1148,6 +1182,11 @@ void Governor::tick_job(Job& j, const JobInfo& info, const throttle::ForegroundS
   in.foreground_idle = storage_idle && s.latencies.empty() && s.outstanding == 0;
   in.backlog_bytes = backlog;
   in.drained_bytes = release_drain(j, info, backlog, now);
+  in.own_queue_bytes = local_copies_queue(j, own_queue_bytes(j, pc));
+  in.foreground_own_bytes = s.own_bytes;
+  const std::vector<throttle::CopySample> service =
+      j.file ? j.file->take_service_samples() : std::vector<throttle::CopySample>{};
+  in.own_service_samples = service;
   in.probe_latencies = j.probe_samples;
   if (j.probe) in.probe_outstanding = j.probe->outstanding_age(now);
   if (opt_.wall_clock) in.wall_clock = opt_.wall_clock();

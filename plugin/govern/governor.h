@@ -415,6 +415,10 @@ class Governor {
                 bool storage_idle, TimePoint now);
   [[nodiscard]] std::uint64_t own_backlog_bound(Job& j, const JobInfo& info,
                                                 const std::optional<PageCacheState>& pc);
+  [[nodiscard]] static std::optional<std::uint64_t> own_queue_bytes(
+      const Job& j, const std::optional<PageCacheState>& pc);
+  [[nodiscard]] std::optional<std::uint64_t> local_copies_queue(Job& j,
+                                                                std::optional<std::uint64_t> own);
   [[nodiscard]] static std::uint64_t queued_bytes(const std::optional<PageCacheState>& pc,
                                                   std::uint64_t dirty_allowance,
                                                   std::uint64_t own_bound);

@@ -131,6 +131,9 @@ class MemcgTargetFile final : public TargetFile {
     waiter_.issued(all, probe_.resident_in(all, n).value_or(n));
   }
   bool settling() override { return sync_.busy(); }
+  std::vector<throttle::CopySample> take_service_samples() override {
+    return waiter_.take_service_samples();
+  }
 
  private:
   UniqueFd fd_;

@@ -22,6 +22,7 @@
 #include "common/log_field.h"
 #include "plugin/hypervisor/hypervisor.h"
 #include "plugin/host/memcg.h"
+#include "plugin/govern/completion_clock.h"
 #include "plugin/govern/memcg_target.h"
 #include "plugin/host/proc_fds.h"
 #include "qcow2/device.h"
@@ -248,7 +249,7 @@ namespace {
 class SystemTargetFile final : public TargetFile {
  public:
   SystemTargetFile(int fd, PageCacheSource source)
-      : fd_(fd), no_cachestat_(source == PageCacheSource::kMeminfo) {}
+      : fd_(fd), waiter_(system_wait(fd)), no_cachestat_(source == PageCacheSource::kMeminfo) {}
 
   std::uint64_t size() override { return target_size(fd_.get()); }
   std::optional<std::uint64_t> device() override { return target_device(fd_.get()); }
@@ -275,8 +276,12 @@ class SystemTargetFile final : public TargetFile {
   }
   void start_writeback(const ByteRange& r) override {
     // Best effort: a failure leaves the writeback to the kernel's flusher.
-    (void)::sync_file_range(fd_.get(), static_cast<off_t>(r.offset), static_cast<off_t>(r.length),
-                            SYNC_FILE_RANGE_WRITE);
+    if (::sync_file_range(fd_.get(), static_cast<off_t>(r.offset), static_cast<off_t>(r.length),
+                          SYNC_FILE_RANGE_WRITE) == 0)
+      waiter_.issued(r);  // timed only: cachestat(2) counts what is in flight
+  }
+  std::vector<throttle::CopySample> take_service_samples() override {
+    return waiter_.take_service_samples();
   }
 
  private:
@@ -291,6 +296,8 @@ class SystemTargetFile final : public TargetFile {
   }
 
   UniqueFd fd_;
+  // Waits for each range started, to time the writeback's busy periods (own_service_samples).
+  WritebackWaiter waiter_;
   BackgroundDatasync sync_;
   std::uint64_t page_ = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
   bool no_cachestat_ = false;

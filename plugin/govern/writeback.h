@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "engine/storage_kind.h"
+#include "throttle/controller.h"
 
 namespace qcommit::plugin {
 
@@ -147,6 +148,9 @@ class TargetFile {
   // the previous one is still running.
   [[nodiscard]] virtual bool start_settle() = 0;
   [[nodiscard]] virtual bool settling() = 0;
+  // The busy periods of the writeback started on the file (completion_clock.h ServiceMeter:
+  // bytes written over the time it took) since the previous call; none where they are not timed.
+  [[nodiscard]] virtual std::vector<throttle::CopySample> take_service_samples() { return {}; }
 };
 
 // vm.dirty_expire_centisecs as a duration (nullopt when unreadable).

@@ -490,6 +490,8 @@ std::optional<BlockStats> LibvirtHypervisor::block_stats(const std::string& doma
       s.flush_reqs = v;
     else if (f == VIR_DOMAIN_BLOCK_STATS_FLUSH_TOTAL_TIMES)
       s.flush_total_times_ns = v;
+    else if (f == VIR_DOMAIN_BLOCK_STATS_WRITE_BYTES)
+      s.wr_bytes = v;
   }
   return s;
 }

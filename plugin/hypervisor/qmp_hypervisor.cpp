@@ -189,6 +189,7 @@ std::optional<BlockStats> parse_blockstats(const json::Value& ret, const QmpDisk
     s.wr_total_times_ns = i64_member(*st, "wr_total_time_ns");
     s.flush_reqs = i64_member(*st, "flush_operations");
     s.flush_total_times_ns = i64_member(*st, "flush_total_time_ns");
+    if (json::member(*st, "wr_bytes")) s.wr_bytes = i64_member(*st, "wr_bytes");
     return s;
   }
   return std::nullopt;

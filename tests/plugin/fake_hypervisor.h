@@ -184,6 +184,8 @@ struct FakeFileState {
   bool flusher_after_reading = false;
   // Writeback queued at storage, oldest first: a range and its bytes still under writeback.
   std::deque<std::pair<ByteRange, std::uint64_t>> queue;
+  // Busy periods of the writeback (TargetFile::take_service_samples), as the world times them.
+  std::vector<throttle::CopySample> service;
 
   // Storage completes `n` bytes of writeback, oldest first.  Writeback not in `queue` (set by a
   // test directly, like the kernel's flusher would) completes after it.
@@ -341,6 +343,9 @@ class FakeTargetFiles final : public TargetFiles {
       s_->writeback += d;
       s_->writeback_started += d;
       if (d > 0) s_->queue.emplace_back(r, d);
+    }
+    std::vector<throttle::CopySample> take_service_samples() override {
+      return std::exchange(s_->service, {});
     }
 
    private:

@@ -260,3 +260,61 @@ TEST_CASE("plugin.memcg.shadow_estimate_bounds_truth") {
   CHECK(readings == 60);
   CHECK(worst_short <= memcg_lag_bytes());
 }
+
+TEST_CASE("plugin.writeback.service_meter_times_busy_periods") {
+  using std::chrono::milliseconds;
+  using std::chrono::microseconds;
+  ServiceMeter m;
+  // Two ranges issued together, completing 4 ms and 8 ms later: one period of 8 ms.
+  m.issued(milliseconds(100));
+  m.issued(milliseconds(100));
+  m.completed(256 * 1024, milliseconds(104));
+  m.completed(256 * 1024, milliseconds(108));
+  // A batch the kernel wrote as one request: the second range's wait returns at once.  Its bytes
+  // join its period instead of reading as a range that took no time.
+  m.issued(milliseconds(200));
+  m.issued(milliseconds(201));
+  m.completed(512 * 1024, milliseconds(210));
+  m.completed(512 * 1024, milliseconds(210));
+  // Nothing issued before: ignored.  A period under kMinServicePeriod: clock noise, no sample.
+  m.completed(4096, milliseconds(300));
+  m.issued(milliseconds(400));
+  m.completed(64 * 1024, milliseconds(400) + microseconds(100));
+  // A period longer than kMaxServicePeriod is cut there while ranges are still in flight.
+  m.issued(milliseconds(500));
+  m.issued(milliseconds(500));
+  m.completed(1024 * 1024, milliseconds(650));
+  m.completed(1024 * 1024, milliseconds(660));
+  const auto s = m.take();
+  REQUIRE(s.size() == 4);
+  CHECK(s[0].bytes == 512 * 1024);
+  CHECK(s[0].latency == milliseconds(8));
+  CHECK(s[1].bytes == 1024 * 1024);
+  CHECK(s[1].latency == milliseconds(10));
+  CHECK(s[2].bytes == 1024 * 1024);
+  CHECK(s[2].latency == milliseconds(150));
+  CHECK(s[3].bytes == 1024 * 1024);
+  CHECK(s[3].latency == milliseconds(10));
+  CHECK(m.take().empty());
+}
+
+TEST_CASE("plugin.writeback.waiter_times_its_ranges") {
+  // The waiter feeds its meter: two ranges waited for in order, on the test's clock.
+  std::atomic<std::int64_t> clock_ms{1000};
+  std::atomic<int> released{0};
+  WritebackWaiter w([&](const ByteRange&) {
+    while (released.load() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  });
+  REQUIRE(w.running());
+  w.set_clock([&] { return std::chrono::nanoseconds(std::chrono::milliseconds(clock_ms.load())); });
+  w.issued({0, 131072});
+  w.issued({131072, 131072});
+  clock_ms = 1005;
+  released = 1;
+  for (int i = 0; i < 1000 && w.in_flight_bytes() != 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  const auto s = w.take_service_samples();
+  REQUIRE(s.size() == 1);
+  CHECK(s[0].bytes == 262144);
+  CHECK(s[0].latency == std::chrono::milliseconds(5));
+}

@@ -30,6 +30,12 @@ struct World {
   bool guest_active = true;  // dom/vda and vm2/vdb complete one write per 10 ms
   bool other_active = true;
   Duration guest_latency = std::chrono::milliseconds(2);
+  // Bytes each of dom/vda's writes carries, reported in its stats (wr_bytes); 0: not reported.
+  std::uint64_t guest_write_bytes = 0;
+  // The world times the target's writeback busy periods (TargetFile::take_service_samples).
+  bool time_writeback = false;
+  Duration busy_time{};
+  std::uint64_t busy_bytes = 0;
   double storage_bytes_per_s = 200.0 * 1024 * 1024;  // writeback drain
   double job_max_bytes_per_s = 0;  // > 0: the job copies no faster, whatever its speed
   static constexpr std::uint64_t kJobChunkBytes = 64 * 1024;
@@ -78,6 +84,8 @@ struct World {
       auto& s = hv.stats[{dom, "vda"}];
       s.wr_reqs += 1;
       s.wr_total_times_ns += guest_latency.count();
+      if (guest_write_bytes > 0)
+        s.wr_bytes = std::max<std::int64_t>(s.wr_bytes, 0) + static_cast<std::int64_t>(guest_write_bytes);
     }
     if (other_active && guest_write) {
       auto& s = hv.stats[{"vm2", "vdb"}];
@@ -96,7 +104,20 @@ struct World {
       it->second.cur += n;
       base->dirty += n;
     }
+    const std::uint64_t before = base->writeback;
     base->drain(static_cast<std::uint64_t>(storage_bytes_per_s * secs));
+    if (time_writeback) time_busy_period(dt, before);
+  }
+  // A busy period runs while the target has writeback at storage; it is timed once it empties or
+  // after 20 ms (completion_clock.h ServiceMeter).
+  void time_busy_period(Duration dt, std::uint64_t before) {
+    if (before == 0) return;
+    busy_time += dt;
+    busy_bytes += before - base->writeback;
+    if (base->writeback > 0 && busy_time < std::chrono::milliseconds(20)) return;
+    base->service.push_back({busy_time, busy_bytes});
+    busy_time = Duration::zero();
+    busy_bytes = 0;
   }
   [[nodiscard]] std::uint64_t cur() const { return hv.jobs.at({dom, "vda"}).cur; }
   // Job progress (bytes/s) over the next `dt`.
