@@ -66,9 +66,9 @@ struct PolicyArgs {
 };
 // How one command offers them: which of them, and what its help says where commands differ.
 struct PolicyArgsUsage {
-  bool budget_off = true;           // --budget off: no budget at all
-  bool budget_from_policy = true;   // the default budget is the policy's (else the built-in)
-  bool config = true;               // --config: the policy file is read
+  bool budget_off = true;              // --budget off: no budget at all
+  bool budget_from_policy = true;      // the default budget is the policy's (else the built-in)
+  bool config = true;                  // --config: the policy file is read
   const char* max_rate_use = nullptr;  // what --max-rate does here (nullptr: not offered)
   const char* max_rate_least = "4K";   // the smallest --max-rate
   const char* output_json = "";        // after "human or json": what the JSON is

@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "common/defaults.h"
-#include "plugin/policy/config.h"
+#include "plugin/policy/command_policy.h"
 #include "plugin/daemon/control.h"
 #include "plugin/daemon/daemon_log.h"
 #include "plugin/daemon/trace_file.h"
@@ -187,11 +187,8 @@ class StatusSnapshot {
 
 // The policy file with the command line's overrides, validated.  Throws ConfigError.
 DaemonConfig daemon_config(const DaemonArgs& a) {
-  DaemonConfig cfg = load_config(a.config_path, !a.config_given);
-  if (!a.uri.empty()) cfg.uri = a.uri;
-  if (!a.socket_path.empty()) cfg.socket_path = a.socket_path;
-  if (auto e = cfg.validate()) throw ConfigError(log_field(a.config_path) + ": " + *e);
-  return cfg;
+  return with_overrides(load_config(a.config_path, !a.config_given),
+                        {.config_path = a.config_path, .uri = a.uri, .socket_path = a.socket_path});
 }
 
 // The record of the kernel dirty limits set for escaped jobs (GovernorOptions::bdi_state_path),

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 
+#include "common/log_field.h"
 #include "common/units.h"
 
 namespace qcommit::plugin {
@@ -81,6 +82,13 @@ LivePolicy live_policy(const LivePolicyInputs& in) {
   if (auto e = p.validate()) throw ConfigError(*e);
   lp.initial_speed_bytes_per_s = p.controller_config().initial_rate_bytes_per_s;
   return lp;
+}
+
+DaemonConfig with_overrides(DaemonConfig file, const DaemonOverrides& o) {
+  if (!o.uri.empty()) file.uri = o.uri;
+  if (!o.socket_path.empty()) file.socket_path = o.socket_path;
+  if (auto e = file.validate()) throw ConfigError(log_field(o.config_path) + ": " + *e);
+  return file;
 }
 
 }  // namespace qcommit::plugin

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: GPL-2.0-or-later
 // The policy a qcommit command runs under, decided from its parsed options and what the command
 // learnt from libvirt: an offline merge's (qcommit merge, qcommit plan: resolve_merge_policy) and
-// the in-process governor's of qcommit live (live_policy).  Pure: no libvirt, no files, no
+// the in-process governor's of qcommit live (live_policy), qcommitd's configuration with its
+// command line's overrides (with_overrides).  Pure: no libvirt, no files, no
 // clock; the commands gather the inputs (the configuration file, the domain's metadata, the pool
 // holding BASE) and print the result.
 #pragma once
@@ -22,10 +23,10 @@ namespace qcommit::plugin {
 
 // What an offline merge's policy is decided from: the command line and libvirt's answers.
 struct MergePolicyInputs {
-  std::optional<std::chrono::nanoseconds> budget;  // --budget: beats every policy
-  std::optional<double> max_rate_bytes_per_s;      // --max-rate: caps floor and ceiling
-  std::string domain;                              // --domain ("" when none): names its metadata
-  std::optional<std::string> domain_policy_xml;    // that domain's <qcommit:policy/>, when read
+  std::optional<std::chrono::nanoseconds> budget;   // --budget: beats every policy
+  std::optional<double> max_rate_bytes_per_s;       // --max-rate: caps floor and ceiling
+  std::string domain;                               // --domain ("" when none): names its metadata
+  std::optional<std::string> domain_policy_xml;     // that domain's <qcommit:policy/>, when read
   std::optional<std::string> pool_name, pool_uuid;  // the pool holding BASE, when known
 
   [[nodiscard]] std::optional<std::string> validate() const;
@@ -62,5 +63,15 @@ struct LivePolicy {
 // Throws ConfigError with the line to show: "--probe 5: not auto, off or a period such as 50ms",
 // "--probe 1h: <the probe's bound>", or the policy's own problem ("ceiling must be >= floor").
 [[nodiscard]] LivePolicy live_policy(const LivePolicyInputs& in);
+
+// qcommitd's command line over its configuration file: -c/--connect and --socket ("": the
+// file's).
+struct DaemonOverrides {
+  std::string config_path;  // the file, named in errors
+  std::string uri, socket_path;
+};
+
+// `file` with the overrides, validated.  Throws ConfigError "<config path>: <problem>".
+[[nodiscard]] DaemonConfig with_overrides(DaemonConfig file, const DaemonOverrides& o);
 
 }  // namespace qcommit::plugin

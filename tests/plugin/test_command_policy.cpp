@@ -146,3 +146,25 @@ TEST_CASE("plugin.policy.live_governor_config") {
   in.probe = "1h";
   CHECK_THROWS_AS((void)live_policy(in), ConfigError);
 }
+
+TEST_CASE("plugin.policy.daemon_overrides") {
+  const DaemonConfig file = parse_config(kConf, "/etc/q.conf");
+  // Nothing given: the file's connection and socket.
+  DaemonConfig c =
+      with_overrides(file, {.config_path = "/etc/q.conf", .uri = "", .socket_path = ""});
+  CHECK(c.uri == qcommit::defaults::kUri);
+  CHECK(c.socket_path == qcommit::defaults::kSocketPath);
+  CHECK(c.pools.count("images") == 1);
+  c = with_overrides(
+      file,
+      {.config_path = "/etc/q.conf", .uri = "qemu+ssh://h/system", .socket_path = "/run/q/s.sock"});
+  CHECK(c.uri == "qemu+ssh://h/system");
+  CHECK(c.socket_path == "/run/q/s.sock");
+  try {
+    (void)with_overrides(
+        file, {.config_path = "/etc/q.conf", .uri = "", .socket_path = std::string(120, 's')});
+    FAIL("a socket path longer than sun_path accepted");
+  } catch (const ConfigError& e) {
+    CHECK(std::string(e.what()) == "/etc/q.conf: socket path empty or too long");
+  }
+}
