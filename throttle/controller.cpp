@@ -130,7 +130,12 @@ void Controller::skip_until(TimePoint now) {
 
 std::uint64_t Controller::compute_window() const {
   const double t = seconds(cfg_.latency_budget);
-  const double cap = t * drain_est_;  // hard cap: budget × drain
+  // Hard cap: budget × drain.  While the delay charged is the copy's own queue's time (the
+  // guests' own requests explain the rest), the copy's drain is what the guests leave it, which
+  // the window would shrink with: the cap is then budget × the storage's rate, the time that many
+  // bytes ahead of a request take.
+  const double rate = own_queue_bounded_ ? std::max(drain_est_, own_queue_rate()) : drain_est_;
+  const double cap = t * rate;
   double w = cap;
   w = std::clamp(w, static_cast<double>(cfg_.min_window_bytes),
                  static_cast<double>(cfg_.max_window_bytes));
@@ -486,6 +491,7 @@ Decision Controller::tick(const TickInput& in) {
   // not a sample of what requests waited: it is steered to the whole budget, where measured
   // delays are steered to a fraction of it for their noise and overshoot.
   const bool own_bounded = charge.own_queue_bound;
+  own_queue_bounded_ = own_bounded;
   const Duration target = own_bounded ? std::max(t.target, from_seconds(t.budget_s)) : t.target;
 
   const bool emergency_now = q > t.stall;

@@ -16,18 +16,26 @@ namespace {
 
 std::string trace_header() {
   return trace_csv::header_line({"t_s", "domain", "disk", "speed_bytes_per_s", "window_bytes",
-                                 "backlog_bytes", "latency_p99_ms", "bytes_left", "phase"});
+                                 "backlog_bytes", "latency_p99_ms", "bytes_left", "phase",
+                                 "delay_measured_ms", "delay_charged_ms", "own_queue_bytes",
+                                 "storage_rate_bytes_per_s"});
+}
+
+// Milliseconds, NaN (an empty field) when unknown.
+double ms_or_nan(const std::optional<Duration>& d) {
+  return d ? std::chrono::duration<double, std::milli>(*d).count()
+           : std::numeric_limits<double>::quiet_NaN();
 }
 
 std::string trace_row(const JobStatus& j, double t) {
   using std::to_string;
-  const double p99 = j.latency_p99
-                         ? std::chrono::duration<double, std::milli>(*j.latency_p99).count()
-                         : std::numeric_limits<double>::quiet_NaN();  // unknown: empty
-  return trace_csv::row_line({trace_csv::fixed(t, 3), j.domain, j.disk,
-                              to_string(j.speed_bytes_per_s), to_string(j.window_bytes),
-                              to_string(j.backlog_bytes), trace_csv::fixed(p99, 1),
-                              to_string(j.bytes_left), j.phase});
+  return trace_csv::row_line(
+      {trace_csv::fixed(t, 3), j.domain, j.disk, to_string(j.speed_bytes_per_s),
+       to_string(j.window_bytes), to_string(j.backlog_bytes),
+       trace_csv::fixed(ms_or_nan(j.latency_p99), 1), to_string(j.bytes_left), j.phase,
+       trace_csv::fixed(ms_or_nan(j.delay_measured), 2), trace_csv::fixed(ms_or_nan(j.delay_charged), 2),
+       j.own_queue_bytes ? to_string(*j.own_queue_bytes) : std::string(),
+       trace_csv::fixed(j.storage_rate_bytes_per_s, 0)});
 }
 
 }  // namespace

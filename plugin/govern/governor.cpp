@@ -1472,6 +1472,12 @@ GovernorStatus Governor::status(TimePoint now) const {
     js.late_adoption = j->check.late();
     js.window_bytes = j->decision ? j->decision->window_bytes : 0;
     js.backlog_bytes = j->backlog;
+    if (j->decision) {
+      js.delay_measured = j->decision->measured_delay;
+      js.delay_charged = j->decision->queue_delay;
+      js.storage_rate_bytes_per_s = j->decision->own_queue_rate_bytes_per_s;
+    }
+    js.own_queue_bytes = j->own_queue;
     js.phase = j->decision ? throttle::to_string(j->decision->phase) : "adopted";
     js.settling = j->settle.hold_since.has_value();
     js.settles = j->settle.count;

@@ -261,6 +261,14 @@ struct JobStatus {
   bool late_adoption = false;
   std::uint64_t window_bytes = 0;
   std::uint64_t backlog_bytes = 0;
+  // The last decision's delay per storage request: measured (the guests', the probe's) and
+  // charged to the job (less where the guests' own requests explain the rest, throttle::
+  // Decision::own_queue_bounded); the job's bytes at storage as told (nullopt: unknown) and the
+  // storage rate they were divided by.
+  std::optional<Duration> delay_measured;
+  std::optional<Duration> delay_charged;
+  std::optional<std::uint64_t> own_queue_bytes;
+  double storage_rate_bytes_per_s = 0;
   std::optional<Duration> latency_p99;  // guests on the same storage, last kLatencyHistory
   std::uint64_t bytes_left = 0;
   std::optional<double> eta_s;
