@@ -437,7 +437,6 @@ class Controller {
   int ramp_flat_samples_ = 0;
   // The copy's own requests' service rates (learn_service_rate), for kServiceRateHorizon.
   std::deque<DrainSample> service_rates_;
-  bool own_queue_bounded_ = false;  // this tick's charge is the copy's own queue's time
 };
 
 }  // namespace qcommit::throttle
