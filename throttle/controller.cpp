@@ -441,10 +441,11 @@ void Controller::learn_service_rate(const TickInput& in) {
     service_rates_.pop_front();
 }
 
-// The rate the copy's own queue drains at, at least: the best drain rate measured, or the best
-// of its own requests' service rates, whichever is higher (0: neither known yet).
+// The rate the copy's own queue drains at, at least: the drain estimate (its recent best, which
+// follows the storage down) or the best of its own requests' service rates of the last
+// kServiceRateHorizon, whichever is higher (0: neither known yet).
 double Controller::own_queue_rate() const {
-  double best = drain_sampled_ ? drain_max_seen_ : 0.0;
+  double best = drain_sampled_ ? drain_est_ : 0.0;
   for (const DrainSample& s : service_rates_) best = std::max(best, s.bytes_per_s);
   return best;
 }

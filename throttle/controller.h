@@ -36,16 +36,18 @@
 //    request, TickInput::own_queue_bytes, and the foreground's own, foreground_own_bytes): the
 //    delay charged is the larger of what the copy's own queue can explain (at most those bytes ÷
 //    the storage's rate) and what the guests' own requests cannot (the delay less their bytes ÷
-//    that rate).  The first is never less than the copy's share of the delay, so a busy guest
-//    queueing behind its own writes and flushes does not hold the copy at its floor; the second
-//    keeps the delay that neither explains -- another host's copy on the same storage, which
-//    backs off for ours as ours for it -- charged.  The storage's rate: the best of the drain
-//    estimate and of the copy's own requests' bytes ÷ their time at storage (TickInput::
-//    own_service_samples, copy_samples: a request that waited behind others gives a low
-//    figure, the max filter keeps the clean ones), a lower bound of the storage's.
-//    Measured delay beyond that is the foreground's own queueing (a busy guest queues behind its
-//    own writes and flushes at any copy rate): the copy keeps its share instead of backing off
-//    to the floor, and its own queue stays bounded by the window and steered to the target.
+//    that rate).  The first is not less than the copy's share of the delay as long as the
+//    caller's count of its bytes at storage is whole and the rate not above the storage's, so a
+//    busy guest queueing behind its own writes and flushes does not hold the copy at its floor;
+//    the second keeps the delay that neither explains -- another host's copy on the same
+//    storage, which backs off for ours as ours for it -- charged.  The storage's rate: the best
+//    of the drain estimate and of the copy's own requests' bytes ÷ their time at storage
+//    (TickInput::own_service_samples, copy_samples: a request that waited behind others gives a
+//    low figure, the max filter keeps the clean ones).  A charge from the copy's own queue is
+//    steered to the whole budget (it is a worst case, not a sample); the window stays budget ×
+//    drain whatever is charged, the bound on the copy's bytes should its count of them at storage
+//    fall short.  A stall (requests outstanding: their age is a delay sample) is excused only up
+//    to the guests' own bytes' time, so one longer than that still pauses the copy.
 //  * Emergency stop: q > kEmergencyFactor × budget ⇒ paused (and R halved).  Resumes when fresh
 //    samples show q ≤ target, or after kPauseProbeAfter when nothing at all is outstanding.
 //  * Floor-limited (config.copy_request_bytes, kFloorLimitedDrainShare): where one indivisible

@@ -52,21 +52,28 @@ void ServiceMeter::issued(Duration now) {
   if (in_flight_++ == 0) {
     start_ = now;
     bytes_ = 0;
+    carried_ = 0;
   }
 }
 
 void ServiceMeter::completed(std::uint64_t bytes, Duration now) {
   if (in_flight_ == 0) return;  // never issued: nothing to time
-  bytes_ += bytes;
+  if (carried_ > 0)
+    --carried_;  // served partly before this period began: its bytes would inflate the rate
+  else
+    bytes_ += bytes;
   if (--in_flight_ == 0 || now - start_ >= kMaxServicePeriod) end_period(now);
 }
 
-// Records the period up to `now` and starts the next one there (ranges may still be in flight).
+// Records the period up to `now` and starts the next one there.  The ranges still in flight
+// (completed in issue order: the next ones) were partly served before `now`, so the next period
+// counts their time but not their bytes: the rate it shows can only be low.
 void ServiceMeter::end_period(Duration now) {
   if (bytes_ > 0 && now - start_ >= kMinServicePeriod && samples_.size() < kMaxServiceSamples)
     samples_.push_back({now - start_, bytes_});
   start_ = now;
   bytes_ = 0;
+  carried_ = in_flight_;
 }
 
 std::vector<throttle::CopySample> ServiceMeter::take() { return std::exchange(samples_, {}); }
@@ -109,13 +116,19 @@ WritebackWaiter::~WritebackWaiter() {
   st_->cv.notify_all();
 }
 
-void WritebackWaiter::issued(const ByteRange& r, std::optional<std::uint64_t> bytes) {
+void WritebackWaiter::issued(const ByteRange& r, std::optional<std::uint64_t> bytes,
+                             std::optional<std::chrono::nanoseconds> at) {
   {
     std::lock_guard lk(st_->mu);
     (void)st_->tracker.issue(r, bytes);
-    st_->meter.issued(st_->now());
+    st_->meter.issued(at.value_or(st_->now()));
   }
   st_->cv.notify_all();
+}
+
+std::chrono::nanoseconds WritebackWaiter::now() const {
+  std::lock_guard lk(st_->mu);
+  return st_->now();
 }
 
 std::vector<throttle::CopySample> WritebackWaiter::take_service_samples() {

@@ -55,9 +55,12 @@ class CompletionTracker {
 // The storage's rate as the target's own writeback shows it (throttle::TickInput::
 // own_service_samples): a busy period runs from a range issued while none was in flight to the
 // moment none is any more, or kMaxServicePeriod; its sample is the bytes completed in it over its
-// length.  Guests' requests the storage served in between make the figure lower, never higher,
-// and completions the kernel batched (adjacent ranges written as one request) fall in one period
-// instead of reading as ranges that took no time.  Pure: `now` is passed in.
+// length.  Guests' requests the storage served in between make the figure lower, and
+// completions the kernel batched (adjacent ranges written as one request) fall in one period
+// instead of reading as ranges that took no time.  A period cut at kMaxServicePeriod leaves the
+// bytes of the ranges still in flight out of the next one (their service began before it).
+// The figure can still be high where a range's writeback was under way before sync_file_range
+// (the kernel's flusher had started it).  Pure: `now` is passed in.
 inline constexpr std::chrono::milliseconds kMaxServicePeriod{100};
 inline constexpr std::chrono::microseconds kMinServicePeriod{500};  // shorter: clock noise
 inline constexpr std::size_t kMaxServiceSamples = 64;                // kept between takes
@@ -73,6 +76,7 @@ class ServiceMeter {
  private:
   void end_period(Duration now);
   std::uint64_t in_flight_ = 0;  // ranges
+  std::uint64_t carried_ = 0;    // of them, in flight when the period began (end_period)
   Duration start_{};
   std::uint64_t bytes_ = 0;
   std::vector<throttle::CopySample> samples_;
@@ -89,8 +93,11 @@ class WritebackWaiter {
   WritebackWaiter(const WritebackWaiter&) = delete;
   WritebackWaiter& operator=(const WritebackWaiter&) = delete;
 
-  // Records `r` as issued (the caller has started its writeback).
-  void issued(const ByteRange& r, std::optional<std::uint64_t> bytes = std::nullopt);
+  // Records `r` as issued (the caller has started its writeback), at `at` on the waiter's clock
+  // (now() taken before the call that started it; default: now).
+  void issued(const ByteRange& r, std::optional<std::uint64_t> bytes = std::nullopt,
+              std::optional<std::chrono::nanoseconds> at = std::nullopt);
+  [[nodiscard]] std::chrono::nanoseconds now() const;
   [[nodiscard]] std::uint64_t in_flight_bytes() const;
   [[nodiscard]] std::uint64_t in_flight_in(const ByteRange& r) const;
   [[nodiscard]] std::uint64_t completed_bytes() const;

@@ -974,12 +974,12 @@ std::optional<std::uint64_t> Governor::own_queue_bytes(const Job& j,
 }
 
 // The copies of this host on the job's storage share its budget: each is charged the queues of
-// all of them (its own now, the others' as last read), so that none keeps the budget to itself
-// where the guests' own requests explain the delay.  nullopt when one of them is unknown.
-std::optional<std::uint64_t> Governor::local_copies_queue(Job& j, std::optional<std::uint64_t> own) {
-  j.own_queue = own;
-  if (!own) return std::nullopt;
-  std::uint64_t total = *own;
+// all of them (its own now, the others' as read at their last tick, unknown when that tick did
+// not read it), so that none keeps the budget to itself where the guests' own requests explain
+// the delay.  nullopt when one of them is unknown.
+std::optional<std::uint64_t> Governor::local_copies_queue(const Job& j) const {
+  if (!j.own_queue) return std::nullopt;
+  std::uint64_t total = *j.own_queue;
   for (const auto& [k, other] : jobs_) {
     if (other.get() == &j || other->storage != j.storage) continue;
     if (!other->own_queue) return std::nullopt;
@@ -1139,6 +1139,7 @@ void Governor::record_tick(Job& j, const throttle::ForegroundSignals& s, const J
 // job's speed, the history status() shows.
 void Governor::tick_job(Job& j, const JobInfo& info, const throttle::ForegroundSignals& s,
                         bool storage_idle, TimePoint now) {
+  j.own_queue.reset();  // unknown to the other jobs on its storage unless this tick reads it
   if (j.throttle_pending_since) {
     // Quiet (no progress over a tick at the floor: its last requests are done), or waited long
     // enough: the filter goes in; until then the job stays at the floor.
@@ -1182,7 +1183,8 @@ void Governor::tick_job(Job& j, const JobInfo& info, const throttle::ForegroundS
   in.foreground_idle = storage_idle && s.latencies.empty() && s.outstanding == 0;
   in.backlog_bytes = backlog;
   in.drained_bytes = release_drain(j, info, backlog, now);
-  in.own_queue_bytes = local_copies_queue(j, own_queue_bytes(j, pc));
+  j.own_queue = own_queue_bytes(j, pc);
+  in.own_queue_bytes = local_copies_queue(j);
   in.foreground_own_bytes = s.own_bytes;
   const std::vector<throttle::CopySample> service =
       j.file ? j.file->take_service_samples() : std::vector<throttle::CopySample>{};

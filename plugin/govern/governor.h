@@ -263,8 +263,9 @@ struct JobStatus {
   std::uint64_t backlog_bytes = 0;
   // The last decision's delay per storage request: measured (the guests', the probe's) and
   // charged to the job (less where the guests' own requests explain the rest, throttle::
-  // Decision::own_queue_bounded); the job's bytes at storage as told (nullopt: unknown) and the
-  // storage rate they were divided by.
+  // Decision::own_queue_bounded); the job's own bytes at storage (nullopt: unknown; the
+  // controller was told those of every job of this host on its storage) and the rate the
+  // charge divides bytes by (throttle::Decision::own_queue_rate_bytes_per_s).
   std::optional<Duration> delay_measured;
   std::optional<Duration> delay_charged;
   std::optional<std::uint64_t> own_queue_bytes;
@@ -425,8 +426,7 @@ class Governor {
                                                 const std::optional<PageCacheState>& pc);
   [[nodiscard]] static std::optional<std::uint64_t> own_queue_bytes(
       const Job& j, const std::optional<PageCacheState>& pc);
-  [[nodiscard]] std::optional<std::uint64_t> local_copies_queue(Job& j,
-                                                                std::optional<std::uint64_t> own);
+  [[nodiscard]] std::optional<std::uint64_t> local_copies_queue(const Job& j) const;
   [[nodiscard]] static std::uint64_t queued_bytes(const std::optional<PageCacheState>& pc,
                                                   std::uint64_t dirty_allowance,
                                                   std::uint64_t own_bound);

@@ -276,9 +276,14 @@ class SystemTargetFile final : public TargetFile {
   }
   void start_writeback(const ByteRange& r) override {
     // Best effort: a failure leaves the writeback to the kernel's flusher.
+    // Timed only (cachestat(2) counts what is in flight), and only with a thread that waits:
+    // without one the ranges would pile up unwaited.  The clock is read before the call, which
+    // may block while the first of its writes complete.
+    const std::chrono::nanoseconds at = waiter_.now();
     if (::sync_file_range(fd_.get(), static_cast<off_t>(r.offset), static_cast<off_t>(r.length),
-                          SYNC_FILE_RANGE_WRITE) == 0)
-      waiter_.issued(r);  // timed only: cachestat(2) counts what is in flight
+                          SYNC_FILE_RANGE_WRITE) == 0 &&
+        waiter_.running())
+      waiter_.issued(r, std::nullopt, at);
   }
   std::vector<throttle::CopySample> take_service_samples() override {
     return waiter_.take_service_samples();

@@ -109,7 +109,7 @@ struct World {
     if (time_writeback) time_busy_period(dt, before);
   }
   // A busy period runs while the target has writeback at storage; it is timed once it empties or
-  // after 20 ms (completion_clock.h ServiceMeter).
+  // after 20 ms (as completion_clock.h's ServiceMeter does, exactly: the world knows what drained).
   void time_busy_period(Duration dt, std::uint64_t before) {
     if (before == 0) return;
     busy_time += dt;
