@@ -451,9 +451,9 @@ double Controller::own_queue_rate() const {
 }
 
 // The delay charged to the copy.  In a FIFO queue a foreground request waits behind at most the
-// copy's own queue (TickInput::own_queue_bytes), which takes own_s at own_queue_rate() (a lower
-// bound of the storage's rate, so own_s errs long): min(measured, own_s) is never less than the
-// copy's share.  The foreground's own requests (foreground_own_bytes) explain at most guests_s of
+// copy's own queue (TickInput::own_queue_bytes), which takes own_s at own_queue_rate():
+// min(measured, own_s) is not less than the copy's share as long as the caller counted that queue
+// whole and the rate is not above the storage's (the window bounds the copy where either fails).  The foreground's own requests (foreground_own_bytes) explain at most guests_s of
 // it: measured − guests_s is what they cannot, which includes another host's copy.  The larger of
 // the two is charged; without both bounds, all of it.
 Controller::Charge Controller::charged_delay(const TickInput& in, Duration measured) const {

@@ -267,9 +267,11 @@ struct TickInput {
   // nullopt: every delay is charged.
   std::optional<std::uint64_t> own_queue_bytes{};
   // The most bytes of the foreground's own requests that one of its requests can wait behind
-  // with no copy running, when the caller can tell: per guest doing I/O, its largest request (a
-  // write's bytes or, under a writeback cache, the data a flush writes).  A delay beyond what
-  // those bytes take at the storage's rate is not the guests' own doing.  nullopt: unknown.
+  // with no copy running, when the caller can tell: per guest doing I/O at least its largest
+  // request (a write's bytes or, under a writeback cache, the data a flush writes); qcommitd
+  // passes what the guests wrote in the last throttle::kForegroundOwnWindow, which can be more.
+  // A delay beyond what those bytes take at the storage's rate is not the guests' own doing.
+  // nullopt: unknown.
   std::optional<std::uint64_t> foreground_own_bytes{};
   // Requests of the copy's own whose bytes and time from submission to completion are known
   // without being copy latencies the delay is computed from (a daemon's writeback ranges, waited

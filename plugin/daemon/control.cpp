@@ -81,7 +81,7 @@ json::Ordered job_json(const JobStatus& j) {
                        {"delay_measured_ms", ms_or_null(j.delay_measured)},
                        {"delay_charged_ms", ms_or_null(j.delay_charged)},
                        {"own_queue_bytes", j.own_queue_bytes ? json::Value(*j.own_queue_bytes) : json::Value(nullptr)},
-                       {"storage_rate_bytes_per_s", j.storage_rate_bytes_per_s},
+                       {"own_queue_rate_bytes_per_s", j.own_queue_rate_bytes_per_s},
                        {"latency_p99_ms", ms_or_null(j.latency_p99)},
                        {"bytes_left", j.bytes_left},
                        {"eta_s", number_or_null(j.eta_s)},

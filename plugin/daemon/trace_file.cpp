@@ -18,7 +18,7 @@ std::string trace_header() {
   return trace_csv::header_line({"t_s", "domain", "disk", "speed_bytes_per_s", "window_bytes",
                                  "backlog_bytes", "latency_p99_ms", "bytes_left", "phase",
                                  "delay_measured_ms", "delay_charged_ms", "own_queue_bytes",
-                                 "storage_rate_bytes_per_s"});
+                                 "own_queue_rate_bytes_per_s"});
 }
 
 // Milliseconds, NaN (an empty field) when unknown.
@@ -35,7 +35,7 @@ std::string trace_row(const JobStatus& j, double t) {
        trace_csv::fixed(ms_or_nan(j.latency_p99), 1), to_string(j.bytes_left), j.phase,
        trace_csv::fixed(ms_or_nan(j.delay_measured), 2), trace_csv::fixed(ms_or_nan(j.delay_charged), 2),
        j.own_queue_bytes ? to_string(*j.own_queue_bytes) : std::string(),
-       trace_csv::fixed(j.storage_rate_bytes_per_s, 0)});
+       trace_csv::fixed(j.own_queue_rate_bytes_per_s, 0)});
 }
 
 }  // namespace

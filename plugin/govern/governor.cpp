@@ -1477,7 +1477,7 @@ GovernorStatus Governor::status(TimePoint now) const {
     if (j->decision) {
       js.delay_measured = j->decision->measured_delay;
       js.delay_charged = j->decision->queue_delay;
-      js.storage_rate_bytes_per_s = j->decision->own_queue_rate_bytes_per_s;
+      js.own_queue_rate_bytes_per_s = j->decision->own_queue_rate_bytes_per_s;
     }
     js.own_queue_bytes = j->own_queue;
     js.phase = j->decision ? throttle::to_string(j->decision->phase) : "adopted";

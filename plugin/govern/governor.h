@@ -269,7 +269,7 @@ struct JobStatus {
   std::optional<Duration> delay_measured;
   std::optional<Duration> delay_charged;
   std::optional<std::uint64_t> own_queue_bytes;
-  double storage_rate_bytes_per_s = 0;
+  double own_queue_rate_bytes_per_s = 0;
   std::optional<Duration> latency_p99;  // guests on the same storage, last kLatencyHistory
   std::uint64_t bytes_left = 0;
   std::optional<double> eta_s;
