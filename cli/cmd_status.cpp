@@ -116,6 +116,24 @@ void print_governed_line(const json::Value& j) {
               str(j, "found_by").c_str(), late.c_str());
 }
 
+// A mirror whose work left does not shrink (the guests write its disk faster than the budget lets
+// it copy), and its converge floor once on; nothing for the others (or an older qcommitd).
+void print_convergence_line(const json::Value& j) {
+  const json::Value* c = json::member(j, "converging");
+  const bool stalled = c && c->is_boolean() && !c->get<bool>();
+  const json::Value* f = json::member(j, "converge_floor_bytes_per_s");
+  const bool floor = f && f->is_number() && f->get<double>() > 0;
+  if (!stalled && !floor) return;
+  std::printf("converging: %s %s: %s; the guests add %s%s\n", str(j, "domain").c_str(),
+              str(j, "disk").c_str(), stalled ? "no, its work left grows" : "yes",
+              num_or_dash(j, "added_bytes_per_s", "%.1fMiB/s", 1048576.0).c_str(),
+              floor ? ("; converge floor " +
+                       num_or_dash(j, "converge_floor_bytes_per_s", "%.1fMiB/s", 1048576.0) +
+                       " until ready, above the budget where need be")
+                          .c_str()
+                    : "");
+}
+
 // A job that escaped governance (its target far dirtier than its budget allows when qcommitd
 // found it): how much, the storage time that stands for, whether it is still held at the floor,
 // and the kernel's dirty limit on its storage; nothing for the others (or an older qcommitd).
@@ -204,6 +222,7 @@ int status_once(const std::string& socket_path, bool json_out) {
                     str(j, "probe_off_reason").c_str());
     for (const auto& j : *jobs) print_governed_line(j);
     for (const auto& j : *jobs) print_escape_line(j);
+    for (const auto& j : *jobs) print_convergence_line(j);
     for (const auto& j : *jobs)  // "on", or "off: why"; absent where the filter does not apply
       if (!str(j, "target_throttle").empty())
         std::printf("throttle filter: %s %s: %s\n", str(j, "domain").c_str(),

@@ -1,9 +1,11 @@
 // SPDX-License-Identifier: GPL-2.0-or-later
 #include "plugin/daemon/daemon_log.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <set>
+#include <utility>
 
 namespace qcommit::plugin {
 
@@ -66,6 +68,34 @@ void DaemonLog::log_floor(const JobStatus& j, Known& k) {
   record(job_name(j.domain, j.disk) + ": floor-limited: " + j.floor);
 }
 
+void DaemonLog::log_convergence(const JobStatus& j, Known& k) {
+  const Convergence now = j.converge_floor_bytes_per_s > 0 ? Convergence::kFloorOn
+                          : j.converging == false          ? Convergence::kNotConverging
+                                                           : Convergence::kConverging;
+  if (now == k.convergence) return;
+  const Convergence was = std::exchange(k.convergence, now);
+  char buf[320];
+  int n = 0;
+  if (now == Convergence::kNotConverging)
+    n = std::snprintf(buf, sizeof buf,
+                      "not converging: the guests add %.1f MiB/s to what is left to copy, the "
+                      "budget lets the copy run at %.1f MiB/s; a converge floor follows after %lld s",
+                      j.added_bytes_per_s / kBytesPerMiB,
+                      static_cast<double>(j.speed_bytes_per_s) / kBytesPerMiB,
+                      static_cast<long long>(std::chrono::duration_cast<std::chrono::seconds>(
+                                                 kNotConvergingAfter).count()));
+  else if (now == Convergence::kFloorOn)
+    n = std::snprintf(buf, sizeof buf,
+                      "converge floor on: at least %.1f MiB/s until ready (%.1fx what the guests "
+                      "add, at least the policy's floor), above the budget where need be",
+                      j.converge_floor_bytes_per_s / kBytesPerMiB, kConvergeFloorFactor);
+  else if (was == Convergence::kNotConverging)
+    n = std::snprintf(buf, sizeof buf, "converging again");
+  else
+    return;  // the floor went with the job's ready: "ready" says it
+  record(job_name(j.domain, j.disk) + ": " + std::string(buf, static_cast<size_t>(std::clamp(n, 0, static_cast<int>(sizeof buf) - 1))));
+}
+
 void DaemonLog::log_governed(const JobStatus& j, Known& k) {
   if (k.governed || !j.time_to_govern) return;
   k.governed = true;
@@ -108,6 +138,7 @@ void DaemonLog::observe(const GovernorStatus& st, std::string_view uri,
     log_probe(j, k);
     log_target_throttle(j, k);
     log_floor(j, k);
+    log_convergence(j, k);
     log_governed(j, k);
     const std::string d = decision_of(j, k.decision);
     if (d != k.decision) {
@@ -128,7 +159,8 @@ void DaemonLog::observe(const GovernorStatus& st, std::string_view uri,
 }
 
 void DaemonLog::log_adopted(const JobStatus& j) {
-  Known k{j.id, decision_of(j, "adopted"), j.ready, {}, {}, false, false};
+  Known k{j.id, decision_of(j, "adopted"), j.ready, {}, {}, false, false,
+          Convergence::kConverging};
   std::string m = "governing " + std::string(to_string(j.type)) + " job on " +
                   job_name(j.domain, j.disk) + " (target " + log_field(j.target) + ", storage " +
                   log_field(j.storage);

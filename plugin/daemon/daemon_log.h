@@ -41,6 +41,8 @@ class DaemonLog {
   void observe(const GovernorStatus& st, std::string_view uri, std::string_view last_error);
 
  private:
+  // A mirror's convergence as the log tells it (JobStatus::converging, converge floor).
+  enum class Convergence { kConverging, kNotConverging, kFloorOn };
   struct Known {
     std::uint64_t id = 0;  // JobStatus::id: a new id on the same disk is the next job
     std::string decision;
@@ -49,6 +51,7 @@ class DaemonLog {
     std::string target_throttle;  // the filter's state logged last
     bool governed = false;        // its time to govern was logged
     bool floor_logged = false;    // its floor (JobStatus::floor) was logged
+    Convergence convergence = Convergence::kConverging;  // as logged last
   };
   // The record of a job adopted: its type, target, storage, budget, first decision and figures.
   void log_adopted(const JobStatus& j);
@@ -61,6 +64,9 @@ class DaemonLog {
   void log_target_throttle(const JobStatus& j, Known& k);
   // One record, the first time `j` is floor-limited: which floor and its figures.
   void log_floor(const JobStatus& j, Known& k);
+  // One record when a mirror stops converging, when its converge floor goes on, and when it
+  // converges again without one.
+  void log_convergence(const JobStatus& j, Known& k);
   // One record when `j`'s first speed is seen in QEMU: its time to govern, how it was found, and
   // whether it was adopted late.
   void log_governed(const JobStatus& j, Known& k);

@@ -103,17 +103,12 @@ bool governed(JobType t) {
          t == JobType::Copy;
 }
 
-// QEMU's mirror job (active commit, copy): 16 x 1 MiB bursts, ready when it has caught up.
-bool mirror(JobType t) {
-  return t == JobType::ActiveCommit || t == JobType::Copy;
-}
-
 // JobStatus::floor for a job whose controller decided `d` with config `c`: "" unless it is
 // floor-limited.
 std::string floor_text(JobType type, const std::string& cache, const throttle::ControllerConfig& c,
                        const throttle::Decision& d) {
   if (!d.floor_limited) return {};
-  const char* job = mirror(type)            ? "QEMU mirror"
+  const char* job = mirror_job(type)            ? "QEMU mirror"
                     : type == JobType::Pull ? "QEMU stream"
                                             : "QEMU commit";
   const std::uint64_t kib = c.copy_request_bytes / 1024;
@@ -132,17 +127,6 @@ std::string floor_text(JobType type, const std::string& cache, const throttle::C
   // qcommit live merges with a non-active commit first: 512 KiB requests, one in flight.
   if (type == JobType::ActiveCommit) s += "; `qcommit live` would do better for this disk";
   return s;
-}
-
-// The bytes of `extents` (ascending) at or beyond `offset`.
-std::uint64_t bytes_beyond(const std::vector<ByteRange>& extents, std::uint64_t offset) {
-  std::uint64_t n = 0;
-  for (auto it = extents.rbegin(); it != extents.rend(); ++it) {
-    const std::uint64_t end = it->offset + it->length;
-    if (end <= offset) break;
-    n += end - std::max(it->offset, offset);
-  }
-  return n;
 }
 
 // The layers a non-active commit into `base` copies: the backing images above it (the active
@@ -210,24 +194,6 @@ struct Governor::SettleState {
   bool pivot_ready = false;
 };
 
-// Without per-file page-cache counts (no cachestat): fdatasyncs of the target while the job
-// copies; the job's progress at the last tick and whether it moved in it, the progress (as of the
-// last tick) when the running sync started and when the last completed one did.
-struct Governor::FallbackSync {
-  std::optional<std::uint64_t> tick_cur;
-  bool tick_progressed = false;
-  std::optional<std::uint64_t> sync_start_cur;
-  std::optional<std::uint64_t> synced_cur;
-  std::optional<TimePoint> sync_started_at;
-  // Progress counts start over (a new job, a reconnect); the sync gap still runs.
-  void restart() {
-    tick_cur.reset();
-    tick_progressed = false;
-    sync_start_cur.reset();
-    synced_cur.reset();
-  }
-};
-
 // Chunk gate (direct_chunks jobs): the gate, the rate it spaces the chunks for and whether it may
 // open.
 struct Governor::GateState {
@@ -237,20 +203,20 @@ struct Governor::GateState {
   bool allowed = true;
 };
 
-// What status() shows over time: guests' latencies and the job's progress.
+// What status() shows over time: guests' latencies and the job's bytes left.
 struct Governor::History {
   std::deque<std::pair<TimePoint, Duration>> latencies;
-  std::deque<std::pair<TimePoint, std::uint64_t>> progress;
+  std::deque<std::pair<TimePoint, std::uint64_t>> left;
 };
 
 struct Governor::Job {
-  Job(DiskKey k, const Policy& p, JobType t, const std::string& cache)
+  Job(DiskKey k, const Policy& p, JobType t, const std::string& cache, PacedJob paced)
       : key(std::move(k)),
         type(t),
         policy(p),
         cache_mode(cache),
         direct_io(direct_cache(cache)),
-        ctl(controller_config(p, t, cache)) {}
+        pacing(std::move(paced), controller_config(p, t, cache)) {}
   // cache=none/directsync: the job's writes bypass the page cache.
   static bool direct_cache(const std::string& cache) {
     return cache == "none" || cache == "directsync";
@@ -266,7 +232,7 @@ struct Governor::Job {
     if (direct_chunks(t, cache)) c.copy_request_bytes = kQemuChunkBytes;
     // A mirror's requests reach the storage as they are, with or without a throttle filter
     // (which admits whole requests): no rate makes one of them shorter.
-    if (direct_cache(cache) && mirror(t)) {
+    if (direct_cache(cache) && mirror_job(t)) {
       c.copy_request_bytes = kQemuMirrorRequestBytes;
       c.copy_requests_in_flight = kQemuMirrorRequestsInFlight;
     }
@@ -277,33 +243,26 @@ struct Governor::Job {
   DiskKey key;
   JobType type = JobType::Unknown;
   std::string target;
-  // A non-active commit: the guest ranges it copies (its layers' own extents), when the host can
-  // read them.  QEMU skips the rest without writing.
-  std::optional<std::vector<ByteRange>> commit_extents;
   std::string storage;
   std::string pool;
   Policy policy;
   std::string cache_mode;  // the disk's <driver cache=...>
   std::string policy_error;
   bool direct_io;  // direct_cache(): its writes bypass the page cache
-  // Control: the controller, its last decision, the job as of the last tick, the speed set.
-  throttle::Controller ctl;
-  std::optional<throttle::Decision> decision;
+  // Control: its pacing (the controller and its last decision), the job as of the last tick,
+  // the speed set.
+  JobPacing pacing;
   JobInfo info{};
   bool has_info = false;
   bool ready = false;
   bool seen_in_poll = true;
-  std::uint64_t backlog = 0;
   std::uint64_t speed_set = 0;  // as QEMU was read to have it; gated: the paced rate
   SpeedCheck check;             // its discovery, the speed asked for and read back, time to govern
-  double drain_credit = 0;      // bytes of progress not yet reported to the controller
-  std::optional<TimePoint> last_tick;
   // The target's page cache and how it is pushed to storage.
   std::unique_ptr<TargetFile> file;
   WritebackPlanner planner;
   PacerView pacer;
   SettleState settle;
-  FallbackSync fallback;
   std::optional<GateState> gate;
   // The throttle filter under the target, while it is in; why not, when it applies but is not.
   std::optional<TargetThrottle> throttle;
@@ -427,10 +386,8 @@ void Governor::lost_connection(TimePoint now) {
   next_pace_.reset();
   for (auto& [k, j] : jobs_) {
     j->has_info = false;  // progress baseline restarts after the reconnect
-    j->drain_credit = 0;
-    j->last_tick.reset();
+    j->pacing.restart();  // it may be another job when we are back
     j->seen_in_poll = false;
-    j->fallback.restart();  // it may be another job when we are back
   }
   reconnect_.retry_now(now);  // first retry immediately, then back off
 }
@@ -699,11 +656,18 @@ void Governor::adopt(Found& f, TimePoint now) {
   const PolicyResolution resolved = resolve_policy(cfg_, query);
   const Policy policy = capped_policy(resolved.policy, opt_.max_rate_bytes_per_s);
   const std::string policy_error = resolved.metadata_error.value_or("");
-  auto j = std::make_unique<Job>(k, policy, info.type, disk.cache);
+  PacedJob paced;
+  paced.type = info.type;
+  paced.direct_io = Job::direct_cache(disk.cache);
+  paced.min_speed_bytes_per_s = opt_.min_speed_bytes_per_s;
+  paced.ceiling_bytes_per_s = policy.ceiling_bytes_per_s;
+  paced.tick = opt_.tick;
+  paced.pace = opt_.pace;
+  if (info.type == JobType::Commit && !target.empty())
+    paced.commit_extents = files_.commit_extents(commit_layers(disk, target));
+  auto j = std::make_unique<Job>(k, policy, info.type, disk.cache, std::move(paced));
   j->id = ++adopted_;
   j->target = target;
-  if (info.type == JobType::Commit && !target.empty())
-    j->commit_extents = files_.commit_extents(commit_layers(disk, target));
   j->storage = storage;
   j->pool = pool ? pool->name : "";
   j->policy_error = policy_error;
@@ -729,7 +693,7 @@ void Governor::adopt(Found& f, TimePoint now) {
   jobs_.emplace(k, std::move(j));
   // Its own start speed where its policy's differs from the hold's (the next tick retries one
   // QEMU did not take).
-  const double initial = ref.ctl.config().initial_rate_bytes_per_s;
+  const double initial = ref.pacing.config().initial_rate_bytes_per_s;
   const std::optional<std::uint64_t> qemu = hv_.qemu_version();
   if (opt_.target_throttle && info.type == JobType::ActiveCommit && ref.direct_io) {
     if (throttle_filter_wanted(disk, info.type)) {
@@ -763,7 +727,7 @@ QmpCall Governor::qmp_for(const std::string& domain) {
 // a guest's request may find ahead of it: the controller's delay target is never below one.
 void Governor::insert_target_throttle(Job& j) {
   j.throttle_pending_since.reset();
-  const auto initial = static_cast<std::uint64_t>(j.ctl.config().initial_rate_bytes_per_s);
+  const auto initial = static_cast<std::uint64_t>(j.pacing.config().initial_rate_bytes_per_s);
   const std::uint64_t rate = throttle_rate_for(initial);
   const QmpCall qmp = qmp_for(j.key.domain);
   const std::string tag = std::to_string(::getpid()) + "-" + std::to_string(j.id);
@@ -773,9 +737,9 @@ void Governor::insert_target_throttle(Job& j) {
     return;
   }
   j.throttle = std::get<TargetThrottle>(std::move(r));
-  throttle::ControllerConfig c = j.ctl.config();
+  throttle::ControllerConfig c = j.pacing.config();
   c.copy_request_bytes = kQemuMirrorRequestBytes;
-  j.ctl = throttle::Controller(c);
+  j.pacing.reconfigure(c);
   set_speed(j, initial);
 }
 
@@ -931,48 +895,6 @@ void Governor::tick(TimePoint now) {
   }
 }
 
-// Without per-file counts the page-cache reading is host-wide: other writers' pages too.  A job
-// whose writes bypass the page cache has none of them.  Another job's own pages are at most what
-// it copied since the start of the last completed fdatasync of its target (pace() runs them while
-// the job copies: everything dirtied before that start is on storage).  Progress is only known
-// per tick and a sync's start is stamped with the last tick's, so of this tick's progress the
-// count leaves out what the set speed allows in a tick (it went out with the syncs of this tick
-// unless storage held it up); beyond that (QEMU's bursts: a mirror copies 16 MiB whatever its
-// speed) it counts.  No bound (the maximum) with per-file counts.
-std::uint64_t Governor::own_backlog_bound(Job& j, const JobInfo& info,
-                                          const std::optional<PageCacheState>& pc) {
-  if (!pc || pc->per_file) return std::numeric_limits<std::uint64_t>::max();
-  FallbackSync& fs = j.fallback;
-  if (fs.tick_cur && info.cur < *fs.tick_cur) fs.restart();  // a new job: start over
-  const std::optional<std::uint64_t> before = fs.tick_cur;
-  fs.tick_cur = info.cur;
-  fs.tick_progressed = before && info.cur > *before;
-  if (j.direct_io) return 0;
-  if (!fs.synced_cur || !before) return std::numeric_limits<std::uint64_t>::max();
-  const std::uint64_t since = info.cur > *fs.synced_cur ? info.cur - *fs.synced_cur : 0;
-  const std::uint64_t progressed = info.cur > *before ? info.cur - *before : 0;
-  const auto allowed = static_cast<std::uint64_t>(static_cast<double>(j.speed_set) *
-                                                  std::chrono::duration<double>(opt_.tick).count());
-  return since - std::min({since, progressed, allowed});
-}
-
-// The most of the job's own bytes ahead of a guest's request at storage (throttle::TickInput::
-// own_queue_bytes): a job writing past the page cache, the requests QEMU keeps in flight (where
-// their size is known); else the target's pages under writeback, where cachestat(2) counts them
-// for the file -- started by the pacer or by the kernel, and after a mirror's ready the guest's
-// writes it mirrors too: an upper bound.  nullopt where the count is host-wide or estimated (no
-// bound: every delay measured is charged to the job, as before).
-std::optional<std::uint64_t> Governor::own_queue_bytes(const Job& j,
-                                                       const std::optional<PageCacheState>& pc) {
-  if (j.direct_io) {
-    const throttle::ControllerConfig& c = j.ctl.config();
-    if (c.copy_request_bytes == 0) return std::nullopt;
-    return std::uint64_t{c.copy_requests_in_flight} * c.copy_request_bytes;
-  }
-  if (!pc || !pc->per_file || pc->dirty_upper_bound) return std::nullopt;
-  return pc->writeback_bytes;
-}
-
 // The copies of this host on the job's storage share its budget: each is charged the queues of
 // all of them (its own now, the others' as read at their last tick, unknown when that tick did
 // not read it), so that none keeps the budget to itself where the guests' own requests explain
@@ -986,110 +908,6 @@ std::optional<std::uint64_t> Governor::local_copies_queue(const Job& j) const {
     total += *other->own_queue;
   }
   return total;
-}
-
-// Bytes of the target queued at storage or about to be: under writeback, plus dirty pages beyond
-// `dirty_allowance`; at most `own_bound` (the job's own share where the reading is host-wide).
-std::uint64_t Governor::queued_bytes(const std::optional<PageCacheState>& pc,
-                                     std::uint64_t dirty_allowance, std::uint64_t own_bound) {
-  if (!pc) return 0;
-  const std::uint64_t dirty =
-      pc->dirty_bytes > dirty_allowance ? pc->dirty_bytes - dirty_allowance : 0;
-  return std::min(pc->writeback_bytes + dirty, own_bound);
-}
-
-// QEMU reports progress in bursts (the mirror: 16 MiB at once, then it sleeps the burst off at the
-// set speed; commit.c counts unallocated stretches without copying).  Per tick that looks like
-// "idle" most of the time, so the controller would never see the job use its allowance and never
-// raise the rate (cache=none: stuck at the floor).  Progress (less the backlog's growth) goes into
-// a credit released at up to kDrainCreditRateFactor × the paced rate per tick, carrying at most
-// kMaxDrainCredit of it.  Returns the bytes released to this tick.
-std::uint64_t Governor::release_drain(Job& j, const JobInfo& info, std::uint64_t backlog,
-                                      TimePoint now) {
-  std::uint64_t drained = 0;
-  if (j.has_info && info.cur >= j.info.cur) {
-    const auto written = static_cast<std::int64_t>(info.cur - j.info.cur);
-    const std::int64_t growth =
-        static_cast<std::int64_t>(backlog) - static_cast<std::int64_t>(j.backlog);
-    j.drain_credit += static_cast<double>(std::max<std::int64_t>(0, written - growth));
-  }
-  if (j.last_tick) {
-    const double dt = std::chrono::duration<double>(now - *j.last_tick).count();
-    const double rate =
-        std::max({j.decision ? j.decision->rate_bytes_per_s : 0.0, static_cast<double>(j.speed_set),
-                  static_cast<double>(opt_.min_speed_bytes_per_s)});
-    const double release = std::min(j.drain_credit, kDrainCreditRateFactor * rate * dt);
-    drained = static_cast<std::uint64_t>(release);
-    j.drain_credit = std::min(j.drain_credit - release,
-                              rate * std::chrono::duration<double>(kMaxDrainCredit).count());
-  }
-  j.last_tick = now;
-  return drained;
-}
-
-// The controller's decision for this tick.  While the job is held for a settle, its progress and
-// backlog say nothing about the storage (the hold made them): the controller is not fed and the
-// last decision stands; its next interval starts now (taken from before the hold with one tick's
-// progress, it read as a collapsed drain rate: window at the minimum for ~1.5 s after every
-// settle in the lab), and what drained during the hold is not credited to the ticks after it.
-throttle::Decision Governor::decide(Job& j, const throttle::TickInput& in, bool holding) {
-  if (holding) {
-    j.ctl.skip_until(in.now);
-    j.drain_credit = 0;
-  }
-  j.decision = holding && j.decision ? *j.decision : j.ctl.tick(in);
-  return *j.decision;
-}
-
-// The speed the job gets.  Held (paused, more queued than the window allows, or settling): the
-// floor.  Dirty pages the pacer has not pushed yet are not queued anywhere: up to one QEMU request
-// burst of them (kDirtyAllowanceBytes) lets the job copy its next burst while the pacer drains
-// the previous one.  Near its end a mirror copies its last burst and then flushes BASE (before
-// ready): all it left dirty is written at once (lab: 160 ms ahead of the guest), so there the
-// allowance is 0 and QEMU sleeps off its last burst at the floor meanwhile.  The same near the
-// end of a non-active commit's data, where BASE is flushed while the guest's requests are drained
-// (lab, 512 MiB at 42 MB/s: the pacer 14 MiB behind, the guest frozen 0.39 s); there the job also
-// runs no faster than the pacer keeps up with.  And a mirror with at
-// most kMirrorConvergeBytes left runs at the ceiling: the guest keeps dirtying clusters, and at
-// a low speed the mirror sleeps off every small copy and may never become ready (seen in the lab:
-// 1 byte left for minutes at the 1 MiB/s floor); finishing it unpaced queues at most that.
-Governor::JobSpeed Governor::job_speed(const Job& j, const JobInfo& info,
-                                       const throttle::Decision& d,
-                                       const std::optional<PageCacheState>& pc,
-                                       std::uint64_t own_bound, bool holding) const {
-  const bool mirror_unready = mirror(j.type) && !j.ready;
-  // What is left to copy: a non-active commit's progress counts the unallocated parts of the
-  // image too, which QEMU skips without writing, so where its extents are known, their bytes
-  // beyond its progress.
-  const std::uint64_t left = j.type == JobType::Commit && j.commit_extents
-                                 ? bytes_beyond(*j.commit_extents, info.cur)
-                                 : (info.end > info.cur ? info.end - info.cur : 0);
-  const bool near_end =
-      (mirror_unready || j.type == JobType::Commit) && left <= kDirtyAllowanceBytes;
-  const std::uint64_t queued = queued_bytes(pc, near_end ? 0 : kDirtyAllowanceBytes, own_bound);
-  JobSpeed out;
-  out.held = d.paused || queued > d.window_bytes || holding;
-  if (out.held) {
-    out.speed = opt_.min_speed_bytes_per_s;
-    return out;
-  }
-  const auto lo = static_cast<double>(opt_.min_speed_bytes_per_s);
-  out.speed = static_cast<std::uint64_t>(
-      std::llround(std::clamp(d.rate_bytes_per_s, lo, std::max(lo, j.policy.ceiling_bytes_per_s))));
-  if (mirror_unready && info.end > info.cur && info.end - info.cur <= kMirrorConvergeBytes)
-    out.speed = static_cast<std::uint64_t>(j.policy.ceiling_bytes_per_s);
-  else if (near_end && j.type == JobType::Commit && !j.direct_io)
-    // One window per tick, what the pacer keeps up with: what is dirty when QEMU completes
-    // stays about one window (not a burst the speed let through between two ticks).  At least
-    // kFinishingSpeedBytesPerS (never above the controller's rate): where the controller has
-    // shrunk the window to its minimum, one window per tick (640 KiB/s) took 25 s for the last
-    // 16 MiB (lab, QEMU 10).  Not with cache=none: nothing of the job's is left dirty there.
-    out.speed = std::min(
-        out.speed,
-        std::max({opt_.min_speed_bytes_per_s, kFinishingSpeedBytesPerS,
-                  static_cast<std::uint64_t>(static_cast<double>(d.window_bytes) /
-                                             std::chrono::duration<double>(opt_.tick).count())}));
-  return out;
 }
 
 // Gives the job its speed: a gated job's gate learns the rate and whether it may open (pace_gates
@@ -1127,12 +945,12 @@ void Governor::record_tick(Job& j, const throttle::ForegroundSignals& s, const J
   while (!lat.empty() &&
          (lat.front().first < now - kLatencyHistory || lat.size() > kMaxLatencySamples))
     lat.pop_front();
-  auto& prog = j.history.progress;
-  prog.emplace_back(now, info.cur);
-  while (!prog.empty() && prog.front().first < now - kEtaHistory) prog.pop_front();
+  auto& left = j.history.left;
+  left.emplace_back(now, info.end > info.cur ? info.end - info.cur : 0);
+  while (!left.empty() && left.front().first < now - kEtaHistory) left.pop_front();
   j.info = info;
   j.has_info = true;
-  j.backlog = backlog;
+  j.pacing.record(info, backlog);
 }
 
 // One governed job's tick: its backlog from the page cache, the controller's decision, the
@@ -1150,12 +968,12 @@ void Governor::tick_job(Job& j, const JobInfo& info, const throttle::ForegroundS
       else
         j.throttle_pending_since.reset();
       if (!j.throttle)
-        set_speed(j, static_cast<std::uint64_t>(j.ctl.config().initial_rate_bytes_per_s));
+        set_speed(j, static_cast<std::uint64_t>(j.pacing.config().initial_rate_bytes_per_s));
     } else {
       // Held at the floor meanwhile: a hold QEMU does not have is set again.
       if (info.bandwidth_bytes_per_s != opt_.min_speed_bytes_per_s)
         set_speed(j, opt_.min_speed_bytes_per_s);
-      record_tick(j, s, info, j.backlog, now);
+      record_tick(j, s, info, j.pacing.backlog(), now);
       return;
     }
   }
@@ -1169,21 +987,17 @@ void Governor::tick_job(Job& j, const JobInfo& info, const throttle::ForegroundS
     j.pacer.read_page_cache(*j.file, now);  // the pacer works from this reading until the next one
     pc = j.pacer.pc;
   }
-  const std::uint64_t own_bound = own_backlog_bound(j, info, pc);
-  // The pacer pushes fresh dirty pages every `pace`: only dirty pages beyond one pace interval's
-  // production at the current speed count as queued.
-  const auto pace_production = static_cast<std::uint64_t>(
-      static_cast<double>(j.speed_set) * std::chrono::duration<double>(opt_.pace).count());
-  const std::uint64_t backlog = queued_bytes(pc, pace_production, own_bound);
+  const PacingReading reading{now, info, pc, j.speed_set, j.ready};
+  const PacingMeasure m = j.pacing.measure(reading);
   throttle::TickInput in;
   in.now = now;
   in.foreground_latencies = s.latencies;
   in.foreground_outstanding = s.outstanding;
   in.foreground_oldest_outstanding = s.oldest_outstanding;
   in.foreground_idle = storage_idle && s.latencies.empty() && s.outstanding == 0;
-  in.backlog_bytes = backlog;
-  in.drained_bytes = release_drain(j, info, backlog, now);
-  j.own_queue = own_queue_bytes(j, pc);
+  in.backlog_bytes = m.backlog;
+  in.drained_bytes = m.drained;
+  j.own_queue = m.own_queue;
   in.own_queue_bytes = local_copies_queue(j);
   in.foreground_own_bytes = s.own_bytes;
   const std::vector<throttle::CopySample> service =
@@ -1193,13 +1007,13 @@ void Governor::tick_job(Job& j, const JobInfo& info, const throttle::ForegroundS
   if (j.probe) in.probe_outstanding = j.probe->outstanding_age(now);
   if (opt_.wall_clock) in.wall_clock = opt_.wall_clock();
   const bool holding = settle(j, pc, now);
-  const throttle::Decision d = decide(j, in, holding);
+  const throttle::Decision d = j.pacing.decide(in, holding);
   j.probe_samples.clear();
   const bool escape_hold = track_escape(j, pc, d, now);
   apply_speed(j, info,
               escape_hold ? JobSpeed{opt_.min_speed_bytes_per_s, true}
-                          : job_speed(j, info, d, pc, own_bound, holding));
-  record_tick(j, s, info, backlog, now);
+                          : j.pacing.speed(reading, m, d, holding));
+  record_tick(j, s, info, m.backlog, now);
 }
 
 // Whether the target has nothing dirty for a settle started at `hold_since`: its per-file count
@@ -1341,8 +1155,9 @@ void Governor::drive_probes(TimePoint now) {
     }
     while (!j->probe_history.empty() && j->probe_history.front().first < now - kLatencyHistory)
       j->probe_history.pop_front();
-    const double throughput = j->decision ? j->decision->drain_estimate_bytes_per_s
-                                          : j->ctl.config().initial_rate_bytes_per_s;
+    const std::optional<throttle::Decision>& d = j->pacing.decision();
+    const double throughput =
+        d ? d->drain_estimate_bytes_per_s : j->pacing.config().initial_rate_bytes_per_s;
     const std::optional<Duration> wait = j->probe->until_next(now, throughput);
     if (wait && *wait == Duration::zero() && j->probe_file->start()) j->probe->started(now);
   }
@@ -1351,7 +1166,7 @@ void Governor::drive_probes(TimePoint now) {
 void Governor::pace(TimePoint now) {
   for (auto& [k, j] : jobs_) {
     if (j->gate) continue;  // its writes bypass the page cache: nothing to push (pace_gates)
-    if (!j->file || !j->decision) continue;
+    if (!j->file || !j->pacing.decision()) continue;
     bool fresh = false;
     PacerView& pv = j->pacer;
     if (!pv.at || now - *pv.at >= opt_.page_cache_refresh) {
@@ -1364,7 +1179,7 @@ void Governor::pace(TimePoint now) {
     // at most one per kFallbackSyncGap, while the job copies or until one has started after
     // its last progress.  (A sync of a clean file may still flush the disk's cache.)
     if (!pv.pc->per_file) {
-      FallbackSync& fs = j->fallback;
+      FallbackSync& fs = j->pacing.fallback();
       if (j->direct_io || !fs.tick_cur) continue;
       if (fs.sync_start_cur && !j->file->settling()) {
         fs.synced_cur = fs.sync_start_cur;
@@ -1399,9 +1214,7 @@ void Governor::pace(TimePoint now) {
     WritebackInput wi;
     wi.file_size = j->file->size();
     wi.writeback_bytes = pc.per_file ? pc.writeback_bytes : 0;
-    wi.window_bytes =
-        static_cast<std::uint64_t>(static_cast<double>(j->decision->window_bytes) *
-                                   (mirror(j->type) ? kMirrorPacerWindowFraction : 1.0));
+    wi.window_bytes = j->pacing.writeback_window(*j->pacing.decision());
     TargetFile& f = *j->file;
     WritebackPlan plan = j->planner.plan(wi, [&f](const ByteRange& r) { return f.dirty_in(r); });
     for (const auto& r : plan.ranges) {
@@ -1425,8 +1238,8 @@ void Governor::release_all() {
   for (auto it = jobs_.begin(); it != jobs_.end();) {
     const auto& [k, j] = *it;
     // Finishing speed: what the storage was seen to absorb, never below the floor.
-    double rate = j->decision ? std::max(j->decision->rate_bytes_per_s,
-                                         j->decision->drain_estimate_bytes_per_s)
+    const std::optional<throttle::Decision>& d = j->pacing.decision();
+    double rate = d ? std::max(d->rate_bytes_per_s, d->drain_estimate_bytes_per_s)
                               : j->policy.floor_bytes_per_s;
     rate = std::clamp(rate, j->policy.floor_bytes_per_s, j->policy.ceiling_bytes_per_s);
     try {
@@ -1472,15 +1285,16 @@ GovernorStatus Governor::status(TimePoint now) const {
     js.found_by = j->check.found_by;
     js.copied_before_governed_bytes = j->check.copied_when_governed;
     js.late_adoption = j->check.late();
-    js.window_bytes = j->decision ? j->decision->window_bytes : 0;
-    js.backlog_bytes = j->backlog;
-    if (j->decision) {
-      js.delay_measured = j->decision->measured_delay;
-      js.delay_charged = j->decision->queue_delay;
-      js.own_queue_rate_bytes_per_s = j->decision->own_queue_rate_bytes_per_s;
+    const std::optional<throttle::Decision>& d = j->pacing.decision();
+    js.window_bytes = d ? d->window_bytes : 0;
+    js.backlog_bytes = j->pacing.backlog();
+    if (d) {
+      js.delay_measured = d->measured_delay;
+      js.delay_charged = d->queue_delay;
+      js.own_queue_rate_bytes_per_s = d->own_queue_rate_bytes_per_s;
     }
     js.own_queue_bytes = j->own_queue;
-    js.phase = j->decision ? throttle::to_string(j->decision->phase) : "adopted";
+    js.phase = d ? throttle::to_string(d->phase) : "adopted";
     js.settling = j->settle.hold_since.has_value();
     js.settles = j->settle.count;
     js.probe = !j->probe_local.empty() ? ProbeState::kLocal
@@ -1511,7 +1325,7 @@ GovernorStatus Governor::status(TimePoint now) const {
     js.escape_cost = j->escape.cost();
     js.escape_held = j->escape.hold_since.has_value();
     js.bdi_limit = j->bdi_limit;
-    if (j->decision) js.floor = floor_text(j->type, j->cache_mode, j->ctl.config(), *j->decision);
+    if (d) js.floor = floor_text(j->type, j->cache_mode, j->pacing.config(), *d);
     std::vector<Duration> lat;
     for (const auto& [t, l] : j->history.latencies)
       if (t >= now - kLatencyHistory) lat.push_back(l);
@@ -1521,15 +1335,19 @@ GovernorStatus Governor::status(TimePoint now) const {
       js.latency_p99 = lat[idx];
     }
     js.bytes_left = j->info.end > j->info.cur ? j->info.end - j->info.cur : 0;
-    if (j->history.progress.size() >= 2) {
-      const auto& a = j->history.progress.front();
-      const auto& b = j->history.progress.back();
+    if (j->history.left.size() >= 2) {
+      const auto& a = j->history.left.front();
+      const auto& b = j->history.left.back();
       const double secs = std::chrono::duration<double>(b.first - a.first).count();
-      if (secs > 0 && b.second > a.second) {
-        const double rate = static_cast<double>(b.second - a.second) / secs;
+      if (secs > 0 && a.second > b.second) {
+        const double rate = static_cast<double>(a.second - b.second) / secs;
         js.eta_s = static_cast<double>(js.bytes_left) / rate;
       }
     }
+    const Convergence& conv = j->pacing.convergence();
+    if (conv.known) js.converging = conv.converging;
+    js.added_bytes_per_s = conv.added_bytes_per_s;
+    js.converge_floor_bytes_per_s = conv.floor_bytes_per_s;
     st.jobs.push_back(std::move(js));
   }
   return st;

@@ -64,6 +64,7 @@
 #include "plugin/hypervisor/hypervisor.h"
 #include "plugin/govern/bdi_limit.h"
 #include "plugin/govern/escape.h"
+#include "plugin/govern/job_pacing.h"
 #include "plugin/govern/speed_check.h"
 #include "plugin/govern/target_throttle.h"
 #include "plugin/govern/writeback.h"
@@ -74,40 +75,14 @@
 
 namespace qcommit::plugin {
 
-using throttle::Duration;
-using throttle::TimePoint;
-
-inline constexpr std::uint64_t kMinJobSpeedBytesPerS = 64 * 1024;      // "paused": never 0
 inline constexpr Duration kLatencyHistory = std::chrono::seconds(10);  // p99 over this
 inline constexpr Duration kEtaHistory = std::chrono::seconds(5);
 inline constexpr std::size_t kMaxReleasedHistory = 32;
 inline constexpr std::size_t kMaxLatencySamples = 100000;
 inline constexpr double kSpeedChangeFraction = 0.02;  // re-set the speed when off by > 2 %
-// Dirty (not yet under writeback) target pages tolerated before the job is held at the minimum:
-// one burst of QEMU's mirror (16 requests x 1 MiB).  The pacer meters them out within the window.
-inline constexpr std::uint64_t kDirtyAllowanceBytes = 16ull * 1024 * 1024;
 // Without cachestat(2): the shortest gap between two fdatasyncs of a job's target (each is a
 // thread and, on local disks, may flush the disk's cache).
 inline constexpr Duration kFallbackSyncGap = std::chrono::milliseconds(20);
-// Job progress is released to the controller at up to this × the paced rate per tick, carrying
-// at most kMaxDrainCredit worth of progress at that rate (see Governor::tick).
-inline constexpr double kDrainCreditRateFactor = 2.0;
-inline constexpr Duration kMaxDrainCredit = std::chrono::seconds(2);
-// A mirror with at most this much left (and not paused) runs at the ceiling so that it converges
-// to ready (see Governor::tick).
-inline constexpr std::uint64_t kMirrorConvergeBytes = 1024 * 1024;
-// The least speed of a non-active commit near the end of its data (when the controller allows
-// that much): 0.8 MiB per 100 ms tick, about 17 ms of 50 MB/s storage left dirty for QEMU's
-// completion flush; the last 16 MiB in at most 2 s (see Governor::job_speed).
-inline constexpr std::uint64_t kFinishingSpeedBytesPerS = 8ull * 1024 * 1024;
-// The pacer keeps this fraction of the controller's window under writeback for a mirror (active
-// commit, copy).  The controller's window is a hard cap, and the pacer keeps writeback topped up
-// to what it is given all the time, so a guest request nearly always finds that much ahead of
-// it.  Lab, `virsh blockcommit --active` under qcommitd, writeback, 1.5 GiB: 1.0 -> p99
-// 29.2-30.9 ms, 45.5-47.0 s; 0.8 -> 22.5-24.1 ms, 50.4-50.5 s; 0.5 -> 16.5 ms, 61.5 s.
-// A non-active commit (qcommit live's first phase) keeps the whole window: at 0.8 it took 63.2 s
-// instead of 49.3 s for p99 25.3 instead of 27.4 ms (why it is the more sensitive: not found).
-inline constexpr double kMirrorPacerWindowFraction = 0.8;
 // Storage counts as idle (nobody to protect, TickInput::foreground_idle) once no guest disk on it
 // has completed any I/O for this long: several ticks, so that a guest writing now and then (a
 // probe every 100 ms, a log every few hundred ms) never makes its quiet ticks look idle.
@@ -272,7 +247,15 @@ struct JobStatus {
   double own_queue_rate_bytes_per_s = 0;
   std::optional<Duration> latency_p99;  // guests on the same storage, last kLatencyHistory
   std::uint64_t bytes_left = 0;
+  // From how fast bytes_left shrank over kEtaHistory (a mirror's grows with the guests' writes);
+  // nullopt while it does not shrink.
   std::optional<double> eta_s;
+  // A mirror not ready yet (job_pacing.h, kConvergeWindow): whether its bytes left shrank over
+  // the last window (nullopt: not a mirror, ready, or not a whole window seen yet), the rate the
+  // guests' writes add to them, and the converge floor once on (0: off).
+  std::optional<bool> converging;
+  double added_bytes_per_s = 0;
+  double converge_floor_bytes_per_s = 0;
   std::string phase;
   bool ready = false;
   bool settling = false;      // held at the floor until the target is clean (not logged)
@@ -375,17 +358,12 @@ class Governor {
   };
   struct PacerView;
   struct SettleState;
-  struct FallbackSync;
   struct GateState;
   struct History;
   struct Job;
   struct StorageSignals {
     std::map<std::string, throttle::ForegroundSignals> signals;  // per storage key
     std::set<std::string> not_idle;
-  };
-  struct JobSpeed {
-    std::uint64_t speed = 0;
-    bool held = false;  // at the floor: paused, over its window or settling
   };
 
   void handle_events(TimePoint now);
@@ -422,20 +400,7 @@ class Governor {
   [[nodiscard]] StorageSignals read_foreground(TimePoint now);
   void tick_job(Job& j, const JobInfo& info, const throttle::ForegroundSignals& s,
                 bool storage_idle, TimePoint now);
-  [[nodiscard]] std::uint64_t own_backlog_bound(Job& j, const JobInfo& info,
-                                                const std::optional<PageCacheState>& pc);
-  [[nodiscard]] static std::optional<std::uint64_t> own_queue_bytes(
-      const Job& j, const std::optional<PageCacheState>& pc);
   [[nodiscard]] std::optional<std::uint64_t> local_copies_queue(const Job& j) const;
-  [[nodiscard]] static std::uint64_t queued_bytes(const std::optional<PageCacheState>& pc,
-                                                  std::uint64_t dirty_allowance,
-                                                  std::uint64_t own_bound);
-  [[nodiscard]] std::uint64_t release_drain(Job& j, const JobInfo& info, std::uint64_t backlog,
-                                            TimePoint now);
-  [[nodiscard]] throttle::Decision decide(Job& j, const throttle::TickInput& in, bool holding);
-  [[nodiscard]] JobSpeed job_speed(const Job& j, const JobInfo& info, const throttle::Decision& d,
-                                   const std::optional<PageCacheState>& pc, std::uint64_t own_bound,
-                                   bool holding) const;
   void apply_speed(Job& j, const JobInfo& info, JobSpeed js);
   void record_tick(Job& j, const throttle::ForegroundSignals& s, const JobInfo& info,
                    std::uint64_t backlog, TimePoint now);

@@ -30,10 +30,18 @@ std::uint64_t count_member(const json::Value& o, const char* key) {
 }  // namespace
 
 JobProgress progress_of(const JobStatus& j) {
-  JobProgress p{to_string(j.type), j.bytes_left,       j.speed_bytes_per_s,
-                j.window_bytes,    std::nullopt,       j.eta_s,
-                j.phase,           to_string(j.probe), j.probe_off_reason};
+  JobProgress p;
+  p.type = to_string(j.type);
+  p.bytes_left = j.bytes_left;
+  p.speed_bytes_per_s = j.speed_bytes_per_s;
+  p.window_bytes = j.window_bytes;
+  p.eta_s = j.eta_s;
+  p.phase = j.phase;
+  p.probe = to_string(j.probe);
+  p.probe_off_reason = j.probe_off_reason;
   if (j.latency_p99) p.p99_ms = std::chrono::duration<double, std::milli>(*j.latency_p99).count();
+  p.converging = j.converging;
+  p.converge_floor_bytes_per_s = j.converge_floor_bytes_per_s;
   return p;
 }
 
@@ -45,6 +53,9 @@ JobProgress progress_of_status(const json::Value& job) {
   p.window_bytes = count_member(job, "window_bytes");
   p.p99_ms = number_member(job, "latency_p99_ms");
   p.eta_s = number_member(job, "eta_s");
+  if (const json::Value* c = json::member(job, "converging"); c && c->is_boolean())
+    p.converging = c->get<bool>();
+  p.converge_floor_bytes_per_s = number_member(job, "converge_floor_bytes_per_s").value_or(0);
   p.phase = json::string_member(job, "phase");
   p.probe = json::string_member(job, "probe");
   p.probe_off_reason = json::string_member(job, "probe_off_reason");
@@ -61,6 +72,8 @@ json::Ordered progress_json(const JobProgress& j, std::optional<double> percent)
                        {"phase", j.phase},
                        {"percent", number_or_null(percent)},
                        {"eta_s", number_or_null(j.eta_s)},
+                       {"converging", j.converging ? json::Ordered(*j.converging) : json::Ordered(nullptr)},
+                       {"converge_floor_bytes_per_s", j.converge_floor_bytes_per_s},
                        {"probe", j.probe},
                        {"probe_off_reason", j.probe_off_reason}};
 }

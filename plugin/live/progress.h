@@ -20,6 +20,8 @@ struct JobProgress {
   std::uint64_t window_bytes = 0;
   std::optional<double> p99_ms;  // guests on the same storage
   std::optional<double> eta_s;
+  std::optional<bool> converging;  // a mirror's bytes left shrink (JobStatus::converging)
+  double converge_floor_bytes_per_s = 0;
   std::string phase;
   std::string probe;             // the shared-queue probe: "on", "off", "disabled" ("" unknown)
   std::string probe_off_reason;  // "off": why
@@ -32,7 +34,8 @@ struct JobProgress {
 [[nodiscard]] JobProgress progress_of_status(const json::Value& job);
 
 // {"event": "progress", "type", "bytes_left", "speed_bytes_per_s", "window_bytes",
-//  "latency_p99_ms", "phase", "percent", "eta_s", "probe", "probe_off_reason"} (unknown values
+//  "latency_p99_ms", "phase", "percent", "eta_s", "converging", "converge_floor_bytes_per_s",
+//  "probe", "probe_off_reason"} (unknown values
 // null): each field under the name qcommitd's status gives it.
 [[nodiscard]] json::Ordered progress_json(const JobProgress& j, std::optional<double> percent);
 

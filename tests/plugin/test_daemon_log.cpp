@@ -264,3 +264,32 @@ TEST_CASE("plugin.log.next_job_on_the_same_disk") {
   };
   CHECK(at(": canceled") < at("governing commit job"));
 }
+
+TEST_CASE("plugin.log.mirror_convergence_said_once_per_change") {
+  // A mirror the guest's writes outrun: one record when it stops converging (the guest's rate,
+  // the copy's), one when its converge floor goes on; none per status.
+  World w;
+  w.storage_bytes_per_s = 50.0 * qcommit::throttle::kMiB;
+  w.start_job(JobType::ActiveCommit, 1ull << 30);
+  Governed gv(w);
+  std::vector<std::string> records;
+  DaemonLog log([&](std::string_view r) { records.emplace_back(r); });
+  int steps = 0;
+  const auto observe = [&] {
+    if (++steps % 50 == 0) log.observe(gv.g.status(w.now), "qemu:///system", "");
+  };
+  gv.run(2s, observe);
+  w.guest_latency = 200ms;
+  w.guest_dirty_bytes_per_s = 4.0 * qcommit::throttle::kMiB;
+  gv.run(kNotConvergingAfter + 25s, observe);
+  const auto stalled = matching(records, "not converging");
+  REQUIRE(stalled.size() == 1);
+  CHECK(stalled[0].rfind("domain vm1 disk vda: not converging: the guests add ", 0) == 0);
+  CHECK(stalled[0].find(" MiB/s to what is left to copy, the budget lets the copy run at ") !=
+        std::string::npos);
+  const auto floor = matching(records, "converge floor on");
+  REQUIRE(floor.size() == 1);
+  CHECK(floor[0].rfind("domain vm1 disk vda: converge floor on: at least ", 0) == 0);
+  CHECK(floor[0].find(" MiB/s until ready (2.0x what the guests add") != std::string::npos);
+  CHECK(matching(records, "converging again").empty());
+}

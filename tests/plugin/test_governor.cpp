@@ -136,6 +136,47 @@ TEST_CASE("plugin.governor.high_latency_slows_down") {
   CHECK_FALSE(w.speed_ever_zero());
 }
 
+TEST_CASE("plugin.governor.mirror_that_does_not_converge_gets_a_floor") {
+  // The guest dirties its disk at 4 MiB/s while its latency holds the copy at its floor: the
+  // active commit's bytes left grow, it would never be ready.  Said at once (not converging, no
+  // ETA); after kNotConvergingAfter it runs at >= 2 x the guest's rate and its work shrinks (less
+  // a settle's hold of up to 2 s in 10 s, where the target is not clean: >= 1 MiB/s net).
+  constexpr double kMiB = qcommit::throttle::kMiB;
+  World w;
+  w.storage_bytes_per_s = 50.0 * kMiB;
+  w.start_job(JobType::ActiveCommit, 1ull << 30);
+  Governed gv(w);
+  gv.run(2s);
+  w.guest_latency = 200ms;
+  w.guest_dirty_bytes_per_s = 4.0 * kMiB;
+  const auto left = [&w] {
+    const JobInfo& j = w.hv.jobs.at({w.dom, "vda"});
+    return j.end - j.cur;
+  };
+  gv.run(20s);
+  GovernorStatus st = gv.g.status(w.now);
+  REQUIRE(st.jobs.size() == 1);
+  CHECK(st.jobs[0].converging == false);
+  CHECK_FALSE(st.jobs[0].eta_s.has_value());
+  CHECK(st.jobs[0].converge_floor_bytes_per_s == 0);
+  CHECK(st.jobs[0].added_bytes_per_s == doctest::Approx(4.0 * kMiB).epsilon(0.02));
+  gv.run(kNotConvergingAfter);
+  st = gv.g.status(w.now);
+  REQUIRE(st.jobs.size() == 1);
+  CHECK(st.jobs[0].converge_floor_bytes_per_s >= kConvergeFloorFactor * 4.0 * kMiB * 0.98);
+  const std::uint64_t before = left();
+  gv.run(10s);
+  const std::uint64_t after = left();
+  MESSAGE("bytes left " << before / kMiB << " -> " << after / kMiB << " MiB in 10 s");
+  CHECK(after + 10 * std::uint64_t{1} * 1024 * 1024 < before);  // >= 1 MiB/s net
+  st = gv.g.status(w.now);
+  REQUIRE(st.jobs.size() == 1);
+  CHECK(st.jobs[0].converging == true);
+  REQUIRE(st.jobs[0].eta_s.has_value());
+  CHECK(*st.jobs[0].eta_s > 0);
+  CHECK(static_cast<double>(st.jobs[0].speed_bytes_per_s) >= kConvergeFloorFactor * 4.0 * kMiB * 0.98);
+}
+
 namespace {
 
 // The copy's progress with the merged guest's writes at 20 ms, after 3 s at 2 ms: storage at

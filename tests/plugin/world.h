@@ -38,6 +38,9 @@ struct World {
   std::uint64_t busy_bytes = 0;
   double storage_bytes_per_s = 200.0 * 1024 * 1024;  // writeback drain
   double job_max_bytes_per_s = 0;  // > 0: the job copies no faster, whatever its speed
+  // The guest dirties its disk at this rate: a mirror's work grows by it (QEMU's end moves).
+  double guest_dirty_bytes_per_s = 0;
+  double dirty_credit = 0;
   static constexpr std::uint64_t kJobChunkBytes = 64 * 1024;
   static constexpr Duration kStep = std::chrono::milliseconds(1);
   static constexpr Duration kGuestWriteEvery = std::chrono::milliseconds(10);
@@ -93,6 +96,12 @@ struct World {
       s.wr_total_times_ns += 1000000;
     }
     auto it = hv.jobs.find({dom, "vda"});
+    if (it != hv.jobs.end() && guest_dirty_bytes_per_s > 0) {
+      dirty_credit += guest_dirty_bytes_per_s * secs;
+      const auto added = static_cast<std::uint64_t>(dirty_credit);
+      dirty_credit -= static_cast<double>(added);
+      it->second.end += added;
+    }
     if (it != hv.jobs.end() && it->second.bandwidth_bytes_per_s > 0) {
       // Like QEMU, the job copies whole chunks (kJobChunkBytes) and sleeps in between.
       double bw = static_cast<double>(it->second.bandwidth_bytes_per_s);
