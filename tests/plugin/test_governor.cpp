@@ -167,7 +167,7 @@ TEST_CASE("plugin.governor.mirror_that_does_not_converge_gets_a_floor") {
   const std::uint64_t before = left();
   gv.run(10s);
   const std::uint64_t after = left();
-  MESSAGE("bytes left " << before / kMiB << " -> " << after / kMiB << " MiB in 10 s");
+  MESSAGE("bytes left " << static_cast<double>(before) / kMiB << " -> " << static_cast<double>(after) / kMiB << " MiB in 10 s");
   CHECK(after + 10 * std::uint64_t{1} * 1024 * 1024 < before);  // >= 1 MiB/s net
   st = gv.g.status(w.now);
   REQUIRE(st.jobs.size() == 1);
