@@ -31,7 +31,8 @@
 # others, and the matrix includes kills before the first write and resumes past a window.
 #
 # usage: merge-kill-resume.sh QCOMMIT        (needs qemu-img, qemu-io, jq, strace)
-# KILL_SEED=N repeats the timed kills of an earlier run (same fractions).
+# KILL_SEED=N repeats the timed kills of an earlier run (same fractions); KILL_TIMED=N runs N
+# timed trials instead of 8 (ctest: 5).
 set -euo pipefail
 QCOMMIT=$(realpath "$1")
 for tool in qemu-img qemu-io jq strace; do
@@ -342,7 +343,7 @@ echo "uninterrupted merge: $(since "$t_run") s for two, copying $((copy_bytes / 
 
 # Timed kills: the first kill of each timed trial at a fraction of the copy stratified over
 # [0, 1) with jitter, the second one, in the run that resumes, anywhere in its own copy.
-TIMED=8
+TIMED=${KILL_TIMED:-8}
 first=() second=()
 for ((i = 0; i < TIMED; i++)); do
   first+=("copy:$(awk -v i="$i" -v n="$TIMED" -v r="$RANDOM" 'BEGIN { printf "%.3f", (i + r / 32768) / n }')")
