@@ -89,10 +89,10 @@ void DaemonLog::log_convergence(const JobStatus& j, Known& k) {
                       "converge floor on: at least %.1f MiB/s until ready (%.1fx what the guests "
                       "add, at least the policy's floor), above the budget where need be",
                       j.converge_floor_bytes_per_s / kBytesPerMiB, kConvergeFloorFactor);
-  else if (was == Convergence::kNotConverging)
+  else if (was == Convergence::kNotConverging && j.converging == true)
     n = std::snprintf(buf, sizeof buf, "converging again");
   else
-    return;  // the floor went with the job's ready: "ready" says it
+    return;  // ready (the floor went with it: "ready" says so), or not known any more
   record(job_name(j.domain, j.disk) + ": " + std::string(buf, static_cast<size_t>(std::clamp(n, 0, static_cast<int>(sizeof buf) - 1))));
 }
 

@@ -49,30 +49,49 @@ PacingMeasure JobPacing::measure(const PacingReading& r) {
 }
 
 // See kConvergeWindow.  A mirror that is ready copies what the guests write as they write it:
-// converged.  QEMU's progress going back is another job: start over.
+// converged.  QEMU's progress going back is another job: start over (libvirt shows a mirror that
+// is not ready one byte below its end when QEMU has them equal: a step back by one is the same
+// job).  QEMU reports a mirror's progress in bursts of up to 16 MiB, and at a low speed it sleeps
+// each one off for many seconds: the window spans two bursts at the speed set (at least
+// kConvergeWindow, at most kMaxConvergeWindow), so that a burst-free stretch of a slow mirror does
+// not read as a stall.  A mirror the guests add nothing to finishes whenever the governor lets it
+// copy, and one within kMirrorConvergeBytes of its end runs at the ceiling already: neither is
+// said not to converge.
 void JobPacing::follow_convergence(const PacingReading& r) {
   if (!mirror_job(job_.type) || r.ready) {
     progress_.clear();
     convergence_ = Convergence{};
     return;
   }
-  if (!progress_.empty() && r.info.cur < progress_.back().cur) {
+  if (!progress_.empty() && r.info.cur + 1 < progress_.back().cur) {
     progress_.clear();
     convergence_ = Convergence{};
   }
   progress_.push_back({r.now, r.info.cur, r.info.end});
-  while (progress_.size() > 2 && r.now - progress_[1].at >= kConvergeWindow) progress_.pop_front();
-  const ProgressSample& a = progress_.front();
+  while (progress_.size() > 2 && r.now - progress_[1].at >= kMaxConvergeWindow)
+    progress_.pop_front();
+  const Duration window = std::clamp<Duration>(
+      std::chrono::duration_cast<Duration>(std::chrono::duration<double>(
+          2.0 * static_cast<double>(kDirtyAllowanceBytes) /
+          static_cast<double>(std::max<std::uint64_t>(r.speed_set, 1)))),
+      kConvergeWindow, kMaxConvergeWindow);
   const ProgressSample& b = progress_.back();
+  const ProgressSample* a = nullptr;
+  for (auto it = progress_.rbegin(); it != progress_.rend(); ++it)
+    if (b.at - it->at >= window) {
+      a = &*it;
+      break;
+    }
+  if (!a) return;
   Convergence& c = convergence_;
-  if (b.at - a.at < kConvergeWindow) return;
-  const double secs = seconds(b.at - a.at);
+  const double secs = seconds(b.at - a->at);
   c.known = true;
-  c.added_bytes_per_s = static_cast<double>(b.end - std::min(a.end, b.end)) / secs;
-  c.copied_bytes_per_s = static_cast<double>(b.cur - a.cur) / secs;
-  const std::uint64_t left_then = a.end - std::min(a.cur, a.end);
+  c.added_bytes_per_s = static_cast<double>(b.end - std::min(a->end, b.end)) / secs;
+  c.copied_bytes_per_s = static_cast<double>(b.cur - std::min(a->cur, b.cur)) / secs;
+  const std::uint64_t left_then = a->end - std::min(a->cur, a->end);
   const std::uint64_t left_now = b.end - std::min(b.cur, b.end);
-  c.converging = left_now < left_then;
+  c.converging = left_now < left_then || left_now <= kMirrorConvergeBytes ||
+                 c.added_bytes_per_s == 0;
   if (c.converging) {
     if (c.floor_bytes_per_s == 0) c.stalled_since.reset();
     return;
@@ -247,9 +266,8 @@ void JobPacing::record(const JobInfo& info, std::uint64_t backlog) {
   backlog_ = backlog;
 }
 
+// A mirror's convergence and its floor stay: when it is another job, its progress went back.
 void JobPacing::restart() {
-  progress_.clear();
-  convergence_ = Convergence{};
   last_cur_.reset();
   drain_credit_ = 0;
   last_tick_.reset();

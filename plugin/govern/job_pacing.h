@@ -58,13 +58,16 @@ inline constexpr double kMirrorPacerWindowFraction = 0.8;
 // A mirror (an active commit, a copy) converges when its bytes left shrink: the guests add to
 // them what they write to the disk, the copy takes off what it copies.  Where the guests write
 // faster than the budget lets the copy go, it never becomes ready and never ends.  Bytes left
-// that have not shrunk over kConvergeWindow say it does not converge; once that has lasted
+// that have not shrunk over the last window (kConvergeWindow, longer for a slow mirror: two of its
+// bursts, at most kMaxConvergeWindow) while the guests add to them say it does not converge; once
+// that has lasted
 // kNotConvergingAfter, the way out is a converge floor: the job's speed stays at or above
 // kConvergeFloorFactor x the rate the guests add (at least the policy's floor, at most its
 // ceiling) until it is ready, above what the budget allows where need be.  Status and the log say
 // so from the moment it stops converging.  The final phase this shortens is the one in which the
 // guests' writes are mirrored: what the budget gives up is bounded by those writes' own rate.
 inline constexpr Duration kConvergeWindow = std::chrono::seconds(10);
+inline constexpr Duration kMaxConvergeWindow = std::chrono::seconds(120);
 inline constexpr Duration kNotConvergingAfter = std::chrono::seconds(60);
 inline constexpr double kConvergeFloorFactor = 2.0;
 
@@ -114,8 +117,8 @@ struct PacingReading {
 
 // A mirror's convergence, as of the last measure().
 struct Convergence {
-  bool known = false;             // a whole kConvergeWindow of progress seen (else nothing is said)
-  bool converging = true;         // its bytes left shrank over the last kConvergeWindow
+  bool known = false;             // a whole window of progress seen (else nothing is said)
+  bool converging = true;         // its bytes left shrank over the last window (above)
   double added_bytes_per_s = 0;   // what the guests added to them over it (QEMU's end moving)
   double copied_bytes_per_s = 0;  // what the copy took off (QEMU's progress)
   std::optional<TimePoint> stalled_since;  // not converging since
@@ -155,7 +158,7 @@ class JobPacing {
   // The job as of this tick: its progress, and the backlog the next tick's drain is taken from.
   void record(const JobInfo& info, std::uint64_t backlog);
   // The progress baseline starts over (the connection was lost: it may be another job when the
-  // governor is back).
+  // governor is back).  A mirror's convergence stays (measure() starts it over for another job).
   void restart();
   // A new controller (another request size: a throttle filter went in).
   void reconfigure(const throttle::ControllerConfig& c);
@@ -193,7 +196,7 @@ class JobPacing {
   double drain_credit_ = 0;                // bytes of progress not yet released
   std::optional<TimePoint> last_tick_;
   FallbackSync fallback_;
-  std::deque<ProgressSample> progress_;  // a mirror's, over the last kConvergeWindow
+  std::deque<ProgressSample> progress_;  // a mirror's, over the last kMaxConvergeWindow
   Convergence convergence_;
 };
 

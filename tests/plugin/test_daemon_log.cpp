@@ -281,7 +281,7 @@ TEST_CASE("plugin.log.mirror_convergence_said_once_per_change") {
   gv.run(2s, observe);
   w.guest_latency = 200ms;
   w.guest_dirty_bytes_per_s = 4.0 * qcommit::throttle::kMiB;
-  gv.run(kNotConvergingAfter + 25s, observe);
+  gv.run(kMaxConvergeWindow + kNotConvergingAfter + 25s, observe);
   const auto stalled = matching(records, "not converging");
   REQUIRE(stalled.size() == 1);
   CHECK(stalled[0].rfind("domain vm1 disk vda: not converging: the guests add ", 0) == 0);

@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <cmath>
 #include <limits>
 #include <vector>
 
@@ -250,4 +251,109 @@ TEST_CASE("plugin.pacing.settle_hold_keeps_the_decision") {
   now += 100ms;
   r.now = now;
   CHECK(p.measure(r).drained == 0);
+}
+
+namespace {
+
+// A mirror's readings every 100 ms for `dt`: the guests add `added` bytes/s to its end, it copies
+// `copied` bytes/s (in whole `burst`s when given), at speed `speed`.
+struct MirrorRun {
+  JobPacing& p;
+  TimePoint now{};
+  double cur = 0;
+  double end = 1024.0 * kMiB;
+  double copied_credit = 0;
+  void run(Duration dt, double added, double copied, std::uint64_t speed, double burst = 0,
+           bool ready = false) {
+    for (const TimePoint until = now + dt; now < until; now += 100ms) {
+      end += added / 10;
+      copied_credit += copied / 10;
+      const double step = burst > 0 ? std::floor(copied_credit / burst) * burst : copied_credit;
+      cur = std::min(cur + step, end);
+      copied_credit -= step;
+      PacingReading r = reading(now, static_cast<std::uint64_t>(cur),
+                                static_cast<std::uint64_t>(end), cache(0, 0), speed);
+      r.ready = ready;
+      const PacingMeasure m = p.measure(r);
+      p.record(r.info, m.backlog);
+    }
+  }
+};
+
+}  // namespace
+
+TEST_CASE("plugin.pacing.converge_floor_after_a_stall") {
+  JobPacing p(paced(JobType::ActiveCommit), throttle::ControllerConfig{});
+  MirrorRun m{p};
+  // At 2 MiB/s the window is two 16 MiB bursts: 16 s.  The guests add 4 MiB/s.
+  m.run(15s, 4.0 * kMiB, 1.0 * kMiB, 2 * kMiB);
+  CHECK_FALSE(p.convergence().known);
+  m.run(2s, 4.0 * kMiB, 1.0 * kMiB, 2 * kMiB);
+  REQUIRE(p.convergence().known);
+  CHECK_FALSE(p.convergence().converging);
+  CHECK(p.convergence().added_bytes_per_s == doctest::Approx(4.0 * kMiB).epsilon(0.01));
+  CHECK(p.convergence().floor_bytes_per_s == 0);
+  m.run(kNotConvergingAfter - 2s, 4.0 * kMiB, 1.0 * kMiB, 2 * kMiB);
+  CHECK(p.convergence().floor_bytes_per_s == 0);
+  m.run(3s, 4.0 * kMiB, 1.0 * kMiB, 2 * kMiB);
+  CHECK(p.convergence().floor_bytes_per_s == doctest::Approx(8.0 * kMiB).epsilon(0.01));
+  // The floor holds the job up even where the controller would hold it at the minimum, and
+  // raises the controller's rate -- but not through a settle's hold.
+  const PacingReading r = reading(m.now, static_cast<std::uint64_t>(m.cur),
+                                  static_cast<std::uint64_t>(m.end), cache(0, 0), 8 * kMiB);
+  const PacingMeasure pm{std::numeric_limits<std::uint64_t>::max(), 0, 0, std::nullopt};
+  throttle::Decision paused = decision(1.0 * kMiB, 64 * 1024);
+  paused.paused = true;
+  CHECK(p.speed(r, pm, paused, false).speed >= 8 * kMiB * 99 / 100);
+  CHECK(p.speed(r, pm, decision(2.0 * kMiB, 1 * kMiB), false).speed >= 8 * kMiB * 99 / 100);
+  CHECK(p.speed(r, pm, decision(2.0 * kMiB, 1 * kMiB), true).speed == kMinJobSpeedBytesPerS);
+  // Its writeback window carries the floor's rate through the delay measured (+ the budget).
+  throttle::Decision slow = decision(1.0 * kMiB, 64 * 1024);
+  slow.measured_delay = 180ms;
+  CHECK(p.writeback_window(slow) >= 8 * kMiB * 2 / 10 * 99 / 100);
+  // It only ratchets up: the guests slowing down leaves it.
+  m.run(30s, 1.0 * kMiB, 8.0 * kMiB, 8 * kMiB);
+  CHECK(p.convergence().converging);
+  CHECK(p.convergence().floor_bytes_per_s == doctest::Approx(8.0 * kMiB).epsilon(0.01));
+  // A step back by one byte is the same job (libvirt's unready mirror); ready ends it all.
+  m.cur -= 1;
+  m.run(100ms, 0, 0, 8 * kMiB);
+  CHECK(p.convergence().floor_bytes_per_s > 0);
+  m.run(100ms, 0, 0, 8 * kMiB, 0, true);
+  CHECK_FALSE(p.convergence().known);
+  CHECK(p.convergence().floor_bytes_per_s == 0);
+}
+
+TEST_CASE("plugin.pacing.converge_floor_within_the_policy") {
+  PacedJob job = paced(JobType::ActiveCommit);
+  job.ceiling_bytes_per_s = 6.0 * kMiB;
+  JobPacing p(job, throttle::ControllerConfig{});
+  MirrorRun m{p};
+  m.run(kConvergeWindow + kNotConvergingAfter + 2s, 4.0 * kMiB, 1.0 * kMiB, 4 * kMiB);
+  CHECK(p.convergence().floor_bytes_per_s == doctest::Approx(6.0 * kMiB));  // the ceiling
+  JobPacing q(paced(JobType::ActiveCommit), throttle::ControllerConfig{});
+  MirrorRun n{q};
+  n.run(kConvergeWindow + kNotConvergingAfter + 2s, 0.25 * kMiB, 0, 4 * kMiB);
+  CHECK(q.convergence().floor_bytes_per_s == doctest::Approx(1.0 * kMiB));  // the policy's floor
+}
+
+TEST_CASE("plugin.pacing.slow_or_idle_mirror_is_not_a_stall") {
+  // At 1 MiB/s QEMU's mirror copies a 16 MiB burst every 16 s: a 10 s window without one is no
+  // stall while the guests add 0.4 MiB/s.
+  JobPacing p(paced(JobType::ActiveCommit), throttle::ControllerConfig{});
+  MirrorRun m{p};
+  bool ever_stalled = false;
+  for (int i = 0; i < 200; ++i) {
+    m.run(1s, 0.4 * kMiB, 1.0 * kMiB, 1 * kMiB, 16.0 * kMiB);
+    ever_stalled = ever_stalled || (p.convergence().known && !p.convergence().converging);
+  }
+  CHECK(p.convergence().known);
+  CHECK_FALSE(ever_stalled);
+  // Held at the minimum with nothing added: it ends whenever the governor lets it copy.
+  JobPacing q(paced(JobType::ActiveCommit), throttle::ControllerConfig{});
+  MirrorRun n{q};
+  n.run(kMaxConvergeWindow + kNotConvergingAfter + 5s, 0, 0, kMinJobSpeedBytesPerS);
+  CHECK(q.convergence().known);
+  CHECK(q.convergence().converging);
+  CHECK(q.convergence().floor_bytes_per_s == 0);
 }
