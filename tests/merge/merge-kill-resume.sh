@@ -31,7 +31,7 @@
 # others, and the matrix includes kills before the first write and resumes past a window.
 #
 # usage: merge-kill-resume.sh QCOMMIT        (needs qemu-img, qemu-io, jq, strace)
-# KILL_SEED=N repeats the timed kills of an earlier run (same fractions); KILL_TIMED=N runs N
+# KILL_SEED=N with the same KILL_TIMED repeats the timed kills of an earlier run (same fractions); KILL_TIMED=N runs N
 # timed trials instead of 8 (ctest: 5).
 set -euo pipefail
 QCOMMIT=$(realpath "$1")
@@ -339,7 +339,7 @@ fi
 reset_images
 run_final fresh
 copy_seconds=$(jq -s --argjson t "$copy_seconds" 'map(select(.event == "result")) | first | [."copy-seconds", $t] | min' final.json)
-echo "uninterrupted merge: $(since "$t_run") s for two, copying $((copy_bytes / MiB)) MiB in $copy_seconds s at best (kill seed $seed)"
+echo "uninterrupted merge: $(since "$t_run") s for two, copying $((copy_bytes / MiB)) MiB in $copy_seconds s at best (kill seed $seed, KILL_TIMED=${KILL_TIMED:-8})"
 
 # Timed kills: the first kill of each timed trial at a fraction of the copy stratified over
 # [0, 1) with jitter, the second one, in the run that resumes, anywhere in its own copy.
