@@ -776,7 +776,10 @@ FaultCounts run_fault_matrix(const Scenario& s, const std::string& slowfs,
     REQUIRE(k < 2000);
     fs::remove_all(dir);
     must("cp -a --sparse=always " + orig + " " + dir);
-    const auto [where, how] = run_faulted_at(s, dir, storage, k, error_text);
+    // Plain variables, not a structured binding: clang 14 cannot capture one (CHECK_MESSAGE).
+    const auto faulted = run_faulted_at(s, dir, storage, k, error_text);
+    const auto where = faulted.first;
+    const auto how = faulted.second;
     storage.fail(false);
     if (where.empty()) {  // finished without reaching point k: the matrix is complete
       storage.remount();

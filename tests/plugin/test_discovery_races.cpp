@@ -150,8 +150,11 @@ TEST_CASE("plugin.discovery.tick_sees_the_end_before_the_event") {
   // A tick's query finds the job gone before its "completed" (or "failed") event is dispatched:
   // released once, and the late event gives the release its reason (what `qcommit status` shows),
   // instead of "no longer listed".
-  for (const auto& [kind, state] :
+  for (const auto& ks :
        {std::pair{JobEventKind::Completed, "pivoted"}, std::pair{JobEventKind::Failed, "failed"}}) {
+    // Plain variables, not a structured binding: clang 14 cannot capture one (CAPTURE).
+    const JobEventKind kind = ks.first;
+    const char* const state = ks.second;
     CAPTURE(state);
     World w;
     w.start_job(JobType::ActiveCommit);

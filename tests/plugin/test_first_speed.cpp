@@ -75,7 +75,10 @@ TEST_CASE("plugin.governor.first_speed_before_slow_adoption") {
     w.hv.emit(job_started(dom, started));
   }
   gv.run(3s);
-  for (const auto& [dom, disk] : {std::pair{"vm1", "vda"}, std::pair{"vm3", "vdc"}}) {
+  for (const auto& dd : {std::pair{"vm1", "vda"}, std::pair{"vm3", "vdc"}}) {
+    // Plain variables, not a structured binding: clang 14 cannot capture one (CAPTURE).
+    const char* const dom = dd.first;
+    const char* const disk = dd.second;
     CAPTURE(dom);
     const SpeedCall* c = first_call(w.hv, dom, disk);
     REQUIRE(c != nullptr);

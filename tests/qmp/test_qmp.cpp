@@ -302,7 +302,7 @@ TEST_CASE("qmp.client.garbage_oversized_timeout_eof") {
   QmpOptions o = quick();
   o.max_message_bytes = 4096;
   o.max_message_values = 64;
-  for (const auto& [m, expect] : std::vector<std::pair<std::string, std::string>>{
+  for (const auto& me : std::vector<std::pair<std::string, std::string>>{
            {"garbage", "protocol error: expected a JSON object, got ']'"},
            {"badjson",
             "protocol error: invalid JSON: at byte 12: syntax error while parsing value - "
@@ -315,6 +315,9 @@ TEST_CASE("qmp.client.garbage_oversized_timeout_eof") {
             "invalid string: ill-formed UTF-8 byte"},
            {"silent", "no reply to query-x within 0.3 s"},
            {"close", "connection closed by the peer (QEMU quit?)"}}) {
+    // Plain references, not a structured binding: clang 14 cannot capture one (CAPTURE).
+    const std::string& m = me.first;
+    const std::string& expect = me.second;
     CAPTURE(m);
     mode = "";
     QmpClient c = QmpClient::connect(srv.path(), o);
