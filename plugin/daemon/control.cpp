@@ -92,6 +92,7 @@ json::Ordered job_json(const JobStatus& j) {
                        {"ready", j.ready},
                        {"settling", j.settling},
                        {"settles", j.settles},
+                       {"settles_given_up", j.settles_given_up},
                        {"probe", to_string(j.probe)},
                        {"probe_off_reason", j.probe_off_reason},
                        {"probe_period_ms", ms_or_null(j.probe_period)},

@@ -66,6 +66,7 @@
 #include "plugin/govern/escape.h"
 #include "plugin/govern/job_pacing.h"
 #include "plugin/govern/speed_check.h"
+#include "plugin/govern/target_pacer.h"
 #include "plugin/govern/target_throttle.h"
 #include "plugin/govern/writeback.h"
 #include "throttle/backoff.h"
@@ -80,9 +81,6 @@ inline constexpr Duration kEtaHistory = std::chrono::seconds(5);
 inline constexpr std::size_t kMaxReleasedHistory = 32;
 inline constexpr std::size_t kMaxLatencySamples = 100000;
 inline constexpr double kSpeedChangeFraction = 0.02;  // re-set the speed when off by > 2 %
-// Without cachestat(2): the shortest gap between two fdatasyncs of a job's target (each is a
-// thread and, on local disks, may flush the disk's cache).
-inline constexpr Duration kFallbackSyncGap = std::chrono::milliseconds(20);
 // Storage counts as idle (nobody to protect, TickInput::foreground_idle) once no guest disk on it
 // has completed any I/O for this long: several ticks, so that a guest writing now and then (a
 // probe every 100 ms, a log every few hundred ms) never makes its quiet ticks look idle.
@@ -260,6 +258,8 @@ struct JobStatus {
   bool ready = false;
   bool settling = false;      // held at the floor until the target is clean (not logged)
   std::uint32_t settles = 0;  // times the target was made clean (GovernorOptions::settle_every)
+  // Holds that did not make it clean in time (each the next one may take longer: target_pacer.h).
+  std::uint32_t settles_given_up = 0;
   ProbeState probe = ProbeState::kDisabled;  // the shared-queue probe
   std::string probe_off_reason;  // kOff, kLocal: why, naming the file or target (and the error)
   std::optional<Duration> probe_period;  // the shared-queue probe's period; nullopt: no probe
@@ -356,8 +356,6 @@ class Governor {
     std::string domain, disk;
     auto operator<=>(const DiskKey&) const = default;
   };
-  struct PacerView;
-  struct SettleState;
   struct GateState;
   struct History;
   struct Job;
@@ -410,10 +408,6 @@ class Governor {
   // probe=auto: "" when the storage of `target` can be shared with other hosts, else why the
   // probe is not wanted there (naming the target and its filesystem).
   [[nodiscard]] std::string unshared_storage(const std::string& target);
-  // Settling state machine for one job; true while the job is held for it.
-  bool settle(Job& j, const std::optional<PageCacheState>& pc, TimePoint now);
-  [[nodiscard]] static bool clean_for_settle(const Job& j, const PageCacheState& pc,
-                                             TimePoint hold_since);
   [[nodiscard]] std::string storage_key(const std::string& path, std::optional<std::uint64_t> dev,
                                         std::optional<PoolInfo>* pool_out);
   [[nodiscard]] std::optional<PoolInfo> resolve_pool(const std::string& path);

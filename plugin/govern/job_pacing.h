@@ -74,8 +74,12 @@ inline constexpr double kConvergeFloorFactor = 2.0;
 // QEMU's mirror job (active commit, copy): 16 x 1 MiB bursts, ready when it has caught up.
 [[nodiscard]] bool mirror_job(JobType t);
 
+// Without cachestat(2): the shortest gap between two fdatasyncs of a job's target (each is a
+// thread and, on local disks, may flush the disk's cache).
+inline constexpr Duration kFallbackSyncGap = std::chrono::milliseconds(20);
+
 // Without per-file page-cache counts (no cachestat): fdatasyncs of the target while the job
-// copies (Governor::pace starts them); the job's progress at the last tick and whether it moved
+// copies (TargetPacer::pace starts them); the job's progress at the last tick and whether it moved
 // in it, the progress (as of the last tick) when the running sync started and when the last
 // completed one did.
 struct FallbackSync {
