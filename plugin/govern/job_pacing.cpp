@@ -55,7 +55,7 @@ PacingMeasure JobPacing::measure(const PacingReading& r) {
 // each one off for many seconds: the window spans two bursts at the speed set (at least
 // kConvergeWindow, at most kMaxConvergeWindow), so that a burst-free stretch of a slow mirror does
 // not read as a stall.  A mirror the guests add nothing to finishes whenever the governor lets it
-// copy, and one within kMirrorConvergeBytes of its end runs at the ceiling already: neither is
+// copy, and one within kMirrorConvergeBytes of its end sprints to ready already: neither is
 // said not to converge.
 void JobPacing::follow_convergence(const PacingReading& r) {
   if (!mirror_job(job_.type) || r.ready) {
@@ -70,11 +70,11 @@ void JobPacing::follow_convergence(const PacingReading& r) {
   progress_.push_back({r.now, r.info.cur, r.info.end});
   while (progress_.size() > 2 && r.now - progress_[1].at >= kMaxConvergeWindow)
     progress_.pop_front();
-  const Duration window = std::clamp<Duration>(
-      std::chrono::duration_cast<Duration>(std::chrono::duration<double>(
-          2.0 * static_cast<double>(kDirtyAllowanceBytes) /
-          static_cast<double>(std::max<std::uint64_t>(r.speed_set, 1)))),
-      kConvergeWindow, kMaxConvergeWindow);
+  const Duration window =
+      std::clamp<Duration>(std::chrono::duration_cast<Duration>(std::chrono::duration<double>(
+                               2.0 * static_cast<double>(kDirtyAllowanceBytes) /
+                               static_cast<double>(std::max<std::uint64_t>(r.speed_set, 1)))),
+                           kConvergeWindow, kMaxConvergeWindow);
   const ProgressSample& b = progress_.back();
   const ProgressSample* a = nullptr;
   for (auto it = progress_.rbegin(); it != progress_.rend(); ++it)
@@ -90,8 +90,8 @@ void JobPacing::follow_convergence(const PacingReading& r) {
   c.copied_bytes_per_s = static_cast<double>(b.cur - std::min(a->cur, b.cur)) / secs;
   const std::uint64_t left_then = a->end - std::min(a->cur, a->end);
   const std::uint64_t left_now = b.end - std::min(b.cur, b.end);
-  c.converging = left_now < left_then || left_now <= kMirrorConvergeBytes ||
-                 c.added_bytes_per_s == 0;
+  c.converging =
+      left_now < left_then || left_now <= kMirrorConvergeBytes || c.added_bytes_per_s == 0;
   if (c.converging) {
     if (c.floor_bytes_per_s == 0) c.stalled_since.reset();
     return;
@@ -203,6 +203,27 @@ std::uint64_t JobPacing::bytes_left(const JobInfo& info) const {
   return info.end > info.cur ? info.end - info.cur : 0;
 }
 
+// A mirror's last sprint to ready.  QEMU updates a mirror's end only as it iterates, and one held
+// at the floor iterates seldom: what the guests wrote meanwhile is in its dirty bitmap but not in
+// its end.  At the ceiling it copies all of that into BASE's page cache within a tick and then
+// flushes BASE before it is ready (lab, a guest writing 11 MiB/s, 2026-12-07: 64 KiB left, then
+// 11 MiB at storage at once, the probe's max 273 ms).  So where the guests add to it, the sprint
+// goes at kSprintAddedFactor x their rate (at least the converge floor, at most the ceiling): a
+// tick copies a few MiB, which the near-end hold (no dirty allowance) lets the pacer push before
+// the next, and it still outruns the guests.  A mirror the guests add nothing to (an idle guest,
+// or too few readings to tell) sprints at the ceiling: at a low speed it sleeps off every small
+// copy and may never be ready.
+std::uint64_t JobPacing::sprint_speed() const {
+  const double ceiling = job_.ceiling_bytes_per_s;
+  if (!convergence_.known || convergence_.added_bytes_per_s <= 0)
+    return static_cast<std::uint64_t>(ceiling);
+  const double lo =
+      std::max({static_cast<double>(job_.min_speed_bytes_per_s), convergence_.floor_bytes_per_s,
+                ctl_.config().floor_rate_bytes_per_s});
+  return static_cast<std::uint64_t>(
+      std::min(ceiling, std::max(lo, kSprintAddedFactor * convergence_.added_bytes_per_s)));
+}
+
 // Held (paused, more queued than the window allows, or settling): the floor.  Dirty pages the
 // pacer has not pushed yet are not queued anywhere: up to one QEMU request burst of them
 // (kDirtyAllowanceBytes) lets the job copy its next burst while the pacer drains the previous
@@ -235,7 +256,7 @@ JobSpeed JobPacing::speed(const PacingReading& r, const PacingMeasure& m,
   out.speed = static_cast<std::uint64_t>(
       std::llround(std::clamp(d.rate_bytes_per_s, lo, std::max(lo, job_.ceiling_bytes_per_s))));
   if (mirror_unready && r.info.end > r.info.cur && r.info.end - r.info.cur <= kMirrorConvergeBytes)
-    out.speed = static_cast<std::uint64_t>(job_.ceiling_bytes_per_s);
+    out.speed = sprint_speed();
   else if (mirror_unready)
     out.speed = std::max(out.speed, converge_floor);
   else if (near_end && job_.type == JobType::Commit && !job_.direct_io)

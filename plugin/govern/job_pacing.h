@@ -8,8 +8,8 @@
 //              bytes at storage (throttle::TickInput::own_queue_bytes);
 //   decide()   the controller's decision; while the job is held for a settle the last one stands;
 //   speed()    the speed QEMU's job gets from that decision: the floor while it is held, one
-//              window per tick near the end of a non-active commit, the ceiling for a mirror
-//              about to converge, never below the converge floor of a mirror that does not
+//              window per tick near the end of a non-active commit, a sprint for a mirror
+//              about to converge (sprint_speed), never below the converge floor of a mirror that does not
 //              converge (below);
 //   writeback_window()  how much of the target the writeback pacer keeps at storage;
 //   record()   the job as of this tick, for the next.
@@ -39,9 +39,10 @@ inline constexpr std::uint64_t kDirtyAllowanceBytes = 16ull * 1024 * 1024;
 // at most kMaxDrainCredit worth of progress at that rate (JobPacing::measure).
 inline constexpr double kDrainCreditRateFactor = 2.0;
 inline constexpr Duration kMaxDrainCredit = std::chrono::seconds(2);
-// A mirror with at most this much left (and not paused) runs at the ceiling so that it converges
-// to ready (JobPacing::speed).
+// A mirror with at most this much left (and not paused) sprints to ready (JobPacing::speed): at
+// the ceiling where the guests add nothing to it, else at kSprintAddedFactor x the rate they add.
 inline constexpr std::uint64_t kMirrorConvergeBytes = 1024 * 1024;
+inline constexpr double kSprintAddedFactor = 3.0;
 // The least speed of a non-active commit near the end of its data (when the controller allows
 // that much): 0.8 MiB per 100 ms tick, about 17 ms of 50 MB/s storage left dirty for QEMU's
 // completion flush; the last 16 MiB in at most 2 s (JobPacing::speed).
@@ -185,6 +186,7 @@ class JobPacing {
       const std::optional<PageCacheState>& pc) const;
   [[nodiscard]] std::uint64_t release_drain(const PacingReading& r, std::uint64_t backlog);
   [[nodiscard]] std::uint64_t bytes_left(const JobInfo& info) const;
+  [[nodiscard]] std::uint64_t sprint_speed() const;
   void follow_convergence(const PacingReading& r);
   struct ProgressSample {
     TimePoint at;

@@ -4,8 +4,8 @@
 #include <doctest/doctest.h>
 
 #include <chrono>
-#include <cstdint>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -281,6 +281,33 @@ struct MirrorRun {
 };
 
 }  // namespace
+
+TEST_CASE("plugin.pacing.sprint_outruns_the_guests_without_a_flood") {
+  JobPacing p(paced(JobType::ActiveCommit), throttle::ControllerConfig{});
+  MirrorRun m{p};
+  // The guests add 4 MiB/s; the mirror keeps up (its work left shrinks).
+  m.end = 64.0 * kMiB;
+  m.run(12s, 4.0 * kMiB, 8.0 * kMiB, 8 * kMiB);
+  REQUIRE(p.convergence().known);
+  CHECK(p.convergence().converging);
+  // Within kMirrorConvergeBytes of its end: 3 x what the guests add, not the ceiling.
+  const PacingReading r = reading(m.now, static_cast<std::uint64_t>(m.end) - kMiB / 2,
+                                  static_cast<std::uint64_t>(m.end), cache(0, 0), 8 * kMiB);
+  const JobSpeed s = p.speed(r, p.measure(r), decision(8.0 * kMiB, 1 * kMiB), false);
+  CHECK_FALSE(s.held);
+  CHECK(static_cast<double>(s.speed) ==
+        doctest::Approx(kSprintAddedFactor * 4.0 * kMiB).epsilon(0.02));
+  // Never above the ceiling.
+  PacedJob low = paced(JobType::ActiveCommit);
+  low.ceiling_bytes_per_s = 6.0 * kMiB;
+  JobPacing q(low, throttle::ControllerConfig{});
+  MirrorRun n{q};
+  n.end = 64.0 * kMiB;
+  n.run(12s, 4.0 * kMiB, 5.0 * kMiB, 5 * kMiB);
+  const PacingReading rq = reading(n.now, static_cast<std::uint64_t>(n.end) - kMiB / 2,
+                                   static_cast<std::uint64_t>(n.end), cache(0, 0), 5 * kMiB);
+  CHECK(q.speed(rq, q.measure(rq), decision(4.0 * kMiB, 1 * kMiB), false).speed == 6 * kMiB);
+}
 
 TEST_CASE("plugin.pacing.converge_floor_after_a_stall") {
   JobPacing p(paced(JobType::ActiveCommit), throttle::ControllerConfig{});
