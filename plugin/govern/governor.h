@@ -340,8 +340,9 @@ class Governor {
   // the guest's requests wait (mirror drains, then fdatasync), so whatever the target still has
   // dirty then is a freeze of the guest.  The first call holds the job at the floor and settles
   // the target (as settle_every does); true once that settle is done (the job stays held until
-  // it ends), when it could not be done within settle_max_hold, or when there is nothing to
-  // settle (no such job, no target file, settling off).
+  // it ends), when it could not be done within the hold's limit (settle_max_hold, longer after
+  // holds given up: target_pacer.h), or when there is nothing to settle (no such job, no target
+  // file, settling off).
   [[nodiscard]] bool settled_for_pivot(const std::string& domain, const std::string& disk,
                                        TimePoint now);
 

@@ -208,18 +208,20 @@ std::uint64_t JobPacing::bytes_left(const JobInfo& info) const {
 // its end.  At the ceiling it copies all of that into BASE's page cache within a tick and then
 // flushes BASE before it is ready (lab, a guest writing 11 MiB/s, 2026-12-07: 64 KiB left, then
 // 11 MiB at storage at once, the probe's max 273 ms).  So where the guests add to it, the sprint
-// goes at kSprintAddedFactor x their rate (at least the converge floor, at most the ceiling): a
-// tick copies a few MiB, which the near-end hold (no dirty allowance) lets the pacer push before
-// the next, and it still outruns the guests.  A mirror the guests add nothing to (an idle guest,
-// or too few readings to tell) sprints at the ceiling: at a low speed it sleeps off every small
-// copy and may never be ready.
+// goes at kSprintAddedFactor x their rate (at least the converge floor and kMinSprintBytesPerS,
+// at most the ceiling): a tick copies a few MiB, which the near-end hold (no dirty allowance)
+// lets the pacer push before the next, and it still outruns the guests.  Never slower than
+// kMinSprintBytesPerS: a guest adding a little (a probe's 4 KiB writes dirty whole clusters) would
+// otherwise set a speed at which the mirror sleeps off every small copy and may never be ready
+// (lab: 1 byte left for minutes at the 1 MiB/s floor).  A mirror the guests add nothing to (an
+// idle guest, or too few readings to tell) sprints at the ceiling.
 std::uint64_t JobPacing::sprint_speed() const {
   const double ceiling = job_.ceiling_bytes_per_s;
   if (!convergence_.known || convergence_.added_bytes_per_s <= 0)
     return static_cast<std::uint64_t>(ceiling);
   const double lo =
       std::max({static_cast<double>(job_.min_speed_bytes_per_s), convergence_.floor_bytes_per_s,
-                ctl_.config().floor_rate_bytes_per_s});
+                ctl_.config().floor_rate_bytes_per_s, kMinSprintBytesPerS});
   return static_cast<std::uint64_t>(
       std::min(ceiling, std::max(lo, kSprintAddedFactor * convergence_.added_bytes_per_s)));
 }
@@ -256,7 +258,7 @@ JobSpeed JobPacing::speed(const PacingReading& r, const PacingMeasure& m,
   out.speed = static_cast<std::uint64_t>(
       std::llround(std::clamp(d.rate_bytes_per_s, lo, std::max(lo, job_.ceiling_bytes_per_s))));
   if (mirror_unready && r.info.end > r.info.cur && r.info.end - r.info.cur <= kMirrorConvergeBytes)
-    out.speed = sprint_speed();
+    out.speed = std::max(out.speed, sprint_speed());  // never slower than it ran before
   else if (mirror_unready)
     out.speed = std::max(out.speed, converge_floor);
   else if (near_end && job_.type == JobType::Commit && !job_.direct_io)

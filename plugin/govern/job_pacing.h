@@ -9,8 +9,8 @@
 //   decide()   the controller's decision; while the job is held for a settle the last one stands;
 //   speed()    the speed QEMU's job gets from that decision: the floor while it is held, one
 //              window per tick near the end of a non-active commit, a sprint for a mirror
-//              about to converge (sprint_speed), never below the converge floor of a mirror that does not
-//              converge (below);
+//              about to converge (sprint_speed), never below the converge floor of a mirror that
+//              does not converge (below);
 //   writeback_window()  how much of the target the writeback pacer keeps at storage;
 //   record()   the job as of this tick, for the next.
 // tests/plugin/test_job_pacing.cpp drives it with a manual clock.
@@ -40,9 +40,12 @@ inline constexpr std::uint64_t kDirtyAllowanceBytes = 16ull * 1024 * 1024;
 inline constexpr double kDrainCreditRateFactor = 2.0;
 inline constexpr Duration kMaxDrainCredit = std::chrono::seconds(2);
 // A mirror with at most this much left (and not paused) sprints to ready (JobPacing::speed): at
-// the ceiling where the guests add nothing to it, else at kSprintAddedFactor x the rate they add.
+// the ceiling where the guests add nothing to it, else at kSprintAddedFactor x the rate they add
+// (at least kMinSprintBytesPerS).
 inline constexpr std::uint64_t kMirrorConvergeBytes = 1024 * 1024;
 inline constexpr double kSprintAddedFactor = 3.0;
+// ... and never below this (at most the ceiling): a tick of it is 3.2 MiB, 64 ms at 50 MB/s.
+inline constexpr double kMinSprintBytesPerS = 32.0 * 1024 * 1024;
 // The least speed of a non-active commit near the end of its data (when the controller allows
 // that much): 0.8 MiB per 100 ms tick, about 17 ms of 50 MB/s storage left dirty for QEMU's
 // completion flush; the last 16 MiB in at most 2 s (JobPacing::speed).

@@ -112,14 +112,16 @@ bool TargetPacer::clean_for_settle(const PageCacheState& pc, TimePoint hold_sinc
 // vm.dirty_expire_centisecs at once (lab, a guest writing 11 MiB/s beside a 1.5 GiB active
 // commit, 2026-12-07: holds of 2 s did not clean 16-32 MiB, and at 31 s and 67 s the flusher
 // queued 11-14 MiB ahead of the guests, 250 ms).
-bool TargetPacer::give_up_hold(std::uint64_t dirty_now, TimePoint now) {
+bool TargetPacer::give_up_hold(std::uint64_t dirty_now, bool exact, TimePoint now) {
   SettleState& st = settle_;
   const double held = std::chrono::duration<double>(now - *st.hold_since).count();
   st.hold_since.reset();
   st.dirty_since = now;
   ++st.given_up;
   st.hold_limit = settle_cfg_.max_hold;
-  if (dirty_now < st.dirty_at_hold && held > 0) {
+  // An upper bound (a memory cgroup's count, the guests' pages too) says nothing of the target's
+  // drain: such a hold ends on a clean sweep, not on the count.
+  if (exact && dirty_now < st.dirty_at_hold && held > 0) {
     const double rate = static_cast<double>(st.dirty_at_hold - dirty_now) / held;
     const auto need = std::chrono::duration_cast<Duration>(
         std::chrono::duration<double>(kHoldMargin * static_cast<double>(st.dirty_at_hold) / rate));
@@ -155,7 +157,7 @@ bool TargetPacer::settle(TargetFile& file, const std::optional<PageCacheState>& 
     if (clean_for_settle(*pc, *st.hold_since) && file.start_settle())
       st.started = true;
     else if (now - *st.hold_since >= st.hold_limit)
-      return give_up_hold(pc->dirty_bytes, now);
+      return give_up_hold(pc->dirty_bytes, !pc->dirty_upper_bound, now);
     return true;
   }
   if (file.settling()) return true;
@@ -164,8 +166,10 @@ bool TargetPacer::settle(TargetFile& file, const std::optional<PageCacheState>& 
 
 bool TargetPacer::settled_for_pivot(TimePoint now) {
   if (!settle_.pivot_asked) settle_.pivot_asked = now;
-  // No reading of the target arrives (it cannot be read): the pivot waits no longer than a hold.
-  return settle_.pivot_ready || now - *settle_.pivot_asked >= 2 * settle_cfg_.max_hold;
+  // No reading of the target arrives (it cannot be read): the pivot waits no longer than two
+  // holds (as long as the current one may take).
+  return settle_.pivot_ready ||
+         now - *settle_.pivot_asked >= 2 * std::max(settle_cfg_.max_hold, settle_.hold_limit);
 }
 
 }  // namespace qcommit::plugin

@@ -52,7 +52,7 @@ class TargetPacer {
   [[nodiscard]] bool settle(TargetFile& file, const std::optional<PageCacheState>& pc,
                             TimePoint now);
   // True once the settle a pivot asked for (at the first call) is over, or when no reading has
-  // let one start within two holds.
+  // let one start within two holds (of the current hold limit).
   [[nodiscard]] bool settled_for_pivot(TimePoint now);
 
   [[nodiscard]] bool settles_enabled() const { return settle_cfg_.every != Duration::zero(); }
@@ -90,7 +90,7 @@ class TargetPacer {
   // an upper bound (a memory cgroup's), a sweep of the whole target since found nothing to push.
   [[nodiscard]] bool clean_for_settle(const PageCacheState& pc, TimePoint hold_since) const;
   // The hold could not start a settle in time: given up, retried an interval later.
-  [[nodiscard]] bool give_up_hold(std::uint64_t dirty_now, TimePoint now);
+  [[nodiscard]] bool give_up_hold(std::uint64_t dirty_now, bool exact, TimePoint now);
   [[nodiscard]] bool settle_done();
 
   WritebackPlanner planner_;

@@ -283,30 +283,37 @@ struct MirrorRun {
 }  // namespace
 
 TEST_CASE("plugin.pacing.sprint_outruns_the_guests_without_a_flood") {
-  JobPacing p(paced(JobType::ActiveCommit), throttle::ControllerConfig{});
+  // A mirror within kMirrorConvergeBytes of its end, after `added` MiB/s of the guests' writes
+  // over a window it kept up with: its sprint speed.
+  const auto sprint = [](double added, double ceiling) {
+    PacedJob job = paced(JobType::ActiveCommit);
+    job.ceiling_bytes_per_s = ceiling;
+    JobPacing p(job, throttle::ControllerConfig{});
+    MirrorRun m{p};  // 1 GiB to go: it keeps up, its work left shrinks (never caught up here)
+    m.run(12s, added, 1.5 * added, 8 * kMiB);
+    REQUIRE(p.convergence().known);
+    CHECK(p.convergence().converging);
+    const PacingReading r = reading(m.now, static_cast<std::uint64_t>(m.end) - kMiB / 2,
+                                    static_cast<std::uint64_t>(m.end), cache(0, 0), 8 * kMiB);
+    const JobSpeed s = p.speed(r, p.measure(r), decision(8.0 * kMiB, 1 * kMiB), false);
+    CHECK_FALSE(s.held);
+    return static_cast<double>(s.speed);
+  };
+  // The guests add 16 MiB/s: 3 x that, not the ceiling (400 MiB/s).
+  CHECK(sprint(16.0 * kMiB, 400.0 * kMiB) ==
+        doctest::Approx(kSprintAddedFactor * 16.0 * kMiB).epsilon(0.02));
+  // A little (a probe's writes): never below kMinSprintBytesPerS, at which it finishes.
+  CHECK(sprint(0.5 * kMiB, 400.0 * kMiB) == kMinSprintBytesPerS);
+  // Never above the ceiling.
+  CHECK(sprint(16.0 * kMiB, 20.0 * kMiB) == 20.0 * kMiB);
+  // Never slower than the controller's rate before it.
+  PacedJob job = paced(JobType::ActiveCommit);
+  JobPacing p(job, throttle::ControllerConfig{});
   MirrorRun m{p};
-  // The guests add 4 MiB/s; the mirror keeps up (its work left shrinks).
-  m.end = 64.0 * kMiB;
-  m.run(12s, 4.0 * kMiB, 8.0 * kMiB, 8 * kMiB);
-  REQUIRE(p.convergence().known);
-  CHECK(p.convergence().converging);
-  // Within kMirrorConvergeBytes of its end: 3 x what the guests add, not the ceiling.
+  m.run(12s, 1.0 * kMiB, 1.5 * kMiB, 8 * kMiB);
   const PacingReading r = reading(m.now, static_cast<std::uint64_t>(m.end) - kMiB / 2,
                                   static_cast<std::uint64_t>(m.end), cache(0, 0), 8 * kMiB);
-  const JobSpeed s = p.speed(r, p.measure(r), decision(8.0 * kMiB, 1 * kMiB), false);
-  CHECK_FALSE(s.held);
-  CHECK(static_cast<double>(s.speed) ==
-        doctest::Approx(kSprintAddedFactor * 4.0 * kMiB).epsilon(0.02));
-  // Never above the ceiling.
-  PacedJob low = paced(JobType::ActiveCommit);
-  low.ceiling_bytes_per_s = 6.0 * kMiB;
-  JobPacing q(low, throttle::ControllerConfig{});
-  MirrorRun n{q};
-  n.end = 64.0 * kMiB;
-  n.run(12s, 4.0 * kMiB, 5.0 * kMiB, 5 * kMiB);
-  const PacingReading rq = reading(n.now, static_cast<std::uint64_t>(n.end) - kMiB / 2,
-                                   static_cast<std::uint64_t>(n.end), cache(0, 0), 5 * kMiB);
-  CHECK(q.speed(rq, q.measure(rq), decision(4.0 * kMiB, 1 * kMiB), false).speed == 6 * kMiB);
+  CHECK(p.speed(r, p.measure(r), decision(50.0 * kMiB, 1 * kMiB), false).speed == 50 * kMiB);
 }
 
 TEST_CASE("plugin.pacing.converge_floor_after_a_stall") {

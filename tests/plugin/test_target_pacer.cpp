@@ -152,6 +152,33 @@ TEST_CASE("plugin.target_pacer.hold_given_up_then_as_long_as_its_drain_needs") {
   CHECK(b.pacer.hold_limit() == 2s);  // a settle that worked: back to the shortest hold
 }
 
+TEST_CASE("plugin.target_pacer.a_pivot_after_a_longer_hold_waits_for_it") {
+  Bench b;
+  b.state->dirty = 8 * kMiB;
+  CHECK_FALSE(b.settle(0s));
+  CHECK(b.settle(10s));
+  b.state->dirty = 3 * kMiB;
+  CHECK_FALSE(b.settle(12s));  // given up; the next hold may take 4 s
+  REQUIRE(b.pacer.hold_limit() == 4s);
+  // A pivot with no reading to settle on waits two such holds, not two of 2 s.
+  CHECK_FALSE(b.pacer.settled_for_pivot(b.t0 + 13s));
+  CHECK_FALSE(b.pacer.settled_for_pivot(b.t0 + 17s + 500ms));
+  CHECK(b.pacer.settled_for_pivot(b.t0 + 21s));
+}
+
+TEST_CASE("plugin.target_pacer.an_upper_bound_count_sets_no_longer_hold") {
+  Bench b;
+  b.state->memcg_bound = true;
+  b.state->cgroup_other_dirty = 32 * kMiB;
+  b.state->dirty = 8 * kMiB;
+  CHECK_FALSE(b.settle(0s));
+  CHECK(b.settle(10s));
+  b.state->cgroup_other_dirty = 8 * kMiB;  // the guests' pages drain, not necessarily the target's
+  CHECK_FALSE(b.settle(12s));
+  CHECK(b.pacer.settles_given_up() == 1);
+  CHECK(b.pacer.hold_limit() == 2s);
+}
+
 TEST_CASE("plugin.target_pacer.a_hold_without_drain_stays_short") {
   Bench b;
   b.state->dirty = 8 * kMiB;
