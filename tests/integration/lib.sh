@@ -7,6 +7,7 @@
 #   spawn CMD...         runs CMD in the background ($! as usual); killed at exit if still there.
 #   stop PID             ends a spawned process and reaps it.
 #   start_qemu SOCK ...  a real QEMU, paused, with its QMP monitor at SOCK (see there).
+#   socket_stub SOCK [F] a Unix socket that closes every connection, or answers F (see there).
 #   test_domain, file_disk: domain XML for libvirt's test driver (test:///FILE; no libvirtd).
 
 setup() {
@@ -56,6 +57,30 @@ start_qemu() {
     sleep 0.05
   done
   fail "QEMU did not start: $(cat "$sock.log")"
+}
+
+# socket_stub SOCKET [ANSWER_FILE]: a Unix socket server (python3), spawned, ready on return (at
+# most 5 s): it closes every connection at once, or, given ANSWER_FILE, reads one request line and
+# answers with the file's content, then closes.
+socket_stub() {
+  local i
+  cat >"$work/socket_stub.py" <<'PY'
+import socket, sys
+answer = open(sys.argv[3], "rb").read() if len(sys.argv) > 3 else None
+s = socket.socket(socket.AF_UNIX)
+s.bind(sys.argv[1])
+s.listen(64)
+open(sys.argv[2], "w").close()
+while True:
+    c, _ = s.accept()
+    if answer is not None:
+        c.makefile("r").readline()
+        c.sendall(answer)
+    c.close()
+PY
+  spawn python3 "$work/socket_stub.py" "$1" "$1.ready" ${2:+"$2"}
+  for ((i = 0; i < 50; i++)); do [[ -e $1.ready ]] && return 0; sleep 0.1; done
+  fail "the stub socket $1 did not start"
 }
 
 # test_domain NAME ELEMENTS: a running domain of libvirt's test driver, NAME with 64 MiB, and

@@ -14,19 +14,7 @@ QCOMMITD=$(realpath "$2")
 setup cli.peer_gone
 kRuns=20
 
-cat >closer.py <<'PY'
-import os, socket, sys
-s = socket.socket(socket.AF_UNIX)
-s.bind(sys.argv[1])
-s.listen(64)
-open(sys.argv[2], "w").close()
-while True:
-    c, _ = s.accept()
-    c.close()
-PY
-spawn python3 closer.py "$work/libvirt-sock" ready
-for ((i = 0; i < 50; i++)); do [[ -e ready ]] && break; sleep 0.1; done
-[[ -e ready ]] || fail "the closing socket did not start"
+socket_stub "$work/libvirt-sock"
 uri="qemu:///system?socket=$work/libvirt-sock"
 
 # each_run NAME CHECK CMD...: runs CMD kRuns times; none may die of SIGPIPE, and after each

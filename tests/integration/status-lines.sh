@@ -10,8 +10,8 @@ set -euo pipefail
 QCOMMIT=$(realpath "$1")
 setup cli.status_lines
 
-cat >stand_in.py <<'PY'
-import json, socket, sys
+python3 - >answer.json <<'PY'
+import json
 jobs = [
     {"id": 1, "domain": "vm1", "disk": "vda", "type": "active-commit", "target": "/s/base.qcow2",
      "storage": "dev:39", "pool": "", "budget_ms": 20, "speed_bytes_per_s": 8388608,
@@ -30,20 +30,9 @@ jobs = [
      "escaped": False, "converging": None, "added_bytes_per_s": 0,
      "converge_floor_bytes_per_s": 0, "floor": ""},
 ]
-answer = json.dumps({"ok": True, "connected": True, "jobs": jobs, "released": []}) + "\n"
-s = socket.socket(socket.AF_UNIX)
-s.bind(sys.argv[1])
-s.listen(8)
-open(sys.argv[2], "w").close()
-while True:
-    c, _ = s.accept()
-    c.makefile("r").readline()
-    c.sendall(answer.encode())
-    c.close()
+print(json.dumps({"ok": True, "connected": True, "jobs": jobs, "released": []}))
 PY
-spawn python3 stand_in.py "$work/qcd.sock" ready
-for ((i = 0; i < 50; i++)); do [[ -e ready ]] && break; sleep 0.1; done
-[[ -e ready ]] || fail "the stand-in qcommitd did not start"
+socket_stub "$work/qcd.sock" answer.json
 
 "$QCOMMIT" status --socket "$work/qcd.sock" >out.txt 2>err.txt || fail "status exited $?: $(cat err.txt)"
 expect() {
