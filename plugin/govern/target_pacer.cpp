@@ -115,7 +115,6 @@ bool TargetPacer::clean_for_settle(const PageCacheState& pc, TimePoint hold_sinc
 bool TargetPacer::give_up_hold(std::uint64_t dirty_now, bool exact, TimePoint now) {
   SettleState& st = settle_;
   const double held = std::chrono::duration<double>(now - *st.hold_since).count();
-  st.hold_since.reset();
   st.dirty_since = now;
   ++st.given_up;
   st.hold_limit = settle_cfg_.max_hold;
@@ -127,16 +126,19 @@ bool TargetPacer::give_up_hold(std::uint64_t dirty_now, bool exact, TimePoint no
         std::chrono::duration<double>(kHoldMargin * static_cast<double>(st.dirty_at_hold) / rate));
     if (need <= settle_cfg_.every / 2) st.hold_limit = std::max(settle_cfg_.max_hold, need);
   }
-  if (st.pivot_asked) st.pivot_ready = true;  // the pivot goes ahead as it would have
-  return st.pivot_ready;
+  return end_hold();  // a pivot goes ahead as it would have
 }
 
 bool TargetPacer::settle_done() {
-  settle_.hold_since.reset();
-  settle_.started = false;
   settle_.dirty_since.reset();
   ++settle_.count;
   settle_.hold_limit = settle_cfg_.max_hold;
+  return end_hold();
+}
+
+bool TargetPacer::end_hold() {
+  settle_.hold_since.reset();
+  settle_.started = false;
   if (settle_.pivot_asked) settle_.pivot_ready = true;
   return settle_.pivot_ready;
 }

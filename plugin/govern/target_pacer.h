@@ -92,6 +92,9 @@ class TargetPacer {
   // The hold could not start a settle in time: given up, retried an interval later.
   [[nodiscard]] bool give_up_hold(std::uint64_t dirty_now, bool exact, TimePoint now);
   [[nodiscard]] bool settle_done();
+  // The hold is over (done or given up): the job is let go, unless a pivot asked for the settle
+  // (it stays held until the pivot ends the job).  True while held.
+  [[nodiscard]] bool end_hold();
 
   WritebackPlanner planner_;
   SettleConfig settle_cfg_;
