@@ -31,6 +31,11 @@ namespace qcommit::engine {
 using Clock = std::chrono::steady_clock;
 using Duration = std::chrono::nanoseconds;
 
+// Seconds from `t0` to now, on Clock.
+[[nodiscard]] inline double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
 inline constexpr uint64_t kChunkBytes = 2ull << 20;             // one copy request
 inline constexpr uint64_t kDefaultInflightBytes = 32ull << 20;  // unthrottled queue depth
 inline constexpr uint64_t kWindowBytes = 512ull << 20;          // guest bytes per commit

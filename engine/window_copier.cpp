@@ -28,10 +28,6 @@ using qcow2::Format;
 using qcow2::IoError;
 using qcow2::MapEntry;
 
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
 namespace {
 
 inline constexpr auto kProgressInterval = std::chrono::milliseconds(200);

@@ -25,7 +25,4 @@ namespace qcommit::engine {
                                     Clock::time_point started,
                                     const std::vector<qcow2::MapEntry>& extents);
 
-// Seconds from `t0` to now.
-[[nodiscard]] double seconds_since(Clock::time_point t0);
-
 }  // namespace qcommit::engine
