@@ -11,6 +11,8 @@
 // stopped run left a checkpoint, and end with BASE showing TOP's original view, `qemu-img check`
 // clean, children on BASE with their views unchanged, merged layers deleted with --delete.
 // A process stop keeps the page cache: power loss between flushes is covered by merge.crash_*.
+// With QCOMMIT_DATA_POINT_STRIDE=N (ctest: 4) the matrix stops at every point but the data writes
+// inside a window, of which it takes the first, the last and every Nth (points_to_visit).
 #include <doctest/doctest.h>
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -135,6 +137,48 @@ std::string run_stopped_at(const Scenario& s, const std::string& dir, int k) {
   return r.point;
 }
 
+// The write points of an uninterrupted merge of the scenario's chain in `dir`, in order.
+std::vector<std::string> write_points_of(const Scenario& s, const std::string& dir) {
+  engine::MergeOptions o = options_for(s, dir);
+  std::vector<std::string> names;
+  o.on_write_point = [&names](std::string_view name) { names.emplace_back(name); };
+  (void)engine::merge(o);
+  return names;
+}
+
+// QCOMMIT_DATA_POINT_STRIDE (ctest: 4; unset: 1).
+int data_point_stride() {
+  const char* v = std::getenv("QCOMMIT_DATA_POINT_STRIDE");
+  const int n = v ? std::atoi(v) : 1;
+  return n > 1 ? n : 1;
+}
+
+// Which write points k (1-based) a matrix stops at, given the points of an uninterrupted run:
+// every point that is not "data"; of each run of consecutive "data" points (the copy of one
+// window) the first, the last and every `stride`th between them; then one past the last point,
+// where the merge must finish. Stride 1: every point. The data points of one window differ only in
+// which of the window's pieces are on the storage when the merge stops; the re-run copies the
+// whole window again from its checkpoint either way.
+std::vector<int> points_to_visit(const std::vector<std::string>& names, int stride) {
+  std::vector<int> ks;
+  for (size_t i = 0; i < names.size(); ++i) {
+    const bool data = names[i] == "data";
+    const bool first = data && (i == 0 || names[i - 1] != "data");
+    const bool last = data && (i + 1 == names.size() || names[i + 1] != "data");
+    size_t run_start = i;
+    while (data && run_start > 0 && names[run_start - 1] == "data") --run_start;
+    if (!data || first || last || (i - run_start) % size_t(stride) == 0) ks.push_back(int(i) + 1);
+  }
+  ks.push_back(int(names.size()) + 1);
+  return ks;
+}
+
+// The k of a matrix's i-th run: the visited points, and past them (a run that did not finish
+// where the uninterrupted one did) every point in turn.
+int kth_point(const std::vector<int>& ks, size_t i) {
+  return i < ks.size() ? ks[i] : ks.back() + int(i - ks.size()) + 1;
+}
+
 // Saves the guest views (raw) of TOP and the children before any merge.
 void save_views(const Scenario& s, const std::string& dir) {
   must("cd " + dir + " && qemu-img convert -U -O raw " + s.top + " view-top.raw");
@@ -222,7 +266,10 @@ Counts run_matrix(const Scenario& s) {
     REQUIRE(base_leaks(orig, s) == s.leaks_before);
   }
   Counts n;
-  for (int k = 1;; ++k) {
+  must("cp -a --sparse=always " + orig + " " + dir);
+  const std::vector<int> ks = points_to_visit(write_points_of(s, dir), data_point_stride());
+  for (size_t i = 0;; ++i) {
+    const int k = kth_point(ks, i);
     REQUIRE(k < 2000);
     fs::remove_all(dir);
     must("cp -a --sparse=always " + orig + " " + dir);
@@ -432,6 +479,21 @@ void plant_garbage(const std::string& path) {
 }
 
 }  // namespace
+
+TEST_CASE("merge.kill_points.selection") {
+  const std::vector<std::string> names = {"grow", "data", "data", "data", "data", "data",
+                                          "data-flush", "data", "l2-tables", "checkpoint"};
+  CHECK(points_to_visit(names, 1) == std::vector<int>{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11});
+  // the window of five data points: its first (2), every second (4) and its last (6); the
+  // window of one (8); every other point; one past the end (11)
+  CHECK(points_to_visit(names, 2) == std::vector<int>{1, 2, 4, 6, 7, 8, 9, 10, 11});
+  CHECK(points_to_visit(names, 4) == std::vector<int>{1, 2, 6, 7, 8, 9, 10, 11});
+  CHECK(points_to_visit({}, 4) == std::vector<int>{1});
+  const std::vector<int> ks = {1, 2, 6};
+  CHECK(kth_point(ks, 2) == 6);
+  CHECK(kth_point(ks, 3) == 7);  // the run at 6 stopped after all: every point from there on
+  CHECK(kth_point(ks, 4) == 8);
+}
 
 TEST_CASE("merge.kill_points.grown_base_over_backing") {
   const Scenario s = grown_scenario();
@@ -772,7 +834,10 @@ FaultCounts run_fault_matrix(const Scenario& s, const std::string& slowfs,
   SlowFs storage(slowfs, root + "/fs", errno_name);
   const std::string dir = storage.mnt() + "/run";
   FaultCounts n;
-  for (int k = 1;; ++k) {
+  must("cp -a --sparse=always " + orig + " " + dir);
+  const std::vector<int> ks = points_to_visit(write_points_of(s, dir), data_point_stride());
+  for (size_t i = 0;; ++i) {
+    const int k = kth_point(ks, i);
     REQUIRE(k < 2000);
     fs::remove_all(dir);
     must("cp -a --sparse=always " + orig + " " + dir);
