@@ -1,13 +1,13 @@
 // SPDX-License-Identifier: GPL-2.0-or-later
 // qcommit live DOMAIN DISK: a governed merge of a running domain's disk, started by qcommit.
 // qcommit live --qmp SOCKET DISK: the same on a QEMU that libvirt does not manage, over QMP.
-// Glue, in named steps: options, the connection (libvirt's event loop or the QMP socket), the
-// wait for a block job somebody else runs on the disk, the plan, then the loop that runs the job
-// order (plugin/live/live.cpp) beside the pacing and shows progress.  The pacing is qcommitd's
-// governor (plugin/govern/governor.cpp), run in-process, or qcommitd itself when it answers on its socket.
+// Glue, in named steps: options (cli/live_args.cpp), the connection (libvirt's event loop or the
+// QMP socket), the wait for a block job somebody else runs on the disk, the plan, then the loop
+// that runs the job order (plugin/live/live.cpp) beside the pacing (cli/live_pacing.cpp:
+// qcommitd's governor run in-process, or qcommitd itself when it answers on its socket) and
+// shows progress.
 #include <libvirt/libvirt.h>
 #include <signal.h>
-#include <sys/stat.h>
 
 #include <algorithm>
 #include <atomic>
@@ -19,11 +19,12 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include <thread>
 
 #include "cli/commands.h"
 #include "cli/daemon.h"
 #include "cli/json.h"
+#include "cli/live_args.h"
+#include "cli/live_pacing.h"
 #include "cli/merge_policy.h"
 #include "cli/options.h"
 #include "cli/units.h"
@@ -38,12 +39,12 @@
 #include "plugin/host/mono_clock.h"
 #include "plugin/hypervisor/qmp_hypervisor.h"
 #include "plugin/govern/writeback.h"
-#include "throttle/backoff.h"
 
 namespace qcommit::cli {
 namespace {
 
 using plugin::Duration;
+using plugin::JobProgress;
 using plugin::mono_now;
 using plugin::TimePoint;
 
@@ -56,169 +57,8 @@ void wake_timer(int, void*) {}
 // `--qmp`: QEMU serves its QMP socket until it exits, so a connection that cannot be
 // re-established for this long means QEMU is gone.
 constexpr auto kQmpReconnectGiveUp = std::chrono::seconds(10);
-// The longest the loop waits for hypervisor events; it wakes earlier when the governor's next
-// step is due (its pacer and chunk gate work in 2 ms steps).
-constexpr auto kEventWait = std::chrono::milliseconds(20);
 // How often progress is shown (and, under qcommitd, asked of it).
 constexpr auto kProgressEvery = std::chrono::seconds(1);
-
-// A failure that ends the command with one line and exit 1.
-struct LiveError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-// ---- options ----
-
-// --budget, --connect, --max-rate, --output: PolicyArgs (budget: the built-in default, set by
-// add_live_options).
-struct LiveArgs : PolicyArgs {
-  plugin::LiveRequest req;
-  std::string probe;     // --probe, "" when not given (the policy's default: auto)
-  std::string wait = defaults::lock_wait_text();
-  std::string daemon_socket = defaults::kSocketPath;
-  std::string qmp;
-  std::string overlay_dir;
-  std::string strategy = plugin::to_string(plugin::kDefaultLiveStrategy);
-  std::string page_cache_name = "auto";
-  bool dry_run = false;
-  std::vector<std::string> pos;
-  // Derived by validate().
-  std::optional<double> max_rate_bytes_per_s;
-  bool json_out = false;
-  plugin::PageCacheSource page_cache = plugin::PageCacheSource::kAuto;
-  Duration wait_limit{};
-};
-
-constexpr const char* kSynopsis =
-    "qcommit live DOMAIN DISK [--top T] [--base B] [--budget 20ms] [--pivot]\n"
-    "                    [--strategy two-phase|direct] [--overlay-dir DIR] [-c|--connect URI]\n"
-    "                    [--wait DURATION] [--dry-run] [--output=json]\n"
-    "                    [--page-cache auto|no-cachestat|meminfo] [--probe auto|off|PERIOD]\n"
-    "       qcommit live --qmp SOCKET DISK [--top T] [--base B] [--budget 20ms] [--pivot] ...";
-
-constexpr const char* kExamples =
-    "Merges TOP (default: the disk's active layer) into BASE (default: the bottom of the chain)\n"
-    "on the running DOMAIN with libvirt block jobs, paced by the qcommitd governor so that the\n"
-    "guests on the same storage see at most BUDGET of added latency. While qcommitd answers on\n"
-    "its socket and no other connection is named (-c), it governs the jobs this command starts,\n"
-    "with its own policy (--budget is then not used), and the progress shown is qcommitd's.\n"
-    "examples:\n"
-    "  qcommit live vm1 vda --pivot\n"
-    "  qcommit live vm1 vda --dry-run --strategy direct\n"
-    "  qcommit live vm1 vda --pivot --output=json | jq -c 'select(.event != \"progress\")'\n"
-    "  qcommit live --qmp /var/run/qemu-server/100.qmp drive-scsi0 --pivot\n";
-
-void add_live_options(po::options_description& opts, LiveArgs& a) {
-  opts.add_options()("top", po::value(&a.req.top), "the layer to merge (default: the active one)")(
-      "base", po::value(&a.req.base), "the layer to merge into (default: the bottom of the chain)");
-  a.budget = defaults::budget_text();
-  add_policy_args(opts, a,
-                  {.budget_off = false,
-                   .budget_from_policy = false,
-                   .config = false,
-                   .max_rate_use = "it caps the job's speed whatever the policy allows",
-                   .max_rate_least = "64K",
-                   .output_json = " (JSON lines on stdout: plan, wait, step, progress (1/s) and "
-                                  "result events)"});
-  opts.add_options()(
-      "probe", po::value(&a.probe),
-      "the shared-queue probe (a 4 KiB write + flush beside BASE, standing for guests on other "
-      "hosts): auto (default: every 100ms where BASE is on storage other hosts can share, e.g. "
-      "NFS), off, or a period from 10ms to 10s such as 50ms (on any storage)")(
-      "pivot", po::bool_switch(&a.req.pivot),
-                    "switch the disk to BASE when the active commit is ready (else it is left "
-                    "ready)")(
-      "strategy", po::value(&a.strategy),
-      "two-phase (default, active layer only): a fresh overlay takes the guest's new writes, the "
-      "old overlay is committed as a non-active commit (one 512 KiB request at a time), then the "
-      "small fresh overlay is active-committed; direct: one active commit (QEMU's mirror: 16 x 1 "
-      "MiB requests in flight)")(
-      "overlay-dir", po::value(&a.overlay_dir),
-      "two-phase: create the fresh overlay in DIR (e.g. local SSD) instead of next to TOP: the "
-      "guest's writes during the merge then never wait behind it on shared storage. Until the "
-      "pivot the disk depends on DIR: a host failure leaves its latest writes there")(
-      "wait", po::value(&a.wait),
-      ("how long a block job somebody else runs on the disk is waited for (default " +
-       defaults::lock_wait_text() + "; 0: refuse at once)")
-          .c_str())("dry-run", po::bool_switch(&a.dry_run), "print the steps, change nothing")(
-      "page-cache", po::value(&a.page_cache_name),
-      "where the target's dirty pages are read: auto (cachestat(2) where the kernel has it, else "
-      "no-cachestat), no-cachestat (forced: what a kernel before 6.5 gets), no-cachestat-shadow "
-      "(also logs cachestat's truth) or meminfo")(
-      "qmp", po::value(&a.qmp),
-      "a QEMU that libvirt does not manage (e.g. Proxmox VE's /var/run/qemu-server/ID.qmp), "
-      "driven over its QMP monitor; DISK: a drive id, device id, node name or the active layer's "
-      "path. QEMU serves one QMP client per socket: its other clients wait until qcommit live "
-      "ends")("socket", po::value(&a.daemon_socket),
-              "qcommitd's control socket (default /run/qcommit/qcommitd.sock)")(
-      "daemon-socket", po::value(&a.daemon_socket), "the same as --socket");
-}
-
-// The overlay directory as QEMU and libvirt must be given it: an existing directory, absolute.
-std::string checked_overlay_dir(const std::string& dir) {
-  struct stat sb {};
-  if (::stat(dir.c_str(), &sb) != 0 || !S_ISDIR(sb.st_mode))
-    throw LiveError("--overlay-dir " + dir + ": not a directory");
-  char* real = ::realpath(dir.c_str(), nullptr);
-  if (!real) return dir;
-  std::string out = real;
-  std::free(real);
-  return out;
-}
-
-void validate(LiveArgs& a, const po::variables_map& vm) {
-  if (a.strategy == "direct")
-    a.req.strategy = plugin::LiveStrategy::Direct;
-  else if (a.strategy == "two-phase")
-    a.req.strategy = plugin::LiveStrategy::TwoPhase;
-  else
-    throw UsageError("--strategy must be two-phase or direct, not '" + a.strategy + "'");
-  const auto src = plugin::parse_page_cache_source(a.page_cache_name);
-  if (!src)
-    throw UsageError(
-        "--page-cache must be auto, no-cachestat, no-cachestat-shadow or meminfo, "
-        "not '" +
-        a.page_cache_name + "'");
-  a.page_cache = *src;
-  a.json_out = parse_output(a.output) == Output::kJson;
-  a.wait_limit = std::chrono::duration_cast<Duration>(parse_wait(a.wait));
-  (void)parse_budget(a.budget);
-  note_given(a, vm);
-  if (!a.max_rate.empty()) {
-    a.max_rate_bytes_per_s = parse_max_rate(a.max_rate);
-    if (*a.max_rate_bytes_per_s < static_cast<double>(plugin::kMinJobSpeedBytesPerS))
-      throw UsageError("--max-rate " + a.max_rate +
-                       ": at least 64K for a block job (the slowest speed the governor sets)");
-  }
-  if (!a.overlay_dir.empty()) {
-    if (a.req.strategy != plugin::LiveStrategy::TwoPhase)
-      throw UsageError("--overlay-dir is for the two-phase strategy (its fresh overlay)");
-    a.overlay_dir = checked_overlay_dir(a.overlay_dir);
-  }
-  if (!a.qmp.empty()) {
-    if (a.uri_given) throw UsageError("--qmp and --connect exclude each other");
-    if (a.pos.size() != 1) throw UsageError("expected --qmp SOCKET DISK (see --help)");
-    a.req.disk = a.pos[0];
-  } else {
-    if (a.pos.size() != 2) throw UsageError("expected DOMAIN DISK (see --help)");
-    a.req.domain = a.pos[0];
-    a.req.disk = a.pos[1];
-  }
-}
-
-// False when --help was asked for (and printed).
-[[nodiscard]] bool parse_live_args(const Args& args, LiveArgs& a) {
-  po::options_description opts("options");
-  add_live_options(opts, a);
-  po::options_description hidden;
-  hidden.add_options()("target", po::value(&a.pos)->multitoken(), "DOMAIN DISK, or DISK");
-  po::positional_options_description pos;
-  pos.add("target", -1);
-  po::variables_map vm;
-  if (!parse(args, opts, pos, vm, kSynopsis, kExamples, &hidden)) return false;
-  validate(a, vm);
-  return true;
-}
 
 // ---- the connection ----
 
@@ -431,103 +271,6 @@ void print_plan(const LiveArgs& a, const std::vector<plugin::LiveStep>& steps,
   std::fflush(stdout);
 }
 
-// ---- pacing: in-process, or qcommitd's ----
-
-using plugin::JobProgress;
-
-class Pacing {
- public:
-  virtual ~Pacing() = default;
-  // Runs what is due; returns when it is next due.
-  [[nodiscard]] virtual TimePoint step(TimePoint now) = 0;
-  [[nodiscard]] virtual std::vector<JobProgress> progress(TimePoint now) = 0;
-  // The jobs get a finishing speed (in-process) or stay governed (qcommitd).
-  virtual void release_all() = 0;
-  // What happens to a job this command leaves running.
-  [[nodiscard]] virtual const char* job_left_running() const = 0;
-  // Whether the disk's job may pivot now (plugin::Governor::settled_for_pivot); qcommitd
-  // governing the job: at once.
-  [[nodiscard]] virtual bool settled_for_pivot(const std::string& domain, const std::string& disk,
-                                               TimePoint now) {
-    (void)domain, (void)disk, (void)now;
-    return true;
-  }
-};
-
-// qcommitd's governor, run in this process for this one disk.
-class InProcessPacing final : public Pacing {
- public:
-  InProcessPacing(plugin::Hypervisor& hv, const LiveArgs& a, const plugin::DaemonConfig& cfg,
-                  const plugin::GovernorOptions& opt)
-      : files_(a.page_cache,
-               [json = a.json_out](const std::string& m) {
-                 if (!json) std::fprintf(stderr, "qcommit live: %s\n", m.c_str());
-               }),
-        gov_(hv, files_, cfg, opt) {}
-  TimePoint step(TimePoint now) override { return gov_.step(now); }
-  std::vector<JobProgress> progress(TimePoint now) override;
-  void release_all() override { gov_.release_all(); }
-  const char* job_left_running() const override { return "continues at a finishing speed"; }
-  bool settled_for_pivot(const std::string& domain, const std::string& disk,
-                         TimePoint now) override {
-    return gov_.settled_for_pivot(domain, disk, now);
-  }
-
- private:
-  plugin::SystemTargetFiles files_;
-  plugin::Governor gov_;
-};
-
-std::vector<JobProgress> InProcessPacing::progress(TimePoint now) {
-  std::vector<JobProgress> out;
-  for (const auto& j : gov_.status(now).jobs) out.push_back(plugin::progress_of(j));
-  return out;
-}
-
-// qcommitd governs every block job on its connection, ours included: progress is its status.
-// The job order's own connection is reconnected here (in-process, the governor does it).
-class DaemonPacing final : public Pacing {
- public:
-  DaemonPacing(plugin::Hypervisor& hv, std::string socket, std::string domain, std::string disk)
-      : hv_(hv), socket_(std::move(socket)), domain_(std::move(domain)), disk_(std::move(disk)) {}
-  TimePoint step(TimePoint now) override;
-  std::vector<JobProgress> progress(TimePoint now) override;
-  void release_all() override {}
-  const char* job_left_running() const override { return "continues under qcommitd"; }
-
- private:
-  plugin::Hypervisor& hv_;
-  std::string socket_, domain_, disk_;
-  // Reconnects back off as the governor's do.
-  throttle::Backoff reconnect_{plugin::GovernorOptions{}.reconnect_min,
-                               plugin::GovernorOptions{}.reconnect_max};
-};
-
-TimePoint DaemonPacing::step(TimePoint now) {
-  if (hv_.connected())
-    reconnect_.succeeded();
-  else if (reconnect_.due(now) && !hv_.connect())
-    reconnect_.failed(now);
-  return now + kEventWait;
-}
-
-std::vector<JobProgress> DaemonPacing::progress(TimePoint) {
-  std::string error;
-  const std::optional<std::string> line =
-      ask_qcommitd(socket_, json::dump(json::Ordered{{"cmd", "status"}}), error);
-  std::optional<json::Value> v;
-  if (line) v = json::parse(*line, json::kControlResponseLimits, &error);
-  const json::Value* jobs = v ? json::member(*v, "jobs") : nullptr;
-  std::vector<JobProgress> out;
-  if (!jobs || !jobs->is_array()) return out;
-  for (const auto& j : *jobs) {
-    if (json::string_member(j, "domain") != domain_ || json::string_member(j, "disk") != disk_)
-      continue;
-    out.push_back(plugin::progress_of_status(j));
-  }
-  return out;
-}
-
 // ---- the run ----
 
 std::string eta_text(double s) {
@@ -562,7 +305,7 @@ void print_progress_line(const JobProgress& j, std::optional<double> percent) {
 // The loop: the job order's next step, the pacing, progress once a second, the event wait.
 class LiveRun {
  public:
-  LiveRun(LiveBackend& be, const LiveArgs& a, std::vector<plugin::LiveStep> steps, Pacing& pacing)
+  LiveRun(LiveBackend& be, const LiveArgs& a, std::vector<plugin::LiveStep> steps, LivePacing& pacing)
       : be_(be), a_(a), pacing_(pacing), merge_(be.ctl, be.hv, std::move(steps), a.req) {
     merge_.set_pivot_gate([this](TimePoint now) {
       return pacing_.settled_for_pivot(a_.req.domain, a_.req.disk, now);
@@ -579,7 +322,7 @@ class LiveRun {
 
   LiveBackend& be_;
   const LiveArgs& a_;
-  Pacing& pacing_;
+  LivePacing& pacing_;
   plugin::LiveMerge merge_;
   std::size_t shown_step_ = static_cast<std::size_t>(-1);
   TimePoint next_report_{};
@@ -762,14 +505,14 @@ int live(LiveArgs& a) {
     std::fprintf(stderr,
                  "qcommit live: qcommitd governs with its own policy: --max-rate only sets the "
                  "job's starting speed (cap it with ceiling= in the policy of its pool or domain)\n");
-  std::unique_ptr<Pacing> pacing;
+  std::unique_ptr<LivePacing> pacing;
   if (daemon) {
-    pacing = std::make_unique<DaemonPacing>(be.hv, a.daemon_socket, a.req.domain, a.req.disk);
+    pacing = daemon_pacing(be.hv, a.daemon_socket, a.req.domain, a.req.disk);
   } else {
     if (!a.json_out)
       std::fprintf(stderr, "qcommit live: page cache: %s\n",
                    plugin::describe_page_cache_source(a.page_cache).c_str());
-    pacing = std::make_unique<InProcessPacing>(be.hv, a, cfg, live_governor_options(a));
+    pacing = in_process_pacing(be.hv, a, cfg, live_governor_options(a));
   }
   LiveRun run(be, a, steps, *pacing);
   return run.run();

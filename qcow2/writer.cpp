@@ -1,4 +1,7 @@
 // SPDX-License-Identifier: GPL-2.0-or-later
+// The Writer's guest-level changes: refusals, L2 entries, guest writes and zeroes, growing, the
+// backing file name, bitmaps. Refcounts and allocation are writer_alloc.cpp's, persistence (the
+// commit in its order) writer_commit.cpp's.
 #include "qcow2/writer.h"
 
 #include <algorithm>
@@ -9,8 +12,6 @@
 #include "qcow2/error.h"
 
 namespace qcommit::qcow2 {
-
-using boost::endian::store_big_u64;
 
 const char* to_string(WritePoint p) {
   switch (p) {
@@ -99,105 +100,6 @@ bool Writer::has_staged_changes() const {
   return data_written_ || !dirty_refblocks_.empty() || !dirty_l2s_.empty() || !dirty_l1_.empty() ||
          !dirty_reftable_.empty() || l1_relocated_ || reftable_relocated_ || header_dirty_ ||
          !deferred_frees_.empty();
-}
-
-// ---------------------------------------------------------------------------------------------
-// Refcounts and allocation
-
-void Writer::dirty_refblock(uint64_t off, const std::shared_ptr<std::vector<uint8_t>>& table) {
-  image_.cache_.mark_dirty(off, table);
-  dirty_refblocks_.insert(off);
-}
-
-void Writer::dirty_l2(uint64_t off, const std::shared_ptr<std::vector<uint8_t>>& table) {
-  image_.cache_.mark_dirty(off, table);
-  dirty_l2s_.insert(off);
-}
-
-uint64_t Writer::get_refcount(uint64_t cluster) {
-  return image_.refcount(cluster);
-}
-
-void Writer::set_refcount(uint64_t cluster, uint64_t value) {
-  if (value > geo_.refcount_max())
-    throw CorruptionError(image_.name(), "refcount overflow for cluster at " + hex(cluster * cs_));
-  const uint64_t per_block = geo_.refcount_block_entries();
-  const uint64_t bi = cluster / per_block;
-  ensure_refblock(bi);
-  const Image::RefcountBlock b = image_.refcount_block(bi);
-  set_refcount_entry(b.table->data(), geo_.refcount_order, cluster % per_block, value);
-  dirty_refblock(b.offset, b.table);
-}
-
-void Writer::ensure_refblock(uint64_t bi) {
-  if (bi >= image_.reftable_.size()) grow_reftable(bi + 1);
-  if (image_.reftable_[bi] & kRefTableOffsetMask) return;
-  const uint64_t c = find_free(1);
-  reserved_.insert(c);
-  const uint64_t off = c * cs_;
-  auto fresh = std::make_shared<std::vector<uint8_t>>(cs_, 0);
-  image_.cache_.put(off, fresh);
-  dirty_refblock(off, fresh);
-  image_.reftable_[bi] = off;
-  if (!reftable_relocated_) dirty_reftable_.insert(bi);
-  file_end_cluster_ = std::max(file_end_cluster_, c + 1);
-  set_refcount(c, 1);  // describes itself when c lies in block bi, else recurses once
-  reserved_.erase(c);
-  ++allocated_clusters_;
-}
-
-void Writer::grow_reftable(uint64_t min_entries) {
-  const uint64_t per_cluster = cs_ / 8;
-  const uint64_t old_entries = image_.reftable_.size();
-  uint64_t want = std::max(min_entries, old_entries + old_entries / 2 + 1);
-  want = (want + per_cluster - 1) / per_cluster * per_cluster;
-  const uint64_t clusters = want / per_cluster;
-  if (clusters * cs_ > kMaxRefcountTableBytes)
-    throw Error(image_.name(),
-                "refcount table would exceed 8 MiB; image too large for this cluster size");
-  const uint64_t t = find_free(clusters);
-  for (uint64_t i = 0; i < clusters; ++i) reserved_.insert(t + i);
-  file_end_cluster_ = std::max(file_end_cluster_, t + clusters);
-  const uint64_t old_off = image_.header_.refcount_table_offset;
-  const uint64_t old_clusters = image_.header_.refcount_table_clusters;
-  image_.reftable_.resize(want, 0);
-  image_.header_.refcount_table_offset = t * cs_;
-  image_.header_.refcount_table_clusters = uint32_t(clusters);
-  reftable_relocated_ = true;
-  dirty_reftable_.clear();
-  for (uint64_t i = 0; i < clusters; ++i) set_refcount(t + i, 1);
-  for (uint64_t i = 0; i < clusters; ++i) reserved_.erase(t + i);
-  allocated_clusters_ += clusters;
-  deferred_frees_.push_back({old_off / cs_, old_clusters});
-}
-
-uint64_t Writer::find_free(uint64_t clusters) {
-  uint64_t run = 0, start = 0;
-  for (uint64_t c = std::max<uint64_t>(free_hint_, 1);; ++c) {
-    if (c >= std::max(file_end_cluster_, refcounted_end_cluster_)) {
-      // Everything past the end (and past every refcount) is free: extend the current run or
-      // start one here.
-      return run > 0 ? start : c;
-    }
-    const bool free = !reserved_.count(c) && get_refcount(c) == 0;
-    if (!free) {
-      run = 0;
-      continue;
-    }
-    if (run == 0) start = c;
-    if (++run == clusters) return start;
-  }
-}
-
-uint64_t Writer::allocate(uint64_t clusters) {
-  const uint64_t c = find_free(clusters);
-  for (uint64_t i = 0; i < clusters; ++i) reserved_.insert(c + i);
-  file_end_cluster_ = std::max(file_end_cluster_, c + clusters);
-  for (uint64_t i = 0; i < clusters; ++i) set_refcount(c + i, 1);
-  for (uint64_t i = 0; i < clusters; ++i) reserved_.erase(c + i);
-  free_hint_ = c + clusters;
-  allocated_clusters_ += clusters;
-  return c * cs_;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -496,142 +398,6 @@ size_t Writer::remove_bitmaps() {
   image_.header_.autoclear_features &= ~kAutoclearBitmaps;
   header_dirty_ = true;
   return count;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Persistence
-
-void Writer::point(WritePoint p) {
-  if (on_write_point) on_write_point(p);
-}
-
-void Writer::flush() {
-  image_.file().flush();
-}
-
-void Writer::write_tables(std::set<uint64_t>& offsets) {
-  for (uint64_t off : offsets) {
-    auto t =
-        image_.cache_.get(off, cs_, [&](std::vector<uint8_t>& b) { image_.file().read(off, b); });
-    image_.file().write(off, *t);
-  }
-}
-
-void Writer::write_header(const Header& h) {
-  const std::vector<uint8_t> buf = image_.encode_header(h);
-  image_.file().write(0, std::span<const uint8_t>(buf.data(), buf.size()));
-  committed_ = h;
-}
-
-void Writer::apply_frees() {
-  for (auto [first, count] : deferred_frees_) {
-    for (uint64_t c = first; c < first + count; ++c) {
-      const uint64_t rc = get_refcount(c);
-      if (rc == 0)
-        throw CorruptionError(
-            image_.name(), "freeing cluster at " + hex(c * cs_) + " whose refcount is already 0");
-      set_refcount(c, rc - 1);
-      if (rc == 1) free_hint_ = std::min(free_hint_, c);
-    }
-  }
-  deferred_frees_.clear();
-}
-
-void Writer::commit() {
-  if (!has_staged_changes()) return;
-  BlockDevice& f = image_.file();
-  // Cover every allocated cluster with file bytes (the last data cluster may be partial).
-  if (f.size() < file_end_cluster_ * cs_) f.truncate(file_end_cluster_ * cs_);
-
-  // 1. Data reaches the disk before anything points at it.
-  point(WritePoint::kDataFlush);
-  if (&image_.data_device() != &f) image_.data_device().flush();
-  flush();
-
-  // 2. Refcount increments: blocks (new ones describe themselves), then the table.
-  point(WritePoint::kRefcountBlocks);
-  write_tables(dirty_refblocks_);
-  flush();
-  for (uint64_t off : dirty_refblocks_) image_.cache_.mark_clean(off);
-  dirty_refblocks_.clear();
-  if (reftable_relocated_) {
-    point(WritePoint::kRefcountTable);
-    std::vector<uint8_t> t(image_.reftable_.size() * 8);
-    for (size_t i = 0; i < image_.reftable_.size(); ++i)
-      store_big_u64(t.data() + 8 * i, image_.reftable_[i]);
-    f.write(image_.header_.refcount_table_offset, t);
-    flush();
-    point(WritePoint::kHeaderForRefcountTable);
-    Header h = committed_;
-    h.refcount_table_offset = image_.header_.refcount_table_offset;
-    h.refcount_table_clusters = image_.header_.refcount_table_clusters;
-    write_header(h);
-    flush();
-  } else if (!dirty_reftable_.empty()) {
-    point(WritePoint::kRefcountTable);
-    for (uint64_t i : dirty_reftable_) {
-      uint8_t e[8];
-      store_big_u64(e, image_.reftable_[i]);
-      f.write(committed_.refcount_table_offset + 8 * i, e);
-    }
-    flush();
-  }
-
-  // 3. L2 tables (new ones are unreferenced until the L1 points at them).
-  point(WritePoint::kL2Tables);
-  write_tables(dirty_l2s_);
-  flush();
-
-  // 4. L1 table and header.
-  point(WritePoint::kL1Table);
-  if (l1_relocated_) {
-    std::vector<uint8_t> t(image_.l1_.size() * 8);
-    for (size_t i = 0; i < image_.l1_.size(); ++i) store_big_u64(t.data() + 8 * i, image_.l1_[i]);
-    f.write(image_.header_.l1_table_offset, t);
-    flush();
-    header_dirty_ = true;
-  } else {
-    for (uint64_t i : dirty_l1_) {
-      uint8_t e[8];
-      store_big_u64(e, image_.l1_[i]);
-      f.write(image_.header_.l1_table_offset + 8 * i, e);
-    }
-    // A header that changes what the image shows (a new backing file, a larger size) must not
-    // reach the disk before the L1 entries of the tables that keep its view (the zeros a rebased
-    // child or a grown BASE is given).
-    if (header_dirty_ && !dirty_l1_.empty()) flush();
-  }
-  if (header_dirty_) {
-    point(WritePoint::kHeader);
-    write_header(image_.header_);
-  }
-  flush();
-
-  // 5. Refcount decrements of what is no longer referenced.
-  if (!deferred_frees_.empty()) {
-    point(WritePoint::kRefcountDecrements);
-    apply_frees();
-    write_tables(dirty_refblocks_);
-    flush();
-  }
-
-  for (uint64_t off : dirty_refblocks_) image_.cache_.mark_clean(off);
-  for (uint64_t off : dirty_l2s_) image_.cache_.mark_clean(off);
-  dirty_refblocks_.clear();
-  dirty_l2s_.clear();
-  dirty_l1_.clear();
-  dirty_reftable_.clear();
-  l1_relocated_ = reftable_relocated_ = header_dirty_ = data_written_ = false;
-}
-
-void Writer::mark_corrupt() noexcept {
-  try {
-    Header h = committed_;
-    h.incompatible_features |= kIncompatCorrupt;
-    write_header(h);
-    flush();
-  } catch (...) {
-  }
 }
 
 }  // namespace qcommit::qcow2

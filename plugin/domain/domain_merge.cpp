@@ -9,7 +9,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cctype>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -20,6 +19,7 @@
 #include <utility>
 
 #include "engine/image_lock.h"
+#include "plugin/domain/definition.h"
 #include "plugin/hypervisor/libvirt_handles.h"
 #include "plugin/host/xml.h"
 #include "qcow2/chain.h"
@@ -37,7 +37,6 @@ using Conn = lv::Conn;
 using Dom = lv::Domain;
 using Snap = lv::Snapshot;
 using Pool = lv::Pool;
-using Vol = lv::Vol;
 using CStr = lv::CString;
 using Doc = xml::Doc;
 
@@ -56,17 +55,6 @@ void test_kill_point(const char* point) {
   if (stop && std::strcmp(stop, point) == 0) ::kill(::getpid(), SIGSTOP);
 }
 
-std::string last_libvirt_error() {
-  const virError* e = virGetLastError();
-  return e && e->message ? e->message : "unknown libvirt error";
-}
-
-Doc parse_xml(const std::string& text, const std::string& what) {
-  Doc d = xml::parse(text);
-  if (!d) throw Error(what, "cannot parse libvirt XML");
-  return d;
-}
-
 // The <disk> element of the domain XML `doc` whose <target dev=...> is `dev`.
 xmlNodePtr find_domain_disk(xmlDocPtr doc, const std::string& dev) {
   for (xmlNodePtr d : xml::select(doc, "/domain/devices/disk"))
@@ -74,194 +62,10 @@ xmlNodePtr find_domain_disk(xmlDocPtr doc, const std::string& dev) {
   return nullptr;
 }
 
-std::string canonical(const std::string& p) {
-  std::error_code ec;
-  auto c = fs::weakly_canonical(p, ec);
-  return ec ? p : c.string();
-}
-
-// Why a pool lookup found nothing: "no such storage pool" when libvirt says so, else libvirt's
-// own words (access denied, connection lost).
-std::string pool_lookup_error() {
-  const virError* e = virGetLastError();
-  if (!e || e->code == VIR_ERR_NO_STORAGE_POOL)
-    return "no such storage pool (virsh pool-list --all lists them)";
-  return last_libvirt_error();
-}
-
-// 32 hexadecimal digits, with or without dashes between them (as libvirt writes UUIDs).
-bool looks_like_uuid(const std::string& s) {
-  size_t digits = 0;
-  for (char c : s) {
-    if (std::isxdigit(static_cast<unsigned char>(c)))
-      ++digits;
-    else if (c != '-')
-      return false;
-  }
-  return digits == 32;
-}
-
-// The pool named `pool`, or whose UUID it is; null when there is none. The UUID is looked up
-// only for a string that is one (libvirt's error for a name otherwise says "uuidstr ... must
-// be a valid UUID").
-Pool find_pool(virConnectPtr conn, const std::string& pool) {
-  Pool p(virStoragePoolLookupByName(conn, pool.c_str()));
-  if (!p && looks_like_uuid(pool)) p.reset(virStoragePoolLookupByUUIDString(conn, pool.c_str()));
-  return p;
-}
-
-std::string volume_path(virConnectPtr conn, const std::string& pool, const std::string& vol) {
-  Pool p = find_pool(conn, pool);
-  if (!p) throw Error("pool " + pool, pool_lookup_error());
-  Vol v(virStorageVolLookupByName(p.get(), vol.c_str()));
-  if (!v) throw Error("pool " + pool, "volume '" + vol + "' not found: " + last_libvirt_error());
-  CStr path(virStorageVolGetPath(v.get()));
-  if (!path) throw Error("pool " + pool, "cannot get the path of volume '" + vol + "'");
-  return path.get();
-}
-
-// Active pools whose target directory contains `file`.
-std::vector<Pool> pools_holding(virConnectPtr conn, const std::string& file) {
-  std::vector<Pool> out;
-  virStoragePoolPtr* pools = nullptr;
-  const int n = virConnectListAllStoragePools(conn, &pools, VIR_CONNECT_LIST_STORAGE_POOLS_ACTIVE);
-  for (Pool& p : lv::take_list<Pool>(pools, n)) {
-    CStr xml(virStoragePoolGetXMLDesc(p.get(), 0));
-    if (!xml) continue;
-    Doc d = parse_xml(xml.get(), "pool");
-    xmlNodePtr path = xml::first(d.get(), "/pool/target/path");
-    if (!path) continue;
-    std::string dir = canonical(xml::text(path));
-    auto rel = fs::path(canonical(file)).lexically_relative(dir);
-    if (!rel.empty() && *rel.begin() != "..") out.push_back(std::move(p));
-  }
-  return out;
-}
-
-bool is_block_device(const std::string& path) {
-  struct stat st {};
-  return ::stat(path.c_str(), &st) == 0 && S_ISBLK(st.st_mode);
-}
-
-// Points the <source> of a <disk> or <backingStore> element at `path` (a file or a block device).
-void set_source(xmlNodePtr element, xmlNodePtr source, const std::string& path) {
-  const bool block = is_block_device(path);
-  xml::set_attr(element, "type", block ? "block" : "file");
-  for (const char* a : {"file", "dev", "pool", "volume"}) xml::unset_attr(source, a);
-  xml::set_attr(source, block ? "dev" : "file", path);
-}
-
-// Replaces the disk's <backingStore> chain with the layers below the top of `chain`, ended by an
-// empty <backingStore/>. libvirt takes an inactive definition's chain as written instead of
-// probing the files, so a chain that still names a merged layer keeps reading through it, or the
-// domain fails to start once that file is gone.
-void set_backing_store(xmlNodePtr disk, const qcow2::Chain& chain) {
-  xml::remove_children(disk, "backingStore");
-  xmlNodePtr parent = disk;
-  for (size_t i = 1; i < chain.depth(); ++i) {
-    const qcow2::Layer& l = chain.layer(i);
-    const xmlNodePtr bs = xml::add_child(parent, "backingStore");
-    xml::set_attr(xml::add_child(bs, "format"), "type", qcow2::to_string(l.format));
-    set_source(bs, xml::add_child(bs, "source"), l.path);
-    parent = bs;
-  }
-  xml::add_child(parent, "backingStore");
-}
-
-// The journal: what a re-run needs to finish an interrupted merge, kept in the domain's own
-// definition (<metadata>, namespace kJournalUri) before the first write. There it survives a
-// reboot whatever BASE is (a file, a logical volume under /dev), goes with the domain, and the
-// redefinition of the disk carries it along. Paths are as the chain names them (what goes into
-// the definition); compare them canonically.
-constexpr const char* kJournalUri = "urn:qcommit:domain-merge";
-constexpr const char* kJournalKey = "qcommit";
-
-struct Journal {
-  std::string disk, top, base;
-  bool switch_source = false;          // TOP was the active layer: the disk moves to BASE
-  bool delete_merged = false;          // --delete: remove `merged` once the definition is updated
-  std::vector<std::string> merged;     // TOP and the intermediates
-  std::vector<std::string> snapshots;  // snapshot metadata of merged states, to remove
-
-  // False when the domain has none.
-  [[nodiscard]] bool load(virDomainPtr dom) {
-    CStr text(virDomainGetMetadata(dom, VIR_DOMAIN_METADATA_ELEMENT, kJournalUri,
-                                   VIR_DOMAIN_AFFECT_CONFIG));
-    if (!text) return false;
-    Doc d = parse_xml(text.get(), "domain-merge journal");
-    const xmlNodePtr root = xml::root(d.get());
-    if (xml::name(root) != "merge" || xml::attr(root, "version") != "2")
-      throw Error(std::string("domain ") + virDomainGetName(dom),
-                  "has a qcommit merge journal this version cannot read (remove it: virsh "
-                  "metadata DOMAIN " +
-                      std::string(kJournalUri) + " --config --remove)");
-    disk = xml::attr(root, "disk");
-    switch_source = xml::attr(root, "switch-source") == "yes";
-    delete_merged = xml::attr(root, "delete-merged") == "yes";
-    for (const xmlNodePtr n : xml::children(root)) {
-      const std::string name = xml::name(n);
-      if (name == "top")
-        top = xml::text(n);
-      else if (name == "base")
-        base = xml::text(n);
-      else if (name == "merged")
-        merged.push_back(xml::text(n));
-      else if (name == "snapshot")
-        snapshots.push_back(xml::text(n));
-    }
-    return true;
-  }
-
-  void save(virDomainPtr dom) const {
-    const Doc d = xml::new_document("merge");
-    const xmlNodePtr root = xml::root(d.get());
-    xml::set_attr(root, "version", "2");
-    xml::set_attr(root, "disk", disk);
-    xml::set_attr(root, "switch-source", switch_source ? "yes" : "no");
-    xml::set_attr(root, "delete-merged", delete_merged ? "yes" : "no");
-    xml::add_child(root, "top", top);
-    xml::add_child(root, "base", base);
-    for (const auto& m : merged) xml::add_child(root, "merged", m);
-    for (const auto& n : snapshots) xml::add_child(root, "snapshot", n);
-    // One element, without an XML declaration: what libvirt takes as metadata.
-    const std::string text = xml::dump_element(root);
-    if (virDomainSetMetadata(dom, VIR_DOMAIN_METADATA_ELEMENT, text.c_str(), kJournalKey,
-                             kJournalUri, VIR_DOMAIN_AFFECT_CONFIG) != 0)
-      throw Error(std::string("domain ") + virDomainGetName(dom),
-                  "cannot record the merge journal in its definition (nothing written): " +
-                      last_libvirt_error());
-  }
-
-  static void remove(virDomainPtr dom) {
-    if (virDomainSetMetadata(dom, VIR_DOMAIN_METADATA_ELEMENT, nullptr, nullptr, kJournalUri,
-                             VIR_DOMAIN_AFFECT_CONFIG) != 0)
-      throw Error(std::string("domain ") + virDomainGetName(dom),
-                  "merge done, but removing its journal from the definition failed: " +
-                      last_libvirt_error());
-  }
-};
-
 qcow2::ChainOptions chain_options(const std::vector<std::string>& allowed_dirs) {
   qcow2::ChainOptions o;
   o.allowed_backing_dirs = allowed_dirs;
   return o;
-}
-
-// Refreshes `pool` once per merge so vol-list/vol-info show the files as they are now. A failure
-// leaves the data merged and only libvirt's cached view stale: say so, naming the way out.
-void refresh_pool(virStoragePoolPtr pool, DomainMergeResult& res, const std::function<void(const std::string&)>& note) {
-  const std::string name = virStoragePoolGetName(pool);
-  if (std::find(res.pools_refreshed.begin(), res.pools_refreshed.end(), name) != res.pools_refreshed.end()) return;
-  if (virStoragePoolRefresh(pool, 0) == 0)
-    res.pools_refreshed.push_back(name);
-  else
-    note("could not refresh storage pool " + name + " (vol-list/vol-info may show the files as before the merge; " +
-         "run 'virsh pool-refresh " + name + "'): " + last_libvirt_error());
-}
-
-void refresh_pools_holding(virConnectPtr conn, const std::string& file, DomainMergeResult& res,
-                           const std::function<void(const std::string&)>& note) {
-  for (auto& p : pools_holding(conn, file)) refresh_pool(p.get(), res, note);
 }
 
 using Note = std::function<void(const std::string&)>;
@@ -342,7 +146,7 @@ class DomainMerge {
       finish_locked();
     // Pools and journal: libvirt's view only, nothing a starting domain runs on.
     refresh_pools_holding(conn_, res_.base, res_, note_);
-    Journal::remove(dom_.get());
+    MergeJournal::remove(dom_.get());
     return std::move(res_);
   }
 
@@ -374,7 +178,7 @@ class DomainMerge {
   std::string active_;                       // the disk's active layer
   std::vector<std::string> paths_, layers_;  // its chain as named; canonical, for comparisons
   std::optional<size_t> t_, b_;  // TOP (none once an interrupted run merged it) and BASE in it
-  Journal journal_;
+  MergeJournal journal_;
   DomainMergeResult res_;
 };
 
@@ -442,12 +246,12 @@ void DomainMerge::open_chain() {
       qcow2::Chain::open(active_, chain_options(req_.merge.allowed_backing_dirs));
   for (size_t i = 0; i < chain.depth(); ++i) {
     paths_.push_back(chain.layer(i).path);
-    layers_.push_back(canonical(paths_.back()));
+    layers_.push_back(canonical_path(paths_.back()));
   }
 }
 
 std::optional<size_t> DomainMerge::index_of(const std::string& p) const {
-  const auto it = std::find(layers_.begin(), layers_.end(), canonical(p));
+  const auto it = std::find(layers_.begin(), layers_.end(), canonical_path(p));
   if (it == layers_.end()) return std::nullopt;
   return size_t(it - layers_.begin());
 }
@@ -598,7 +402,7 @@ void DomainMerge::finish_locked() {
   auto lock = [&](const std::string& p) {
     struct stat st {};
     if (::stat(p.c_str(), &st) != 0) return;
-    const std::string c = canonical(p);
+    const std::string c = canonical_path(p);
     if (std::find(locked.begin(), locked.end(), c) != locked.end()) return;
     locks.push_back(engine::ImageLock::writer(p));
     locked.push_back(c);

@@ -194,6 +194,22 @@ template <class Json = Value>
   return m && m->is_string() ? m->get_ref<const std::string&>() : empty;
 }
 
+// Member `key` of `v` as an exact integer, 0 when it is absent or not one that fits.
+[[nodiscard]] inline std::uint64_t uint64_member(const Value& v, std::string_view key) {
+  const Value* m = member(v, key);
+  return m ? to_uint64(*m).value_or(0) : 0;
+}
+[[nodiscard]] inline std::int64_t int64_member(const Value& v, std::string_view key) {
+  const Value* m = member(v, key);
+  return m ? to_int64(*m).value_or(0) : 0;
+}
+
+// Member `key` of `v` when it is a boolean, else `dflt`.
+[[nodiscard]] inline bool bool_member(const Value& v, std::string_view key, bool dflt) {
+  const Value* m = member(v, key);
+  return m && m->is_boolean() ? m->get<bool>() : dflt;
+}
+
 // --- writing ----------------------------------------------------------------------------------
 
 // Compact, one line, no spaces: {"ok":true,"jobs":[]} (the control socket, QMP).

@@ -1,4 +1,6 @@
 // SPDX-License-Identifier: GPL-2.0-or-later
+// QmpHypervisor: the Hypervisor interface over one QEMU's QMP socket (the answers' parsers are
+// qmp_parse.cpp's).
 #include "plugin/hypervisor/qmp_hypervisor.h"
 
 #include <sys/stat.h>
@@ -16,221 +18,11 @@
 namespace qcommit::plugin {
 namespace {
 
-const std::string& str_member(const json::Value& v, const char* key) {
-  return json::string_member(v, key);
-}
-
-std::uint64_t u64_member(const json::Value& v, const char* key) {
-  const json::Value* m = json::member(v, key);
-  return m ? json::to_uint64(*m).value_or(0) : 0;
-}
-
-std::int64_t i64_member(const json::Value& v, const char* key) {
-  const json::Value* m = json::member(v, key);
-  return m ? json::to_int64(*m).value_or(0) : 0;
-}
-
-bool bool_member(const json::Value& v, const char* key, bool dflt) {
-  const json::Value* m = json::member(v, key);
-  return m && m->is_boolean() ? m->get<bool>() : dflt;
-}
-
-JobType job_type_of(const std::string& qmp_type, bool ready, std::optional<bool> active) {
-  if (qmp_type == "commit") {
-    if (active) return *active ? JobType::ActiveCommit : JobType::Commit;
-    return ready ? JobType::ActiveCommit : JobType::Commit;
-  }
-  if (qmp_type == "mirror") return JobType::Copy;
-  if (qmp_type == "stream") return JobType::Pull;
-  if (qmp_type == "backup") return JobType::Backup;
-  return JobType::Unknown;
-}
-
 bool finished(const QmpJob& j) {
   return j.status == "concluded" || j.status == "null";
 }
 
 }  // namespace
-
-// --- parsers -----------------------------------------------------------------------------------
-
-std::string qdev_id(const std::string& qdev) {
-  static const std::string kPeripheral = "/machine/peripheral/";
-  if (qdev.empty()) return "";
-  if (qdev[0] != '/') return qdev;
-  if (qdev.rfind(kPeripheral, 0) != 0) return "";
-  const std::string rest = qdev.substr(kPeripheral.size());
-  return rest.substr(0, rest.find('/'));
-}
-
-bool QmpDisk::matches(const std::string& name) const {
-  if (name.empty()) return false;
-  return name == info.target || name == device || name == qdev || name == qdev_id(qdev) ||
-         name == root_node || name == info.source;
-}
-
-std::vector<QmpDisk> parse_query_block(const json::Value& ret) {
-  std::vector<QmpDisk> out;
-  if (!ret.is_array()) return out;
-  for (const auto& e : ret) {
-    const json::Value* ins = json::member(e, "inserted");
-    if (!ins || !ins->is_object()) continue;  // empty drive
-    QmpDisk d;
-    d.device = str_member(e, "device");
-    d.qdev = str_member(e, "qdev");
-    d.root_node = str_member(*ins, "node-name");
-    const json::Value* img = json::member(*ins, "image");
-    if (img && img->is_object()) {
-      d.info.source = str_member(*img, "filename");
-      d.formats.push_back(str_member(*img, "format"));
-      d.virtual_size = u64_member(*img, "virtual-size");
-      for (const json::Value* b = json::member(*img, "backing-image"); b && b->is_object();
-           b = json::member(*b, "backing-image")) {
-        d.info.backing_chain.push_back(str_member(*b, "filename"));
-        d.formats.push_back(str_member(*b, "format"));
-      }
-    } else {
-      d.info.source = str_member(*ins, "file");
-      d.formats.push_back(str_member(*ins, "drv"));
-    }
-    if (d.info.source.empty()) continue;
-    d.info.format = d.formats.front();
-    // libvirt's cache modes from the node's flags: none = direct + writeback, directsync = direct.
-    if (const json::Value* c = json::member(*ins, "cache"); c && c->is_object()) {
-      if (bool_member(*c, "direct", false))
-        d.info.cache = bool_member(*c, "writeback", true) ? "none" : "directsync";
-    }
-    if (!d.device.empty())
-      d.info.target = d.device;
-    else if (!qdev_id(d.qdev).empty())
-      d.info.target = qdev_id(d.qdev);
-    else if (!d.qdev.empty())
-      d.info.target = d.qdev;
-    else
-      d.info.target = d.root_node;
-    if (d.info.target.empty()) continue;
-    d.info.device = cached_storage_device(d.info.source);
-    out.push_back(std::move(d));
-  }
-  return out;
-}
-
-std::vector<QmpNode> parse_named_block_nodes(const json::Value& ret) {
-  std::vector<QmpNode> out;
-  if (!ret.is_array()) return out;
-  for (const auto& e : ret) {
-    QmpNode n{str_member(e, "node-name"), str_member(e, "file"), str_member(e, "drv")};
-    if (!n.node_name.empty()) out.push_back(std::move(n));
-  }
-  return out;
-}
-
-std::vector<std::string> parse_iothreads(const json::Value& ret) {
-  std::vector<std::string> ids;
-  if (!ret.is_array()) return ids;
-  for (const auto& e : ret)
-    if (const std::string& id = str_member(e, "id"); !id.empty()) ids.push_back(id);
-  return ids;
-}
-
-std::string iothread_of_property(const json::Value& value) {
-  if (value.is_array())  // iothread-vq-mapping: [{"iothread": "iot1", "vqs": [...]}, ...]
-    return value.empty() ? "" : str_member(value.front(), "iothread");
-  if (!value.is_string()) return "";
-  const std::string& path = value.get_ref<const std::string&>();  // a link: the QOM path
-  return path.substr(path.rfind('/') + 1);
-}
-
-std::string node_of(const std::vector<QmpNode>& nodes, const std::string& filename,
-                    const std::string& format) {
-  std::string found;
-  for (const auto& n : nodes) {
-    if (n.file != filename || n.drv != format) continue;
-    if (!found.empty()) return "";  // ambiguous
-    found = n.node_name;
-  }
-  return found;
-}
-
-std::vector<QmpJob> parse_block_jobs(const json::Value& ret) {
-  std::vector<QmpJob> out;
-  if (!ret.is_array()) return out;
-  for (const auto& e : ret) {
-    QmpJob j;
-    j.id = str_member(e, "device");
-    if (j.id.empty()) continue;
-    j.type = str_member(e, "type");
-    j.status = str_member(e, "status");
-    j.len = u64_member(e, "len");
-    j.offset = u64_member(e, "offset");
-    j.speed = u64_member(e, "speed");
-    j.ready = bool_member(e, "ready", false);
-    j.auto_dismiss = bool_member(e, "auto-dismiss", true);
-    j.error = str_member(e, "error");
-    out.push_back(std::move(j));
-  }
-  return out;
-}
-
-std::optional<BlockStats> parse_blockstats(const json::Value& ret, const QmpDisk& disk) {
-  if (!ret.is_array()) return std::nullopt;
-  for (const auto& e : ret) {
-    const std::string& dev = str_member(e, "device");
-    const std::string& qdev = str_member(e, "qdev");
-    const bool match = !disk.device.empty() ? dev == disk.device
-                       : !disk.qdev.empty()
-                           ? qdev == disk.qdev
-                           : dev.empty() && str_member(e, "node-name") == disk.root_node;
-    if (!match) continue;
-    const json::Value* st = json::member(e, "stats");
-    if (!st || !st->is_object()) return std::nullopt;
-    BlockStats s;
-    s.wr_reqs = i64_member(*st, "wr_operations");
-    s.wr_total_times_ns = i64_member(*st, "wr_total_time_ns");
-    s.flush_reqs = i64_member(*st, "flush_operations");
-    s.flush_total_times_ns = i64_member(*st, "flush_total_time_ns");
-    if (json::member(*st, "wr_bytes")) s.wr_bytes = i64_member(*st, "wr_bytes");
-    return s;
-  }
-  return std::nullopt;
-}
-
-JobInfo to_job_info(const QmpJob& j, std::optional<bool> active) {
-  JobInfo info;
-  info.type = job_type_of(j.type, j.ready, active);
-  info.bandwidth_bytes_per_s = j.speed;
-  if (j.ready) {
-    // Ready: libvirt reports cur == end (LiveMerge and the governor rely on it), also when QEMU
-    // says 0/0 (nothing was left to copy).
-    info.end = std::max<std::uint64_t>(j.len, 1);
-    info.cur = info.end;
-  } else {
-    info.end = j.len;
-    info.cur = std::min(j.offset, j.len);
-    // A mirror that copied everything is not ready until QEMU says so.
-    if ((info.type == JobType::ActiveCommit || info.type == JobType::Copy) && info.end > 0 &&
-        info.cur == info.end)
-      info.cur = info.end - 1;
-  }
-  return info;
-}
-
-std::string qcommit_job_id(const std::string& target) {
-  std::string id = "qcommit-";
-  for (char c : target) {
-    const bool ok = (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') ||
-                    c == '.' || c == '_' || c == '-';
-    id += ok ? c : '_';
-  }
-  return id;
-}
-
-std::string name_from_socket(const std::string& path) {
-  const auto slash = path.rfind('/');
-  std::string name = slash == std::string::npos ? path : path.substr(slash + 1);
-  if (const auto dot = name.rfind('.'); dot != std::string::npos && dot > 0) name.resize(dot);
-  return name.empty() ? path : name;
-}
 
 // --- QmpHypervisor -----------------------------------------------------------------------------
 
@@ -251,7 +43,7 @@ bool QmpHypervisor::connect() {
   if (!name_given_) {
     try {
       const json::Value r = call("query-name");
-      name_ = str_member(r, "name");
+      name_ = json::string_member(r, "name");
     } catch (const QmpCommandError&) {
       name_.clear();
     } catch (const HypervisorDisconnected&) {
@@ -263,8 +55,8 @@ bool QmpHypervisor::connect() {
   try {
     const json::Value r = call("query-version");
     if (const json::Value* q = json::member(r, "qemu"))
-      qemu_version_ = u64_member(*q, "major") * 1000000 + u64_member(*q, "minor") * 1000 +
-                      u64_member(*q, "micro");
+      qemu_version_ = json::uint64_member(*q, "major") * 1000000 + json::uint64_member(*q, "minor") * 1000 +
+                      json::uint64_member(*q, "micro");
   } catch (const QmpCommandError&) {
   } catch (const HypervisorDisconnected&) {
     return false;
@@ -301,7 +93,7 @@ void QmpHypervisor::note_event(const QmpEvent& e) {
   JobEvent je;
   je.domain = name_;
   const std::string& id =
-      e.name == "JOB_STATUS_CHANGE" ? str_member(e.data, "id") : str_member(e.data, "device");
+      e.name == "JOB_STATUS_CHANGE" ? json::string_member(e.data, "id") : json::string_member(e.data, "device");
   if (auto it = job_disk_.find(id); it != job_disk_.end()) {
     je.disk = it->second;
   } else {
@@ -311,18 +103,18 @@ void QmpHypervisor::note_event(const QmpEvent& e) {
   std::optional<bool> active;
   if (auto it = jobs_.find(je.disk); it != jobs_.end() && it->second.id == id)
     active = it->second.active;
-  je.type = job_type_of(str_member(e.data, "type"), e.name == "BLOCK_JOB_READY", active);
+  je.type = job_type_of(json::string_member(e.data, "type"), e.name == "BLOCK_JOB_READY", active);
   if (e.timestamp_us > 0) je.at = mono_of_realtime_us(e.timestamp_us);
   if (e.name == "JOB_STATUS_CHANGE") {
     je.kind = JobEventKind::StatusChange;
-    const std::string& status = str_member(e.data, "status");
+    const std::string& status = json::string_member(e.data, "status");
     je.detail = id + " " + status;
     je.started = status == "created" || status == "running";
   } else if (e.name == "BLOCK_JOB_READY") {
     je.kind = JobEventKind::Ready;
     je.detail = id;
   } else if (e.name == "BLOCK_JOB_COMPLETED") {
-    const std::string& err = str_member(e.data, "error");
+    const std::string& err = json::string_member(e.data, "error");
     je.kind = err.empty() ? JobEventKind::Completed : JobEventKind::Failed;
     je.detail = err.empty() ? id : id + ": " + err;
     if (!err.empty()) last_job_error_ = "job " + id + " failed: " + err;
@@ -333,9 +125,9 @@ void QmpHypervisor::note_event(const QmpEvent& e) {
   } else if (e.name == "BLOCK_JOB_ERROR") {
     je.kind = JobEventKind::StatusChange;
     je.detail =
-        id + " error " + str_member(e.data, "operation") + " " + str_member(e.data, "action");
-    last_job_error_ = "job " + id + ": I/O error on " + str_member(e.data, "operation") +
-                      " (action " + str_member(e.data, "action") + ")";
+        id + " error " + json::string_member(e.data, "operation") + " " + json::string_member(e.data, "action");
+    last_job_error_ = "job " + id + ": I/O error on " + json::string_member(e.data, "operation") +
+                      " (action " + json::string_member(e.data, "action") + ")";
   } else {
     return;
   }

@@ -104,6 +104,10 @@ struct QmpJob {
 [[nodiscard]] std::string qcommit_job_id(const std::string& target);
 // The domain name when query-name gives none: the socket's file name without its extension.
 [[nodiscard]] std::string name_from_socket(const std::string& path);
+// The JobType of a QMP job type ("commit": active when `active` says so or, for a job we did not
+// start, once it is ready; "mirror", "stream", "backup").
+[[nodiscard]] JobType job_type_of(const std::string& qmp_type, bool ready,
+                                  std::optional<bool> active);
 
 class QmpHypervisor final : public Hypervisor, public BlockJobControl {
  public:

@@ -58,7 +58,7 @@ setup() {
   qemu-img convert -O raw base.s3 view0.raw
 }
 
-# The merge journal kept in the domain's definition (plugin/domain/domain_merge.cpp); fails when absent.
+# The merge journal kept in the domain's definition (plugin/domain/definition.cpp); fails when absent.
 journal() { virsh -q metadata "$dom" urn:qcommit:domain-merge --config 2>/dev/null; }
 # The image chain of FILE as qemu-img sees it, absolute paths, one per line.
 file_chain() { qemu-img info --backing-chain --output=json "$1" | jq -r '.[] | ."filename"' | xargs -n1 realpath; }
