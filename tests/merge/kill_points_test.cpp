@@ -173,6 +173,15 @@ std::vector<int> points_to_visit(const std::vector<std::string>& names, int stri
   return ks;
 }
 
+// The points chosen are those of the uninterrupted run: a stopped run must reach the same one.
+void check_same_point(const std::vector<std::string>& names, int k, const std::string& where,
+                      const std::string& scenario) {
+  if (k <= static_cast<int>(names.size()))
+    CHECK_MESSAGE(where == names[static_cast<size_t>(k - 1)],
+                  scenario << ": write point #" << k << " is " << where
+                           << ", the uninterrupted run's was " << names[static_cast<size_t>(k - 1)]);
+}
+
 // The k of a matrix's i-th run: the visited points, and past them (a run that did not finish
 // where the uninterrupted one did) every point in turn.
 int kth_point(const std::vector<int>& ks, size_t i) {
@@ -267,7 +276,8 @@ Counts run_matrix(const Scenario& s) {
   }
   Counts n;
   must("cp -a --sparse=always " + orig + " " + dir);
-  const std::vector<int> ks = points_to_visit(write_points_of(s, dir), data_point_stride());
+  const std::vector<std::string> names = write_points_of(s, dir);
+  const std::vector<int> ks = points_to_visit(names, data_point_stride());
   for (size_t i = 0;; ++i) {
     const int k = kth_point(ks, i);
     REQUIRE(k < 2000);
@@ -280,6 +290,7 @@ Counts run_matrix(const Scenario& s) {
     }
     ++n.stops;
     ++n.by_point[where];
+    check_same_point(names, k, where, s.name);
     const std::string at = where + " #" + std::to_string(k);
     check_unchanged_views(s, dir, at);
     const int rc = check_base(dir, s);
@@ -835,7 +846,8 @@ FaultCounts run_fault_matrix(const Scenario& s, const std::string& slowfs,
   const std::string dir = storage.mnt() + "/run";
   FaultCounts n;
   must("cp -a --sparse=always " + orig + " " + dir);
-  const std::vector<int> ks = points_to_visit(write_points_of(s, dir), data_point_stride());
+  const std::vector<std::string> names = write_points_of(s, dir);
+  const std::vector<int> ks = points_to_visit(names, data_point_stride());
   for (size_t i = 0;; ++i) {
     const int k = kth_point(ks, i);
     REQUIRE(k < 2000);
@@ -853,6 +865,7 @@ FaultCounts run_fault_matrix(const Scenario& s, const std::string& slowfs,
     }
     ++n.points;
     ++n.by_point[where];
+    check_same_point(names, k, where, s.name);
     const std::string at = errno_name + " at " + where + " #" + std::to_string(k);
     CHECK_MESSAGE((how == kFailedCleanly || how == kFinished),
                   s.name << ": " << at << ": exit " << how
