@@ -115,7 +115,8 @@ WritebackPlan WritebackPlanner::plan(const WritebackInput& in, const DirtyProbe&
     if (d > 0) {
       const bool liveness = in.writeback_bytes == 0 && out.dirty_bytes_issued == 0;
       if (out.dirty_bytes_issued + d > budget && !liveness) break;  // resume here next tick
-      if (!out.ranges.empty() && out.ranges.back().offset + out.ranges.back().length == r.offset) {
+      if (!out.ranges.empty() && out.ranges.back().offset + out.ranges.back().length == r.offset &&
+          (in.max_range_bytes == 0 || out.ranges.back().length + r.length <= in.max_range_bytes)) {
         out.ranges.back().length += r.length;
       } else {
         out.ranges.push_back(r);
@@ -132,6 +133,12 @@ WritebackPlan WritebackPlanner::plan(const WritebackInput& in, const DirtyProbe&
   }
   if (scanned >= in.file_size) out.lapped = true;
   return out;
+}
+
+std::uint64_t writeback_range_bytes(std::uint64_t window_bytes, std::uint64_t piece_bytes) {
+  if (piece_bytes == 0) return window_bytes;
+  const std::uint64_t pieces = window_bytes / kWritebackRangesPerWindow / piece_bytes;
+  return std::max<std::uint64_t>(pieces, 1) * piece_bytes;
 }
 
 std::optional<PageCacheState> parse_meminfo(const std::string& text) {

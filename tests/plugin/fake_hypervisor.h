@@ -179,6 +179,12 @@ struct FakeFileState {
   std::uint64_t cgroup_other_dirty = 0;
   // Where the dirty bytes are: spread evenly over the file (default), or all in [0, dirty).
   bool dirty_at_front = false;
+  // The dirty bytes' layout keeps still while the pacer issues a plan's ranges one after the
+  // other: ranges whose writeback started since `dirty` was last set from outside (a test, the
+  // world's copy) hold none of them, and the rest lie as `layout_dirty` lay then.
+  std::uint64_t layout_dirty = 0;
+  std::uint64_t dirty_left_by_writeback = ~std::uint64_t{0};
+  std::vector<ByteRange> issued_since_layout;
   // The kernel's flusher takes every dirty byte right after each whole-file reading (the reading
   // is stale at once).
   bool flusher_after_reading = false;
@@ -315,11 +321,31 @@ class FakeTargetFiles final : public TargetFiles {
     }
     std::uint64_t dirty_share(const ByteRange& r) const {
       if (s_->size == 0) return 0;
-      if (s_->dirty_at_front)
-        return r.offset >= s_->dirty ? 0 : std::min(r.length, s_->dirty - r.offset);
-      const double share = static_cast<double>(r.length) / static_cast<double>(s_->size);
-      return std::min(s_->dirty,
-                      static_cast<std::uint64_t>(static_cast<double>(s_->dirty) * share + 0.5));
+      follow_layout();
+      // The part of r no writeback was started in since the layout was taken; at the front,
+      // the part of that within [0, layout_dirty).
+      const ByteRange in = s_->dirty_at_front
+                               ? ByteRange{r.offset, r.offset >= s_->layout_dirty
+                                                         ? 0
+                                                         : std::min(r.length, s_->layout_dirty - r.offset)}
+                               : r;
+      std::uint64_t untouched = in.length;
+      for (const ByteRange& i : s_->issued_since_layout) {
+        const std::uint64_t lo = std::max(i.offset, in.offset);
+        const std::uint64_t hi = std::min(i.offset + i.length, in.offset + in.length);
+        if (hi > lo) untouched -= std::min(untouched, hi - lo);
+      }
+      if (s_->dirty_at_front) return std::min(s_->dirty, untouched);
+      const double share = static_cast<double>(untouched) / static_cast<double>(s_->size);
+      return std::min(s_->dirty, static_cast<std::uint64_t>(
+                                     static_cast<double>(s_->layout_dirty) * share + 0.5));
+    }
+    // A `dirty` set from outside since the last writeback started: the layout is taken anew.
+    void follow_layout() const {
+      if (s_->dirty == s_->dirty_left_by_writeback) return;
+      s_->layout_dirty = s_->dirty;
+      s_->issued_since_layout.clear();
+      s_->dirty_left_by_writeback = s_->dirty;
     }
     void drop_cached(const ByteRange& r) override { s_->dropped.push_back(r); }
     bool start_settle() override {
@@ -340,6 +366,8 @@ class FakeTargetFiles final : public TargetFiles {
     void start_writeback(const ByteRange& r) override {
       const std::uint64_t d = dirty_share(r);
       s_->dirty -= d;
+      s_->issued_since_layout.push_back(r);
+      s_->dirty_left_by_writeback = s_->dirty;
       s_->writeback += d;
       s_->writeback_started += d;
       if (d > 0) s_->queue.emplace_back(r, d);

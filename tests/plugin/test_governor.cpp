@@ -1174,7 +1174,9 @@ TEST_CASE("plugin.governor.throttle_filter_under_a_direct_active_commit") {
   CHECK(lo * kThrottleRateHysteresis >= kThrottleRateFactor - 0.01);
   std::size_t sets = 0;
   for (const auto& [c, a] : w.hv.qmp_log) sets += c == "qom-set";
-  CHECK(sets <= 10);  // not one per tick (100 in 10 s)
+  // Not one per tick (100 in 10 s): 10 with the fake's page cache dirty everywhere, 11 since its
+  // writeback leaves the ranges it took clean while a plan is issued range by range.
+  CHECK(sets <= 12);
   w.hv.jobs[{"vm1", "vda"}].cur = w.hv.jobs[{"vm1", "vda"}].end;
   w.hv.emit(JobEvent{JobEventKind::Ready, "vm1", "vda", JobType::ActiveCommit, ""});
   gv.run(300ms);

@@ -75,6 +75,31 @@ TEST_CASE("plugin.writeback.planner_respects_window") {
   CHECK(written_back > 0);
 }
 
+TEST_CASE("plugin.writeback.window_in_several_requests") {
+  // Everything dirty: under a 256 KiB window the pacer's ranges are single 64 KiB pieces (four
+  // requests at storage, the next waiting while one is written), not one 256 KiB range; under
+  // 1 MiB, 256 KiB ranges.
+  WritebackPlanner planner(WritebackConfig{64 * 1024, 4096});
+  const auto all_dirty = [](const ByteRange& r) { return r.length; };
+  const std::uint64_t small = 256 * 1024;
+  auto plan = planner.plan({64 << 20, 0, small, writeback_range_bytes(small, 64 * 1024)},
+                           all_dirty);
+  CHECK(plan.dirty_bytes_issued == small);
+  REQUIRE(plan.ranges.size() == 4);
+  for (const auto& r : plan.ranges) CHECK(r.length == 64 * 1024);
+  const std::uint64_t big = 1 << 20;
+  plan = planner.plan({64 << 20, 0, big, writeback_range_bytes(big, 64 * 1024)}, all_dirty);
+  REQUIRE(plan.ranges.size() == 4);
+  for (const auto& r : plan.ranges) CHECK(r.length == 256 * 1024);
+  // No limit: one range.
+  plan = planner.plan({64 << 20, 0, big, 0}, all_dirty);
+  CHECK(plan.ranges.size() == 1);
+  // A window below four pieces: ranges of one piece; below one piece: one piece.
+  CHECK(writeback_range_bytes(200 * 1024, 64 * 1024) == 64 * 1024);
+  CHECK(writeback_range_bytes(16 * 1024, 64 * 1024) == 64 * 1024);
+  CHECK(writeback_range_bytes(3 << 20, 64 * 1024) == 768 * 1024);
+}
+
 TEST_CASE("plugin.writeback.liveness_small_window") {
   // Window smaller than a piece: still one piece when nothing is under writeback.
   WritebackPlanner planner(WritebackConfig{256 * 1024, 16});
