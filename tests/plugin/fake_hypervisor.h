@@ -340,6 +340,26 @@ class FakeTargetFiles final : public TargetFiles {
       return std::min(s_->dirty, static_cast<std::uint64_t>(
                                      static_cast<double>(s_->layout_dirty) * share + 0.5));
     }
+    // r joins the issued ranges, kept sorted and merged where they touch (a plan's pieces are
+    // adjacent: the list stays short however many are issued).
+    void add_issued(const ByteRange& r) const {
+      std::vector<ByteRange>& v = s_->issued_since_layout;
+      std::uint64_t lo = r.offset, hi = r.offset + r.length;
+      std::vector<ByteRange> out;
+      out.reserve(v.size() + 1);
+      for (const ByteRange& i : v) {
+        if (i.offset + i.length < lo || i.offset > hi) {
+          out.push_back(i);
+        } else {
+          lo = std::min(lo, i.offset);
+          hi = std::max(hi, i.offset + i.length);
+        }
+      }
+      out.push_back({lo, hi - lo});
+      std::sort(out.begin(), out.end(),
+                [](const ByteRange& a, const ByteRange& b) { return a.offset < b.offset; });
+      v = std::move(out);
+    }
     // A `dirty` set from outside since the last writeback started: the layout is taken anew.
     void follow_layout() const {
       if (s_->dirty == s_->dirty_left_by_writeback) return;
@@ -366,7 +386,7 @@ class FakeTargetFiles final : public TargetFiles {
     void start_writeback(const ByteRange& r) override {
       const std::uint64_t d = dirty_share(r);
       s_->dirty -= d;
-      s_->issued_since_layout.push_back(r);
+      add_issued(r);
       s_->dirty_left_by_writeback = s_->dirty;
       s_->writeback += d;
       s_->writeback_started += d;
