@@ -84,7 +84,7 @@ void TargetPacer::pace(TargetFile& file, std::uint64_t window_bytes, FallbackSyn
   wi.file_size = file.size();
   wi.writeback_bytes = pc.writeback_bytes;
   wi.window_bytes = window_bytes;
-  wi.max_range_bytes = writeback_range_bytes(window_bytes, kWritebackPieceBytes);
+  wi.max_range_bytes = writeback_range_bytes(window_bytes, planner_.config().piece_bytes);
   const WritebackPlan plan =
       planner_.plan(wi, [&file](const ByteRange& r) { return file.dirty_in(r); });
   for (const auto& r : plan.ranges) {

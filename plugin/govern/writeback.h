@@ -82,6 +82,7 @@ class WritebackPlanner {
   [[nodiscard]] WritebackPlan plan(const WritebackInput& in, const DirtyProbe& dirty_in);
 
   [[nodiscard]] std::uint64_t cursor() const { return cursor_; }
+  [[nodiscard]] const WritebackConfig& config() const { return cfg_; }
 
  private:
   WritebackConfig cfg_;

@@ -137,8 +137,11 @@ std::string run_stopped_at(const Scenario& s, const std::string& dir, int k) {
   return r.point;
 }
 
-// The write points of an uninterrupted merge of the scenario's chain in `dir`, in order.
-std::vector<std::string> write_points_of(const Scenario& s, const std::string& dir) {
+// The write points, in order, of an uninterrupted merge of a copy of the scenario's chain `orig`
+// made in `dir`.
+std::vector<std::string> write_points_of(const Scenario& s, const std::string& orig,
+                                         const std::string& dir) {
+  must("cp -a --sparse=always " + orig + " " + dir);
   engine::MergeOptions o = options_for(s, dir);
   std::vector<std::string> names;
   o.on_write_point = [&names](std::string_view name) { names.emplace_back(name); };
@@ -161,13 +164,12 @@ int data_point_stride() {
 // whole window again from its checkpoint either way.
 std::vector<int> points_to_visit(const std::vector<std::string>& names, int stride) {
   std::vector<int> ks;
+  size_t run_start = 0;  // where the run of data points that i is in began
   for (size_t i = 0; i < names.size(); ++i) {
     const bool data = names[i] == "data";
-    const bool first = data && (i == 0 || names[i - 1] != "data");
+    if (!data || i == 0 || names[i - 1] != "data") run_start = i;
     const bool last = data && (i + 1 == names.size() || names[i + 1] != "data");
-    size_t run_start = i;
-    while (data && run_start > 0 && names[run_start - 1] == "data") --run_start;
-    if (!data || first || last || (i - run_start) % size_t(stride) == 0) ks.push_back(int(i) + 1);
+    if (!data || last || (i - run_start) % size_t(stride) == 0) ks.push_back(int(i) + 1);
   }
   ks.push_back(int(names.size()) + 1);
   return ks;
@@ -275,8 +277,7 @@ Counts run_matrix(const Scenario& s) {
     REQUIRE(base_leaks(orig, s) == s.leaks_before);
   }
   Counts n;
-  must("cp -a --sparse=always " + orig + " " + dir);
-  const std::vector<std::string> names = write_points_of(s, dir);
+  const std::vector<std::string> names = write_points_of(s, orig, dir);
   const std::vector<int> ks = points_to_visit(names, data_point_stride());
   for (size_t i = 0;; ++i) {
     const int k = kth_point(ks, i);
@@ -845,8 +846,7 @@ FaultCounts run_fault_matrix(const Scenario& s, const std::string& slowfs,
   SlowFs storage(slowfs, root + "/fs", errno_name);
   const std::string dir = storage.mnt() + "/run";
   FaultCounts n;
-  must("cp -a --sparse=always " + orig + " " + dir);
-  const std::vector<std::string> names = write_points_of(s, dir);
+  const std::vector<std::string> names = write_points_of(s, orig, dir);
   const std::vector<int> ks = points_to_visit(names, data_point_stride());
   for (size_t i = 0;; ++i) {
     const int k = kth_point(ks, i);
