@@ -96,6 +96,28 @@ void DaemonLog::log_convergence(const JobStatus& j, Known& k) {
   record(job_name(j.domain, j.disk) + ": " + std::string(buf, static_cast<size_t>(std::clamp(n, 0, static_cast<int>(sizeof buf) - 1))));
 }
 
+namespace {
+
+// Where the time to govern went ("" when no step is known): "; scan began +A ms, job listed +B
+// ms, speed taken +C ms", each from the job's discovery.  A long first step is the event's way
+// from QEMU through libvirtd (or the daemon busy before it); the others are libvirt calls.
+std::string govern_stages(const JobStatus& j) {
+  std::string out;
+  const auto add = [&out](const char* what, const std::optional<Duration>& d) {
+    if (!d) return;
+    char buf[64];
+    const int n = std::snprintf(buf, sizeof buf, "%s%s +%.1f ms", out.empty() ? "; " : ", ", what,
+                                std::chrono::duration<double, std::milli>(*d).count());
+    out.append(buf, static_cast<size_t>(std::clamp(n, 0, static_cast<int>(sizeof buf) - 1)));
+  };
+  add("scan began", j.scan_began_after);
+  add("job listed", j.job_listed_after);
+  add("speed taken", j.speed_taken_after);
+  return out;
+}
+
+}  // namespace
+
 void DaemonLog::log_governed(const JobStatus& j, Known& k) {
   if (k.governed || !j.time_to_govern) return;
   k.governed = true;
@@ -104,6 +126,7 @@ void DaemonLog::log_governed(const JobStatus& j, Known& k) {
       buf, sizeof buf, "first speed read back from QEMU %.1f ms after the job was found (%s)",
       std::chrono::duration<double, std::milli>(*j.time_to_govern).count(), to_string(j.found_by));
   std::string m = job_name(j.domain, j.disk) + ": " + std::string(buf, static_cast<size_t>(n));
+  m += govern_stages(j);
   if (j.late_adoption) {
     const int l = std::snprintf(buf, sizeof buf, "; late adoption: %.1f MiB copied unpaced",
                                 static_cast<double>(j.copied_before_governed_bytes) / kBytesPerMiB);

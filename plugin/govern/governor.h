@@ -230,6 +230,10 @@ struct JobStatus {
   // kLateAdoptionBytes by then (copied_before_governed_bytes).
   std::optional<Duration> time_to_govern;
   FoundBy found_by = FoundBy::kPoll;
+  // Each step of the time to govern, from the job's discovery (nullopt: not reached).
+  std::optional<Duration> scan_began_after;    // the scan that listed it began
+  std::optional<Duration> job_listed_after;    // libvirt listed the job on its disk
+  std::optional<Duration> speed_taken_after;   // the hypervisor took the first speed call
   std::uint64_t copied_before_governed_bytes = 0;
   bool late_adoption = false;
   std::uint64_t window_bytes = 0;
@@ -385,8 +389,9 @@ class Governor {
   [[nodiscard]] std::vector<Found> find_jobs(const std::vector<DomainInfo>& doms,
                                              const std::set<std::string>* only_domains,
                                              std::set<DiskKey>& listed, TimePoint now);
+  // `stages`: the scan's beginning and the job's listing (GovernStages), for the time to govern.
   [[nodiscard]] SpeedCheck hold_found_job(const DomainInfo& dom, const DiskInfo& disk,
-                                          const JobInfo& info);
+                                          const JobInfo& info, GovernStages stages);
   // What a job starts at: the floor while a throttle filter waits to go in, a gate's closed
   // speed, else its initial speed (`initial`).
   [[nodiscard]] std::uint64_t start_speed(const DiskInfo& disk, JobType type,
@@ -446,6 +451,7 @@ class Governor {
   // Per domain: the earliest QEMU event since its last scan saying a job started (its time).
   std::map<std::string, TimePoint> job_started_events_;
   TimePoint step_now_{};
+  TimePoint scan_began_{};  // clock_now() when the current poll() began
   bool connected_ = false;
   bool sweep_orphans_ = false;  // at the next full poll: filters a dead process left in QEMU
   bool was_ever_connected_ = false;

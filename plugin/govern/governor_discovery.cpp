@@ -142,6 +142,7 @@ std::vector<DomainInfo> Governor::scanned_domains(const std::set<std::string>& n
 }
 
 void Governor::poll(TimePoint now, const std::set<std::string>* only) {
+  scan_began_ = clock_now();
   std::vector<DomainInfo> doms = only ? scanned_domains(*only) : hv_.running_domains();
   std::set<DiskKey> listed;
   std::vector<Found> found = find_jobs(doms, only, listed, now);
@@ -188,6 +189,7 @@ std::vector<Governor::Found> Governor::find_jobs(const std::vector<DomainInfo>& 
         continue;
       const DiskKey k{dom.name, disk.target};
       const JobQuery q = hv_.query_job(dom.name, disk.target);
+      const TimePoint listed_at = clock_now();
       auto it = jobs_.find(k);
       if (q.state == JobQuery::State::kUnknown) {
         if (it != jobs_.end()) listed.insert(k);  // not known to have ended: kept as it is
@@ -200,7 +202,8 @@ std::vector<Governor::Found> Governor::find_jobs(const std::vector<DomainInfo>& 
         continue;
       }
       if (it != jobs_.end()) release(k, gone_reason(*it->second), now);  // another job now
-      found.push_back(Found{&dom, disk, q.info, hold_found_job(dom, disk, q.info)});
+      found.push_back(Found{&dom, disk, q.info,
+                            hold_found_job(dom, disk, q.info, {scan_began_, listed_at, {}})});
     }
   }
   // Job events count for the scan they caused: a job found later was found by a poll.
@@ -213,8 +216,9 @@ std::vector<Governor::Found> Governor::find_jobs(const std::vector<DomainInfo>& 
 // depend on its pool (not looked up yet) at most the least initial speed any policy could give
 // it; read back.  Its target, extents, pool, policy and probe come after (adopt).
 SpeedCheck Governor::hold_found_job(const DomainInfo& dom, const DiskInfo& disk,
-                                    const JobInfo& info) {
+                                    const JobInfo& info, GovernStages stages) {
   SpeedCheck check;
+  check.stages = stages;
   const auto ev = job_started_events_.find(dom.name);
   check.found_by = ev != job_started_events_.end() ? FoundBy::kEvent : FoundBy::kPoll;
   check.found_at = ev != job_started_events_.end() ? ev->second : clock_now();
@@ -222,6 +226,7 @@ SpeedCheck Governor::hold_found_job(const DomainInfo& dom, const DiskInfo& disk,
   const std::uint64_t speed =
       std::max(start_speed(disk, info.type, initial), opt_.min_speed_bytes_per_s);
   const bool accepted = hv_.set_job_speed(dom.name, disk.target, speed);
+  if (accepted) check.stages.speed_taken = clock_now();
   read_back(DiskKey{dom.name, disk.target}, speed, accepted, check, nullptr);
   return check;
 }

@@ -95,6 +95,13 @@ GovernorStatus Governor::status(TimePoint now) const {
     js.speed_wanted_bytes_per_s = j->check.wanted;
     js.time_to_govern = j->check.time_to_govern;
     js.found_by = j->check.found_by;
+    const auto after = [&j](const std::optional<TimePoint>& t) -> std::optional<Duration> {
+      if (!t) return std::nullopt;
+      return *t - j->check.found_at;
+    };
+    js.scan_began_after = after(j->check.stages.scan_began);
+    js.job_listed_after = after(j->check.stages.job_listed);
+    js.speed_taken_after = after(j->check.stages.speed_taken);
     js.copied_before_governed_bytes = j->check.copied_when_governed;
     js.late_adoption = j->check.late();
     const std::optional<throttle::Decision>& d = j->pacing.decision();

@@ -25,8 +25,18 @@ inline constexpr std::uint64_t kLateAdoptionBytes = 32ull * 1024 * 1024;
 enum class FoundBy { kEvent, kPoll };
 [[nodiscard]] const char* to_string(FoundBy f);  // "event", "poll"
 
+// Where a job's time to govern went, each on the governor's clock: the scan that found it began
+// (after QEMU's event came through libvirtd to the daemon, or at a poll), libvirt listed the job
+// on its disk, the hypervisor took the first speed call.  nullopt: not reached (or not known).
+struct GovernStages {
+  std::optional<throttle::TimePoint> scan_began;
+  std::optional<throttle::TimePoint> job_listed;
+  std::optional<throttle::TimePoint> speed_taken;
+};
+
 struct SpeedCheck {
   throttle::TimePoint found_at{};  // the event's timestamp, or the poll that listed the job
+  GovernStages stages;             // found_at to the first speed, step by step
   FoundBy found_by = FoundBy::kPoll;
   std::uint64_t wanted = 0;                       // the speed last asked for (0: none yet)
   std::optional<std::uint64_t> actual;            // QEMU's speed at the last read back

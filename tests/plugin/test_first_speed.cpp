@@ -133,6 +133,45 @@ TEST_CASE("plugin.governor.first_speed_among_many_domains") {
   CHECK(j->found_by == FoundBy::kEvent);
 }
 
+// The time to govern in its steps: QEMU's event reaches the daemon 3 ms after its timestamp, and
+// libvirt takes 7 ms to describe the domain.  The status and the daemon's record give each step
+// from the job's discovery, in order, so a slow one can be told from the others.
+TEST_CASE("plugin.governor.time_to_govern_in_steps") {
+  World w;
+  constexpr Duration kEventWay = 3ms;
+  constexpr Duration kDescribe = 7ms;
+  w.hv.clock = [&w] { return w.now; };
+  GovernorOptions opt;
+  opt.clock = [&w] { return w.now; };
+  Governed gv(w, DaemonConfig{}, opt);
+  gv.run(200ms);  // connected, the first poll done
+  w.hv.on_describe = [&w, kDescribe] { w.now += kDescribe; };
+  w.start_job(JobType::ActiveCommit);
+  w.hv.emit(job_started(w.dom, w.now - kEventWay));
+  gv.run(150ms);
+  const GovernorStatus st = gv.g.status(w.now);
+  const JobStatus* j = job_of(st, w.dom);
+  REQUIRE(j != nullptr);
+  REQUIRE(j->scan_began_after.has_value());
+  REQUIRE(j->job_listed_after.has_value());
+  REQUIRE(j->speed_taken_after.has_value());
+  REQUIRE(j->time_to_govern.has_value());
+  CHECK(*j->scan_began_after >= kEventWay);
+  CHECK(*j->job_listed_after - *j->scan_began_after >= kDescribe);
+  CHECK(*j->speed_taken_after >= *j->job_listed_after);
+  CHECK(*j->time_to_govern >= *j->speed_taken_after);
+  std::vector<std::string> records;
+  DaemonLog log([&records](std::string_view r) { records.emplace_back(r); });
+  log.observe(st, "qemu:///system", "");
+  const auto stepped = std::count_if(records.begin(), records.end(), [](const std::string& r) {
+    return r.find("domain vm1 disk vda: first speed read back from QEMU ") == 0 &&
+           r.find("after the job was found (event); scan began +") != std::string::npos &&
+           r.find(" ms, job listed +") != std::string::npos &&
+           r.find(" ms, speed taken +") != std::string::npos;
+  });
+  CHECK(stepped == 1);
+}
+
 // A job found by the poll with 1 GiB copied already is governed, and reported as adopted late.
 TEST_CASE("plugin.governor.late_adoption_reported") {
   World w;
@@ -155,8 +194,8 @@ TEST_CASE("plugin.governor.late_adoption_reported") {
   log.observe(gv.g.status(w.now), "qemu:///system", "");
   const auto late = std::count_if(records.begin(), records.end(), [](const std::string& r) {
     return r.find("domain vm1 disk vda: first speed read back from QEMU ") == 0 &&
-           r.find("after the job was found (poll); late adoption: 1024.0 MiB copied unpaced") !=
-               std::string::npos;
+           r.find("after the job was found (poll); ") != std::string::npos &&
+           r.find("; late adoption: 1024.0 MiB copied unpaced") != std::string::npos;
   });
   CHECK(late == 1);
 }
