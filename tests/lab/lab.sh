@@ -346,7 +346,8 @@ lab_event() { awk -v k="$1" '$1==k {v=$2} END {print v}' "$LAB_DIR/events"; }
 # shows a job to $LAB_DIR/jobwatch.txt. lab_job_watch_stop then sets LAB_JOB_govern_ms: from the
 # first answer showing the job (its creation, to the watcher's ~10-20 ms) to the first showing a
 # speed set on it ("-" when none did while it ran: the job went unpaced); LAB_JOB_unpaced_mib:
-# what it had copied by then; LAB_JOB_answers.
+# what it had copied by then; LAB_JOB_seen_s: when the job was first seen, seconds after the
+# merge's start ("-" when never); LAB_JOB_answers.
 lab_job_watch_start() {
   local disk=${1:-vda}
   : >"$LAB_DIR/jobwatch.txt"
@@ -372,12 +373,13 @@ lab_job_watch_stop() {
   wait "$LAB_JOB_WATCH_PID" 2>/dev/null || true
   LAB_JOB_WATCH_PID=""
   local out
-  out=$(awk '
+  out=$(awk -v ms="$(lab_event merge_start)" '
     n++ == 0 { t0 = $1 }
     $2 > 0 && !found { found = 1; t = ($1 - t0) * 1000; cur = $3 }
     END {
-      if (found) printf "govern_ms=%.0f unpaced_mib=%.0f answers=%d\n", t, cur / 1048576, n
-      else printf "govern_ms=- unpaced_mib=- answers=%d\n", n
+      seen = n && ms != "" ? sprintf("%.3f", t0 - ms) : "-"
+      if (found) printf "govern_ms=%.0f unpaced_mib=%.0f seen_s=%s answers=%d\n", t, cur / 1048576, seen, n
+      else printf "govern_ms=- unpaced_mib=- seen_s=%s answers=%d\n", seen, n
     }' "$LAB_DIR/jobwatch.txt")
   local kv
   for kv in $out; do printf -v "LAB_JOB_${kv%%=*}" '%s' "${kv#*=}"; done

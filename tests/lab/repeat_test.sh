@@ -54,7 +54,7 @@ trap 'rm -rf "$out"' EXIT
   fail "scripts/bench-stall failed"
 cat "$out/table.txt"
 n=0 bad=0 govern=()
-while read -r label _bp50 _bmax _p50 _p99 max _gap merge_s rc _n _t _p _f1 _f2 _h gov unpaced; do
+while read -r label _bp50 _bmax _p50 _p99 max _gap merge_s rc _n _t _p _f1 _f2 _h gov unpaced _start_max _rest_max; do
   n=$((n + 1))
   if [ "$rc" != 0 ]; then
     echo "FAIL: $label: the merge failed (rc $rc)" >&2; bad=1; continue
