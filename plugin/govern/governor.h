@@ -231,9 +231,9 @@ struct JobStatus {
   std::optional<Duration> time_to_govern;
   FoundBy found_by = FoundBy::kPoll;
   // Each step of the time to govern, from the job's discovery (nullopt: not reached).
-  std::optional<Duration> scan_began_after;    // the scan that listed it began
-  std::optional<Duration> job_listed_after;    // libvirt listed the job on its disk
-  std::optional<Duration> speed_taken_after;   // the hypervisor took the first speed call
+  std::optional<Duration> scan_began_after;   // the scan that listed it began
+  std::optional<Duration> job_listed_after;   // libvirt listed the job on its disk
+  std::optional<Duration> speed_taken_after;  // the hypervisor took the first speed call
   std::uint64_t copied_before_governed_bytes = 0;
   bool late_adoption = false;
   std::uint64_t window_bytes = 0;
