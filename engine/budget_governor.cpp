@@ -11,11 +11,13 @@
 #include <ctime>
 #include <map>
 #include <string_view>
+#include <utility>
 
 #include "common/safe_file.h"
 #include "common/trace_csv.h"
 #include "common/units.h"
 #include "qcow2/error.h"
+#include "throttle/percentile.h"
 
 namespace qcommit::engine {
 
@@ -269,10 +271,9 @@ std::optional<Duration> BudgetGovernor::take_foreground_p99() {
     std::lock_guard lk(mu_);
     s.swap(recent_fg_);
   }
-  if (s.empty()) return std::nullopt;
-  const size_t rank = (s.size() * 99 + 99) / 100 - 1;  // nearest rank, 1-based → index
-  std::nth_element(s.begin(), s.begin() + std::ptrdiff_t(rank), s.end());
-  return std::chrono::duration_cast<Duration>(s[rank]);
+  const std::optional<throttle::Duration> p99 = throttle::percentile(std::move(s), throttle::kP99Percent);
+  if (!p99) return std::nullopt;
+  return std::chrono::duration_cast<Duration>(*p99);
 }
 
 CotenantStats BudgetGovernor::cotenant_stats() {

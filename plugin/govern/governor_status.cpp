@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "plugin/govern/governor_job.h"
+#include "throttle/percentile.h"
 
 namespace qcommit::plugin {
 
@@ -46,10 +47,7 @@ std::optional<Duration> p99_since(const std::deque<std::pair<TimePoint, Duration
   std::vector<Duration> lat;
   for (const auto& [t, l] : stamped)
     if (t >= since) lat.push_back(l);
-  if (lat.empty()) return std::nullopt;
-  const std::size_t idx = std::min(lat.size() - 1, (lat.size() * 99) / 100);
-  std::nth_element(lat.begin(), lat.begin() + static_cast<std::ptrdiff_t>(idx), lat.end());
-  return lat[idx];
+  return throttle::percentile(std::move(lat), throttle::kP99Percent);
 }
 
 }  // namespace
