@@ -220,7 +220,9 @@ void ControlServer::stop() {
   if (!thread_.joinable()) return;
   stopping_ = true;
   const char c = 1;
-  (void)::write(wake_[1], &c, 1);
+  // A full pipe has a wake-up in it already: nothing to do when this write fails.
+  if (::write(wake_[1], &c, 1) < 0) {
+  }
   thread_.join();
 }
 
