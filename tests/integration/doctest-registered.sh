@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-2.0-or-later
+# arch.doctest_registered: every doctest case of the test programs is a ctest entry of its own.
+# The programs' cases are registered by name in their CMakeLists.txt (each with its labels); a
+# case left out of that list compiles and passes by hand but never runs under ctest, so in CI it
+# cannot fail. Lists each such case; exits 1 when there is one.
+# usage: doctest-registered.sh BUILD_DIR PROGRAM...
+set -euo pipefail
+build=${1:?usage: doctest-registered.sh BUILD_DIR PROGRAM...}
+shift
+registered=$(ctest --test-dir "$build" -N | sed -n 's/^ *Test *#[0-9]*: //p' | sort -u)
+[ -n "$registered" ] || { echo "doctest-registered: ctest lists no test in $build"; exit 1; }
+bad=0
+for prog in "$@"; do
+  cases=$("$prog" --list-test-cases --no-version | grep -v -e '^\[doctest\]' -e '^=*$' | sort -u)
+  [ -n "$cases" ] || { echo "${prog##*/}: lists no test case"; bad=1; continue; }
+  while IFS= read -r c; do
+    echo "${prog##*/}: test case $c is not registered with ctest (add it to its CMakeLists.txt list)"
+    bad=1
+  done < <(comm -23 <(printf '%s\n' "$cases") <(printf '%s\n' "$registered"))
+done
+exit "$bad"
