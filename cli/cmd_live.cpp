@@ -6,11 +6,7 @@
 // that runs the job order (plugin/live/live.cpp) beside the pacing (cli/live_pacing.cpp:
 // qcommitd's governor run in-process, or qcommitd itself when it answers on its socket) and
 // shows progress.
-#include <libvirt/libvirt.h>
-#include <signal.h>
-
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -30,29 +26,25 @@
 #include "cli/units.h"
 #include "cli/wait_event.h"
 #include "common/defaults.h"
-#include "plugin/policy/command_policy.h"
 #include "plugin/govern/governor.h"
+#include "plugin/govern/writeback.h"
+#include "plugin/host/event_loop.h"
 #include "plugin/host/json.h"
+#include "plugin/host/mono_clock.h"
 #include "plugin/hypervisor/libvirt_hypervisor.h"
+#include "plugin/hypervisor/qmp_hypervisor.h"
 #include "plugin/live/live.h"
 #include "plugin/live/progress.h"
-#include "plugin/host/mono_clock.h"
-#include "plugin/hypervisor/qmp_hypervisor.h"
-#include "plugin/govern/writeback.h"
+#include "plugin/policy/command_policy.h"
 
 namespace qcommit::cli {
 namespace {
 
 using plugin::Duration;
+using plugin::EventLoop;
 using plugin::JobProgress;
 using plugin::mono_now;
 using plugin::TimePoint;
-
-std::atomic<bool> g_interrupted{false};
-void on_interrupt(int) {
-  g_interrupted = true;
-}
-void wake_timer(int, void*) {}
 
 // `--qmp`: QEMU serves its QMP socket until it exits, so a connection that cannot be
 // re-established for this long means QEMU is gone.
@@ -90,16 +82,17 @@ class LiveConnection {
   void open_qmp();
 
   LiveArgs& a_;
+  std::unique_ptr<EventLoop> loop_;  // libvirt's; outlives the connection
   std::unique_ptr<plugin::LibvirtHypervisor> lv_;
   std::unique_ptr<plugin::QmpHypervisor> qm_;
-  int wake_timer_id_ = -1;  // libvirt event loop timer that bounds each wait
 };
 
 void LiveConnection::open_libvirt() {
-  if (virEventRegisterDefaultImpl() < 0 ||
-      (wake_timer_id_ = virEventAddTimeout(static_cast<int>(kEventWait.count()), wake_timer,
-                                           nullptr, nullptr)) < 0)
+  try {
+    loop_ = std::make_unique<EventLoop>(kEventWait);
+  } catch (const plugin::EventLoopError&) {
     throw LiveError("cannot set up the libvirt event loop");
+  }
   lv_ = std::make_unique<plugin::LibvirtHypervisor>(a_.uri);
   if (!lv_->connect()) throw LiveError(a_.uri + ": " + lv_->last_error());
 }
@@ -131,13 +124,10 @@ LiveBackend LiveConnection::backend() {
   const std::string& d = a_.req.domain;
   const std::string& k = a_.req.disk;
   if (lv_) {
-    const int timer = wake_timer_id_;
+    EventLoop& loop = *loop_;
     return LiveBackend{*lv_,
                        *lv_,
-                       [timer](std::chrono::milliseconds wait) {
-                         virEventUpdateTimeout(timer, static_cast<int>(wait.count()));
-                         return virEventRunDefaultImpl() >= 0;
-                       },
+                       [&loop](std::chrono::milliseconds wait) { return loop.run_once(wait); },
                        "'virsh blockjob " + d + " " + k + " --info'",
                        "'virsh blockjob " + d + " " + k + " --pivot'",
                        std::nullopt,
@@ -305,7 +295,8 @@ void print_progress_line(const JobProgress& j, std::optional<double> percent) {
 // The loop: the job order's next step, the pacing, progress once a second, the event wait.
 class LiveRun {
  public:
-  LiveRun(LiveBackend& be, const LiveArgs& a, std::vector<plugin::LiveStep> steps, LivePacing& pacing)
+  LiveRun(LiveBackend& be, const LiveArgs& a, std::vector<plugin::LiveStep> steps,
+          LivePacing& pacing)
       : be_(be), a_(a), pacing_(pacing), merge_(be.ctl, be.hv, std::move(steps), a.req) {
     merge_.set_pivot_gate([this](TimePoint now) {
       return pacing_.settled_for_pivot(a_.req.domain, a_.req.disk, now);
@@ -342,15 +333,16 @@ bool LiveRun::connection_given_up(TimePoint now) {
     lost_since_ = now;
     engine::WaitNotice n;
     n.what = engine::WaitFor::kConnection;
-    n.message =
-        "lost the connection to " + (a_.qmp.empty() ? "libvirtd (" + a_.uri + ")" : a_.qmp) +
-        "; waiting " +
-        (be_.give_up_after ? "up to " + std::to_string(std::chrono::duration_cast<std::chrono::seconds>(
-                                                             *be_.give_up_after)
-                                                             .count()) +
-                                 " s"
-                           : std::string("for it")) +
-        " while the block job runs on in QEMU";
+    n.message = "lost the connection to " +
+                (a_.qmp.empty() ? "libvirtd (" + a_.uri + ")" : a_.qmp) + "; waiting " +
+                (be_.give_up_after
+                     ? "up to " +
+                           std::to_string(
+                               std::chrono::duration_cast<std::chrono::seconds>(*be_.give_up_after)
+                                   .count()) +
+                           " s"
+                     : std::string("for it")) +
+                " while the block job runs on in QEMU";
     if (be_.give_up_after) n.timeout = *be_.give_up_after;
     if (a_.qmp.empty())
       n.uri = a_.uri;
@@ -392,12 +384,9 @@ void LiveRun::report(TimePoint now) {
 }
 
 int LiveRun::run() {
-  struct sigaction sa {};
-  sa.sa_handler = on_interrupt;
-  sigaction(SIGINT, &sa, nullptr);
-  sigaction(SIGTERM, &sa, nullptr);
+  EventLoop::install_stop_signals();
   bool running = true;
-  while (running && !g_interrupted) {
+  while (running && !EventLoop::stop_requested()) {
     const auto now = mono_now();
     if (connection_given_up(now)) {
       pacing_.release_all();
@@ -430,7 +419,7 @@ int LiveRun::finish(bool loop_broken) {
   const std::string where = "at step " + std::to_string(merge_.current() + 1) +
                             "; the running block job (if any) " + pacing_.job_left_running() +
                             ": see " + be_.job_hint;
-  if (g_interrupted) return fail("interrupted " + where);
+  if (EventLoop::stop_requested()) return fail("interrupted " + where);
   if (loop_broken && !merge_.error()) return fail("the event loop failed " + where);
   if (merge_.error()) {
     const std::string job_error = be_.job_error ? be_.job_error() : "";
@@ -502,9 +491,10 @@ int live(LiveArgs& a) {
                  "qcommit live: qcommitd governs with its own policy: --probe is not used (set "
                  "probe= in the policy of its pool)\n");
   if (daemon && a.max_rate_bytes_per_s)
-    std::fprintf(stderr,
-                 "qcommit live: qcommitd governs with its own policy: --max-rate only sets the "
-                 "job's starting speed (cap it with ceiling= in the policy of its pool or domain)\n");
+    std::fprintf(
+        stderr,
+        "qcommit live: qcommitd governs with its own policy: --max-rate only sets the "
+        "job's starting speed (cap it with ceiling= in the policy of its pool or domain)\n");
   std::unique_ptr<LivePacing> pacing;
   if (daemon) {
     pacing = daemon_pacing(be.hv, a.daemon_socket, a.req.domain, a.req.disk);

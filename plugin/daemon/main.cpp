@@ -2,10 +2,6 @@
 // qcommitd: governs libvirt block jobs (commit, active commit, pull, copy) so that snapshot
 // merges stay within a latency budget of the guests sharing the storage.  Glue, in named steps:
 // options, the libvirt event loop, the control socket, the trace; the policy is in governor.cpp.
-#include <libvirt/libvirt.h>
-#include <signal.h>
-
-#include <atomic>
 #include <boost/program_options.hpp>
 #include <chrono>
 #include <cstdio>
@@ -19,28 +15,21 @@
 #include <vector>
 
 #include "common/defaults.h"
-#include "plugin/policy/command_policy.h"
 #include "plugin/daemon/control.h"
 #include "plugin/daemon/daemon_log.h"
 #include "plugin/daemon/trace_file.h"
 #include "plugin/govern/governor.h"
-#include "plugin/hypervisor/libvirt_hypervisor.h"
-#include "plugin/host/mono_clock.h"
 #include "plugin/govern/writeback.h"
+#include "plugin/host/event_loop.h"
+#include "plugin/host/mono_clock.h"
+#include "plugin/hypervisor/libvirt_hypervisor.h"
+#include "plugin/policy/command_policy.h"
 
 namespace {
 
 using namespace qcommit::plugin;
 using qcommit::log_field;
 namespace po = boost::program_options;
-
-std::atomic<bool> g_stop{false};
-
-void on_signal(int) {
-  g_stop = true;
-}
-
-void wake_timer(int, void*) {}
 
 // How fresh the status (control socket, log decisions) is kept (the trace: kTraceInterval).
 constexpr auto kStatusInterval = std::chrono::milliseconds(50);
@@ -215,22 +204,10 @@ GovernorOptions governor_options(const DaemonArgs& a, const DaemonConfig& cfg, D
   return opt;
 }
 
-void install_signal_handlers() {
-  struct sigaction sa {};
-  sa.sa_handler = on_signal;
-  sigaction(SIGTERM, &sa, nullptr);
-  sigaction(SIGINT, &sa, nullptr);
-  signal(SIGPIPE, SIG_IGN);
-}
-
-// libvirt's default event loop, woken every pace interval so ticks, polls and pacing run on time
-// without libvirt traffic.  Throws ConfigError.
-void set_up_event_loop() {
-  if (virEventRegisterDefaultImpl() < 0)
-    throw ConfigError("cannot register the libvirt event loop");
-  const auto pace = std::chrono::duration_cast<std::chrono::milliseconds>(GovernorOptions{}.pace);
-  if (virEventAddTimeout(static_cast<int>(pace.count()), wake_timer, nullptr, nullptr) < 0)
-    throw ConfigError("cannot add the event loop timer");
+// The event loop wakes every pace interval so ticks, polls and pacing run on time without
+// libvirt traffic.
+std::chrono::milliseconds wake_interval() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(GovernorOptions{}.pace);
 }
 
 // ---- the loop ----
@@ -251,7 +228,7 @@ class Daemon {
             }) {
     log_.record("page cache: " + describe_page_cache_source(a.page_cache));
   }
-  void run();
+  void run(EventLoop& loop);
 
  private:
   void deliver_hook_events();
@@ -300,18 +277,18 @@ void Daemon::publish_status(TimePoint now) {
   snapshot_.set(status_json(st, now));
 }
 
-void Daemon::run() {
+void Daemon::run(EventLoop& loop) {
   server_.start();  // throws when another qcommitd listens: its limits are its own
   gov_.restore_recorded_limits();
   log_.record("governing block jobs on " + log_field(cfg_.uri) + ", control socket " +
               log_field(cfg_.socket_path));
-  while (!g_stop) {
+  while (!EventLoop::stop_requested()) {
     deliver_hook_events();
     const auto now = mono_now();
     (void)gov_.step(now);
     note_job_events();
     publish_status(now);
-    if (virEventRunDefaultImpl() < 0) break;
+    if (!loop.run_once()) break;
   }
   log_.record("stopping; governed jobs get a finishing speed");
   gov_.release_all();
@@ -334,10 +311,10 @@ int main(int argc, char** argv) {
       log.record(log_field(args.config_path) + " does not exist: the built-in policy (budget " +
                  qcommit::defaults::budget_text() + ")");
     const GovernorOptions opt = governor_options(args, cfg, log);
-    install_signal_handlers();
-    set_up_event_loop();
+    EventLoop::install_stop_signals();
+    EventLoop loop(wake_interval());  // throws EventLoopError
     Daemon d(args, cfg, opt, log);
-    d.run();
+    d.run(loop);
     return 0;
   } catch (const std::exception& e) {
     log.record(e.what());

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: GPL-2.0-or-later
 // Hypervisor implemented with the libvirt C API.  Glue only: no policy.  Needs a libvirt event
-// loop implementation registered (virEventRegisterDefaultImpl) before connect().
+// loop implementation registered (virEventRegisterDefaultImpl: plugin/host/event_loop.h) before
+// connect().
 #pragma once
 
 #include <libvirt/libvirt.h>
