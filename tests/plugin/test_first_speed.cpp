@@ -45,6 +45,14 @@ const JobStatus* job_of(const GovernorStatus& st, const std::string& dom) {
   return nullptr;
 }
 
+// Governor options on the test's clock (w.now), the fake hypervisor's calls stamped with it.
+GovernorOptions on_the_test_clock(World& w) {
+  w.hv.clock = [&w] { return w.now; };
+  GovernorOptions opt;
+  opt.clock = [&w] { return w.now; };
+  return opt;
+}
+
 }  // namespace
 
 // Two jobs start at once; every target open, extent read and probe opening takes 400 ms (storage
@@ -61,9 +69,7 @@ TEST_CASE("plugin.governor.first_speed_before_slow_adoption") {
   w.hv.stats[{"vm3", "vdc"}] = {};
   constexpr Duration kSlowIo = 400ms;
   constexpr Duration kFirstSpeedWithin = 100ms;
-  w.hv.clock = [&w] { return w.now; };
-  GovernorOptions opt;
-  opt.clock = [&w] { return w.now; };
+  GovernorOptions opt = on_the_test_clock(w);
   Governed gv(w, DaemonConfig{}, opt);
   gv.run(200ms);  // connected, nothing to govern
   REQUIRE(w.hv.speed_calls.empty());
@@ -112,9 +118,7 @@ TEST_CASE("plugin.governor.first_speed_among_many_domains") {
   }
   constexpr Duration kDescribe = 5ms;
   constexpr Duration kFirstSpeedWithin = 100ms;
-  w.hv.clock = [&w] { return w.now; };
-  GovernorOptions opt;
-  opt.clock = [&w] { return w.now; };
+  GovernorOptions opt = on_the_test_clock(w);
   Governed gv(w, DaemonConfig{}, opt);
   gv.run(200ms);  // connected, the first poll done
   w.hv.on_describe = [&w, kDescribe] { w.now += kDescribe; };
@@ -140,9 +144,7 @@ TEST_CASE("plugin.governor.time_to_govern_in_steps") {
   World w;
   constexpr Duration kEventWay = 3ms;
   constexpr Duration kDescribe = 7ms;
-  w.hv.clock = [&w] { return w.now; };
-  GovernorOptions opt;
-  opt.clock = [&w] { return w.now; };
+  GovernorOptions opt = on_the_test_clock(w);
   Governed gv(w, DaemonConfig{}, opt);
   gv.run(200ms);  // connected, the first poll done
   w.hv.on_describe = [&w, kDescribe] { w.now += kDescribe; };
