@@ -220,8 +220,15 @@ SpeedCheck Governor::hold_found_job(const DomainInfo& dom, const DiskInfo& disk,
   SpeedCheck check;
   check.stages = stages;
   const auto ev = job_started_events_.find(dom.name);
-  check.found_by = ev != job_started_events_.end() ? FoundBy::kEvent : FoundBy::kPoll;
-  check.found_at = ev != job_started_events_.end() ? ev->second : clock_now();
+  if (ev != job_started_events_.end()) {
+    check.found_by = FoundBy::kEvent;
+    check.found_at = ev->second;
+  } else {
+    // Found by a poll: discovered when libvirt listed it; the scan began before that.
+    check.found_by = FoundBy::kPoll;
+    check.found_at = stages.job_listed.value_or(clock_now());
+    check.stages.scan_began.reset();
+  }
   const double initial = safe_initial_speed(cfg_, dom.policy_xml, opt_.max_rate_bytes_per_s);
   const std::uint64_t speed =
       std::max(start_speed(disk, info.type, initial), opt_.min_speed_bytes_per_s);

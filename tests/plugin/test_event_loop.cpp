@@ -60,12 +60,16 @@ TEST_CASE("plugin.event_loop.wake_timer_bounds_each_wait") {
 }
 
 TEST_CASE("plugin.event_loop.set_wait_shortens_the_wait") {
-  EventLoop loop(kLongWait);
-  loop.set_wait(5ms);
-  CHECK(timed_passes(loop) < kLongWait / 2);
-  // A second loop of the process shares libvirt's, registered once.
+  {
+    EventLoop loop(kLongWait);
+    loop.set_wait(5ms);
+    CHECK(timed_passes(loop) < kLongWait / 2);
+  }
+  // A second loop of the process shares libvirt's, registered once; its own wait holds (the
+  // first loop's timer is gone).
   EventLoop second(kLongWait);
-  REQUIRE(second.run_once(5ms));
+  second.set_wait(5ms);
+  CHECK(timed_passes(second) < kLongWait / 2);
 }
 
 TEST_CASE("plugin.event_loop.timer_removed_with_the_loop") {

@@ -189,6 +189,12 @@ TEST_CASE("plugin.governor.late_adoption_reported") {
   REQUIRE(st.jobs[0].time_to_govern.has_value());
   CHECK(st.jobs[0].late_adoption);
   CHECK(st.jobs[0].copied_before_governed_bytes >= (1ull << 30));
+  // Its steps count from the poll's listing of it: none before (the scan began earlier).
+  CHECK_FALSE(st.jobs[0].scan_began_after.has_value());
+  REQUIRE(st.jobs[0].job_listed_after.has_value());
+  CHECK(*st.jobs[0].job_listed_after == Duration::zero());
+  REQUIRE(st.jobs[0].speed_taken_after.has_value());
+  CHECK(*st.jobs[0].speed_taken_after >= Duration::zero());
   // The daemon's record says so, once.
   std::vector<std::string> records;
   DaemonLog log([&records](std::string_view r) { records.emplace_back(r); });
@@ -196,7 +202,8 @@ TEST_CASE("plugin.governor.late_adoption_reported") {
   log.observe(gv.g.status(w.now), "qemu:///system", "");
   const auto late = std::count_if(records.begin(), records.end(), [](const std::string& r) {
     return r.find("domain vm1 disk vda: first speed read back from QEMU ") == 0 &&
-           r.find("after the job was found (poll); ") != std::string::npos &&
+           r.find("after the job was found (poll); job listed +0.0 ms, speed taken +") !=
+               std::string::npos &&
            r.find("; late adoption: 1024.0 MiB copied unpaced") != std::string::npos;
   });
   CHECK(late == 1);
