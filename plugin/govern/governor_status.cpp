@@ -93,9 +93,10 @@ GovernorStatus Governor::status(TimePoint now) const {
     js.speed_wanted_bytes_per_s = j->check.wanted;
     js.time_to_govern = j->check.time_to_govern;
     js.found_by = j->check.found_by;
-    const auto after = [&j](const std::optional<TimePoint>& t) -> std::optional<Duration> {
+    const TimePoint found_at = j->check.found_at;
+    const auto after = [found_at](const std::optional<TimePoint>& t) -> std::optional<Duration> {
       if (!t) return std::nullopt;
-      return *t - j->check.found_at;
+      return *t - found_at;
     };
     js.scan_began_after = after(j->check.stages.scan_began);
     js.job_listed_after = after(j->check.stages.job_listed);
