@@ -386,9 +386,11 @@ class Governor {
   void poll(TimePoint now, const std::set<std::string>* only_domains);
   [[nodiscard]] std::vector<DomainInfo> scanned_domains(const std::set<std::string>& names);
   // The governed jobs of the domains polled (into `listed`); each new one held at once.
+  // `scan_began`: when the poll began (clock_now()), the first step of a time to govern.
   [[nodiscard]] std::vector<Found> find_jobs(const std::vector<DomainInfo>& doms,
                                              const std::set<std::string>* only_domains,
-                                             std::set<DiskKey>& listed, TimePoint now);
+                                             std::set<DiskKey>& listed, TimePoint now,
+                                             TimePoint scan_began);
   // `stages`: the scan's beginning and the job's listing (GovernStages), for the time to govern.
   [[nodiscard]] SpeedCheck hold_found_job(const DomainInfo& dom, const DiskInfo& disk,
                                           const JobInfo& info, GovernStages stages);
@@ -451,7 +453,6 @@ class Governor {
   // Per domain: the earliest QEMU event since its last scan saying a job started (its time).
   std::map<std::string, TimePoint> job_started_events_;
   TimePoint step_now_{};
-  TimePoint scan_began_{};  // clock_now() when the current poll() began
   bool connected_ = false;
   bool sweep_orphans_ = false;  // at the next full poll: filters a dead process left in QEMU
   bool was_ever_connected_ = false;

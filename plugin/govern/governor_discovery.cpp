@@ -142,10 +142,10 @@ std::vector<DomainInfo> Governor::scanned_domains(const std::set<std::string>& n
 }
 
 void Governor::poll(TimePoint now, const std::set<std::string>* only) {
-  scan_began_ = clock_now();
+  const TimePoint scan_began = clock_now();
   std::vector<DomainInfo> doms = only ? scanned_domains(*only) : hv_.running_domains();
   std::set<DiskKey> listed;
-  std::vector<Found> found = find_jobs(doms, only, listed, now);
+  std::vector<Found> found = find_jobs(doms, only, listed, now, scan_began);
   if (!only) pools_ = hv_.pools();
   if (!only && sweep_orphans_) sweep_orphan_throttles(doms);
   for (Found& f : found) adopt(f, now);
@@ -179,7 +179,8 @@ void Governor::poll(TimePoint now, const std::set<std::string>* only) {
 
 std::vector<Governor::Found> Governor::find_jobs(const std::vector<DomainInfo>& doms,
                                                  const std::set<std::string>* only,
-                                                 std::set<DiskKey>& listed, TimePoint now) {
+                                                 std::set<DiskKey>& listed, TimePoint now,
+                                                 TimePoint scan_began) {
   std::vector<Found> found;
   for (const auto& dom : doms) {
     if (only && !only->count(dom.name)) continue;
@@ -203,7 +204,7 @@ std::vector<Governor::Found> Governor::find_jobs(const std::vector<DomainInfo>& 
       }
       if (it != jobs_.end()) release(k, gone_reason(*it->second), now);  // another job now
       found.push_back(Found{&dom, disk, q.info,
-                            hold_found_job(dom, disk, q.info, {scan_began_, listed_at, {}})});
+                            hold_found_job(dom, disk, q.info, {scan_began, listed_at, {}})});
     }
   }
   // Job events count for the scan they caused: a job found later was found by a poll.
