@@ -271,7 +271,8 @@ std::optional<Duration> BudgetGovernor::take_foreground_p99() {
     std::lock_guard lk(mu_);
     s.swap(recent_fg_);
   }
-  const std::optional<throttle::Duration> p99 = throttle::percentile(std::move(s), throttle::kP99Percent);
+  const std::optional<throttle::Duration> p99 =
+      throttle::percentile(std::move(s), throttle::kP99Percent);
   if (!p99) return std::nullopt;
   return std::chrono::duration_cast<Duration>(*p99);
 }
