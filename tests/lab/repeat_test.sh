@@ -18,10 +18,16 @@
 #   - no stall: the guest's probe max stays under kMaxProbeMs (the users' "under 1 s"; an escaped
 #     256 MiB job stalls it ~5 s at the pivot). The latency targets themselves are judged by
 #     bench-stall on a quiet host, not here.
-# And over the runs: the median time-to-govern (job first seen to speed first seen, each through
-# a libvirt answer every ~21 ms under TCG) within the 100 ms target. One run of three may be
-# slower on a loaded machine (165 ms in CI, 2026-12-07, 6 MiB copied by then); the 20-run rows in
-# docs/benchmarks.md judge every run's 100 ms on a quiet host.
+#   - found by QEMU's job event: qcommitd's log says the job was found by the event, not by its
+#     0.5 s poll (the safety net; a daemon without the event path finds every job by the poll).
+# And over the runs: the median of qcommitd's own time to govern -- from QEMU's timestamp of the
+# job's creation (its JOB_STATUS_CHANGE event) to the first speed read back from QEMU, the
+# issue's definition -- within the 100 ms target. The job watcher's figure (job first seen to
+# speed first seen, each through a libvirt answer) is printed beside it but not judged here: it
+# adds the watcher's own libvirt round trips, which queue behind QEMU's monitor on a loaded
+# machine (CI, 2026-12-07, Debian 13: 211 and 261 ms with the guests' job copying 7 and 12 MiB
+# unpaced; on a quiet host 0-22 ms). The 20-run rows in docs/benchmarks.md judge every run's
+# 100 ms, both figures, on a quiet host.
 #   repeat_test.sh host|trixie
 # trixie: skips (77) unless QCOMMIT_TEST_TRIXIE=1 and the Debian 13 platform is started.
 set -euo pipefail
@@ -53,7 +59,7 @@ trap 'rm -rf "$out"' EXIT
   --baseline 2 --settle 2 --repeat "$runs" --drop-caches --out "$out" >&2 ||
   fail "scripts/bench-stall failed"
 cat "$out/table.txt"
-n=0 bad=0 govern=()
+n=0 bad=0 govern=() own=()
 while read -r label _bp50 _bmax _p50 _p99 max _gap merge_s rc _n _t _p _f1 _f2 _h gov unpaced _start_max _rest_max; do
   n=$((n + 1))
   if [ "$rc" != 0 ]; then
@@ -68,13 +74,27 @@ while read -r label _bp50 _bmax _p50 _p99 max _gap merge_s rc _n _t _p _f1 _f2 _
   fi
   awk -v x="$max" -v m="$kMaxProbeMs" 'BEGIN {exit !(x < m)}' ||
     { echo "FAIL: $label: the guest's probe waited $max ms (>= $kMaxProbeMs ms) during the $merge_s s merge" >&2; bad=1; }
+  # qcommitd's record of this run's job: "first speed read back from QEMU T ms after the job was
+  # found (event|poll); scan began +A ms, job listed +B ms, speed taken +C ms".
+  log="$out/qcommitd-${label//\//-}.log"
+  line=$(grep -m1 'first speed read back from QEMU' "$log" 2>/dev/null || true)
+  echo "$label: ${line:-qcommitd logged no first speed ($log)}"
+  if [[ $line =~ read\ back\ from\ QEMU\ ([0-9.]+)\ ms\ after\ the\ job\ was\ found\ \(([a-z]+)\) ]]; then
+    own+=("${BASH_REMATCH[1]}")
+    [ "${BASH_REMATCH[2]}" = event ] ||
+      { echo "FAIL: $label: qcommitd found the job by its ${BASH_REMATCH[2]}, not by QEMU's job event" >&2; bad=1; }
+  else
+    echo "FAIL: $label: qcommitd's log has no first speed for the job" >&2; bad=1
+  fi
 done <"$out/results.txt"
 [ "$n" = "$runs" ] || fail "$n runs recorded, $runs wanted"
-median=-
-if ((${#govern[@]})); then
-  median=$(printf '%s\n' "${govern[@]}" | sort -n | awk '{v[NR] = $1} END {print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}')
+median_of() { printf '%s\n' "$@" | sort -g | awk '{v[NR] = $1} END {print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
+median=- watcher=-
+((${#govern[@]})) && watcher=$(median_of "${govern[@]}")
+if ((${#own[@]})); then
+  median=$(median_of "${own[@]}")
   awk -v g="$median" -v m="$kMaxMedianGovernMs" 'BEGIN {exit !(g <= m)}' ||
-    { echo "FAIL: median time-to-govern $median ms over ${#govern[@]} runs (> $kMaxMedianGovernMs ms; runs: ${govern[*]})" >&2; bad=1; }
+    { echo "FAIL: median time to govern $median ms over ${#own[@]} runs in qcommitd's record (> $kMaxMedianGovernMs ms; runs: ${own[*]})" >&2; bad=1; }
 fi
 [ "$bad" = 0 ] || exit 1
-echo "PASS repeat_governed ($which): $runs runs, each governed with at most $kMaxUnpacedMiB MiB copied before, median time-to-govern $median ms (runs: ${govern[*]}), probe max under $kMaxProbeMs ms ($SECONDS s)"
+echo "PASS repeat_governed ($which): $runs runs, each found by QEMU's job event and governed with at most $kMaxUnpacedMiB MiB copied before, median time to govern $median ms in qcommitd's record (runs: ${own[*]}; job watcher: median $watcher ms, runs: ${govern[*]}), probe max under $kMaxProbeMs ms ($SECONDS s)"
