@@ -168,12 +168,22 @@ bool BdiSysfs::write(const std::string& bdi, const std::string& attr, std::uint6
   return true;
 }
 
+std::optional<std::uint64_t> BdiSysfs::instance(const std::string& bdi) const {
+  struct stat st {};
+  const std::string dir = root_ + "/class/bdi/" + bdi;
+  if (!valid_bdi_name(bdi) || ::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
+    return std::nullopt;
+  return static_cast<std::uint64_t>(st.st_ino);
+}
+
 std::string format_bdi_state(const std::vector<BdiSaved>& saved) {
   std::string out = kStateHeader;
   for (const BdiSaved& s : saved) {
     if (!changes(s)) continue;
     out += "bdi=" + s.bdi + " strict_limit=" + number_or_dash(s.strict_limit) + " " + s.ratio_attr +
-           "=" + number_or_dash(s.ratio) + "\n";
+           "=" + number_or_dash(s.ratio);
+    if (s.instance) out += " instance=" + std::to_string(*s.instance);
+    out += "\n";
   }
   return out;
 }
@@ -185,8 +195,9 @@ std::vector<BdiSaved> parse_bdi_state(const std::string& text) {
   while (std::getline(in, line)) {
     if (line.empty() || line[0] == '#') continue;
     std::istringstream fields(line);
-    std::string bdi, strict, ratio, extra;
-    if (!(fields >> bdi >> strict >> ratio) || (fields >> extra)) continue;
+    std::string bdi, strict, ratio, instance, extra;
+    if (!(fields >> bdi >> strict >> ratio) || ((fields >> instance) && (fields >> extra)))
+      continue;
     if (bdi.rfind("bdi=", 0) != 0 || strict.rfind("strict_limit=", 0) != 0) continue;
     BdiSaved s;
     s.bdi = bdi.substr(4);
@@ -200,6 +211,11 @@ std::vector<BdiSaved> parse_bdi_state(const std::string& text) {
     s.strict_limit = parse_number(strict_v);
     s.ratio = parse_number(ratio_v);
     if ((!s.strict_limit && strict_v != "-") || (!s.ratio && ratio_v != "-")) continue;
+    if (!instance.empty()) {
+      if (instance.rfind("instance=", 0) != 0) continue;
+      s.instance = parse_number(instance.substr(9));
+      if (!s.instance) continue;
+    }
     out.push_back(std::move(s));
   }
   return out;
@@ -250,6 +266,7 @@ BdiLimits::Outcome BdiLimits::apply(const std::string& bdi, std::uint64_t max_by
     return {false, "off: bdi " + bdi + " has no per-bdi byte limit (Linux 6.2 and later): " + why};
   BdiSaved s;
   s.bdi = bdi;
+  s.instance = sysfs_.instance(bdi);
   s.ratio_attr = "max_ratio_fine";
   std::optional<std::uint64_t> ratio = sysfs_.read(bdi, s.ratio_attr, why);
   if (!ratio) {
@@ -288,6 +305,10 @@ BdiLimits::Outcome BdiLimits::apply(const std::string& bdi, std::uint64_t max_by
 }
 
 std::string BdiLimits::restore(const BdiSaved& s) {
+  if (s.instance && sysfs_.instance(s.bdi) != s.instance)
+    return "bdi " + s.bdi + ": dirty limit not restored: the device it was set on is gone (" +
+           s.bdi + " now names " + (sysfs_.instance(s.bdi) ? "another device" : "none") +
+           "); left as it is";
   std::string why;
   std::string done;
   bool ok = true;

@@ -16,7 +16,9 @@
 // What a limit changed is recorded in a state file (the daemon's runtime directory) before the
 // change: a process that dies with limits set leaves them there, and the next one to start
 // restores them (restore_recorded) -- the runtime directory is a tmpfs, so no record outlives a
-// reboot, after which device numbers may name other devices.
+// reboot, after which device numbers may name other devices.  Within a boot an anonymous device
+// number is given again once its mount is gone: a record names the registration it limited
+// (BdiSaved::instance), and a bdi registered since under the same name is left as it is.
 #pragma once
 
 #include <cstdint>
@@ -46,6 +48,10 @@ class BdiSysfs {
   // Writes `value` to root/class/bdi/<bdi>/<attr> (which must exist); false with `why` set.
   [[nodiscard]] bool write(const std::string& bdi, const std::string& attr, std::uint64_t value,
                            std::string& why) const;
+  // Which registration of the device the bdi name stands for now: the inode of its sysfs
+  // directory (nullopt: gone).  A device registered later under the same name (a FUSE or NFS
+  // mount given the anonymous device number of one unmounted since) has another directory.
+  [[nodiscard]] std::optional<std::uint64_t> instance(const std::string& bdi) const;
 
  private:
   [[nodiscard]] std::string attr_path(const std::string& bdi, const std::string& attr) const;
@@ -58,6 +64,9 @@ struct BdiSaved {
   std::optional<std::uint64_t> strict_limit;  // set: strict_limit was this
   std::string ratio_attr;                     // "max_ratio_fine" (exact) or "max_ratio"
   std::optional<std::uint64_t> ratio;         // set: max_bytes was written; ratio_attr was this
+  // BdiSysfs::instance when the limit was set: restored only while the bdi is still that one
+  // (nullopt: not known, as in a record from before it was kept).
+  std::optional<std::uint64_t> instance;
 };
 
 // The limits one process set, per bdi, shared by the jobs (holders) on it: the first holder's

@@ -329,6 +329,40 @@ TEST_CASE("plugin.governor.escaped_limit_restored_after_a_crash") {
                    "strict_limit 0 (left by a previous qcommitd)") == 1);
 }
 
+// The daemon dies with a limit set on a FUSE mount's bdi; the mount goes, and a new one gets the
+// same anonymous device number (bdi "0:45" again) with its owner's own settings.  The next daemon
+// leaves the new device as it is and says why; the record is removed.
+TEST_CASE("plugin.bdi.record_not_applied_to_a_later_device_of_the_same_number") {
+  TempTree t;
+  t.add_virtual_bdi("0:45");
+  std::map<std::string, std::string> at_crash;
+  {
+    BdiLimits limits(BdiSysfs(t.sys().string()), t.state().string());
+    REQUIRE(limits.limit(1, makedev(0, 45), 64 * kMiB).on);
+    REQUIRE(t.value("0:45", "strict_limit") == "1");
+    at_crash = t.snapshot();
+  }
+  for (const auto& [path, text] : at_crash) put(path, text);  // as if it never cleaned up
+  // The mount goes; a new one registers bdi 0:45 (the old directory goes last, so the new one
+  // cannot be given its inode) and its owner sets it up.
+  const fs::path dev_dir = t.sys() / "devices" / "virtual" / "bdi";
+  fs::rename(dev_dir / "0:45", dev_dir / "gone");
+  fs::remove(t.sys() / "class" / "bdi" / "0:45");
+  t.add_virtual_bdi("0:45");
+  fs::remove_all(dev_dir / "gone");
+  put(t.attr("0:45", "strict_limit"), "1\n");
+  put(t.attr("0:45", "max_ratio_fine"), "5000\n");
+  BdiLimits next(BdiSysfs(t.sys().string()), t.state().string());
+  const std::vector<std::string> lines = next.restore_recorded();
+  REQUIRE(lines.size() == 1);
+  CHECK(lines[0] ==
+        "bdi 0:45: dirty limit not restored: the device it was set on is gone (0:45 now names "
+        "another device); left as it is (left by a previous qcommitd)");
+  CHECK(t.value("0:45", "strict_limit") == "1");
+  CHECK(t.value("0:45", "max_ratio_fine") == "5000");
+  CHECK_FALSE(fs::exists(t.state()));
+}
+
 // A job adopted in time never holds more than its window plus a burst: not escaped, no bdi
 // attribute touched, no record.  When its target runs away later (QEMU copied 300 MiB at page
 // cache speed between two ticks, as a job whose speed QEMU dropped would), the next tick finds
@@ -445,9 +479,9 @@ TEST_CASE("plugin.bdi.limits_shared_refused_and_minimum") {
 // The state file's round trip; lines that do not parse (a bdi name that is a path, an unknown
 // attribute) are skipped.
 TEST_CASE("plugin.bdi.state_file_round_trip") {
-  const std::vector<BdiSaved> saved{{"0:45", 0, "max_ratio_fine", 1000000},
-                                    {"8:0", std::nullopt, "max_ratio", 100},
-                                    {"254:0", 0, "max_ratio_fine", std::nullopt}};
+  const std::vector<BdiSaved> saved{{"0:45", 0, "max_ratio_fine", 1000000, 4711},
+                                    {"8:0", std::nullopt, "max_ratio", 100, std::nullopt},
+                                    {"254:0", 0, "max_ratio_fine", std::nullopt, 12}};
   const std::vector<BdiSaved> back = parse_bdi_state(format_bdi_state(saved));
   REQUIRE(back.size() == 3);
   for (std::size_t i = 0; i < 3; ++i) {
@@ -455,7 +489,12 @@ TEST_CASE("plugin.bdi.state_file_round_trip") {
     CHECK(back[i].strict_limit == saved[i].strict_limit);
     CHECK(back[i].ratio_attr == saved[i].ratio_attr);
     CHECK(back[i].ratio == saved[i].ratio);
+    CHECK(back[i].instance == saved[i].instance);
   }
+  // A record from before the instance was kept still restores.
+  REQUIRE(parse_bdi_state("bdi=0:45 strict_limit=0 max_ratio=100\n").size() == 1);
+  CHECK(parse_bdi_state("bdi=0:45 strict_limit=0 max_ratio=100 instance=x\n").empty());
+  CHECK(parse_bdi_state("bdi=0:45 strict_limit=0 max_ratio=100 instance=1 more\n").empty());
   CHECK(parse_bdi_state("bdi=../../x strict_limit=0 max_ratio=1\n").empty());
   CHECK(parse_bdi_state("bdi=0:45 strict_limit=0 min_ratio=1\n").empty());
   CHECK(parse_bdi_state("bdi=0:45 strict_limit=x max_ratio=1\n").empty());
