@@ -3,12 +3,18 @@
 # arch.doctest_registered: every doctest case of the test programs is a ctest entry of its own.
 # The programs' cases are registered by name in their CMakeLists.txt (each with its labels); a
 # case left out of that list compiles and passes by hand but never runs under ctest, so in CI it
-# cannot fail. Lists each such case; exits 1 when there is one.
+# cannot fail. And the other way round: a ctest entry that runs a program with --test-case=NAME
+# where the program has no case NAME (renamed or deleted) runs nothing and passes for ever. Lists
+# each such case and entry; exits 1 when there is one.
 # usage: doctest-registered.sh BUILD_DIR PROGRAM...
 set -euo pipefail
 build=${1:?usage: doctest-registered.sh BUILD_DIR PROGRAM...}
 shift
 registered=$(ctest --test-dir "$build" -N | sed -n 's/^ *Test *#[0-9]*: //p' | sort -u)
+# Each entry's program and the case it selects: "PROGRAM<TAB>CASE<TAB>ENTRY".
+selected=$(ctest --test-dir "$build" --show-only=json-v1 |
+  jq -r '.tests[] | .name as $n | (.command // []) as $c | $c[1:][] | select(startswith("--test-case="))
+         | [$c[0], ltrimstr("--test-case="), $n] | @tsv')
 [ -n "$registered" ] || { echo "doctest-registered: ctest lists no test in $build"; exit 1; }
 bad=0
 for prog in "$@"; do
@@ -18,5 +24,10 @@ for prog in "$@"; do
     echo "${prog##*/}: test case $c is not registered with ctest (add it to its CMakeLists.txt list)"
     bad=1
   done < <(comm -23 <(printf '%s\n' "$cases") <(printf '%s\n' "$registered"))
+  while IFS=$'\t' read -r path c entry; do
+    [ "$path" -ef "$prog" ] || continue
+    grep -qxF -- "$c" <<<"$cases" ||
+      { echo "${prog##*/}: ctest entry $entry selects test case $c, which the program does not have"; bad=1; }
+  done <<<"$selected"
 done
 exit "$bad"
