@@ -23,6 +23,7 @@
 #include "cli/options.h"
 #include "common/safe_file.h"
 #include "qcow2/error.h"
+#include "throttle/percentile.h"
 
 namespace qcommit::cli {
 
@@ -379,17 +380,16 @@ struct Summary {
 Summary summarize(const Trace& trace) {
   Summary s;
   const std::vector<double> t = trace.column("t_s", 1);
-  std::vector<double> fg = trace.column("fg_max_ms", 1);
-  std::sort(fg.begin(), fg.end());
-  const auto pct = [&](double p) {
-    return fg.empty() ? 0.0 : fg[size_t(p * double(fg.size() - 1))];
+  const std::vector<double> fg = trace.column("fg_max_ms", 1);
+  const auto pct = [&](unsigned percent) {
+    return throttle::percentile(fg, percent).value_or(0.0);
   };
   s.copied_bytes = trace.rows.empty() ? 0 : trace.rows.back()[trace.col.at("bytes_done")];
   s.seconds = t.empty() ? 0 : t.back();
   s.mean_rate = s.seconds > 0 ? s.copied_bytes / s.seconds : 0;
-  s.p50_ms = pct(0.5);
-  s.p99_ms = pct(0.99);
-  s.max_ms = fg.empty() ? 0 : fg.back();
+  s.p50_ms = pct(50);
+  s.p99_ms = pct(throttle::kP99Percent);
+  s.max_ms = pct(throttle::kAllPercent);
   return s;
 }
 

@@ -13,11 +13,14 @@ namespace qcommit::throttle {
 
 inline constexpr unsigned kP99Percent = 99;  // the percentile every latency figure reports
 
-// The 0-based index of the nearest-rank `percent` percentile among `n` sorted samples (n > 0,
-// 0 < percent <= 100): rank ceil(n * percent / 100), counted from 1.
+inline constexpr unsigned kAllPercent = 100;
+
+// The 0-based index of the nearest-rank `percent` percentile among `n` sorted samples (n > 0):
+// rank ceil(n * percent / 100), counted from 1; a percent above 100 counts as 100 (the max).
 [[nodiscard]] constexpr std::size_t nearest_rank_index(std::size_t n, unsigned percent) {
-  const std::size_t rank = (n * percent + 99) / 100;
-  return rank == 0 ? 0 : rank - 1;
+  const std::size_t p = std::min(percent, kAllPercent);
+  const std::size_t rank = (n * p + kAllPercent - 1) / kAllPercent;
+  return rank == 0 ? 0 : std::min(rank, n) - 1;
 }
 
 // The `percent` percentile of `samples` (taken by value: reordered); nullopt when there are none.

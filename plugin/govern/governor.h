@@ -386,11 +386,14 @@ class Governor {
   void poll(TimePoint now, const std::set<std::string>* only_domains);
   [[nodiscard]] std::vector<DomainInfo> scanned_domains(const std::set<std::string>& names);
   // The governed jobs of the domains polled (into `listed`); each new one held at once.
-  // `scan_began`: when the poll began (clock_now()), the first step of a time to govern.
+  // `scan_began`: when the poll began (clock_now()), the first step of a time to govern of a
+  // job an event announced (a job the poll found counts from its listing).
   [[nodiscard]] std::vector<Found> find_jobs(const std::vector<DomainInfo>& doms,
                                              const std::set<std::string>* only_domains,
                                              std::set<DiskKey>& listed, TimePoint now,
                                              TimePoint scan_began);
+  [[nodiscard]] SpeedCheck discovery_of(const std::string& domain,
+                                        const GovernStages& stages) const;
   // `stages`: the scan's beginning and the job's listing (GovernStages), for the time to govern.
   [[nodiscard]] SpeedCheck hold_found_job(const DomainInfo& dom, const DiskInfo& disk,
                                           const JobInfo& info, GovernStages stages);

@@ -213,23 +213,32 @@ std::vector<Governor::Found> Governor::find_jobs(const std::vector<DomainInfo>& 
   return found;
 }
 
+// How a job listed on `domain` was found, and from when its time to govern counts: QEMU's job
+// event (its timestamp; every step after it), else the poll, which discovered it when libvirt
+// listed it -- its origin, so neither the scan's beginning before it nor the listing itself is
+// a step.
+SpeedCheck Governor::discovery_of(const std::string& domain, const GovernStages& stages) const {
+  SpeedCheck check;
+  check.stages = stages;
+  const auto ev = job_started_events_.find(domain);
+  if (ev != job_started_events_.end()) {
+    check.found_by = FoundBy::kEvent;
+    check.found_at = ev->second;
+    return check;
+  }
+  check.found_by = FoundBy::kPoll;
+  check.found_at = stages.job_listed.value_or(clock_now());
+  check.stages.scan_began.reset();
+  check.stages.job_listed.reset();
+  return check;
+}
+
 // The first call for a job found on a disk: the speed it will start at, where that does not
 // depend on its pool (not looked up yet) at most the least initial speed any policy could give
 // it; read back.  Its target, extents, pool, policy and probe come after (adopt).
 SpeedCheck Governor::hold_found_job(const DomainInfo& dom, const DiskInfo& disk,
                                     const JobInfo& info, GovernStages stages) {
-  SpeedCheck check;
-  check.stages = stages;
-  const auto ev = job_started_events_.find(dom.name);
-  if (ev != job_started_events_.end()) {
-    check.found_by = FoundBy::kEvent;
-    check.found_at = ev->second;
-  } else {
-    // Found by a poll: discovered when libvirt listed it; the scan began before that.
-    check.found_by = FoundBy::kPoll;
-    check.found_at = stages.job_listed.value_or(clock_now());
-    check.stages.scan_began.reset();
-  }
+  SpeedCheck check = discovery_of(dom.name, stages);
   const double initial = safe_initial_speed(cfg_, dom.policy_xml, opt_.max_rate_bytes_per_s);
   const std::uint64_t speed =
       std::max(start_speed(disk, info.type, initial), opt_.min_speed_bytes_per_s);

@@ -26,9 +26,9 @@ enum class FoundBy { kEvent, kPoll };
 [[nodiscard]] const char* to_string(FoundBy f);  // "event", "poll"
 
 // Where a job's time to govern went, each on the governor's clock: the scan that found it began
-// (after QEMU's event came through libvirtd to the daemon; none for a job a poll found, which was
-// discovered when listed), libvirt listed the job on its disk, the hypervisor took the first
-// speed call.  nullopt: not reached (or not known).
+// (after QEMU's event came through libvirtd to the daemon), libvirt listed the job on its disk
+// (neither for a job a poll found, which was discovered when listed), the hypervisor took the
+// first speed call.  nullopt: not reached (or not known).
 struct GovernStages {
   std::optional<throttle::TimePoint> scan_began;
   std::optional<throttle::TimePoint> job_listed;

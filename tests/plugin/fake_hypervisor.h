@@ -41,6 +41,8 @@ class FakeHypervisor final : public Hypervisor {
   // Called once per domain described (running_domains, domain): a test makes libvirt's
   // per-domain calls (its XML, its metadata) slow by advancing its clock.
   std::function<void()> on_describe;
+  // Called at each speed call before it is taken: a test makes the call slow the same way.
+  std::function<void()> on_set_speed;
   // Disks whose job query fails while the connection stays up (libvirt's domain lock timing out,
   // a domain in transition): query_job says kUnknown, job_info nothing.
   std::set<std::pair<std::string, std::string>> unknown_jobs;
@@ -123,6 +125,7 @@ class FakeHypervisor final : public Hypervisor {
   }
   bool set_job_speed(const std::string& d, const std::string& k, std::uint64_t bps) override {
     check();
+    if (on_set_speed) on_set_speed();
     speed_calls.push_back({d, k, bps, clock ? clock() : throttle::TimePoint{}});
     auto it = jobs.find({d, k});
     if (it == jobs.end()) return false;

@@ -65,8 +65,8 @@ TEST_CASE("plugin.event_loop.set_wait_shortens_the_wait") {
     loop.set_wait(5ms);
     CHECK(timed_passes(loop) < kLongWait / 2);
   }
-  // A second loop of the process shares libvirt's, registered once; its own wait holds (the
-  // first loop's timer is gone).
+  // A second loop of the process shares libvirt's, registered once; its own shortened wait
+  // holds there too.  (That the first loop's timer went with it: timer_removed_with_the_loop.)
   EventLoop second(kLongWait);
   second.set_wait(5ms);
   CHECK(timed_passes(second) < kLongWait / 2);

@@ -23,6 +23,21 @@ written=$((96 * 1024 * 1024))
 mapped=$(qemu-img map --output=json base.qcow2 | jq '[.[] | select(.data) | .length] | add')
 [[ $mapped == "$written" ]] || { echo "BASE maps $mapped data bytes, $written were written" >&2; exit 1; }
 "$QCOMMIT" report trace.csv -o report.html >/dev/null
+# The summary's percentiles are the product's one definition (throttle/percentile.h): the nearest
+# rank (ceil(n * p / 100)) of the trace's fg_max_ms column.
+nearest_rank() {
+  grep -v '^#' trace.csv |
+    awk -F, 'NR == 1 {for (i = 1; i <= NF; i++) if ($i == "fg_max_ms") c = i; next} {print $c + 0}' |
+    sort -g | awk -v p="$1" '{v[NR] = $1} END {r = int((NR * p + 99) / 100); if (r < 1) r = 1; printf "%.3f\n", v[r]}'
+}
+summary=$("$QCOMMIT" report trace.csv --output=json)
+for p in 50 99 100; do
+  key=$([ "$p" = 100 ] && echo max || echo "p$p")
+  got=$(jq -r --arg k "$key" '."probe-ms"[$k]' <<<"$summary")
+  want=$(nearest_rank "$p")
+  awk -v g="$got" -v w="$want" 'BEGIN {exit !(g - w < 0.0005 && w - g < 0.0005)}' ||
+    { echo "report's probe $key is $got ms, the nearest rank of the trace's fg_max_ms is $want ms" >&2; exit 1; }
+done
 # The same trace as an older qcommit wrote it: no "# key=value" lines before the header.
 grep -v '^#' trace.csv >old.csv
 old_done=$(awk -F, 'NR == 1 {for (i = 1; i <= NF; i++) if ($i == "bytes_done") c = i; next} {d = $c} END {print d}' old.csv)

@@ -27,6 +27,8 @@ TEST_CASE("throttle.percentile.nearest_rank") {
   CHECK(nearest_rank_index(200, 99) == 197);
   CHECK(nearest_rank_index(100, 50) == 49);
   CHECK(nearest_rank_index(100, 100) == 99);
+  CHECK(nearest_rank_index(10, 150) == 9);  // past 100 %: the max, never past the end
+  CHECK(nearest_rank_index(10, 0) == 0);
   CHECK(percentile(one_to(100), kP99Percent) == std::optional<int>(99));
   CHECK(percentile(one_to(1000), kP99Percent) == std::optional<int>(990));
   CHECK(percentile(one_to(3), kP99Percent) == std::optional<int>(3));
