@@ -14,10 +14,14 @@
 #     0.5 s poll instead of QEMU's job events copies far more (the whole 256 MiB at page-cache
 #     speed). kMaxUnpacedMiB is qcommitd's own late-adoption bound (kLateAdoptionBytes: two of
 #     QEMU's 16 MiB mirror bursts): at page-cache speed the lab's job copies 6-17 MiB within
-#     100-165 ms (2026-12-07), so a bound of one burst failed runs governed within 98 ms. The
-#     watcher counts the bytes at its own first sight of the speed, later than QEMU took it (it
-#     errs towards failing); qcommitd's record of the same (a "late adoption" past 32 MiB when
-#     it read its speed back) is judged too;
+#     100-165 ms (2026-12-07), so a bound of one burst failed runs governed within 98 ms.
+#     qcommitd's record is judged against it (a "late adoption": past 32 MiB when it read its
+#     first speed back). The watcher counts the bytes at its own first sight of the speed, later
+#     than QEMU took it: on a loaded machine (three busy loops at nice -10 beside the lab,
+#     2026-12-07) it first saw the job 1.0-1.2 s after `virsh blockcommit` and counted up to
+#     32 MiB where qcommitd's record had the speed taken 6-33 ms after the job's creation, so
+#     its count gets kMaxWatcherUnpacedMiB, one more of QEMU's bursts -- still far below what
+#     an escaped job or one caught by the poll copies;
 #   - no stall: the guest's probe max stays under kMaxProbeMs (the users' "under 1 s"; an escaped
 #     256 MiB job stalls it ~5 s at the pivot). The latency targets themselves are judged by
 #     bench-stall on a quiet host, not here;
@@ -41,6 +45,7 @@ src=$(cd "$here/../.." && pwd)
 which=${1:-host}
 kMaxMedianGovernMs=100
 kMaxUnpacedMiB=32
+kMaxWatcherUnpacedMiB=48
 kMaxProbeMs=1000
 kProbeIntervalMs=100  # bench-stall's default --interval
 runs=${QCOMMIT_LAB_REPEAT:-3}
@@ -75,8 +80,8 @@ while read -r label _bp50 _bmax _p50 _p99 max _gap merge_s rc samples _t _p _f1 
     echo "FAIL: $label: QEMU's job never had a speed while it ran (it escaped)" >&2; bad=1
   else
     govern+=("$gov")
-    awk -v u="$unpaced" -v m="$kMaxUnpacedMiB" 'BEGIN {exit !(u <= m)}' ||
-      { echo "FAIL: $label: $unpaced MiB copied before QEMU's job had a speed (> $kMaxUnpacedMiB MiB; govern_ms $gov)" >&2; bad=1; }
+    awk -v u="$unpaced" -v m="$kMaxWatcherUnpacedMiB" 'BEGIN {exit !(u <= m)}' ||
+      { echo "FAIL: $label: $unpaced MiB copied before the watcher saw a speed on QEMU's job (> $kMaxWatcherUnpacedMiB MiB; govern_ms $gov)" >&2; bad=1; }
   fi
   # A probe that stopped answering reports no wait at all: at least half of the requests it
   # issues over the merge must have been answered for its max to mean anything.
