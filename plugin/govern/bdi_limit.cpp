@@ -188,6 +188,20 @@ std::string format_bdi_state(const std::vector<BdiSaved>& saved) {
   return out;
 }
 
+// Fields after the three every record has: key=value each; `instance` is read, other keys (a
+// later qcommitd's) are skipped, so a record stays restorable across versions.
+static bool parse_later_fields(std::istringstream& fields, BdiSaved& s) {
+  std::string f;
+  while (fields >> f) {
+    const std::size_t eq = f.find('=');
+    if (eq == std::string::npos || eq == 0) return false;
+    if (f.compare(0, eq, "instance") != 0) continue;
+    s.instance = parse_number(f.substr(eq + 1));
+    if (!s.instance) return false;
+  }
+  return true;
+}
+
 std::vector<BdiSaved> parse_bdi_state(const std::string& text) {
   std::vector<BdiSaved> out;
   std::istringstream in(text);
@@ -195,9 +209,8 @@ std::vector<BdiSaved> parse_bdi_state(const std::string& text) {
   while (std::getline(in, line)) {
     if (line.empty() || line[0] == '#') continue;
     std::istringstream fields(line);
-    std::string bdi, strict, ratio, instance, extra;
-    if (!(fields >> bdi >> strict >> ratio) || ((fields >> instance) && (fields >> extra)))
-      continue;
+    std::string bdi, strict, ratio;
+    if (!(fields >> bdi >> strict >> ratio)) continue;
     if (bdi.rfind("bdi=", 0) != 0 || strict.rfind("strict_limit=", 0) != 0) continue;
     BdiSaved s;
     s.bdi = bdi.substr(4);
@@ -211,11 +224,7 @@ std::vector<BdiSaved> parse_bdi_state(const std::string& text) {
     s.strict_limit = parse_number(strict_v);
     s.ratio = parse_number(ratio_v);
     if ((!s.strict_limit && strict_v != "-") || (!s.ratio && ratio_v != "-")) continue;
-    if (!instance.empty()) {
-      if (instance.rfind("instance=", 0) != 0) continue;
-      s.instance = parse_number(instance.substr(9));
-      if (!s.instance) continue;
-    }
+    if (!parse_later_fields(fields, s)) continue;
     out.push_back(std::move(s));
   }
   return out;

@@ -18,7 +18,10 @@
 // restores them (restore_recorded) -- the runtime directory is a tmpfs, so no record outlives a
 // reboot, after which device numbers may name other devices.  Within a boot an anonymous device
 // number is given again once its mount is gone: a record names the registration it limited
-// (BdiSaved::instance), and a bdi registered since under the same name is left as it is.
+// (BdiSaved::instance), and a bdi registered since under the same name is left as it is.  A
+// record's fields after the first three are key=value, and keys a reader does not know are
+// skipped.  A qcommitd from before `instance` reads only three fields: after a downgrade it
+// drops a record with four, so limits set by the newer daemon that died stay until reboot.
 #pragma once
 
 #include <cstdint>

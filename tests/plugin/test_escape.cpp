@@ -495,6 +495,11 @@ TEST_CASE("plugin.bdi.state_file_round_trip") {
   REQUIRE(parse_bdi_state("bdi=0:45 strict_limit=0 max_ratio=100\n").size() == 1);
   CHECK(parse_bdi_state("bdi=0:45 strict_limit=0 max_ratio=100 instance=x\n").empty());
   CHECK(parse_bdi_state("bdi=0:45 strict_limit=0 max_ratio=100 instance=1 more\n").empty());
+  // A later version's key is skipped; the record still restores.
+  const std::vector<BdiSaved> later =
+      parse_bdi_state("bdi=0:45 strict_limit=0 max_ratio=100 device_id=9 instance=7\n");
+  REQUIRE(later.size() == 1);
+  CHECK(later[0].instance == std::optional<std::uint64_t>(7));
   CHECK(parse_bdi_state("bdi=../../x strict_limit=0 max_ratio=1\n").empty());
   CHECK(parse_bdi_state("bdi=0:45 strict_limit=0 min_ratio=1\n").empty());
   CHECK(parse_bdi_state("bdi=0:45 strict_limit=x max_ratio=1\n").empty());
