@@ -314,10 +314,12 @@ BdiLimits::Outcome BdiLimits::apply(const std::string& bdi, std::uint64_t max_by
 }
 
 std::string BdiLimits::restore(const BdiSaved& s) {
-  if (s.instance && sysfs_.instance(s.bdi) != s.instance)
-    return "bdi " + s.bdi + ": dirty limit not restored: the device it was set on is gone (" +
-           s.bdi + " now names " + (sysfs_.instance(s.bdi) ? "another device" : "none") +
-           "); left as it is";
+  if (s.instance) {
+    const std::optional<std::uint64_t> now = sysfs_.instance(s.bdi);
+    if (now != s.instance)
+      return "bdi " + s.bdi + ": dirty limit not restored: the device it was set on is gone (" +
+             s.bdi + " now names " + (now ? "another device" : "none") + "); left as it is";
+  }
   std::string why;
   std::string done;
   bool ok = true;

@@ -26,8 +26,8 @@
 #   - no stall: the guest's probe max stays under kMaxProbeMs (the users' "under 1 s"; an escaped
 #     256 MiB job stalls it ~5 s at the pivot). The latency targets themselves are judged by
 #     bench-stall on a quiet host, not here;
-#   - the probe answered: at least half of the requests it issues during the merge (a probe that
-#     died reports no wait at all);
+#   - the probe answered: at least half of the requests it issues during the merge and the settle
+#     after it (a probe that died reports no wait at all);
 #   - found by QEMU's job event: qcommitd's log says how it found the job. A daemon without the
 #     event path finds every job by its 0.5 s poll (the safety net); with it, a poll that lists
 #     the job in the few ms before the event reaches the daemon finds it first, now and then.
@@ -89,7 +89,7 @@ while read -r label _bp50 _bmax _p50 _p99 max _gap merge_s rc samples _t _p _f1 
       { echo "FAIL: $label: $unpaced MiB copied before the watcher saw a speed on QEMU's job (> $kMaxWatcherUnpacedMiB MiB; govern_ms $gov)" >&2; bad=1; }
   fi
   # A probe that stopped answering reports no wait at all: at least half of the requests it
-  # issues over the merge must have been answered for its max to mean anything.
+  # issues over the merge and the settle must have been answered for its max to mean anything.
   if awk -v n="$samples" -v s="$merge_s" -v st="$kSettleS" -v iv="$kProbeIntervalMs" \
     'BEGIN {exit !(n >= (s + st) * 1000 / iv / 2 && n >= 1)}'; then
     awk -v x="$max" -v m="$kMaxProbeMs" 'BEGIN {exit !(x < m)}' ||

@@ -25,10 +25,10 @@ mapped=$(qemu-img map --output=json base.qcow2 | jq '[.[] | select(.data) | .len
 "$QCOMMIT" report trace.csv -o report.html >/dev/null
 # The summary's percentiles are the product's one definition (throttle/percentile.h): the nearest
 # rank (ceil(n * p / 100)) of the trace's fg_max_ms column.
+fg_sorted=$(grep -v '^#' trace.csv |
+  awk -F, 'NR == 1 {for (i = 1; i <= NF; i++) if ($i == "fg_max_ms") c = i; next} {print $c + 0}' | sort -g)
 nearest_rank() {
-  grep -v '^#' trace.csv |
-    awk -F, 'NR == 1 {for (i = 1; i <= NF; i++) if ($i == "fg_max_ms") c = i; next} {print $c + 0}' |
-    sort -g | awk -v p="$1" '{v[NR] = $1} END {r = int((NR * p + 99) / 100); if (r < 1) r = 1; printf "%.3f\n", v[r]}'
+  awk -v p="$1" '{v[NR] = $1} END {r = int((NR * p + 99) / 100); if (r < 1) r = 1; printf "%.3f\n", v[r]}' <<<"$fg_sorted"
 }
 summary=$("$QCOMMIT" report trace.csv --output=json)
 for p in 50 99 100; do
