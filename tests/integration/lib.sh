@@ -1,45 +1,12 @@
 # SPDX-License-Identifier: GPL-2.0-or-later
-# What the integration scripts share; sourced (`. "$(dirname "$0")/lib.sh"`) after
-# `set -euo pipefail`, with the paths of the binaries made absolute before `setup` changes the
-# directory.
-#   setup NAME           $work: a fresh directory (removed at exit), the current directory from
-#                        here on; `fail MESSAGE` ends the test with "NAME: FAIL: MESSAGE".
-#   spawn CMD...         runs CMD in the background ($! as usual); killed at exit if still there.
-#   stop PID             ends a spawned process and reaps it.
+# What the integration scripts share beyond tests/lib/test.sh (setup, fail, spawn, wait_until,
+# ...), which it sources; sourced (`. "$(dirname "$0")/lib.sh"`) after `set -euo pipefail`, with
+# the paths of the binaries made absolute before `setup` changes the directory.
 #   start_qemu SOCK ...  a real QEMU, paused, with its QMP monitor at SOCK (see there).
 #   socket_stub SOCK [F] a Unix socket that closes every connection, or answers F (see there).
 #   test_domain, file_disk: domain XML for libvirt's test driver (test:///FILE; no libvirtd).
 
-setup() {
-  test_name=$1
-  work=$(mktemp -d "${TMPDIR:-/var/tmp}/qcommit-$test_name.XXXXXX")
-  trap _lib_cleanup EXIT
-  cd "$work"
-}
-
-fail() {
-  echo "$test_name: FAIL: $*" >&2
-  exit 1
-}
-
-_lib_spawned=()
-spawn() {
-  "$@" &
-  _lib_spawned+=($!)
-}
-
-stop() {
-  kill "$1" 2>/dev/null || true
-  wait "$1" 2>/dev/null || true
-}
-
-_lib_cleanup() {
-  local pid
-  for pid in "${_lib_spawned[@]}"; do kill "$pid" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  cd /
-  rm -rf "$work"
-}
+. "$(dirname "${BASH_SOURCE[0]}")/../lib/test.sh"
 
 # start_qemu SOCKET ARGS...: qemu-system-x86_64 paused (-S: block jobs and QMP work, no guest
 # runs), TCG, no default devices, with its QMP monitor at SOCKET and ARGS (-blockdev, -drive,
