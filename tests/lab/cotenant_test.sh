@@ -28,10 +28,6 @@ set -euo pipefail
 source "$(dirname "$0")/lab.sh"
 source "$(dirname "$0")/cotenant.sh"
 
-fail() {
-  echo "FAIL: $*" >&2
-  exit 1
-}
 kSizeMiB=256
 kBaselineS=6
 kMaxProbeMs=100
@@ -43,10 +39,7 @@ qcommit=$LAB_BUILD_DIR/qcommit
 
 "$LAB_SOURCE_DIR/scripts/lab-cleanup" >&2
 lab_init cotenant
-lab_storage_start --bandwidth 50M
-lab_storage_set 5G
-lab_guest_start --cache none --fill 0 --interval 100
-lab_wait_probing 180
+lab_guest_ready --wait 180 --cache none --fill 0 --interval 100
 
 prepare() {
   lab_storage_set 5G

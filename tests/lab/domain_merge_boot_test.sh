@@ -28,10 +28,6 @@ kDiskSize=64M
 kBootS=180  # TCG boot of the busybox guest: ~10 s idle, much more on a loaded host
 kPhases=3
 
-fail() {
-  echo "FAIL: $*" >&2
-  exit 1
-}
 
 "$LAB_SOURCE_DIR/scripts/lab-cleanup" >&2
 lab_init dmboot
@@ -126,11 +122,7 @@ boot() {
 }
 shutoff() {
   virsh -q destroy "$LAB_DOM" >/dev/null 2>&1 || true
-  for _ in $(seq 50); do
-    virsh -q domstate "$LAB_DOM" | grep -q 'shut off' && return 0
-    sleep 0.1
-  done
-  fail "domain does not shut off"
+  wait_until 5 _lab_shut_off "$LIBVIRT_DEFAULT_URI" "$LAB_DOM" || fail "domain does not shut off"
 }
 
 # --- The guest writes; snapshots between its phases ---------------------------------------

@@ -15,12 +15,7 @@ fill=${1:-512}
 kill_after=${2:-10}
 
 lab_init gatekill
-lab_storage_start --bandwidth 50M
-lab_storage_set 5G
-lab_guest_start --cache none --fill "$fill" --interval 100 --disk-size 2560M
-lab_wait_probing 240
-lab_storage_set 50M
-lab_storage_wait_idle 90
+lab_guest_ready --wait 240 --cache none --fill "$fill" --interval 100 --disk-size 2560M
 
 t0=$(lab_now)
 "$LIVE_QCOMMIT" live "$LAB_DOM" vda --pivot --budget 20ms >"$LAB_DIR/live.log" 2>&1 &

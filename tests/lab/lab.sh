@@ -14,6 +14,12 @@
 #                                     resumed; the guest fills, then probes
 #   lab_wait_console REGEX [TIMEOUT]  wait for a console line (fails on "LAB ERROR")
 #   lab_wait_probing [TIMEOUT]        wait until the fill is done and the probe runs
+#   lab_guest_ready [--bandwidth B] [--wait S] [--baseline S] GUEST_OPTIONS...
+#                                     storage at B (50M), the guest started with GUEST_OPTIONS
+#                                     while it is fast, probing within S (300) s, storage back at
+#                                     B and idle, then S (0) s of baseline probing
+#   lab_fail MESSAGE                  "FAIL: MESSAGE" with the tails of qcommitd's and the
+#                                     merge's logs, exit 1 (`fail` in the lab's tests)
 #   lab_mark NAME                     record host time of an event in $LAB_DIR/events
 #   lab_merge CMD...                  run a host command as the merge action (marks merge_start /
 #                                     merge_end, sets LAB_MERGE_RC, LAB_MERGE_S); CMD sees LAB_DOM,
@@ -40,6 +46,9 @@
 # qemu:///system; tests/lab/platform.sh sets these for the Debian 13 platform). Needs root,
 # /dev/fuse, qemu-system-x86, libvirt.
 
+# wait_until, gone (tests/lib/test.sh; its setup and traps are not used here: lab_init has its own).
+. "$(dirname "${BASH_SOURCE[0]}")/../lib/test.sh"
+
 LAB_SOURCE_DIR=${QCOMMIT_SOURCE_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}
 LAB_BUILD_DIR=$(realpath -m "${QCOMMIT_BUILD_DIR:-$LAB_SOURCE_DIR/build}")
 LAB_SLOWFS=$LAB_BUILD_DIR/lab/qcommit-slowfs
@@ -53,18 +62,22 @@ lab_die() {
   exit 1
 }
 lab_now() { printf '%s' "$EPOCHREALTIME"; }
+lab_fail() {
+  echo "FAIL: $*" >&2
+  local f
+  for f in qcommitd.log merge.log; do
+    [ -n "${LAB_DIR:-}" ] && [ -f "$LAB_DIR/$f" ] && tail -n 20 "$LAB_DIR/$f" >&2
+  done
+  exit 1
+}
+fail() { lab_fail "$@"; }
 
 lab_ensure_daemons() {
   # /dev/kvm usable by libvirt's QEMU user, or libvirtd probes QEMU again on every define.
   "$LAB_SOURCE_DIR/scripts/dev-kvm-mode" >&2
   pgrep -x virtlogd >/dev/null || virtlogd -d
   pgrep -x libvirtd >/dev/null || libvirtd -d
-  local i
-  for i in $(seq 100); do
-    virsh -q version >/dev/null 2>&1 && return 0
-    sleep 0.2
-  done
-  lab_die "libvirtd does not answer on $LIBVIRT_DEFAULT_URI"
+  wait_until 20 virsh -q version >/dev/null 2>&1 || lab_die "libvirtd does not answer on $LIBVIRT_DEFAULT_URI"
 }
 
 lab_init() {
@@ -112,18 +125,15 @@ lab_storage_start() {
   [ "${LAB_DIRECT_READERS:-0}" = 1 ] && args+=(--direct-readers)
   "$LAB_SLOWFS" "${args[@]}" </dev/null >>"$LAB_DIR/slowfs.err" 2>&1 &
   LAB_SLOWFS_PID=$!
-  local i
-  for i in $(seq 100); do
-    if grep -q " $LAB_MNT fuse" /proc/mounts && [ -s "$LAB_DIR/slowfs.stats" ]; then
-      LAB_BW_BPS=$(awk -F= '$1=="bandwidth_bps"{print $2}' "$LAB_DIR/slowfs.stats")
-      export LAB_BW_BPS
-      lab_log "slowfs mounted at $LAB_MNT ($bw B/s, latency ${lat} ms, pid $LAB_SLOWFS_PID)"
-      return 0
-    fi
-    kill -0 "$LAB_SLOWFS_PID" 2>/dev/null || lab_die "qcommit-slowfs exited: $(cat "$LAB_DIR/slowfs.err")"
-    sleep 0.1
-  done
-  lab_die "qcommit-slowfs did not mount $LAB_MNT"
+  wait_until 10 _lab_storage_up || lab_die "qcommit-slowfs did not mount $LAB_MNT"
+  gone "$LAB_SLOWFS_PID" && lab_die "qcommit-slowfs exited: $(cat "$LAB_DIR/slowfs.err")"
+  LAB_BW_BPS=$(awk -F= '$1=="bandwidth_bps"{print $2}' "$LAB_DIR/slowfs.stats")
+  export LAB_BW_BPS
+  lab_log "slowfs mounted at $LAB_MNT ($bw B/s, latency ${lat} ms, pid $LAB_SLOWFS_PID)"
+}
+# Mounted with its first statistics written, or exited.
+_lab_storage_up() {
+  { grep -q " $LAB_MNT fuse" /proc/mounts && [ -s "$LAB_DIR/slowfs.stats" ]; } || gone "$LAB_SLOWFS_PID"
 }
 
 lab_storage_set() {
@@ -137,23 +147,33 @@ lab_storage_set() {
 }
 
 lab_storage_wait_idle() {
-  local timeout=${1:-120} deadline=$((SECONDS + ${1:-120}))
-  while [ $SECONDS -lt $deadline ]; do
-    [ "$(awk -F= '$1=="queued_reqs"{print $2}' "$LAB_DIR/slowfs.stats")" = 0 ] && return 0
-    sleep 0.5
+  wait_until "${1:-120}" _lab_storage_idle || lab_die "slowfs queue not idle after ${1:-120}s"
+}
+_lab_storage_idle() { [ "$(awk -F= '$1=="queued_reqs"{print $2}' "$LAB_DIR/slowfs.stats")" = 0 ]; }
+
+lab_guest_ready() {
+  local bw=50M wait_s=300 baseline=0
+  while [ $# -gt 0 ]; do
+    case $1 in
+      --bandwidth) bw=$2; shift 2 ;;
+      --wait) wait_s=$2; shift 2 ;;
+      --baseline) baseline=$2; shift 2 ;;
+      *) break ;;
+    esac
   done
-  lab_die "slowfs queue not idle after ${timeout}s"
+  lab_storage_start --bandwidth "$bw"
+  lab_storage_set 5G # fast while the guest fills; the scenario is about the merge
+  lab_guest_start "$@"
+  lab_wait_probing "$wait_s"
+  lab_storage_set "$bw"
+  lab_storage_wait_idle 90
+  sleep "$baseline"
 }
 
 lab_storage_stop() {
   [ -n "${LAB_SLOWFS_PID:-}" ] || return 0
   kill -TERM "$LAB_SLOWFS_PID" 2>/dev/null || true
-  local i
-  for i in $(seq 100); do
-    kill -0 "$LAB_SLOWFS_PID" 2>/dev/null || break
-    sleep 0.1
-  done
-  if kill -0 "$LAB_SLOWFS_PID" 2>/dev/null; then
+  if ! wait_until 10 gone "$LAB_SLOWFS_PID"; then
     lab_log "qcommit-slowfs $LAB_SLOWFS_PID ignores SIGTERM; killing"
     kill -KILL "$LAB_SLOWFS_PID" 2>/dev/null || true
   fi
@@ -282,26 +302,25 @@ lab_guest2_start() {
   LAB2_DEFINED=1
   lab_domain_boot "$uri" "$LAB2_DOM" "$dir/domain.xml" "$LAB2_OVERLAY"
   virsh -q -c "$uri" resume "$LAB2_DOM" >/dev/null
-  local deadline=$((SECONDS + 900))
-  until grep -q '^LAB PROBING' "$dir/console.log" 2>/dev/null; do
-    grep -q '^LAB ERROR' "$dir/console.log" 2>/dev/null && lab_die "second guest: $(grep '^LAB ERROR' "$dir/console.log")"
-    [ $SECONDS -lt $deadline ] || lab_die "second guest did not finish its fill in 900 s"
-    sleep 0.5
-  done
+  wait_until 900 grep -q '^LAB PROBING\|^LAB ERROR' "$dir/console.log" ||
+    lab_die "second guest did not finish its fill in 900 s"
+  grep -q '^LAB ERROR' "$dir/console.log" && lab_die "second guest: $(grep '^LAB ERROR' "$dir/console.log")"
   lab_log "second guest $LAB2_DOM on $uri filled ${fill} MiB (cache=$cache, probe every ${interval} ms)"
 }
 
 lab_guest2_stop() {
   [ "${LAB2_DEFINED:-0}" = 1 ] || return 0
-  virsh -q -c "$LAB2_URI" destroy "$LAB2_DOM" >/dev/null 2>&1 || true
-  local i
-  for i in $(seq 50); do
-    virsh -q -c "$LAB2_URI" domstate "$LAB2_DOM" 2>/dev/null | grep -q 'shut off' && break
-    sleep 0.2
-  done
-  virsh -q -c "$LAB2_URI" undefine "$LAB2_DOM" >/dev/null 2>&1 || true
+  lab_domain_remove "$LAB2_URI" "$LAB2_DOM"
   LAB2_DEFINED=0
 }
+
+# Domain NAME on URI destroyed (shut off within 10 s) and undefined.
+lab_domain_remove() {
+  virsh -q -c "$1" destroy "$2" >/dev/null 2>&1 || true
+  wait_until 10 _lab_shut_off "$1" "$2" || true
+  virsh -q -c "$1" undefine "$2" >/dev/null 2>&1 || true
+}
+_lab_shut_off() { virsh -q -c "$1" domstate "$2" 2>/dev/null | grep -q 'shut off'; }
 
 # Stamps every console line with the host's wall clock (seconds since the epoch).
 lab_reader_start() {
@@ -402,6 +421,14 @@ lab_merge() {
   [ "$LAB_MERGE_RC" -eq 0 ] || lab_log "merge output: $(tail -n 5 "$LAB_DIR/merge.log")"
 }
 
+# awk: pct(a, n, p), the nearest-rank percentile P (0-1) of a[1..n] (sorts a), -1 when n is 0.
+LAB_AWK_PCT='function pct(a, n, p,   i, j, t, k) {
+  if (n == 0) return -1
+  for (i = 2; i <= n; i++) { t = a[i]; for (j = i - 1; j >= 1 && a[j] > t; j--) a[j + 1] = a[j]; a[j + 1] = t }
+  k = int(p * n + 0.999999); if (k < 1) k = 1; if (k > n) k = n
+  return a[k]
+}'
+
 # Probe samples as "completion_epoch latency_ms", guest clock mapped onto the host clock by the
 # smallest (host arrival - guest completion) difference. `lab_samples KIND` for the busy guest's
 # lines: R (read probe: latency), W (writer: one per MiB, its fdatasync's latency).
@@ -422,22 +449,17 @@ lab_busy_collect() {
   me=$(lab_event merge_end)
   for kind in W R; do
     lab_samples "$kind" >"$LAB_DIR/samples-$kind.txt"
-    out=$(awk -v ms="$ms" -v me="$me" -v bl="$baseline" -v st="$settle" -v k="$kind" '
-      function pct(a, n, p,   i, j, t, x) {
-        if (n == 0) return "-"
-        for (i = 2; i <= n; i++) { t = a[i]; for (j = i - 1; j >= 1 && a[j] > t; j--) a[j + 1] = a[j]; a[j + 1] = t }
-        x = int(p * n + 0.999999); if (x < 1) x = 1; if (x > n) x = n
-        return sprintf("%.1f", a[x])
-      }
+    out=$(awk -v ms="$ms" -v me="$me" -v bl="$baseline" -v st="$settle" -v k="$kind" "$LAB_AWK_PCT"'
+      function fpct(a, n, p) { return n ? sprintf("%.1f", pct(a, n, p)) : "-" }
       $1 >= ms - bl && $1 < ms { nb++; b[nb] = $2 }
       $1 >= ms && $1 <= me + st { nm++; m[nm] = $2; if ($2 > mx) mx = $2 }
       END {
         if (k == "W") {
           base = nb / bl; rate = me > ms ? nm / (me + st - ms) : 0
           printf "w_base_mibps=%s w_mibps=%s w_kept_pct=%s ", nb ? sprintf("%.2f", base) : "-", nm ? sprintf("%.2f", rate) : "-", nb && nm ? sprintf("%.0f", 100 * rate / base) : "-"
-          printf "w_sync_base_p99=%s w_sync_p99=%s w_sync_max=%s\n", pct(b, nb, 0.99), pct(m, nm, 0.99), nm ? sprintf("%.1f", mx) : "-"
+          printf "w_sync_base_p99=%s w_sync_p99=%s w_sync_max=%s\n", fpct(b, nb, 0.99), fpct(m, nm, 0.99), nm ? sprintf("%.1f", mx) : "-"
         } else {
-          printf "r_base_p99=%s r_base_max=%s r_p99=%s r_max=%s\n", pct(b, nb, 0.99), nb ? pct(b, nb, 1) : "-", pct(m, nm, 0.99), nm ? sprintf("%.1f", mx) : "-"
+          printf "r_base_p99=%s r_base_max=%s r_p99=%s r_max=%s\n", fpct(b, nb, 0.99), fpct(b, nb, 1), fpct(m, nm, 0.99), nm ? sprintf("%.1f", mx) : "-"
         }
       }' "$LAB_DIR/samples-$kind.txt")
     for kv in $out; do
@@ -457,13 +479,7 @@ lab_collect() {
   me=$(lab_event merge_end)
   [ -n "$ms" ] && [ -n "$me" ] || lab_die "lab_collect: no merge recorded"
   lab_samples >"$LAB_DIR/samples.txt"
-  out=$(awk -v ms="$ms" -v me="$me" -v bl="$baseline" -v st="$settle" -v row="$row" -v csv="$LAB_DIR/timeline.csv" '
-    function pct(a, n, p,   i, j, t, k) {
-      for (i = 2; i <= n; i++) { t = a[i]; for (j = i - 1; j >= 1 && a[j] > t; j--) a[j + 1] = a[j]; a[j + 1] = t }
-      if (n == 0) return -1
-      k = int(p * n + 0.999999); if (k < 1) k = 1; if (k > n) k = n
-      return a[k]
-    }
+  out=$(awk -v ms="$ms" -v me="$me" -v bl="$baseline" -v st="$settle" -v row="$row" -v csv="$LAB_DIR/timeline.csv" "$LAB_AWK_PCT"'
     BEGIN { last = ms }
     {
       c = $1; l = $2
@@ -485,13 +501,7 @@ lab_collect() {
 
 lab_guest_stop() {
   [ "${LAB_DOM_DEFINED:-0}" = 1 ] || return 0
-  virsh -q destroy "$LAB_DOM" >/dev/null 2>&1 || true
-  local i
-  for i in $(seq 50); do
-    virsh -q domstate "$LAB_DOM" 2>/dev/null | grep -q 'shut off' && break
-    sleep 0.2
-  done
-  virsh -q undefine "$LAB_DOM" >/dev/null 2>&1 || true
+  lab_domain_remove "$LIBVIRT_DEFAULT_URI" "$LAB_DOM"
   LAB_DOM_DEFINED=0
   local qlog=/var/log/libvirt/qemu/$LAB_DOM.log
   if [ -f "$qlog" ]; then

@@ -12,6 +12,7 @@
 #   live_status              `qcommit status --output=json` of our daemon (empty when down)
 #   live_job_field DOM DISK FIELD
 #                            a field of the governed job DOM/DISK from live_status ("" if absent)
+#   live_job_listed DOM DISK true when our qcommitd lists the job DOM/DISK
 #   live_job_bandwidth DOM DISK
 #                            bandwidth of the block job as libvirt reports it (bytes/s; "" if none)
 #   live_job_cur_end DOM DISK
@@ -45,28 +46,18 @@ live_qcd_start() {
     --trace "$LAB_DIR/qcommitd-trace.csv" ${LIVE_QCOMMITD_ARGS:-} \
     </dev/null >>"$LAB_DIR/qcommitd.log" 2>&1 &
   LIVE_QCD_PID=$!
-  local i
-  for i in $(seq 100); do
-    if [ -S "$LIVE_SOCK" ] && live_status | grep -q '"connected":true'; then
-      lab_log "qcommitd running (pid $LIVE_QCD_PID, socket $LIVE_SOCK)"
-      return 0
-    fi
-    kill -0 "$LIVE_QCD_PID" 2>/dev/null || lab_die "qcommitd exited: $(tail -n 3 "$LAB_DIR/qcommitd.log")"
-    sleep 0.1
-  done
-  lab_die "qcommitd did not connect to libvirtd: $(tail -n 3 "$LAB_DIR/qcommitd.log")"
+  wait_until 10 _live_qcd_up || lab_die "qcommitd did not connect to libvirtd: $(tail -n 3 "$LAB_DIR/qcommitd.log")"
+  gone "$LIVE_QCD_PID" && lab_die "qcommitd exited: $(tail -n 3 "$LAB_DIR/qcommitd.log")"
+  lab_log "qcommitd running (pid $LIVE_QCD_PID, socket $LIVE_SOCK)"
 }
+# Connected to libvirtd, or exited.
+_live_qcd_up() { { [ -S "$LIVE_SOCK" ] && live_status | grep -q '"connected":true'; } || gone "$LIVE_QCD_PID"; }
 
 live_qcd_stop() {
   local sig=${1:-TERM}
   [ -n "$LIVE_QCD_PID" ] || return 0
   kill -"$sig" "$LIVE_QCD_PID" 2>/dev/null || true
-  local i
-  for i in $(seq 100); do
-    kill -0 "$LIVE_QCD_PID" 2>/dev/null || break
-    sleep 0.1
-  done
-  kill -0 "$LIVE_QCD_PID" 2>/dev/null && kill -KILL "$LIVE_QCD_PID" 2>/dev/null
+  wait_until 10 gone "$LIVE_QCD_PID" || kill -KILL "$LIVE_QCD_PID" 2>/dev/null || true
   wait "$LIVE_QCD_PID" 2>/dev/null || true
   LIVE_QCD_PID=""
 }
@@ -97,6 +88,8 @@ for j in st.get("jobs", []):
 ' "$1" "$2" "$3"
 }
 
+live_job_listed() { [ -n "$(live_job_field "$1" "$2" domain)" ]; }
+
 live_job_bandwidth() {
   virsh -q blockjob "$1" "$2" --raw --bytes 2>/dev/null | awk -F= '$1 ~ /bandwidth/ {print $2}'
 }
@@ -106,12 +99,10 @@ live_job_cur_end() {
 }
 
 live_samples_between() {
-  lab_samples | awk -v a="$1" -v b="$2" '
+  lab_samples | awk -v a="$1" -v b="$2" "$LAB_AWK_PCT"'
     $1 >= a && $1 < b { n++; l[n] = $2; if ($2 > mx) mx = $2 }
     END {
       if (n == 0) { print 0, -1, -1, -1; exit }
-      for (i = 2; i <= n; i++) { t = l[i]; for (j = i - 1; j >= 1 && l[j] > t; j--) l[j + 1] = l[j]; l[j + 1] = t }
-      k50 = int(0.5 * n + 0.999999); k99 = int(0.99 * n + 0.999999)
-      printf "%d %.1f %.1f %.1f\n", n, l[k50], l[k99], mx
+      printf "%d %.1f %.1f %.1f\n", n, pct(l, n, 0.5), pct(l, n, 0.99), mx
     }'
 }

@@ -20,11 +20,6 @@ here=$(dirname "$0")
 source "$here/lab.sh"
 source "$here/live_lib.sh"
 
-fail() {
-  echo "FAIL: $*" >&2
-  [ -n "${LAB_DIR:-}" ] && [ -f "$LAB_DIR/qcommitd.log" ] && tail -n 20 "$LAB_DIR/qcommitd.log" >&2
-  exit 1
-}
 kFillMiB=${LIVE_FILL_MIB:-320}
 kDiskSize=2560M
 kBaselineS=5
@@ -39,27 +34,8 @@ elapsed_since() { awk -v a="$1" -v b="$(lab_now)" 'BEGIN {printf "%.2f", b - a}'
 
 # Guest on slow storage with a filled overlay, probe running, storage idle, baseline recorded.
 prepare_guest() {
-  lab_storage_start --bandwidth 50M
-  lab_storage_set 5G
-  lab_guest_start --cache writeback --fill "$kFillMiB" --interval 100 --disk-size "$kDiskSize"
-  lab_wait_probing 240
-  lab_storage_set 50M
-  lab_storage_wait_idle 90
-  sleep "$kBaselineS"
-}
-
-wait_job_listed() { # DOM DISK TIMEOUT_S → echoes seconds waited, fails when not listed
-  local t0 deadline
-  t0=$(lab_now)
-  deadline=$(awk -v a="$t0" -v b="$3" 'BEGIN {printf "%.6f", a + b}')
-  while awk -v n="$(lab_now)" -v d="$deadline" 'BEGIN {exit !(n < d)}'; do
-    if [ -n "$(live_job_field "$1" "$2" domain)" ]; then
-      elapsed_since "$t0"
-      return 0
-    fi
-    sleep 0.05
-  done
-  return 1
+  lab_guest_ready --wait 240 --baseline "$kBaselineS" --cache writeback --fill "$kFillMiB" --interval 100 \
+    --disk-size "$kDiskSize"
 }
 
 verify_data() {
@@ -78,13 +54,13 @@ run_a() {
   LIVE_QCOMMITD_ARGS="--page-cache no-cachestat" live_qcd_start --budget 20ms
   prepare_guest
   ( lab_merge virsh blockcommit "$LAB_DOM" vda --active --pivot --verbose; echo "$LAB_MERGE_RC" >"$LAB_DIR/merge.rc" ) &
-  local merge_pid=$! ms waited bw
+  local merge_pid=$! ms bw
   sleep 0.05
   ms=$(lab_event merge_start)
   [ -n "$ms" ] || { sleep 0.2; ms=$(lab_event merge_start); }
   # Discovery: from the command's start until `qcommit status` lists the job.
   local deadline_s=$kDiscoverS
-  waited=$(wait_job_listed "$LAB_DOM" vda 10) || fail "qcommitd never listed the job (status: $(live_status))"
+  wait_until 10 live_job_listed "$LAB_DOM" vda || fail "qcommitd never listed the job (status: $(live_status))"
   local since
   since=$(elapsed_since "$ms")
   awk -v s="$since" -v l="$deadline_s" 'BEGIN {exit !(s <= l)}' ||
@@ -92,12 +68,8 @@ run_a() {
   lab_log "job listed ${since}s after the command started"
   grep -q "page cache from the memory cgroup" "$LAB_DIR/qcommitd.log" ||
     fail "qcommitd does not read the target through QEMU's memory cgroup (--page-cache no-cachestat)"
-  for _ in $(seq 20); do
-    bw=$(live_job_bandwidth "$LAB_DOM" vda)
-    [ -n "$bw" ] && [ "$bw" -gt 0 ] && break
-    sleep 0.1
-  done
-  [ -n "$bw" ] && [ "$bw" -gt 0 ] || fail "libvirt reports no bandwidth on the job (qcommitd set no speed)"
+  speed_set() { bw=$(live_job_bandwidth "$LAB_DOM" vda); [ -n "$bw" ] && [ "$bw" -gt 0 ]; }
+  wait_until 2 speed_set || fail "libvirt reports no bandwidth on the job (qcommitd set no speed)"
   local qspeed
   qspeed=$(live_job_field "$LAB_DOM" vda speed_bytes_per_s)
   lab_log "job bandwidth per libvirt: $bw B/s; qcommitd: $qspeed B/s; type $(live_job_field "$LAB_DOM" vda type), target $(live_job_field "$LAB_DOM" vda target)"
@@ -145,7 +117,7 @@ run_b() {
   prepare_guest
   lab_mark merge_start
   virsh -q blockcommit "$LAB_DOM" vda --active >>"$LAB_DIR/merge.log" 2>&1 || fail "virsh blockcommit --active failed"
-  wait_job_listed "$LAB_DOM" vda 5 >/dev/null || fail "qcommitd never listed the job"
+  wait_until 5 live_job_listed "$LAB_DOM" vda || fail "qcommitd never listed the job"
   sleep 1
   local others
   others=$(virsh -q list --name | grep -vx "$LAB_DOM" | grep -c . || true)
@@ -157,53 +129,36 @@ run_b() {
     [ -n "$pid" ] || fail "no libvirtd pid"
     lab_mark libvirtd_restart
     kill -TERM "$pid"
-    for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-    kill -0 "$pid" 2>/dev/null && fail "libvirtd $pid did not exit"
+    wait_until 10 gone "$pid" || fail "libvirtd $pid did not exit"
     local t_down
     t_down=$(lab_now)
     # qcommitd must notice: the job disappears from its list (disconnected) ...
-    for _ in $(seq 50); do
-      live_status | grep -q '"connected":false' && break
-      sleep 0.1
-    done
-    live_status | grep -q '"connected":false' || fail "qcommitd did not notice libvirtd going away"
+    qcd_connected() { live_status | grep -q "\"connected\":$1"; }
+    wait_until 5 qcd_connected false || fail "qcommitd did not notice libvirtd going away"
     libvirtd -d
     # ... and reconnects (its retry backs off up to 5 s, so allow 30 s) and
     # re-adopts the job once libvirtd is back. The job list alone proves
     # nothing: qcommitd keeps listing a job while it is disconnected.
-    local connected=0
-    for _ in $(seq 300); do
-      if live_status | grep -q '"connected":true'; then connected=1; break; fi
-      sleep 0.1
-    done
-    [ "$connected" = 1 ] || fail "qcommitd not reconnected 30 s after libvirtd came back: $(live_status)"
-    local waited
-    waited=$(wait_job_listed "$LAB_DOM" vda 30) || fail "qcommitd did not re-adopt the job after the libvirtd restart: $(live_status)"
+    wait_until 30 qcd_connected true || fail "qcommitd not reconnected 30 s after libvirtd came back: $(live_status)"
+    wait_until 30 live_job_listed "$LAB_DOM" vda || fail "qcommitd did not re-adopt the job after the libvirtd restart: $(live_status)"
     lab_log "reconnected, job re-adopted $(elapsed_since "$t_down")s after libvirtd went down"
     # Governing again, not just listed: a speed set by hand behind its back is overridden.
     virsh -q blockjob "$LAB_DOM" vda --bytes --bandwidth 12345 >/dev/null || fail "cannot set the job speed by hand"
     local bw=12345
-    for _ in $(seq 30); do
-      sleep 0.1
-      bw=$(live_job_bandwidth "$LAB_DOM" vda)
-      [ -n "$bw" ] && [ "$bw" != 12345 ] && break
-    done
-    [ -n "$bw" ] && [ "$bw" != 12345 ] || fail "qcommitd does not govern the job after the libvirtd restart (speed stays 12345 B/s)"
+    speed_reset() { sleep 0.1; bw=$(live_job_bandwidth "$LAB_DOM" vda); [ -n "$bw" ] && [ "$bw" != 12345 ]; }
+    wait_until 3 speed_reset || fail "qcommitd does not govern the job after the libvirtd restart (speed stays 12345 B/s)"
     lab_log "after the restart qcommitd re-set the speed to $bw B/s"
     echo "run B: re-adopted after libvirtd restart, bandwidth $bw B/s" >"$LAB_DIR/result"
   fi
   # Pivot by hand once ready.
-  local ready=0 cur end
-  for _ in $(seq 900); do
+  job_ready() {
+    local cur end
     read -r cur end < <(live_job_cur_end "$LAB_DOM" vda || true) || true
-    if [ -n "${end:-}" ] && [ "${end:-0}" -gt 0 ] && [ "$cur" = "$end" ]; then ready=1; break; fi
-    sleep 0.2
-  done
-  [ "$ready" = 1 ] || fail "job never reached 100 %"
-  for _ in $(seq 20); do
-    virsh -q blockjob "$LAB_DOM" vda --pivot >>"$LAB_DIR/merge.log" 2>&1 && break
-    sleep 0.5
-  done
+    [ -n "${end:-}" ] && [ "${end:-0}" -gt 0 ] && [ "$cur" = "$end" ]
+  }
+  wait_until 180 job_ready || fail "job never reached 100 %"
+  pivot() { virsh -q blockjob "$LAB_DOM" vda --pivot >>"$LAB_DIR/merge.log" 2>&1 || { sleep 0.4; false; }; }
+  wait_until 10 pivot || true
   lab_mark merge_end
   virsh -q domblklist "$LAB_DOM" | grep -q "vda *$LAB_BASE\$" || fail "pivot failed: $(tail -n 3 "$LAB_DIR/merge.log")"
   sleep 1

@@ -8,10 +8,6 @@
 set -euo pipefail
 source "$(dirname "$0")/lab.sh"
 
-fail() {
-  echo "FAIL: $*" >&2
-  exit 1
-}
 kBaselineS=6
 kBaselineMaxMs=250   # a 4 KiB O_DSYNC write on idle 50 MB/s storage takes ~2 ms (TCG noise allowed)
 kStallFactor=10
@@ -19,13 +15,7 @@ kStallFactor=10
 # Runs killed earlier (e.g. by a ctest timeout) could not tear down; clear them first.
 "$LAB_SOURCE_DIR/scripts/lab-cleanup" >&2
 lab_init stalltest
-lab_storage_start --bandwidth 50M
-lab_storage_set 5G   # fast while the guest fills, so the test stays short
-lab_guest_start --cache writeback --fill 256 --interval 100
-lab_wait_probing 180
-lab_storage_set 50M
-lab_storage_wait_idle 60
-sleep "$kBaselineS"
+lab_guest_ready --wait 180 --baseline "$kBaselineS" --cache writeback --fill 256 --interval 100
 lab_merge virsh blockcommit "$LAB_DOM" vda --active --pivot --verbose
 sleep 3
 lab_collect commit "$kBaselineS" 2

@@ -59,21 +59,8 @@ kMaxGapMs=1000
 echo "platform: $(lab_platform_describe)"
 echo "binaries: $LIVE_QCOMMIT, $LIVE_QCOMMITD ($("$LIVE_QCOMMIT" --version 2>&1 | head -1)), URI $LIVE_URI"
 
-fail() {
-  echo "FAIL: $*" >&2
-  [ -n "${LAB_DIR:-}" ] && [ -f "$LAB_DIR/qcommitd.log" ] && tail -n 20 "$LAB_DIR/qcommitd.log" >&2
-  [ -n "${LAB_DIR:-}" ] && [ -f "$LAB_DIR/merge.log" ] && tail -n 20 "$LAB_DIR/merge.log" >&2
-  exit 1
-}
-
 prepare_guest() {
-  lab_storage_start --bandwidth 50M
-  lab_storage_set 5G
-  lab_guest_start --cache "${1:-writeback}" --fill "$kFill" --interval 100 --disk-size 1024M
-  lab_wait_probing 300
-  lab_storage_set 50M
-  lab_storage_wait_idle 90
-  sleep 3
+  lab_guest_ready --baseline 3 --cache "${1:-writeback}" --fill "$kFill" --interval 100 --disk-size 1024M
 }
 
 verify_data() {
@@ -111,11 +98,8 @@ run_filter() {
   prepare_guest none
   (lab_merge virsh blockcommit "$LAB_DOM" vda --active --pivot --wait --verbose; echo "$LAB_MERGE_RC" >"$LAB_DIR/merge.rc") &
   local merge_pid=$! seen=""
-  while kill -0 "$merge_pid" 2>/dev/null; do
-    seen=$(qemu_nodes 2>/dev/null | grep '^qcommit-tf-[^ ]* throttle ' || true)
-    [ -n "$seen" ] && break
-    sleep 0.1
-  done
+  filter_seen() { seen=$(qemu_nodes 2>/dev/null | grep '^qcommit-tf-[^ ]* throttle ' || true); [ -n "$seen" ] || gone "$merge_pid"; }
+  wait_until 900 filter_seen
   [ -n "$seen" ] || fail "QEMU never had a qcommit throttle node while the job copied"
   grep -q "throttle filter under $LAB_BASE in" "$LAB_DIR/qcommitd.log" ||
     fail "qcommitd's log does not say the filter went in"
@@ -128,26 +112,22 @@ run_filter() {
   old_pid=$(sed -n 's/^qcommit-tf-\([0-9]*\)-.*/\1/p' <<<"$seen")
   live_qcd_stop KILL
   kill -KILL "$old_pid" 2>/dev/null || true
-  for _ in $(seq 50); do kill -0 "$old_pid" 2>/dev/null || break; sleep 0.1; done
+  wait_until 5 gone "$old_pid" || true
   # A group the killed qcommitd added without its filter yet (killed between the two steps).
   qmp '{"execute":"object-add","arguments":{"qom-type":"throttle-group","id":"qcommit-tg-'"$old_pid"'-99","limits":{}}}' >/dev/null ||
     fail "could not add a lone throttle group"
   live_qcd_start --budget 20ms
-  for _ in $(seq 100); do
-    grep -q "throttle filter removed qcommit-tf-$old_pid-" "$LAB_DIR/qcommitd.log" && break
-    sleep 0.1
-  done
-  grep -q "throttle filter removed qcommit-tf-$old_pid-" "$LAB_DIR/qcommitd.log" ||
+  wait_until 10 grep -q "throttle filter removed qcommit-tf-$old_pid-" "$LAB_DIR/qcommitd.log" ||
     fail "the filter of the killed qcommitd ($old_pid) was not removed by the next one"
   wait "$merge_pid" || true
   [ "$(cat "$LAB_DIR/merge.rc")" = 0 ] || fail "virsh blockcommit --active --pivot failed"
   local left="" groups=""
-  for _ in $(seq 30); do
+  none_left() {
     left=$(qemu_nodes | grep '^qcommit-' || true)
     groups=$(qmp '{"execute":"qom-list","arguments":{"path":"/objects"}}' | grep -o '"name":"qcommit-[^"]*"' || true)
-    [ -z "$left$groups" ] && break
-    sleep 0.1
-  done
+    [ -z "$left$groups" ]
+  }
+  wait_until 3 none_left || true
   [ -z "$left" ] || fail "qcommit nodes left in QEMU after the pivot: $left"
   [ -z "$groups" ] || fail "qcommit throttle groups left in QEMU after the pivot: $groups"
   verify_data filter
@@ -166,18 +146,10 @@ run_virsh() {
   grep -qF -- "--uri $LIVE_URI" <(ps -o args= -p "$LIVE_QCD_PID") || fail "qcommitd is not on $LIVE_URI"
   prepare_guest
   (lab_merge virsh blockcommit "$LAB_DOM" vda --active --pivot --wait --verbose; echo "$LAB_MERGE_RC" >"$LAB_DIR/merge.rc") &
-  local merge_pid=$! listed=0 bw=""
-  for _ in $(seq 200); do
-    [ -n "$(live_job_field "$LAB_DOM" vda domain)" ] && { listed=1; break; }
-    sleep 0.05
-  done
-  [ "$listed" = 1 ] || fail "qcommitd never listed the job (status: $(live_status))"
-  for _ in $(seq 50); do
-    bw=$(live_job_bandwidth "$LAB_DOM" vda)
-    [ -n "$bw" ] && [ "$bw" != 0 ] && break
-    kill -0 "$merge_pid" 2>/dev/null || break
-    sleep 0.1
-  done
+  local merge_pid=$! bw=""
+  wait_until 10 live_job_listed "$LAB_DOM" vda || fail "qcommitd never listed the job (status: $(live_status))"
+  speed_seen() { bw=$(live_job_bandwidth "$LAB_DOM" vda); [ -n "$bw" ] && [ "$bw" != 0 ] || gone "$merge_pid"; }
+  wait_until 5 speed_seen || true
   live_status >"$LAB_DIR/status-during.json"
   wait "$merge_pid" || true
   [ "$(cat "$LAB_DIR/merge.rc")" = 0 ] || fail "virsh blockcommit --active --pivot failed"
