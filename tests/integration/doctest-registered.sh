@@ -9,6 +9,8 @@
 # second check alone (those that register some of their cases only where the host has a tool).
 # usage: doctest-registered.sh BUILD_DIR PROGRAM... [--stale-only PROGRAM...]
 set -euo pipefail
+test_name=arch.doctest_registered
+. "$(dirname "$0")/../lib/test.sh"
 build=${1:?usage: doctest-registered.sh BUILD_DIR PROGRAM...}
 shift
 registered=$(ctest --test-dir "$build" -N | sed -n 's/^ *Test *#[0-9]*: //p' | sort -u)
@@ -16,23 +18,18 @@ registered=$(ctest --test-dir "$build" -N | sed -n 's/^ *Test *#[0-9]*: //p' | s
 selected=$(ctest --test-dir "$build" --show-only=json-v1 |
   jq -r '.tests[] | .name as $n | (.command // []) as $c | $c[1:][] | select(startswith("--test-case="))
          | [$c[0], ltrimstr("--test-case="), $n] | @tsv')
-[ -n "$registered" ] || { echo "doctest-registered: ctest lists no test in $build"; exit 1; }
-bad=0
+[[ -n $registered ]] || fail "ctest lists no test in $build"
 both=1
 for prog in "$@"; do
-  if [ "$prog" = --stale-only ]; then both=0; continue; fi
+  [[ $prog != --stale-only ]] || { both=0; continue; }
   cases=$("$prog" --list-test-cases --no-version | { grep -v -e '^\[doctest\]' -e '^=*$' || true; } | sort -u)
-  [ -n "$cases" ] || { echo "${prog##*/}: lists no test case"; bad=1; continue; }
-  if [ "$both" = 1 ]; then
-    while IFS= read -r c; do
-      echo "${prog##*/}: test case $c is not registered with ctest (add it to its CMakeLists.txt list)"
-      bad=1
-    done < <(comm -23 <(printf '%s\n' "$cases") <(printf '%s\n' "$registered"))
-  fi
+  [[ -n $cases ]] || { soft_fail "${prog##*/}: lists no test case"; continue; }
+  while IFS= read -r c; do
+    soft_fail "${prog##*/}: test case $c is not registered with ctest (add it to its CMakeLists.txt list)"
+  done < <([[ $both == 1 ]] && comm -23 <(printf '%s\n' "$cases") <(printf '%s\n' "$registered"))
   while IFS=$'\t' read -r path c entry; do
-    [ "$path" -ef "$prog" ] || continue
-    grep -qxF -- "$c" <<<"$cases" ||
-      { echo "${prog##*/}: ctest entry $entry selects test case $c, which the program does not have"; bad=1; }
+    [[ $path -ef $prog ]] && ! grep -qxF -- "$c" <<<"$cases" &&
+      soft_fail "${prog##*/}: ctest entry $entry selects test case $c, which the program does not have"
   done <<<"$selected"
 done
-exit "$bad"
+finish

@@ -19,9 +19,8 @@ QCOMMIT=$(realpath "$1")
 QMP=$(realpath "$(dirname "$0")/../qmp/qmp.py")
 setup cli.doctor_qmp
 
-qemu-img create -q -f qcow2 base.qcow2 16M
-qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 vda.qcow2
-for d in vdb drv3 drv4 sdh solo; do qemu-img create -q -f qcow2 $d.qcow2 16M; done
+for d in base vdb drv3 drv4 sdh solo; do image $d.qcow2 16M; done
+overlay vda.qcow2 base.qcow2
 
 start_qemu "$work/q.sock" -name dq -object iothread,id=iot1 -object iothread,id=iot2 \
   -blockdev "driver=file,filename=$work/vda.qcow2,node-name=vda-file,aio=native,cache.direct=on" \
@@ -80,12 +79,11 @@ expect_finding solo.json "domain solo disk solo" \
   "info no iothread: the disk shares QEMU's main loop | QEMU has no iothread;"
 expect_finding solo.json "domain solo disk solo" "info io mode is 'threads'"
 
-rc=0; "$QCOMMIT" doctor --qmp solo.sock vm1 2>err.txt || rc=$?
+try "$QCOMMIT" doctor --qmp solo.sock vm1
 [[ $rc == 2 ]] && grep -q "no DOMAIN with it" err.txt || fail "--qmp with a DOMAIN: rc $rc, $(cat err.txt)"
-rc=0; "$QCOMMIT" doctor --qmp solo.sock -c test:///default 2>err.txt || rc=$?
+try "$QCOMMIT" doctor --qmp solo.sock -c test:///default
 [[ $rc == 2 ]] && grep -q -- "--qmp and --connect exclude each other" err.txt || fail "--qmp with --connect: rc $rc, $(cat err.txt)"
 stop "$qemu_pid"
-rc=0; "$QCOMMIT" doctor --qmp "$work/solo.sock" >out.txt 2>err.txt || rc=$?
-[[ $rc == 1 && $(wc -l <err.txt) == 1 && ! -s out.txt ]] && grep -q "$work/solo.sock: cannot connect" err.txt ||
-  fail "--qmp on a socket nobody serves: rc $rc, $(cat err.txt)"
+fails_with 1 "$work/solo.sock: cannot connect" "$QCOMMIT" doctor --qmp "$work/solo.sock"
+[[ ! -s out.txt ]] || fail "--qmp on a socket nobody serves: $(cat out.txt)"
 echo "cli.doctor_qmp: OK"

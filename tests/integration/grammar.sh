@@ -14,35 +14,21 @@ QCOMMITD=$(realpath "$2")
 setup cli.grammar
 uri=test:///default
 
-qemu-img create -q -f qcow2 base.qcow2 16M
-qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2
-qemu-io -c 'write -P 7 0 1M' top.qcow2 >/dev/null
-sums() { md5sum base.qcow2 top.qcow2; ls | grep -v "\.conf$"; }
+image base.qcow2 16M
+overlay top.qcow2 base.qcow2 'write -P 7 0 1M'
+# The images and the directory listing (the configuration and try's out.txt, err.txt aside).
+sums() { md5sum base.qcow2 top.qcow2; ls | grep -vE '\.conf$|^(out|err)\.txt$'; }
 sums >before.txt
-
-# refused WANT_RC PATTERN ARGS...: qcommit ARGS exits WANT_RC with one line naming PATTERN on
-# stderr, and the images and the directory are as before.
-refused() {
-  local want=$1 pattern=$2 rc=0
-  shift 2
-  "$QCOMMIT" "$@" >out.txt 2>err.txt </dev/null || rc=$?
-  [[ $rc == "$want" ]] || fail "qcommit $*: exit $rc, expected $want: $(cat out.txt err.txt)"
-  [[ $(wc -l <err.txt) == 1 ]] || fail "qcommit $*: the error is not one line: $(cat err.txt)"
-  grep -qF -- "$pattern" err.txt || fail "qcommit $*: error '$(cat err.txt)' lacks '$pattern'"
-  rm -f out.txt err.txt
-  sums | cmp -s - before.txt || fail "qcommit $*: refused, but the images or the directory changed"
-}
+unchanged() { sums | cmp -s - before.txt || fail "$1 the images or the directory changed"; }
+# refused WANT_RC TEXT ARGS...: qcommit ARGS exits WANT_RC with one line containing TEXT on
+# stderr (fails_with), and the images and the directory are as before.
+refused() { fails_with "$1" "$2" "$QCOMMIT" "${@:3}"; unchanged "qcommit ${*:3}: refused, but"; }
 # accepted ARGS...: qcommit ARGS exits 0 (a dry run or a plan: nothing written).
-accepted() {
-  "$QCOMMIT" "$@" >out.txt 2>err.txt </dev/null || fail "qcommit $*: refused: $(cat err.txt)"
-  rm -f out.txt err.txt
-  sums | cmp -s - before.txt || fail "qcommit $*: the images or the directory changed"
-}
+accepted() { try "$QCOMMIT" "$@"; ((rc == 0)) || fail "qcommit $*: refused: $(cat err.txt)"; unchanged "qcommit $*:"; }
 
 # --- durations: a unit, more than 0, a budget at most 60 s, --wait may be 0 --------------------
 for cmd in "merge top.qcow2 --dry-run" "plan top.qcow2" "live vm1 vda --dry-run"; do
-  # shellcheck disable=SC2086
-  set -- $cmd
+  read -ra args <<<"$cmd" && set -- "${args[@]}"
   refused 2 "--budget 90s: must be at most 60s" "$@" --budget 90s -c "$uri"
   refused 2 "--budget 61s: must be at most 60s" "$@" --budget 61s -c "$uri"
   refused 2 "--budget 0: a duration needs a unit, and must be more than 0" "$@" --budget 0 -c "$uri"
@@ -52,20 +38,16 @@ done
 accepted merge top.qcow2 --dry-run --budget 60s -c "$uri"
 accepted plan top.qcow2 --budget 60s -c "$uri"
 for cmd in "merge top.qcow2 --dry-run --budget off" "live vm1 vda --dry-run"; do
-  # shellcheck disable=SC2086
-  set -- $cmd
+  read -ra args <<<"$cmd" && set -- "${args[@]}"
   refused 2 "--wait 20: a duration needs a unit: 20ms or 20s" "$@" --wait 20 -c "$uri"
   refused 2 "--wait soon: bad duration 'soon'" "$@" --wait soon -c "$uri"
 done
-accepted merge top.qcow2 --dry-run --budget off --wait 0
-accepted merge top.qcow2 --dry-run --budget off --wait 0s
-accepted merge top.qcow2 --dry-run --budget off --wait 1.5s
+for wait in 0 0s 1.5s; do accepted merge top.qcow2 --dry-run --budget off --wait $wait; done
 refused 2 "--budget off: bad duration 'off'" live vm1 vda --dry-run --budget off -c "$uri"
 
 # --- sizes and rates: the same grammar for --max-rate and plan --rate ---------------------------
 for opt in "merge top.qcow2 --dry-run --budget off --max-rate" "plan top.qcow2 --budget off --rate"; do
-  # shellcheck disable=SC2086
-  set -- $opt
+  read -ra args <<<"$opt" && set -- "${args[@]}"
   name=${*: -1}
   refused 2 "$name 1X: bad size unit in '1X'" "$@" 1X
   refused 2 "$name fast: bad size 'fast'" "$@" fast
@@ -73,9 +55,7 @@ for opt in "merge top.qcow2 --dry-run --budget off --max-rate" "plan top.qcow2 -
   refused 2 "$name 1e3: bad size unit" "$@" 1e3
   refused 2 "$name 0: at least 4K (bytes per second)" "$@" 0
   refused 2 "$name 2T: at most 1T (bytes per second)" "$@" 2T
-  accepted "$@" 50M
-  accepted "$@" 50M/s
-  accepted "$@" 50MiB/s
+  for rate in 50M 50M/s 50MiB/s; do accepted "$@" $rate; done
 done
 refused 2 "--rate and --measure exclude each other" plan top.qcow2 --rate 80M --measure --budget off
 refused 2 "--max-rate 32K: at least 64K for a block job" live vm1 vda --dry-run --max-rate 32K -c "$uri"
@@ -102,11 +82,7 @@ for case in '[default]\nbudget=90s\n|[default]: budget must be at most 60s' \
   want=${case#*|}
   refused 1 "grammar.conf: $want" plan top.qcow2 --config grammar.conf -c "$uri"
   refused 1 "grammar.conf: $want" merge top.qcow2 --config grammar.conf -c "$uri"
-  rc=0
-  timeout 20 "$QCOMMITD" --config grammar.conf --uri "$uri" --socket "$work/qcd.sock" >qcd.out 2>qcd.err || rc=$?
-  [[ $rc != 0 && $rc != 124 ]] || fail "qcommitd started with ${case%%|*} (exit $rc)"
-  grep -qF -- "$want" qcd.err || fail "qcommitd's error lacks '$want': $(cat qcd.err)"
-  rm -f qcd.out qcd.err grammar.conf
+  qcommitd_refuses grammar.conf "$want"
 done
 conf '[default]\nbudget=60s\nfloor=4K\nceiling=1T\n'
 accepted plan top.qcow2 --config grammar.conf -c "$uri"

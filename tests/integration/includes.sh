@@ -6,6 +6,8 @@
 #   common < {qcow2, throttle} < engine < plugin/host < plugin/policy < plugin/hypervisor
 #          < plugin/govern < plugin/live < plugin/domain < plugin/daemon < cli
 set -euo pipefail
+test_name=arch.includes
+. "$(dirname "$0")/../lib/test.sh"
 root=${1:-$(cd "$(dirname "$0")/../.." && pwd)}
 cd "$root"
 declare -A rank=(
@@ -20,26 +22,22 @@ layer() {
     */*) echo "${1%%/*}" ;;
   esac
 }
-bad=0
 while IFS= read -r f; do
   own=$(layer "$f")
-  [[ -n ${rank[$own]+x} ]] || { echo "$f: in no layer of tests/integration/includes.sh"; bad=1; continue; }
+  [[ -n ${rank[$own]+x} ]] || { soft_fail "$f: in no layer of tests/integration/includes.sh"; continue; }
   while IFS=: read -r line inc; do
     inc=${inc#*\"}; inc=${inc%\"*}
     dep=$(layer "$inc")
     if [[ -z ${rank[$dep]+x} ]]; then
-      echo "$f:$line: includes $inc, in no layer"; bad=1
+      soft_fail "$f:$line: includes $inc, in no layer"
     elif [[ $dep != "$own" ]] && (( rank[$dep] >= rank[$own] )); then
-      echo "$f:$line: $own includes $inc ($dep is not below it)"; bad=1
+      soft_fail "$f:$line: $own includes $inc ($dep is not below it)"
     fi
   done < <(grep -n '^[[:space:]]*#[[:space:]]*include[[:space:]]*"' "$f" || true)
-  case $own in
-    common | qcow2 | throttle)
-      while IFS= read -r hit; do
-        echo "$f:$hit: $own must not depend on libvirt or GLib"; bad=1
-      done < <(grep -nE '^[[:space:]]*#[[:space:]]*include[[:space:]]*<(libvirt/|glib|gio/)' "$f" | cut -d: -f1 || true)
-      ;;
-  esac
+  [[ $own =~ ^(common|qcow2|throttle)$ ]] || continue
+  while IFS= read -r hit; do
+    soft_fail "$f:$hit: $own must not depend on libvirt or GLib"
+  done < <(grep -nE '^[[:space:]]*#[[:space:]]*include[[:space:]]*<(libvirt/|glib|gio/)' "$f" | cut -d: -f1 || true)
 done < <(git ls-files -- 'common/*.[ch]*' 'qcow2/*.[ch]*' 'throttle/*.[ch]*' 'engine/*.[ch]*' \
            'plugin/*.[ch]*' 'cli/*.[ch]*' | grep -E '\.(h|hpp|c|cpp)$')
-exit $bad
+finish

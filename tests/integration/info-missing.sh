@@ -10,29 +10,28 @@ set -euo pipefail
 QCOMMIT=$(realpath "$1")
 setup cli.info_missing
 
-qemu-img create -q -f qcow2 base.qcow2 16M
-qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 mid.qcow2
-qemu-img create -q -f qcow2 -b mid.qcow2 -F qcow2 top.qcow2
+image base.qcow2 16M
+overlay mid.qcow2 base.qcow2
+overlay top.qcow2 mid.qcow2
 qemu-img create -q -f qcow2 -b gone.qcow2 -F qcow2 -u lone.qcow2 16M
 rm base.qcow2
 
 # check IMAGE DEPTH NAMED_BY MISSING
 check() {
-  local img=$1 depth=$2 named_by=$3 missing=$4 rc=0 want=0
+  local img=$1 depth=$2 named_by=$3 missing=$4 want=0
   qemu-img info --backing-chain "$img" >/dev/null 2>&1 || want=$?
-  "$QCOMMIT" info "$img" >out.txt 2>err.txt || rc=$?
+  try "$QCOMMIT" info "$img"
   [[ $rc == "$want" && $rc != 0 ]] || fail "info $img: exit $rc, qemu-img info --backing-chain $want: $(cat err.txt)"
   [[ $(wc -l <err.txt) == 1 ]] && grep -qF "$named_by: backing file '$missing'" err.txt && grep -qF "does not exist" err.txt ||
     fail "info $img: the error does not name $named_by and $missing: $(cat err.txt)"
   grep -qF "image: $img" out.txt || fail "info $img: the image is not shown: $(cat out.txt)"
   grep -qF "backing image (depth $depth): $missing" out.txt && grep -qF "missing: the file does not exist" out.txt ||
     fail "info $img: the missing file at depth $depth is not shown: $(cat out.txt)"
-  rc=0
-  "$QCOMMIT" info --output=json "$img" >out.json 2>/dev/null || rc=$?
+  try "$QCOMMIT" info --output=json "$img"
   [[ $rc == "$want" ]] || fail "info --output=json $img: exit $rc"
-  [[ $(jq -c --argjson d "$depth" '[.chain[] | select(.missing == true) | [.depth, .filename, ."named-as"]]' out.json) == "[[$depth,\"$missing\",\"$missing\"]]" ]] ||
-    fail "info --output=json $img: $(cat out.json)"
-  [[ $(jq '.chain | length' out.json) == $((depth + 1)) ]] || fail "info --output=json $img: not every layer: $(cat out.json)"
+  [[ $(jq -c --argjson d "$depth" '[.chain[] | select(.missing == true) | [.depth, .filename, ."named-as"]]' out.txt) == "[[$depth,\"$missing\",\"$missing\"]]" ]] ||
+    fail "info --output=json $img: $(cat out.txt)"
+  [[ $(jq '.chain | length' out.txt) == $((depth + 1)) ]] || fail "info --output=json $img: not every layer: $(cat out.txt)"
 }
 check top.qcow2 2 mid.qcow2 base.qcow2
 check lone.qcow2 1 lone.qcow2 gone.qcow2

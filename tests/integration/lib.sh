@@ -1,36 +1,51 @@
 # SPDX-License-Identifier: GPL-2.0-or-later
-# What the integration scripts share beyond tests/lib/test.sh (setup, fail, spawn, wait_until,
-# ...), which it sources; sourced (`. "$(dirname "$0")/lib.sh"`) after `set -euo pipefail`, with
-# the paths of the binaries made absolute before `setup` changes the directory.
-#   start_qemu SOCK ...  a real QEMU, paused, with its QMP monitor at SOCK (see there).
-#   socket_stub SOCK [F] a Unix socket that closes every connection, or answers F (see there).
-#   test_domain, file_disk: domain XML for libvirt's test driver (test:///FILE; no libvirtd).
+# What the integration scripts share beyond tests/lib/test.sh, which it sources: qcow2 images, a
+# paused QEMU, socket stubs, domain XML for libvirt's test driver (test:///FILE; no libvirtd),
+# doctor's findings. Sourced (`. "$(dirname "$0")/lib.sh"`) after `set -euo pipefail`, with the
+# binaries' paths made absolute before `setup` changes the directory.
 
 . "$(dirname "${BASH_SOURCE[0]}")/../lib/test.sh"
+
+# image NAME SIZE [QEMU_IO_CMD...]: a new qcow2 image, the commands run on it (qio).
+image() {
+  qemu-img create -q -f qcow2 "$1" "$2"
+  (($# < 3)) || qio -f qcow2 "$1" "${@:3}"
+}
+# overlay NAME BACKING [SIZE] [QEMU_IO_CMD...]: the same over the qcow2 image BACKING (SIZE, digits
+# and a unit, else BACKING's size).
+overlay() {
+  local name=$1 backing=$2 size=
+  shift 2
+  [[ ${1:-} =~ ^[0-9]+[KMGT]?$ ]] && size=$1 && shift
+  qemu-img create -q -f qcow2 -b "$backing" -F qcow2 "$name" ${size:+"$size"}
+  (($# == 0)) || qio -f qcow2 "$name" "$@"
+}
+
+# qcommitd_refuses CONF TEXT: $QCOMMITD --config CONF exits, within 20 s and not 0, saying TEXT.
+qcommitd_refuses() {
+  try timeout 20 "$QCOMMITD" --config "$1" --uri test:///default --socket "$work/qcd.sock"
+  [[ $rc != 0 && $rc != 124 ]] || fail "qcommitd started with $1: $(tr '\n' ' ' <"$1")(exit $rc)"
+  grep -qF -- "$2" err.txt || fail "qcommitd's error lacks '$2': $(cat err.txt)"
+}
 
 # start_qemu SOCKET ARGS...: qemu-system-x86_64 paused (-S: block jobs and QMP work, no guest
 # runs), TCG, no default devices, with its QMP monitor at SOCKET and ARGS (-blockdev, -drive,
 # -device, -object iothread ...); spawned (its pid in $qemu_pid, its output in SOCKET.log), ready
 # once the socket is there (at most 5 s).
 start_qemu() {
-  local sock=$1 i
+  local sock=$1
   shift
   spawn qemu-system-x86_64 -machine q35,accel=tcg -nodefaults -display none -S \
     -qmp "unix:$sock,server=on,wait=off" "$@" >"$sock.log" 2>&1
   qemu_pid=$!
-  for ((i = 0; i < 100; i++)); do
-    [[ -S $sock ]] && return 0
-    kill -0 "$qemu_pid" 2>/dev/null || break
-    sleep 0.05
-  done
-  fail "QEMU did not start: $(cat "$sock.log")"
+  wait_until 5 _socket_or_gone "$sock" && [[ -S $sock ]] || fail "QEMU did not start: $(cat "$sock.log")"
 }
+_socket_or_gone() { [[ -S $1 ]] || gone "$qemu_pid"; }
 
 # socket_stub SOCKET [ANSWER_FILE]: a Unix socket server (python3), spawned, ready on return (at
 # most 5 s): it closes every connection at once, or, given ANSWER_FILE, reads one request line and
 # answers with the file's content, then closes.
 socket_stub() {
-  local i
   cat >"$work/socket_stub.py" <<'PY'
 import socket, sys
 answer = open(sys.argv[3], "rb").read() if len(sys.argv) > 3 else None
@@ -46,8 +61,7 @@ while True:
     c.close()
 PY
   spawn python3 "$work/socket_stub.py" "$1" "$1.ready" ${2:+"$2"}
-  for ((i = 0; i < 50; i++)); do [[ -e $1.ready ]] && return 0; sleep 0.1; done
-  fail "the stub socket $1 did not start"
+  wait_until 5 test -e "$1.ready" || fail "the stub socket $1 did not start"
 }
 
 # test_domain NAME ELEMENTS: a running domain of libvirt's test driver, NAME with 64 MiB, and

@@ -17,26 +17,25 @@ kRuns=20
 socket_stub "$work/libvirt-sock"
 uri="qemu:///system?socket=$work/libvirt-sock"
 
-# each_run NAME CHECK CMD...: runs CMD kRuns times; none may die of SIGPIPE, and after each
-# CHECK (a function, given the exit code) judges out/err.
+# each_run NAME CHECK CMD...: runs CMD kRuns times (try); none may die of SIGPIPE, and after each
+# CHECK (a function, given the exit code) judges out.txt and err.txt.
 each_run() {
   local name=$1 check=$2 i rc
   shift 2
   for ((i = 0; i < kRuns; i++)); do
-    rc=0
-    "$@" >out 2>err </dev/null || rc=$?
+    try "$@"
     ((rc != 141)) || fail "$name: killed by SIGPIPE (exit 141) in run $((i + 1)), nothing said"
     "$check" "$name" "$rc"
   done
 }
 # One line on stderr naming the socket, exit 1.
 one_line() {
-  [[ $2 == 1 && $(wc -l <err) == 1 ]] || fail "$1: exit $2, expected 1 and one line: $(head -c 300 err)"
-  grep -qF "$work/libvirt-sock" err || fail "$1: the error does not name the socket: $(cat err)"
+  [[ $2 == 1 && $(wc -l <err.txt) == 1 ]] || fail "$1: exit $2, expected 1 and one line: $(head -c 300 err.txt)"
+  grep -qF "$work/libvirt-sock" err.txt || fail "$1: the error does not name the socket: $(cat err.txt)"
 }
 # doctor's finding on stdout.
 cannot_connect_finding() {
-  grep -qF "libvirt: cannot connect to $uri" out || fail "$1: exit $2, no 'cannot connect' finding: $(cat out err | head -c 400)"
+  grep -qF "libvirt: cannot connect to $uri" out.txt || fail "$1: exit $2, no 'cannot connect' finding: $(cat out.txt err.txt | head -c 400)"
 }
 
 each_run live one_line "$QCOMMIT" live nodom vda -c "$uri"
@@ -44,8 +43,7 @@ each_run "merge --domain" one_line "$QCOMMIT" merge --domain nodom --disk vda -c
 each_run doctor cannot_connect_finding "$QCOMMIT" doctor nodom -c "$uri"
 # status --watch into a pipe whose reader exits: it ends rather than redrawing into the void.
 spawn "$QCOMMITD" --uri test:///default --socket "$work/qcd.sock" 2>qcd.log
-for ((i = 0; i < 50; i++)); do [[ -S $work/qcd.sock ]] && break; sleep 0.1; done
-[[ -S $work/qcd.sock ]] || fail "qcommitd did not start: $(cat qcd.log)"
+wait_until 5 test -S "$work/qcd.sock" || fail "qcommitd did not start: $(cat qcd.log)"
 set +o pipefail
 timeout 20 "$QCOMMIT" status --watch 100ms --socket "$work/qcd.sock" | head -c 1 >/dev/null
 rc=${PIPESTATUS[0]}

@@ -11,19 +11,21 @@ set -euo pipefail
 QCOMMIT=$(realpath "$1")
 setup cli.progress
 uri=test:///default
-mib=$((1024 * 1024))
 max_gap=10
 
 # stamp: each line of stdin prefixed with the seconds since the epoch when it arrived.
 stamp() { while IFS= read -r line; do printf '%s %s\n' "$(date +%s.%N)" "$line"; done; }
+# spread NAME BASE N P: NAME over BASE with N MiB of data (pattern P) in 1 MiB extents, a hole after
+# each (the engine reports progress per extent).
+spread() {
+  local io=() i
+  for ((i = 0; i < $3; i++)); do io+=("write -P $4 $((i * 2))M 1M"); done
+  overlay "$1" "$2" "${io[@]}"
+}
 
 # (1) --budget off, 96 MiB at 8 MiB/s, stderr into a pipe that stamps each line.
-# TOP's data in 1 MiB extents with holes between them (the engine reports progress per extent).
-qemu-img create -q -f qcow2 base.qcow2 192M
-qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2
-io=()
-for ((i = 0; i < 96; i++)); do io+=(-c "write -P 3 $((i * 2))M 1M"); done
-qemu-io "${io[@]}" top.qcow2 >/dev/null
+image base.qcow2 192M
+spread top.qcow2 base.qcow2 96 3
 start=$(date +%s.%N)
 { "$QCOMMIT" merge top.qcow2 --budget off --max-rate 8M 2>&1 >out.txt </dev/null | stamp >err.txt; } ||
   fail "(1) merge failed: $(cat out.txt err.txt)"
@@ -48,18 +50,12 @@ echo "(1) $n progress lines in $(echo "$end - $start" | bc) s"
 
 # (2) Governed (a budget, the probe beside BASE): the lines name the guests' p99; the JSON
 # progress events carry bytes, rate, ETA and guest-p99-ms.
-qemu-img create -q -f qcow2 base2.qcow2 64M
-qemu-img create -q -f qcow2 -b base2.qcow2 -F qcow2 top2.qcow2
-io=()
-for ((i = 0; i < 20; i++)); do io+=(-c "write -P 4 $((i * 2))M 1M"); done
-qemu-io "${io[@]}" top2.qcow2 >/dev/null
+image base2.qcow2 64M
+spread top2.qcow2 base2.qcow2 20 4
 "$QCOMMIT" merge top2.qcow2 --budget 50ms --max-rate 4M -c "$uri" >out2.txt 2>err2.txt </dev/null ||
   fail "(2) merge failed: $(cat err2.txt)"
 grep -qE "^qcommit: copy .*, guests' p99 [0-9.]+ ms$" err2.txt || fail "(2) no progress line with the guests' p99: $(cat err2.txt)"
-qemu-img create -q -f qcow2 -b base2.qcow2 -F qcow2 top3.qcow2
-io=()
-for ((i = 0; i < 8; i++)); do io+=(-c "write -P 5 $((i * 2))M 1M"); done
-qemu-io "${io[@]}" top3.qcow2 >/dev/null
+spread top3.qcow2 base2.qcow2 8 5
 "$QCOMMIT" merge top3.qcow2 --budget 50ms --max-rate 4M -c "$uri" --output=json >out3.json 2>err3.txt </dev/null ||
   fail "(3) JSON merge failed: $(cat err3.txt)"
 jq -e -s '[.[] | select(.event == "progress" and .phase == "copy")] | length >= 3' out3.json >/dev/null ||

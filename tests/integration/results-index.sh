@@ -6,23 +6,22 @@
 # in vain; exits 1 then.
 # usage: results-index.sh SOURCE_DIR
 set -euo pipefail
+test_name=docs.results_index
+. "$(dirname "$0")/../lib/test.sh"
 src=${1:?usage: results-index.sh SOURCE_DIR}
 dir=$src/tests/lab/results
 index=$dir/README.md
-[ -f "$index" ] || { echo "$index: missing"; exit 1; }
+[[ -f $index ]] || fail "$index: missing"
 # The names in the table's first column (comma-separated where a row holds several files).
 names=$(awk -F'|' '/^\| [^-]/ && $2 !~ /^ file / {
   n = split($2, a, ",")
   for (i = 1; i <= n; i++) { gsub(/^ +| +$/, "", a[i]); print a[i] }
 }' "$index" | sort -u)
-bad=0
 for f in "$dir"/*; do
   name=${f##*/}
-  [ "$name" = README.md ] && continue
-  grep -qxF -- "$name" <<<"$names" || { echo "$index: does not name $name"; bad=1; }
+  [[ $name == README.md ]] || grep -qxF -- "$name" <<<"$names" || soft_fail "$index: does not name $name"
 done
 while IFS= read -r name; do
-  [ -n "$name" ] || continue
-  [ -e "$dir/$name" ] || { echo "$index: names $name, which is not in $dir"; bad=1; }
+  [[ -z $name || -e $dir/$name ]] || soft_fail "$index: names $name, which is not in $dir"
 done <<<"$names"
-exit "$bad"
+finish

@@ -9,6 +9,8 @@
 # `exempt`). COPYING must be there. Prints each offending file; exits 1 when there is one.
 # usage: spdx.sh SOURCE_DIR
 set -euo pipefail
+test_name=docs.spdx
+. "$(dirname "$0")/../lib/test.sh"
 src=${1:?usage: spdx.sh SOURCE_DIR}
 tag='SPDX-License-Identifier: GPL-2.0-or-later'
 
@@ -43,19 +45,13 @@ has_tag() {
   [[ ($first == '#!'* || $1 == *.scd) && $second == *"$tag"* ]]
 }
 
-[[ -f $src/COPYING ]] || { echo "docs.spdx: $src/COPYING is missing"; exit 1; }
-missing=()
+[[ -f $src/COPYING ]] || fail "$src/COPYING is missing"
 checked=0
 while IFS= read -r f; do
   exempt "$f" && continue
   [[ -f $src/$f ]] || continue # deleted in the work tree, not yet committed
   checked=$((checked + 1))
-  has_tag "$src/$f" || missing+=("$f")
+  has_tag "$src/$f" || soft_fail "$f: no \"$tag\" at its top"
 done < <(files | sort -u)
-(( checked > 0 )) || { echo "docs.spdx: no source files found under $src"; exit 1; }
-if (( ${#missing[@]} )); then
-  for f in "${missing[@]}"; do echo "$f: no \"$tag\" at its top"; done
-  echo "docs.spdx: ${#missing[@]} of $checked source files lack the licence line"
-  exit 1
-fi
-echo "docs.spdx: all $checked source files carry \"$tag\""
+((checked > 0)) || fail "no source files found under $src"
+finish "docs.spdx: all $checked source files carry \"$tag\""

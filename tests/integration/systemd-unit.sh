@@ -11,20 +11,17 @@
 # most specific path decides) and every directory where images usually live is checked, with
 # /run/qcommit (its socket). This is a reading of the unit file, not a run under systemd; the
 # unit's command line is then run (without systemd) where its policy file does not exist.
-#
 # usage: systemd-unit.sh UNIT QCOMMITD
 set -euo pipefail
-unit=$1 qcommitd=$(realpath "$2")
-failures=()
-fail() { echo "FAIL: $*" >&2; failures+=("$*"); }
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+. "$(dirname "$0")/lib.sh"
+unit=$(realpath "$1") qcommitd=$(realpath "$2")
+setup packaging.systemd_unit
 
 for key in ProtectHome PrivateTmp PrivateDevices DevicePolicy InaccessiblePaths TemporaryFileSystem; do
-  grep -Eq "^$key=" "$unit" && fail "the unit sets $key"
+  grep -Eq "^$key=" "$unit" && soft_fail "the unit sets $key"
 done
-grep -Eq '^Wants=.*libvirtd\.service' "$unit" && fail "the unit wants libvirtd.service"
-grep -Eq '^Requires=' "$unit" && fail "the unit requires another unit"
+grep -Eq '^Wants=.*libvirtd\.service' "$unit" && soft_fail "the unit wants libvirtd.service"
+grep -Eq '^Requires=' "$unit" && soft_fail "the unit requires another unit"
 # The unit's file-system view as rules "PATH ro|rw": ProtectSystem= first, then ReadOnlyPaths=
 # and ReadWritePaths= (a leading - or + only changes what happens when the path is missing).
 view_rules() {
@@ -54,16 +51,15 @@ writable() {
 # administrator made at the top level, and qcommitd's runtime directory.
 for dir in /var/lib/libvirt/images /srv/images /mnt/nfs /media/vm /opt/images /home/vm /data/images \
   /var/tmp /tmp /run/qcommit; do
-  writable "$dir" || fail "the unit makes $dir read-only: qcommitd cannot create its probe file beside an image there"
+  writable "$dir" || soft_fail "the unit makes $dir read-only: qcommitd cannot create its probe file beside an image there"
 done
 families=$(sed -n 's/^RestrictAddressFamilies=//p' "$unit")
 if [[ -n $families ]]; then
-  for f in AF_UNIX AF_INET AF_INET6; do [[ " $families " == *" $f "* ]] || fail "RestrictAddressFamilies lacks $f"; done
+  for f in AF_UNIX AF_INET AF_INET6; do [[ " $families " == *" $f "* ]] || soft_fail "RestrictAddressFamilies lacks $f"; done
 fi
 if command -v systemd-analyze >/dev/null; then
-  sed "s|^ExecStart=/usr/sbin/qcommitd|ExecStart=$qcommitd|" "$unit" >"$work/qcommitd.service"
-  systemd-analyze verify --man=no "$work/qcommitd.service" >"$work/verify.txt" 2>&1 ||
-    fail "systemd-analyze verify: $(cat "$work/verify.txt")"
+  sed "s|^ExecStart=/usr/sbin/qcommitd|ExecStart=$qcommitd|" "$unit" >qcommitd.service
+  systemd-analyze verify --man=no "$work/qcommitd.service" >verify.txt 2>&1 || soft_fail "systemd-analyze verify: $(cat verify.txt)"
 else
   echo "skip: no systemd-analyze"
 fi
@@ -73,23 +69,17 @@ fi
 # must not exist here, else this part is skipped.)
 exec_args=$(sed -n 's|^ExecStart=/usr/sbin/qcommitd||p' "$unit")
 default_conf=$(sed -n 's|.*--config \([^ ]*\).*|\1|p' <<<"$exec_args")
-[[ -n $default_conf ]] || fail "the unit's ExecStart names no --config"
+[[ -n $default_conf ]] || soft_fail "the unit's ExecStart names no --config"
 if [[ -n $default_conf && ! -e $default_conf ]]; then
-  rc=0
   # shellcheck disable=SC2086
-  timeout 3 "$qcommitd" $exec_args --uri test:///default --socket "$work/qcd.sock" >"$work/qcd.out" 2>"$work/qcd.err" || rc=$?
-  [[ $rc == 124 ]] || fail "qcommitd $exec_args without $default_conf: exit $rc, expected to keep running: $(cat "$work/qcd.err")"
-  grep -qF "$default_conf does not exist: the built-in policy" "$work/qcd.err" ||
-    fail "qcommitd without $default_conf does not say it runs the built-in policy: $(cat "$work/qcd.err")"
-  rc=0
-  timeout 10 "$qcommitd" --config "$work/none.conf" --uri test:///default --socket "$work/qcd2.sock" >/dev/null 2>"$work/qcd2.err" || rc=$?
-  [[ $rc != 0 && $rc != 124 ]] || fail "qcommitd --config $work/none.conf (missing): exit $rc, expected an error"
-  grep -qF "none.conf" "$work/qcd2.err" || fail "qcommitd's error does not name the missing file: $(cat "$work/qcd2.err")"
+  try timeout 3 "$qcommitd" $exec_args --uri test:///default --socket "$work/qcd.sock"
+  [[ $rc == 124 ]] || soft_fail "qcommitd $exec_args without $default_conf: exit $rc, expected to keep running: $(cat err.txt)"
+  grep -qF "$default_conf does not exist: the built-in policy" err.txt ||
+    soft_fail "qcommitd without $default_conf does not say it runs the built-in policy: $(cat err.txt)"
+  try timeout 10 "$qcommitd" --config "$work/none.conf" --uri test:///default --socket "$work/qcd2.sock"
+  [[ $rc != 0 && $rc != 124 ]] || soft_fail "qcommitd --config $work/none.conf (missing): exit $rc, expected an error"
+  grep -qF "none.conf" err.txt || soft_fail "qcommitd's error does not name the missing file: $(cat err.txt)"
 else
   echo "skip: $default_conf exists here"
 fi
-if ((${#failures[@]})); then
-  printf 'packaging.systemd_unit: %d failure(s)\n' "${#failures[@]}"
-  exit 1
-fi
-echo "packaging.systemd_unit: all checks passed"
+finish "packaging.systemd_unit: all checks passed"

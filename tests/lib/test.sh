@@ -117,3 +117,59 @@ new() {
 fmt_of() { qemu-img info -U --output=json "$1" | jq -r .format; }
 
 same_view() { qemu-img compare -q "$1" "$2" >/dev/null 2>&1; }
+
+# try CMD...: runs CMD, stdin from /dev/null, its stdout in out.txt and its stderr in err.txt (in
+# the current directory); its exit status in $rc, and the test goes on whatever it is.
+try() {
+  rc=0
+  "$@" >out.txt 2>err.txt </dev/null || rc=$?
+}
+# fails_with RC TEXT CMD...: CMD (run by try) exits RC with one line on stderr that contains
+# TEXT, or the test fails naming CMD (its program by base name).
+fails_with() {
+  local want=$1 text=$2 cmd
+  shift 2
+  try "$@"
+  cmd="${1##*/} ${*:2}"
+  [[ $rc == "$want" ]] || fail "$cmd: exit $rc, expected $want: $(cat out.txt err.txt)"
+  [[ $(wc -l <err.txt) == 1 ]] || fail "$cmd: the error is not one line: $(cat err.txt)"
+  grep -qF -- "$text" err.txt || fail "$cmd: error '$(cat err.txt)' lacks '$text'"
+}
+
+# drop_cache FILE: FILE written back (sync) and its pages dropped from the page cache, so that
+# what is cached afterwards is what came after.
+drop_cache() {
+  sync
+  python3 -c 'import os, sys; os.posix_fadvise(os.open(sys.argv[1], os.O_RDONLY), 0, 0, os.POSIX_FADV_DONTNEED)' "$1"
+}
+
+# cached_bytes FILE: how many bytes of FILE the page cache holds (fincore).
+cached_bytes() { fincore --bytes --noheadings --output RES "$1"; }
+
+# small_chain: base.qcow2 (64 MiB, its first 8 MiB written) under top.qcow2 (writes at 4-20 MiB
+# and 40-41 MiB) in the current directory, replacing earlier ones; TOP's view in view.raw.
+small_chain() {
+  rm -f base.qcow2 top.qcow2
+  new base.qcow2 64M -f qcow2
+  qio -f qcow2 base.qcow2 "write -P 1 0 8M"
+  new top.qcow2 64M -f qcow2 -b base.qcow2 -F qcow2
+  qio -f qcow2 top.qcow2 "write -P 7 4M 16M" "write -P 9 40M 1M"
+  qemu-img convert -O raw top.qcow2 view.raw
+}
+
+# timed CMD...: runs CMD (redirected as the caller says); its exit status in rc (a failure does not
+# end the test), its wall-clock seconds in took.
+timed() {
+  local t0=$EPOCHREALTIME
+  rc=0
+  "$@" || rc=$?
+  took=$(awk -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.2f", b - a }')
+}
+
+# scatter IMG N SPAN: qemu-io writes N distinct 64 KiB clusters into qcow2 image IMG, cluster
+# i * 2654435761 mod SPAN (a permutation: SPAN a power of 2), pattern i mod 251 + 1.
+scatter() {
+  local args=() i
+  for ((i = 0; i < $2; i++)); do args+=(-c "write -P $((i % 251 + 1)) $(((i * 2654435761 % $3) * 65536)) 64k"); done
+  qemu-io -f qcow2 "${args[@]}" "$1" >/dev/null
+}
