@@ -66,10 +66,11 @@ stop() {
   wait "$1" 2>/dev/null || true
 }
 
+# Its locals are prefixed: a command given to on_exit reads the test's own variables (pid, cmd).
 _t_cleanup() {
-  local cmd pid
-  for cmd in "${_t_on_exit[@]}"; do eval "$cmd" || true; done
-  for pid in "${_t_spawned[@]}"; do kill "$pid" 2>/dev/null || true; done
+  local _t_cmd _t_pid
+  for _t_cmd in "${_t_on_exit[@]}"; do eval "$_t_cmd" || true; done
+  for _t_pid in "${_t_spawned[@]}"; do kill "$_t_pid" 2>/dev/null || true; done
   wait 2>/dev/null || true
   if [[ -n ${work:-} ]]; then
     cd /
@@ -172,4 +173,21 @@ scatter() {
   local args=() i
   for ((i = 0; i < $2; i++)); do args+=(-c "write -P $((i % 251 + 1)) $(((i * 2654435761 % $3) * 65536)) 64k"); done
   qemu-io -f qcow2 "${args[@]}" "$1" >/dev/null
+}
+
+# layers SIZE IMG[=CMDS]...: a qcow2 chain, the first IMG of SIZE, each next one over the one before
+# it (its backing file named as that one is written here: relative or absolute); each IMG given
+# CMDS gets them written by qio (qemu-io commands separated by ';').
+layers() {
+  local size=$1 prev='' spec img cmds
+  shift
+  for spec; do
+    img=${spec%%=*}
+    if [[ -z $prev ]]; then new "$img" "$size" -f qcow2; else qemu-img create -q -f qcow2 -b "$prev" -F qcow2 "$img"; fi
+    if [[ $spec == *=* ]]; then
+      IFS=';' read -ra cmds <<<"${spec#*=}"
+      qio -f qcow2 "$img" "${cmds[@]}"
+    fi
+    prev=$img
+  done
 }

@@ -10,34 +10,26 @@
 # speed call).
 # usage: daemon-first-speed.sh QCOMMIT QCOMMITD
 set -euo pipefail
-source "$(dirname "$0")/lib.sh"
+. "$(dirname "$0")/lib.sh"
 QCOMMIT=$(realpath "$1") QCOMMITD=$(realpath "$2")
-daemon_test_init libvirt.daemon_first_speed qfs
+lv_setup libvirt.daemon_first_speed qfs
 # Discovery is bounded by the 0.5 s poll; the rest is a few libvirt calls (generous for a busy
 # 2-core CI machine).
 kMaxTimeToGovernMs=1500
-qemu-img create -q -f qcow2 base.qcow2 1G
-qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2
-qemu-io -c 'write -P 5 0 256M' top.qcow2 >/dev/null
-qemu-img convert -O raw top.qcow2 view-before.raw
 # A ceiling that keeps the 256 MiB copy running for seconds once governed.
 start_test_qcommitd '[default]\nbudget=20ms\nfloor=1M\nceiling=16M\n'
-define_disk_domain "$dom" "$dir/top.qcow2" "$dir"
-virsh -q start "$dom" >/dev/null
+start_domain 1G base.qcow2 top.qcow2='write -P 5 0 256M'
 virsh -q blockcommit "$dom" vda --active >/dev/null
-status=
-for ((i = 0; i < 100; i++)); do
-  status=$("$QCOMMIT" status --socket "$dir/d.sock" --output=json |
-    python3 -c 'import json,sys
+governed() {  # $status: the figures of the job on vda once it has a time to govern
+  status=$(qstatus --output=json | python3 -c 'import json,sys
 j=[x for x in json.load(sys.stdin)["jobs"] if x["disk"]=="vda"]
 if j and j[0].get("time_to_govern_ms") is not None:
     x=j[0]; f=lambda k: "-" if x[k] is None else "%.3f" % x[k]
     print(x["found_by"], "%.1f" % x["time_to_govern_ms"], x["speed_bytes_per_s"], x["copied_before_governed_bytes"],
           f("scan_began_after_ms"), f("job_listed_after_ms"), f("speed_taken_after_ms"))')
-  [[ -n $status ]] && break
-  sleep 0.1
-done
-[[ -n $status ]] || fail "no time to govern in qcommit status after 10 s"
+  [[ -n $status ]]
+}
+wait_until 10 governed || fail "no time to govern in qcommit status after 10 s"
 read -r found_by ttg speed copied scan listed taken <<<"$status"
 echo "governed ${ttg} ms after it was found by $found_by, speed $speed B/s, $copied bytes copied by then; steps: scan began $scan, job listed $listed, speed taken $taken ms"
 [[ $found_by == event || $found_by == poll ]] || fail "found_by '$found_by'"
@@ -55,10 +47,8 @@ awk -v t="$ttg" -v m="$kMaxTimeToGovernMs" 'BEGIN {exit !(t <= m)}' || fail "tim
 bw=$(virsh -q blockjob "$dom" vda --raw --bytes | awk -F= '$1 ~ /bandwidth/ {print $2}')
 ((bw > 0)) || fail "libvirt reports bandwidth '$bw' for the governed job"
 grep -q "after the job was found ($found_by)" d.log || fail "no time-to-govern line in the daemon log"
-if grep -qi "taint" "/var/log/libvirt/qemu/$dom.log" 2>/dev/null; then
-  fail "the domain was tainted: $(grep -i taint "/var/log/libvirt/qemu/$dom.log")"
-fi
+grep -i taint "/var/log/libvirt/qemu/$dom.log" >taint.txt 2>/dev/null && fail "the domain was tainted: $(cat taint.txt)"
 virsh -q blockjob "$dom" vda --abort >/dev/null
 virsh -q destroy "$dom" >/dev/null
-qemu-img compare -q top.qcow2 view-before.raw || fail "the guest view changed"
+view_kept view-before.raw top.qcow2
 echo "libvirt.daemon_first_speed: OK"

@@ -9,13 +9,14 @@
 # Each ends with base.qcow2 holding the guest's view. About 30 s.
 # usage: file-safety.sh QCOMMIT
 set -euo pipefail
-source "$(dirname "$0")/lib.sh"
+. "$(dirname "$0")/lib.sh"
 QCOMMIT=$(realpath "$1")
 judge=$(cd "$(dirname "$0")/../hostile" && pwd)/strace_writes.py
 command -v strace >/dev/null || { echo "strace not installed: skipped"; exit 77; }
-daemon_test_init libvirt.file_safety qfs
+lv_setup libvirt.file_safety qfs
 
-# traced NAME ARGS...: qcommit ARGS under strace (exit 0 required), its openings judged.
+# traced NAME ARGS...: qcommit ARGS under strace (exit 0 required), its openings judged; then vda
+# must be on base.qcow2, which holds the guest's view.
 traced() {
   local name=$1 rc=0
   shift
@@ -25,21 +26,18 @@ traced() {
   python3 "$judge" "trace-$name.log" --allowed "$dir/base.qcow2" --allowed "$dir/top.qcow2" \
     >"verdict-$name" || fail "$name: $(head -c 600 "verdict-$name")"
   echo "  $name: every opening for writing was safe"
+  vda_is "$dir/base.qcow2" || fail "$name: vda is not on base.qcow2"
+  virsh -q destroy "$dom" >/dev/null 2>&1 || true
+  view_kept view-before.raw base.qcow2 "$name"
 }
 
-start_two_layer_domain 64M '0 16M' '8M 16M'
+start_domain 64M "$dir/base.qcow2=write -P 1 0 16M" "$dir/top.qcow2=write -P 2 8M 16M"
 traced live live "$dom" vda --pivot --max-rate 32M --socket "$dir/none.sock"
-[[ $(vda_source "$dom") == "$dir/base.qcow2" ]] || fail "live: vda is not on base.qcow2 after the pivot"
-virsh -q destroy "$dom" >/dev/null
-qemu-img compare -q view-before.raw base.qcow2 || fail "live: base.qcow2 differs from the guest's view"
-
 # The offline form: a fresh top over the merged base, the domain shut off on it.
 virsh -q undefine "$dom" >/dev/null
 qemu-img create -q -f qcow2 -b "$dir/base.qcow2" -F qcow2 top.qcow2
-qemu-io -c "write -P 3 4M 8M" top.qcow2 >/dev/null
+qio -f qcow2 top.qcow2 'write -P 3 4M 8M'
 qemu-img convert -O raw top.qcow2 view-before.raw
-define_disk_domain "$dom" "$dir/top.qcow2" "$dir"
+define_disk_domain "$dom" "$dir/top.qcow2"
 traced merge-domain merge --domain "$dom" --disk vda --budget off
-[[ $(vda_source "$dom") == "$dir/base.qcow2" ]] || fail "merge --domain: vda is not on base.qcow2"
-qemu-img compare -q view-before.raw base.qcow2 || fail "merge --domain: base.qcow2 differs from the guest's view"
 echo "libvirt.file_safety: passed"

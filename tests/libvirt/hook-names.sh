@@ -6,31 +6,29 @@
 # qcommitd's socket exists or not, and calls nothing for operations it does not forward.
 # usage: hook-names.sh HOOK
 set -euo pipefail
+. "$(dirname "$0")/../lib/test.sh"
 HOOK=$(realpath "$1")
-work=$(mktemp -d "${TMPDIR:-/var/tmp}/qcommit-hook.XXXXXX")
-trap 'rm -rf "$work"' EXIT
-cd "$work"
+setup libvirt.hook_names
 # A stand-in qcommit on PATH records every call: its arguments NUL-terminated, then a record end.
 mkdir bin
 printf '#!/bin/sh\nprintf "%%s\\0" "$@" >>"%s/calls"; printf "@@END@@\\0" >>"%s/calls"\n' "$work" "$work" >bin/qcommit
 chmod +x bin/qcommit
 names=('vm one' "vm'quote" 'vm"dq' "vm\$(touch $work/pwned1)" "vm\`touch $work/pwned2\`" 'vm;touch pwned3'
        $'vm\nnewline' 'vm*' '-rf' '--socket=/etc/passwd')
-python3 -c 'import socket,sys; s=socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(1)' "$work/sock" &
-for _ in $(seq 100); do [[ -S $work/sock ]] && break; sleep 0.1; done
-[[ -S $work/sock ]] || { echo "test socket did not appear" >&2; exit 1; }
+spawn python3 -c 'import socket,sys; s=socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(1)' "$work/sock"
+wait_until 10 test -S "$work/sock" || fail "test socket did not appear"
 for sock in "$work/sock" "$work/none"; do
   for n in "${names[@]}"; do
     for op in started stopped reconnect prepare release; do
       start=$(date +%s%N)
       PATH="$work/bin:$PATH" QCOMMITD_SOCKET=$sock "$HOOK" "$n" "$op" - </dev/null >/dev/null 2>&1 ||
-        { echo "hook exited non-zero for name '$n' op $op" >&2; exit 1; }
+        fail "hook exited non-zero for name '$n' op $op"
       ms=$((($(date +%s%N) - start) / 1000000))
-      ((ms < 3000)) || { echo "hook took $ms ms" >&2; exit 1; }
+      ((ms < 3000)) || fail "hook took $ms ms"
     done
   done
 done
-for f in pwned1 pwned2 pwned3; do [[ ! -e $work/$f && ! -e $f ]] || { echo "a domain name ran a command ($f)" >&2; exit 1; }; done
+for f in pwned1 pwned2 pwned3; do [[ ! -e $work/$f && ! -e $f ]] || fail "a domain name ran a command ($f)"; done
 # Exactly one call per forwarded operation while the socket exists, each with the name intact.
 python3 - "$work/calls" "$work/sock" "${names[@]}" <<'PY'
 import sys

@@ -10,51 +10,39 @@
 #   * the disk ends on base.qcow2 with the guest's view.
 # Meanwhile this host's libvirtd (libvirtd -d; never a chroot's) is stopped for 2 s and started
 # again: live says once that it waits for the connection (a "wait" event for "connection"), and
-# carries on to the pivot.  libvirtd is left running whatever happens (the EXIT trap).
+# carries on to the pivot.  libvirtd is left running whatever happens.
 # And --max-rate below 64K is refused (exit 2, one line).
-# usage: live-max-rate.sh QCOMMIT
+# usage: live-libvirtd-restart.sh QCOMMIT
 set -euo pipefail
-source "$(dirname "$0")/lib.sh"
+. "$(dirname "$0")/lib.sh"
 QCOMMIT=$(realpath "$1")
-host_libvirtd >/dev/null || { echo "libvirtd is not running as a daemon of its own (libvirtd -d); skipped" >&2; exit 77; }
-daemon_test_init libvirt.live_libvirtd_restart qllr
-trap 'ensure_libvirtd || true; daemon_test_cleanup' EXIT
+restart_test_init libvirt.live_libvirtd_restart qllr
 cap=$((4 * 1024 * 1024))
-qemu-img create -q -f qcow2 base.qcow2 256M
-qemu-io -c 'write -P 1 0 16M' base.qcow2 >/dev/null
-qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2
-qemu-io -c 'write -P 2 8M 40M' top.qcow2 >/dev/null
+layers 256M base.qcow2='write -P 1 0 16M' top.qcow2='write -P 2 8M 40M'
 qemu-img convert -O raw top.qcow2 view-before.raw
-define_disk_domain "$dom" "$dir/top.qcow2" "$dir"
+define_disk_domain "$dom" "$dir/top.qcow2"
 virsh -q metadata "$dom" https://qcommit.dev/xmlns/1 --key qcommit --config \
   --set '<policy ceiling="1G"/>' >/dev/null
 virsh -q start "$dom" >/dev/null
 
-rc=0
-"$QCOMMIT" live "$dom" vda --max-rate 16K --daemon-socket "$dir/none.sock" >out0 2>err0 || rc=$?
-[[ $rc == 2 && $(wc -l <err0) == 1 ]] || fail "--max-rate 16K: exit $rc, expected 2 and one line: $(cat err0)"
+fails_with 2 "" "$QCOMMIT" live "$dom" vda --max-rate 16K --daemon-socket "$dir/none.sock"
 
 t0=$(date +%s.%N)
 "$QCOMMIT" live "$dom" vda --strategy direct --pivot --max-rate 4M --daemon-socket "$dir/none.sock" \
   --output=json >events 2>err &
 lpid=$!
-for ((i = 0; i < 100; i++)); do grep -q '"progress"' events 2>/dev/null && break; sleep 0.1; done
-grep -q '"progress"' events || fail "no progress from qcommit live: $(cat err)"
-lv=$(host_libvirtd)
-kill -TERM "$lv"
-for ((i = 0; i < 100; i++)); do kill -0 "$lv" 2>/dev/null || break; sleep 0.1; done
+wait_until 10 grep -qs '"progress"' events || fail "no progress from qcommit live: $(cat err)"
+stop_libvirtd || true
 sleep 2
 ensure_libvirtd || fail "libvirtd did not come back"
 echo "libvirtd restarted during the merge"
 qemu_max=0
-while kill -0 "$lpid" 2>/dev/null; do
-  bw=$(virsh -q blockjob "$dom" vda --info --bytes 2>/dev/null | sed -n 's/.*Bandwidth limit: \([0-9]*\).*/\1/p')
+while ! gone "$lpid"; do
+  bw=$(job_bandwidth)
   [[ -n $bw ]] && ((bw > qemu_max)) && qemu_max=$bw
   sleep 0.2
 done
-lrc=0
-wait "$lpid" || lrc=$?
-((lrc == 0)) || fail "qcommit live failed (exit $lrc): $(cat err) $(tail -n 3 events)"
+wait "$lpid" || fail "qcommit live failed (exit $?): $(cat err) $(tail -n 3 events)"
 took=$(echo "$(date +%s.%N) - $t0" | bc)
 top_speed=$(jq -s 'map(select(.event == "progress") | .speed_bytes_per_s // 0) | max // 0' events)
 echo "40 MiB at --max-rate 4M: ${took} s; largest progress speed $top_speed, largest QEMU speed $qemu_max bytes/s"
@@ -67,5 +55,5 @@ jq -se 'map(select(.event == "progress")) | length >= 2' events >/dev/null || fa
 ((qemu_max <= cap)) || fail "QEMU ran the job at $qemu_max bytes/s > $cap"
 [[ $(vda_source "$dom") == */base.qcow2 ]] || fail "vda is on '$(vda_source "$dom")', not base.qcow2, after the pivot"
 virsh -q destroy "$dom" >/dev/null
-qemu-img compare -q base.qcow2 view-before.raw || fail "base.qcow2 differs from the guest's view"
+view_kept view-before.raw base.qcow2
 echo "libvirt.live_libvirtd_restart: OK"
