@@ -12,38 +12,21 @@
 set -euo pipefail
 QCOMMIT=$(realpath "$1")
 [[ $(id -u) == 0 ]] || { echo "needs root: skipped"; exit 77; }
-work=$(mktemp -d "${TMPDIR:-/var/tmp}/qcommit-ovl.XXXXXX")
-cleanup() {
-  cd /
-  umount "$work/merged" 2>/dev/null || true
-  umount "$work/upper-fs" 2>/dev/null || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
-mkdir -p "$work/lower" "$work/upper-fs" "$work/merged"
-mount -t tmpfs -o size=256M tmpfs "$work/upper-fs" || { echo "cannot mount tmpfs: skipped"; exit 77; }
-mkdir -p "$work/upper-fs/upper" "$work/upper-fs/work"
-if ! mount -t overlay overlay \
-    -o "lowerdir=$work/lower,upperdir=$work/upper-fs/upper,workdir=$work/upper-fs/work" \
-    "$work/merged"; then
-  echo "cannot mount overlayfs: skipped"
-  exit 77
-fi
-cd "$work/merged"
-qemu-img create -q -f qcow2 base.qcow2 64M
-qemu-io -f qcow2 -c "write -P 1 0 8M" base.qcow2 >/dev/null
-qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2 64M
-qemu-io -f qcow2 -c "write -P 7 4M 16M" top.qcow2 >/dev/null
-qemu-img convert -O raw top.qcow2 view.raw
+. "$(dirname "$(realpath "$0")")/../lib/test.sh"
+setup hostile.overlayfs_resume
+on_exit 'cd /; umount "$work/merged" 2>/dev/null; umount "$work/upper-fs" 2>/dev/null'
+mkdir -p lower upper-fs merged
+mount -t tmpfs -o size=256M tmpfs upper-fs || { echo "cannot mount tmpfs: skipped"; exit 77; }
+mkdir -p upper-fs/upper upper-fs/work
+mount -t overlay overlay -o "lowerdir=$work/lower,upperdir=$work/upper-fs/upper,workdir=$work/upper-fs/work" merged ||
+  { echo "cannot mount overlayfs: skipped"; exit 77; }
+cd merged
+small_chain
 # What an interrupted run leaves: a checkpoint beside BASE (here one of another merge).
 printf 'qcommit-merge-checkpoint v1\nanother merge\n0\n' >.base.qcow2.qcommit-merge
 chmod 600 .base.qcow2.qcommit-merge
-rc=0
-"$QCOMMIT" merge top.qcow2 --budget off >out.txt 2>err.txt || rc=$?
-if [[ $rc != 0 ]]; then
-  echo "FAIL: the merge on overlayfs over tmpfs failed (exit $rc): $(cat err.txt)"
-  exit 1
-fi
-qemu-img compare -q view.raw base.qcow2 || { echo "FAIL: BASE does not show TOP's view"; exit 1; }
-[[ ! -e .base.qcow2.qcommit-merge ]] || { echo "FAIL: checkpoint left"; exit 1; }
+"$QCOMMIT" merge top.qcow2 --budget off >out.txt 2>err.txt ||
+  fail "the merge on overlayfs over tmpfs failed (exit $?): $(cat err.txt)"
+same_view view.raw base.qcow2 || fail "BASE does not show TOP's view"
+[[ ! -e .base.qcow2.qcommit-merge ]] || fail "checkpoint left"
 echo "overlayfs over tmpfs: the merge that found a checkpoint finished"

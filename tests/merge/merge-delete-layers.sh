@@ -16,26 +16,15 @@
 # usage: merge-delete-layers.sh QCOMMIT
 set -euo pipefail
 QCOMMIT=$(realpath "$1")
-work=$(mktemp -d "${TMPDIR:-/var/tmp}/qcommit-dellayers.XXXXXX")
-work=$(cd "$work" && pwd -P)  # the names the merge reports are absolute, through no symlink
-cleanup() {
-  chattr -i "$work"/* 2>/dev/null || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
-cd "$work"
-failures=()
+. "$(dirname "$(realpath "$0")")/../lib/test.sh"
+setup merge.delete_layers
+work=$(pwd -P)  # the names the merge reports are absolute, through no symlink
+on_exit 'chattr -i "$work"/* 2>/dev/null'
 skipped=
-fail() { echo "FAIL: $*" >&2; failures+=("$*"); }
 
-make_chain() {  # base.qcow2 <- $1 (backing name absolute when $2 = abs)
+make_chain() {  # base.qcow2 <- $1 (its backing name: base.qcow2 after the prefix $2, if any)
   rm -f base.qcow2 "$1"
-  qemu-img create -q -f qcow2 base.qcow2 16M
-  qemu-io -f qcow2 -c "write -P 1 0 4M" base.qcow2 >/dev/null
-  local backing=base.qcow2
-  [[ ${2:-} == abs ]] && backing=$work/base.qcow2
-  qemu-img create -q -f qcow2 -b "$backing" -F qcow2 "$1" 16M
-  qemu-io -f qcow2 -c "write -P 7 2M 6M" -c "write -z 12M 1M" "$1" >/dev/null
+  layers 16M "${2:-}base.qcow2=write -P 1 0 4M" "$1=write -P 7 2M 6M;write -z 12M 1M"
   qemu-img convert -O raw "$1" view.raw
 }
 checkpoint=.base.qcow2.qcommit-merge
@@ -43,23 +32,21 @@ checkpoint=.base.qcow2.qcommit-merge
 # (1) An unlink the kernel refuses.
 make_chain top.qcow2
 if chattr +i top.qcow2 2>/dev/null; then
-  rc=0
-  "$QCOMMIT" merge top.qcow2 --budget off --delete --output=json >out1.json 2>err1.txt || rc=$?
-  [[ $rc == 4 ]] || fail "(1) exit $rc, not 4, when TOP could not be deleted: $(cat err1.txt)"
-  [[ -e top.qcow2 ]] || fail "(1) TOP is gone although it is immutable"
+  rc=0; "$QCOMMIT" merge top.qcow2 --budget off --delete --output=json >out1.json 2>err1.txt || rc=$?
+  [[ $rc == 4 ]] || soft_fail "(1) exit $rc, not 4, when TOP could not be deleted: $(cat err1.txt)"
+  [[ -e top.qcow2 ]] || soft_fail "(1) TOP is gone although it is immutable"
   jq -se --arg top "$work/top.qcow2" 'map(select(.event == "result")) | length == 1 and
     (.[0]["not-deleted"] == [{"path": $top, "reason": "Operation not permitted"}]) and (.[0].deleted == [])' \
-    out1.json >/dev/null || fail "(1) the result does not name TOP as not deleted: $(grep result out1.json)"
-  [[ -e $checkpoint ]] || fail "(1) the checkpoint was removed although TOP is left"
-  qemu-img compare -q view.raw base.qcow2 || fail "(1) BASE does not show TOP's view"
+    out1.json >/dev/null || soft_fail "(1) the result does not name TOP as not deleted: $(grep result out1.json)"
+  [[ -e $checkpoint ]] || soft_fail "(1) the checkpoint was removed although TOP is left"
+  same_view view.raw base.qcow2 || soft_fail "(1) BASE does not show TOP's view"
   chattr -i top.qcow2
-  rc=0
-  "$QCOMMIT" merge top.qcow2 --budget off --delete >out1b.txt 2>err1b.txt || rc=$?
-  [[ $rc == 0 ]] || fail "(1) the same command again exited $rc: $(cat err1b.txt)"
-  [[ ! -e top.qcow2 ]] || fail "(1) the same command again did not delete TOP"
-  [[ ! -e $checkpoint ]] || fail "(1) the checkpoint is left after the re-run"
-  grep -qx "deleted $work/top.qcow2" out1b.txt || fail "(1) the re-run does not say it deleted TOP: $(cat out1b.txt)"
-  qemu-img compare -q view.raw base.qcow2 || fail "(1) BASE does not show TOP's view after the re-run"
+  "$QCOMMIT" merge top.qcow2 --budget off --delete >out1b.txt 2>err1b.txt ||
+    soft_fail "(1) the same command again exited $?: $(cat err1b.txt)"
+  [[ ! -e top.qcow2 ]] || soft_fail "(1) the same command again did not delete TOP"
+  [[ ! -e $checkpoint ]] || soft_fail "(1) the checkpoint is left after the re-run"
+  grep -qx "deleted $work/top.qcow2" out1b.txt || soft_fail "(1) the re-run does not say it deleted TOP: $(cat out1b.txt)"
+  same_view view.raw base.qcow2 || soft_fail "(1) BASE does not show TOP's view after the re-run"
 else
   echo "(1) skipped: chattr +i is refused here"
   skipped=yes
@@ -67,47 +54,40 @@ fi
 
 # (2) TOP given as a symlink to the layer.
 mkdir -p real
-make_chain real/top.qcow2 abs
+make_chain real/top.qcow2 "$work/"
 ln -s real/top.qcow2 top-link.qcow2
-rc=0
-"$QCOMMIT" merge top-link.qcow2 --budget off --delete >out2.txt 2>err2.txt || rc=$?
-[[ $rc == 0 ]] || fail "(2) merge of a symlinked TOP exited $rc: $(cat err2.txt)"
-[[ ! -e real/top.qcow2 ]] || fail "(2) the layer the link named is still there"
-[[ ! -L top-link.qcow2 ]] || fail "(2) the link is still there"
-grep -qx "deleted $work/top-link.qcow2" out2.txt || fail "(2) the link's removal is not said: $(cat out2.txt)"
-grep -qx "deleted $work/real/top.qcow2" out2.txt || fail "(2) the layer's removal is not said: $(cat out2.txt)"
-qemu-img compare -q view.raw base.qcow2 || fail "(2) BASE does not show TOP's view"
+"$QCOMMIT" merge top-link.qcow2 --budget off --delete >out2.txt 2>err2.txt ||
+  soft_fail "(2) merge of a symlinked TOP exited $?: $(cat err2.txt)"
+[[ ! -e real/top.qcow2 ]] || soft_fail "(2) the layer the link named is still there"
+[[ ! -L top-link.qcow2 ]] || soft_fail "(2) the link is still there"
+grep -qx "deleted $work/top-link.qcow2" out2.txt || soft_fail "(2) the link's removal is not said: $(cat out2.txt)"
+grep -qx "deleted $work/real/top.qcow2" out2.txt || soft_fail "(2) the layer's removal is not said: $(cat out2.txt)"
+same_view view.raw base.qcow2 || soft_fail "(2) BASE does not show TOP's view"
 
 # (3) A sibling image backed by TOP.
 make_chain snap1.qcow2
 qemu-img create -q -f qcow2 -b snap1.qcow2 -F qcow2 snap2.qcow2
-qemu-io -f qcow2 -c "write -P 9 6M 1M" snap2.qcow2 >/dev/null
+qio snap2.qcow2 "write -P 9 6M 1M"
 qemu-img convert -O raw snap2.qcow2 view2.raw
 sha256sum base.qcow2 snap1.qcow2 snap2.qcow2 >sums3
-rc=0
-"$QCOMMIT" merge snap1.qcow2 --budget off --delete >out3.txt 2>err3.txt || rc=$?
-[[ $rc == 1 ]] || fail "(3) exit $rc, not 1, with snap2.qcow2 backed by TOP"
-grep -q "snap2.qcow2" err3.txt || fail "(3) the error does not name snap2.qcow2: $(cat err3.txt)"
-[[ $(wc -l <err3.txt) == 1 ]] || fail "(3) the error is not one line: $(cat err3.txt)"
-sha256sum --quiet -c sums3 || fail "(3) files changed although the merge was refused"
-[[ ! -e $checkpoint ]] || fail "(3) a checkpoint was written although the merge was refused"
-qemu-img info snap2.qcow2 >/dev/null 2>&1 || fail "(3) snap2.qcow2 can no longer be opened"
-rc=0
-"$QCOMMIT" merge snap1.qcow2 --budget off --delete --dry-run >out3d.txt 2>err3d.txt || rc=$?
-[[ $rc == 1 ]] || fail "(3) --dry-run exited $rc, not 1 as the merge would"
+rc=0; "$QCOMMIT" merge snap1.qcow2 --budget off --delete >out3.txt 2>err3.txt || rc=$?
+[[ $rc == 1 ]] || soft_fail "(3) exit $rc, not 1, with snap2.qcow2 backed by TOP"
+grep -q "snap2.qcow2" err3.txt || soft_fail "(3) the error does not name snap2.qcow2: $(cat err3.txt)"
+[[ $(wc -l <err3.txt) == 1 ]] || soft_fail "(3) the error is not one line: $(cat err3.txt)"
+sha256sum --quiet -c sums3 || soft_fail "(3) files changed although the merge was refused"
+[[ ! -e $checkpoint ]] || soft_fail "(3) a checkpoint was written although the merge was refused"
+qemu-img info snap2.qcow2 >/dev/null 2>&1 || soft_fail "(3) snap2.qcow2 can no longer be opened"
+rc=0; "$QCOMMIT" merge snap1.qcow2 --budget off --delete --dry-run >out3d.txt 2>err3d.txt || rc=$?
+[[ $rc == 1 ]] || soft_fail "(3) --dry-run exited $rc, not 1 as the merge would"
 grep -q "would refuse --delete: image $work/snap2.qcow2" out3d.txt ||
-  fail "(3) --dry-run does not show the user: $(cat out3d.txt)"
-grep -q "snap2.qcow2" err3d.txt || fail "(3) --dry-run's error does not name snap2.qcow2: $(cat err3d.txt)"
-sha256sum --quiet -c sums3 || fail "(3) files changed by --dry-run"
-rc=0
-"$QCOMMIT" merge snap1.qcow2 --budget off --delete --rebase snap2.qcow2 >out3r.txt 2>err3r.txt || rc=$?
-[[ $rc == 0 ]] || fail "(3) with --rebase snap2.qcow2 the merge exited $rc: $(cat err3r.txt)"
-[[ ! -e snap1.qcow2 ]] || fail "(3) snap1.qcow2 not deleted with --rebase snap2.qcow2"
-qemu-img compare -q view2.raw snap2.qcow2 || fail "(3) snap2's view changed"
+  soft_fail "(3) --dry-run does not show the user: $(cat out3d.txt)"
+grep -q "snap2.qcow2" err3d.txt || soft_fail "(3) --dry-run's error does not name snap2.qcow2: $(cat err3d.txt)"
+sha256sum --quiet -c sums3 || soft_fail "(3) files changed by --dry-run"
+"$QCOMMIT" merge snap1.qcow2 --budget off --delete --rebase snap2.qcow2 >out3r.txt 2>err3r.txt ||
+  soft_fail "(3) with --rebase snap2.qcow2 the merge exited $?: $(cat err3r.txt)"
+[[ ! -e snap1.qcow2 ]] || soft_fail "(3) snap1.qcow2 not deleted with --rebase snap2.qcow2"
+same_view view2.raw snap2.qcow2 || soft_fail "(3) snap2's view changed"
 
-if ((${#failures[@]})); then
-  echo "${#failures[@]} failed" >&2
-  exit 1
-fi
+finish
 [[ -z $skipped ]] || exit 77
 echo "merge.delete_layers: all passed"

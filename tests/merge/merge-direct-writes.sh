@@ -11,41 +11,29 @@
 # usage: merge-direct-writes.sh QCOMMIT
 set -euo pipefail
 QCOMMIT=$(realpath "$1")
-work=$(mktemp -d "${TMPDIR:-/var/tmp}/qcommit-direct.XXXXXX")
-trap 'rm -rf "$work"' EXIT
-cd "$work"
+. "$(dirname "$(realpath "$0")")/../lib/test.sh"
+setup merge.direct_writes
 
 readonly kCluster=65536 kClusters=512 kMetadataLimit=$((2 << 20))
-qemu-img create -q -f qcow2 base.qcow2 256M
-qemu-io -f qcow2 -c "write -P 1 0 128M" base.qcow2 >/dev/null
-qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2 256M
+layers 256M base.qcow2="write -P 1 0 128M" top.qcow2
 # Every 8th cluster of the 4096, in a shuffled order (TOP's clusters are allocated in that order).
 seq 0 8 $((256 * 1024 * 1024 / kCluster - 1)) | awk 'BEGIN { srand(21) } { print rand(), $1 }' | sort -n |
   head -n $kClusters | awk -v cs=$kCluster '{ printf "write -P %d %d %d\n", $2 % 251 + 1, $2 * cs, cs }' |
   qemu-io -f qcow2 top.qcow2 >/dev/null
 qemu-img convert -O raw top.qcow2 view.raw
 
-# BASE's pages out of the page cache, so that what is cached afterwards is what the merge put there.
-sync
-python3 -c 'import os, sys; fd = os.open(sys.argv[1], os.O_RDONLY); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)' base.qcow2
-before=$(fincore --bytes --noheadings --output RES base.qcow2)
-
+drop_cache base.qcow2
+before=$(cached_bytes base.qcow2)
 "$QCOMMIT" merge top.qcow2 --budget off --output=json >result.json
-if [[ $(jq -r 'select(.event == "result") | ."direct-io"' result.json) != true ]]; then
-  echo "SKIP: O_DIRECT is not available under $work"
-  exit 77
-fi
-cached=$(fincore --bytes --noheadings --output RES base.qcow2)
+[[ $(jq -r 'select(.event == "result") | ."direct-io"' result.json) == true ]] ||
+  { echo "SKIP: O_DIRECT is not available under $work"; exit 77; }
+cached=$(cached_bytes base.qcow2)
 copied=$(jq -r 'select(.event == "result") | .copied' result.json)
 
-failures=0
-fail() { echo "FAIL: $*" >&2; failures=$((failures + 1)); }
-[[ $copied == $((kClusters * kCluster)) ]] || fail "copied $copied bytes, expected $((kClusters * kCluster))"
-if ((cached - before > kMetadataLimit)); then
-  fail "BASE has $((cached - before)) more bytes in the page cache after the merge (at most $kMetadataLimit of metadata expected): data went through the page cache"
-fi
-qemu-img compare -f raw -F qcow2 view.raw base.qcow2 >/dev/null || fail "BASE does not show TOP's view"
-qemu-img check -q base.qcow2 || fail "qemu-img check: BASE is not clean"
+[[ $copied == $((kClusters * kCluster)) ]] || soft_fail "copied $copied bytes, expected $((kClusters * kCluster))"
+((cached - before <= kMetadataLimit)) ||
+  soft_fail "BASE has $((cached - before)) more bytes in the page cache after the merge (at most $kMetadataLimit of metadata expected): data went through the page cache"
+qemu-img compare -f raw -F qcow2 view.raw base.qcow2 >/dev/null || soft_fail "BASE does not show TOP's view"
+qemu-img check -q base.qcow2 || soft_fail "qemu-img check: BASE is not clean"
 echo "page cache of BASE: $before bytes before, $cached after; copied $copied"
-((failures == 0)) || exit 1
-echo "OK"
+finish OK

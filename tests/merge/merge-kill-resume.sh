@@ -1,91 +1,77 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: GPL-2.0-or-later
-# merge.kill_resume: a kill matrix on real qcommit processes. `qcommit merge TOP --rebase CHILD`
-# (and a --delete variant) over a chain BELOW <- BASE <- TOP <- CHILD merges over 1 GiB; each
-# trial SIGKILLs the process at chosen moments, runs the same command again (killed again in a
-# sequence, then to completion) and checks what the merge promises:
-#   after every kill: TOP's guest view and CHILD's view equal the copies saved before the first
-#     run; CHILD's backing file is TOP or BASE; qemu-img check finds no corruption in BASE
-#     (leaks allowed); the checkpoint beside BASE exists, or BASE is byte-identical to the
-#     original (nothing is written before the checkpoint);
+# merge.kill_resume: a kill matrix on real qcommit processes. Each trial runs `qcommit merge TOP
+# --rebase CHILD` (or a --delete variant) over BELOW <- BASE <- TOP <- CHILD (over 1 GiB to
+# merge), SIGKILLs it at chosen moments (its re-runs too, in a sequence), runs the same command
+# to completion and checks what the merge promises:
+#   after every kill: TOP's and CHILD's views equal the copies saved before the first run; CHILD
+#     is backed by TOP or BASE; qemu-img check finds no corruption in BASE (leaks allowed); the
+#     checkpoint beside BASE exists, or BASE is byte-identical (nothing is written before it);
 #   the run that completes: exit 0, a result event with "resumed": true exactly when a killed run
-#     had left a checkpoint, BASE's view equal to TOP's saved view, qemu-img check BASE exit 0
-#     (the leaks repaired), CHILD's view unchanged and its backing file BASE, no checkpoint left,
-#     with --delete TOP gone.
-# The chain: BELOW (raw, 1280 MiB, every byte 0xb7) is BASE's backing file; BASE (512 MiB) is
-# smaller than TOP (1280 MiB), so the merge grows BASE, and where TOP provides nothing in the
-# grown range TOP reads zeros (nothing is read past the end of a backing file). A grown BASE
-# must keep reading zeros there, never BELOW's bytes. TOP holds ~1 GiB: 5120 scattered 64 KiB
-# clusters below 512 MiB, eight 92 MiB runs in the grown range with gaps, zero clusters over data
-# in both. CHILD has 64 partial-cluster writes of its own all over the disk.
+#     had left a checkpoint, BASE shows TOP's saved view, qemu-img check BASE exits 0 (the leaks
+#     repaired), CHILD's view unchanged and backed by BASE, no checkpoint left, with --delete TOP
+#     gone.
+# The chain: BELOW (raw, 1280 MiB of 0xb7) backs BASE (512 MiB), smaller than TOP (1280 MiB): the
+# merge grows BASE, and where TOP provides nothing in the grown range TOP reads zeros (nothing is
+# read past the end of a backing file), as the grown BASE must, never BELOW's bytes. TOP holds
+# ~1 GiB: 5120 scattered 64 KiB clusters below 512 MiB, eight 92 MiB runs in the grown range with
+# gaps, zero clusters over data in both. CHILD has 64 partial-cluster writes all over the disk.
 #
-# Moments: named ones, where strace injects SIGKILL right before the Nth system call of a kind
-# (on a given file): before the first checkpoint is in place, before the grow, inside the grow's
-# commit, before a window's checkpoint (then the resumed run at its first write to BASE), before
-# the last window's checkpoint, before CHILD's header is rewritten, before the checkpoint is
-# removed, and with --delete before and after TOP is unlinked. Timed ones: 1 ms and 5 ms after
-# the start, and at fractions of the copy stratified over it (timed from the run's first progress
-# event of the copy), each followed by a kill of the resumed run somewhere in its own copy.
+# Moments: named ones, where strace injects SIGKILL right before the Nth system call of a kind (on
+# a given file), listed with the trials below; timed ones: 1 ms and 5 ms after the start, and at
+# fractions of the copy stratified over it (timed from the run's first progress event of the
+# copy), each followed by a kill of the resumed run somewhere in its own copy.
 # Counts are asserted: every named kill hits a running process, most timed ones do, the run that
 # completes says "resumed": true after every kill that left a checkpoint and false after the
 # others, and the matrix includes kills before the first write and resumes past a window.
 #
 # usage: merge-kill-resume.sh QCOMMIT        (needs qemu-img, qemu-io, jq, strace)
-# KILL_SEED=N with the same KILL_TIMED repeats the timed kills of an earlier run (same fractions); KILL_TIMED=N runs N
-# timed trials instead of 8 (ctest: 5).
+# KILL_TIMED=N runs N timed trials instead of 8 (ctest: 5); KILL_SEED=N with the same KILL_TIMED
+# repeats the timed kills of an earlier run (same fractions).
 set -euo pipefail
 QCOMMIT=$(realpath "$1")
-for tool in qemu-img qemu-io jq strace; do
-  command -v "$tool" >/dev/null || { echo "merge.kill_resume: $tool not found" >&2; exit 1; }
-done
-work=$(mktemp -d "${TMPDIR:-/var/tmp}/qcommit-kill.XXXXXX")
+. "$(dirname "$(realpath "$0")")/../lib/test.sh"
+setup merge.kill_resume
+for tool in qemu-img qemu-io jq strace; do command -v "$tool" >/dev/null || fail "$tool not found"; done
 pid=
-trap '[[ -n $pid ]] && kill -9 $pid 2>/dev/null; rm -rf "$work"' EXIT
-cd "$work"
+on_exit '[[ -z ${pid:-} ]] || kill -9 "$pid" 2>/dev/null'
 t_begin=$(date +%s.%N)
 seed=${KILL_SEED:-$RANDOM}
 RANDOM=$seed
 now() { date +%s.%N; }
 since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
-
-failures=()
-fail() {
-  echo "FAIL [$tname]: $*" >&2
-  failures+=("[$tname] $*")
-}
+tfail() { soft_fail "[$tname] $*"; }  # a failure of trial $tname
 
 MiB=$((1024 * 1024))
 CP=.base.qcow2.qcommit-merge
 # Setup only: qemu-io without flushes (the images are read back through the page cache).
-qio() { qemu-io -t unsafe "$@" >/dev/null; }
+unsafe_io() { qemu-io -t unsafe "$@" >/dev/null; }
 
 # ---------------------------------------------------------------------------------------------
 # The chain.
 t0=$(now)
 qemu-img create -q -f raw below.raw 1280M
-qio -f raw -c "write -P 0xb7 0 1280M" below.raw
+unsafe_io -f raw -c "write -P 0xb7 0 1280M" below.raw
 qemu-img create -q -f qcow2 -b below.raw -F raw base.qcow2 512M
-qio -f qcow2 -c "write -P 0x11 0 64M" -c "write -z 64M 32M" base.qcow2
+unsafe_io -f qcow2 -c "write -P 0x11 0 64M" -c "write -z 64M 32M" base.qcow2
 qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2 1280M
 args=()
 # i * odd constant mod 8192 is a permutation: 5120 distinct clusters below 512 MiB.
-for ((i = 0; i < 5120; i++)); do
-  args+=(-c "write -P $((i % 251 + 1)) $(((i * 2654435761 % 8192) * 65536)) 64k")
-done
+for ((i = 0; i < 5120; i++)); do args+=(-c "write -P $((i % 251 + 1)) $(((i * 2654435761 % 8192) * 65536)) 64k"); done
 for ((k = 0; k < 8; k++)); do args+=(-c "write -P $((0x40 + k)) $((512 * MiB + k * 96 * MiB)) 92M"); done
 args+=(-c "write -z 32M 8M" -c "write -z 1200M 16M")
-qio -f qcow2 "${args[@]}" top.qcow2
+unsafe_io -f qcow2 "${args[@]}" top.qcow2
 qemu-img create -q -f qcow2 -b top.qcow2 -F qcow2 child.qcow2
 args=()
 for ((i = 0; i < 64; i++)); do args+=(-c "write -P $((0xc0 + i % 50)) $(((i * 20 + 3) * MiB + 4096 * i)) 256k"); done
-qio -f qcow2 "${args[@]}" child.qcow2
+unsafe_io -f qcow2 "${args[@]}" child.qcow2
 top_data=$(qemu-img map --output=json top.qcow2 | jq '[.[] | select(.depth == 0 and .data) | .length] | add')
-((top_data >= 1024 * MiB)) || { echo "setup: TOP holds only $((top_data / MiB)) MiB" >&2; exit 1; }
+((top_data >= 1024 * MiB)) || fail "setup: TOP holds only $((top_data / MiB)) MiB"
 qemu-img convert -t unsafe -O raw top.qcow2 top.view &
 qemu-img convert -t unsafe -O raw child.qcow2 child.view
 wait $!
 # The grown range's gaps read zeros in TOP (BELOW is not visible past BASE's end).
-cmp -s -n $((4 * MiB)) -i $((1276 * MiB)) top.view /dev/zero || { echo "setup: TOP's tail is not zeros" >&2; exit 1; }
+cmp -s -n $((4 * MiB)) -i $((1276 * MiB)) top.view /dev/zero || fail "setup: TOP's tail is not zeros"
 # The pristine copies live in a directory of their own: a copy of the child beside TOP would be
 # an image backed by TOP, a user that --delete refuses to orphan.
 mkdir -p orig
@@ -106,7 +92,7 @@ compare_views() {
     shift 3
   done
   for i in "${!pids[@]}"; do
-    wait "${pids[$i]}" || fail "$label: ${what[$i]}: $(head -c 200 "cmp$i.out")"
+    wait "${pids[$i]}" || tfail "$label: ${what[$i]}: $(head -c 200 "cmp$i.out")"
   done
 }
 
@@ -117,12 +103,11 @@ backing_of() {
   return 0
 }
 check_base() { # $1: the exit codes allowed, as a regex; sets last_leaks
-  local rc=0
+  local rc=0 c l
   qemu-img check --output=json base.qcow2 >chk.json 2>chk.err || rc=$?
-  local c l
   c=$(jq '.corruptions // 0' chk.json 2>/dev/null || echo '?')
   l=$(jq '.leaks // 0' chk.json 2>/dev/null || echo '?')
-  [[ $rc =~ ^($1)$ && $c == 0 ]] || fail "$label: qemu-img check BASE exit $rc, corruptions $c: $(head -c 300 chk.err)"
+  [[ $rc =~ ^($1)$ && $c == 0 ]] || tfail "$label: qemu-img check BASE exit $rc, corruptions $c: $(head -c 300 chk.err)"
   [[ $l =~ ^[0-9]+$ ]] && last_leaks=$l || last_leaks=0
 }
 
@@ -149,9 +134,8 @@ reset_images() {
 #                               (comma-separated) that touch FILE (any file if empty)
 # Sets killed_running (1 when it died of the kill before printing its result) and phase.
 run_killed() {
-  local spec=$1 rc=0
-  : >run.json # there even if the kill comes before the shell's redirection
-  : >run.err
+  local spec=$1 rc=0 line delay calls file n paths=() decile
+  : >run.json 2>run.err # there even if the kill comes before the shell's redirection
   kills=$((kills + 1))
   case $spec in
     after:*)
@@ -162,7 +146,6 @@ run_killed() {
       wait "$pid" 2>/dev/null || rc=$?
       ;;
     copy:*)
-      local line delay
       rm -f out.fifo
       mkfifo out.fifo
       "${CMD[@]}" >out.fifo 2>run.err &
@@ -188,7 +171,6 @@ run_killed() {
       ;;
     sys:*)
       named_kills=$((named_kills + 1))
-      local calls file n paths=()
       IFS=: read -r _ calls file n <<<"$spec"
       # strace matches a path argument as spelled and a descriptor by its absolute path.
       [[ -n $file ]] && paths=(-P "$file" -P "./$file" -P "$work/$file")
@@ -207,7 +189,7 @@ run_killed() {
   else
     misses=$((misses + 1))
     [[ $spec == sys:* ]] &&
-      fail "$label: the named kill did not hit a running merge (exit $rc): $(grep -v '^strace: Requested path' run.err | head -c 300)"
+      tfail "$label: the named kill did not hit a running merge (exit $rc): $(grep -v '^strace: Requested path' run.err | head -c 300)"
   fi
   # What the run had got to (its last event), for the summary.
   phase=$(jq -rs 'map(select(.event == "progress")) | last // {} |
@@ -215,7 +197,6 @@ run_killed() {
                   elif .phase == "copy" and .total > 0 then "copy \((.done * 10 / .total | floor) * 10)%"
                   else .phase end' run.json 2>/dev/null || echo '?')
   if [[ $spec == copy:* && $phase == copy* ]]; then # when in its copy, rather than its last report
-    local decile
     decile=$(awk -v f="${spec#copy:}" 'BEGIN { printf "%d", int(f * 10) * 10 }')
     phase="copy, $decile-$((decile + 10))% of its time"
   fi
@@ -229,11 +210,11 @@ after_kill() {
   if [[ -e top.qcow2 ]]; then
     compare_views "TOP's view changed" top.view top.qcow2 "CHILD's view changed" child.view child.qcow2
   else
-    ((deleting)) || fail "$label: TOP is gone without --delete"
+    ((deleting)) || tfail "$label: TOP is gone without --delete"
     compare_views "CHILD's view changed" child.view child.qcow2
   fi
   [[ $child_backing == "$work/top.qcow2" || $child_backing == "$work/base.qcow2" ]] ||
-    fail "$label: CHILD's backing file is '$child_backing'"
+    tfail "$label: CHILD's backing file is '$child_backing'"
   check_base '0|3'
   ((last_leaks > 0)) && leaky_kills=$((leaky_kills + 1))
   if [[ -e $CP ]]; then
@@ -244,7 +225,7 @@ after_kill() {
   elif [[ $child_backing == "$work/top.qcow2" ]]; then
     state=fresh
     left_untouched=$((left_untouched + 1))
-    cmp -s base.qcow2 orig/base.orig || fail "$label: BASE was written but no checkpoint is there"
+    cmp -s base.qcow2 orig/base.orig || tfail "$label: BASE was written but no checkpoint is there"
   else
     state=complete
     left_complete=$((left_complete + 1))
@@ -257,34 +238,28 @@ after_kill() {
 verify_done() {
   compare_views "BASE's view is not TOP's" top.view base.qcow2 "CHILD's view changed" child.view child.qcow2
   check_base '0'
-  [[ $(backing_of child.qcow2) == "$work/base.qcow2" ]] || fail "$label: CHILD's backing file is '$(backing_of child.qcow2)', not BASE"
-  [[ -e $CP || -e $CP.tmp ]] && fail "$label: checkpoint left behind"
-  if ((deleting)); then
-    [[ -e top.qcow2 ]] && fail "$label: TOP not deleted"
-  else
-    [[ -e top.qcow2 ]] || fail "$label: TOP deleted without --delete"
-  fi
+  [[ $(backing_of child.qcow2) == "$work/base.qcow2" ]] || tfail "$label: CHILD's backing file is '$(backing_of child.qcow2)', not BASE"
+  [[ -e $CP || -e $CP.tmp ]] && tfail "$label: checkpoint left behind"
+  ((!deleting)) || [[ ! -e top.qcow2 ]] || tfail "$label: TOP not deleted"
+  ((deleting)) || [[ -e top.qcow2 ]] || tfail "$label: TOP deleted without --delete"
   completed=$((completed + 1))
 }
 
 # The same command to completion.
 run_final() {
-  local rc=0 expect=$1
-  "${CMD[@]}" >final.json 2>final.err || rc=$?
-  [[ $rc == 0 ]] || { fail "$label: exit $rc: $(head -c 400 final.err)"; return; }
-  local result
+  local expect=$1 result resumed from
+  "${CMD[@]}" >final.json 2>final.err || { tfail "$label: exit $?: $(head -c 400 final.err)"; return; }
   result=$(jq -c 'select(.event == "result")' final.json 2>/dev/null || true)
-  [[ -n $result && $(wc -l <<<"$result") == 1 ]] || { fail "$label: no result event: $(tail -c 300 final.json)"; return; }
-  local resumed from
+  [[ -n $result && $(wc -l <<<"$result") == 1 ]] || { tfail "$label: no result event: $(tail -c 300 final.json)"; return; }
   resumed=$(jq -r '.resumed' <<<"$result")
   from=$(jq -r '."resumed-from"' <<<"$result")
   [[ $resumed == true ]] && resumes_seen=$((resumes_seen + 1))
   if [[ $expect == resume ]]; then
     resumes_expected=$((resumes_expected + 1))
-    [[ $resumed == true ]] || fail "$label: a killed run left a checkpoint, but the result says \"resumed\": $resumed"
+    [[ $resumed == true ]] || tfail "$label: a killed run left a checkpoint, but the result says \"resumed\": $resumed"
   else
     fresh_runs=$((fresh_runs + 1))
-    [[ $resumed == false ]] || fail "$label: nothing to resume, but the result says \"resumed\": $resumed"
+    [[ $resumed == false ]] || tfail "$label: nothing to resume, but the result says \"resumed\": $resumed"
   fi
   [[ $resumed == true && $from -gt 0 ]] && resumed_past_zero=$((resumed_past_zero + 1))
   echo "  $label: completed, resumed $resumed from $((from / MiB)) MiB, leaks repaired $(jq '."leaks-repaired"' <<<"$result"), $(jq '."total-seconds"' <<<"$result") s"
@@ -292,7 +267,7 @@ run_final() {
 }
 
 # trial NAME DELETE SPEC...: fresh images, the runs killed as the SPECs say, then a run to
-# completion (unless a kill came after the job was done), all verified.
+# completion (unless a kill came after the job was done), all verified; with no SPEC, a whole run.
 trial() {
   tname=$1 deleting=$2
   shift 2
@@ -313,31 +288,21 @@ trial() {
   done
   # Also after a failure: whether the re-run repairs what the kill left is worth knowing.
   label="final run"
-  if [[ $state == complete ]]; then
-    verify_done
-  else
-    run_final "$state"
-  fi
+  if [[ $state == complete ]]; then verify_done; else run_final "$state"; fi
   echo "  ($(since "$t0") s)"
 }
 
 # ---------------------------------------------------------------------------------------------
 # An uninterrupted run first (and how long a whole merge takes here).
-tname=uninterrupted deleting=0 label="uninterrupted run"
-reset_images
-CMD=("$QCOMMIT" merge top.qcow2 --rebase child.qcow2 --budget off --output=json)
 t_run=$(now)
-run_final fresh
+trial uninterrupted 0
 copy_bytes=$(jq -s 'map(select(.event == "progress" and .phase == "copy")) | first | .total' final.json)
 copy_seconds=$(jq -s 'map(select(.event == "result")) | first | ."copy-seconds"' final.json)
-if ! [[ $copy_bytes =~ ^[1-9][0-9]*$ && $copy_seconds =~ ^[0-9.]+$ ]]; then
-  echo "merge.kill_resume: the uninterrupted run reported no copy to time kills by: $(tail -c 300 final.json)" >&2
-  exit 1
-fi
+[[ $copy_bytes =~ ^[1-9][0-9]*$ && $copy_seconds =~ ^[0-9.]+$ ]] ||
+  fail "the uninterrupted run reported no copy to time kills by: $(tail -c 300 final.json)"
 # The first run here is the slowest (cold caches: it took 3.5 s where later whole copies took
 # 2.5-2.9 s, and kills timed by it came after the job); the copy time is the faster of two runs.
-reset_images
-run_final fresh
+trial uninterrupted 0
 copy_seconds=$(jq -s --argjson t "$copy_seconds" 'map(select(.event == "result")) | first | [."copy-seconds", $t] | min' final.json)
 echo "uninterrupted merge: $(since "$t_run") s for two, copying $((copy_bytes / MiB)) MiB in $copy_seconds s at best (kill seed $seed, KILL_TIMED=${KILL_TIMED:-8})"
 
@@ -372,17 +337,17 @@ done
 
 # ---------------------------------------------------------------------------------------------
 tname=summary
-[[ "$(sha256sum <orig/top.orig)" == "$top_sum" ]] || fail "TOP's file was modified"
+[[ "$(sha256sum <orig/top.orig)" == "$top_sum" ]] || tfail "TOP's file was modified"
 timed_kills=$((kills - named_kills))
 timed_hits=$((hits - named_hits))
-((named_hits == named_kills)) || fail "$((named_kills - named_hits)) of $named_kills named kills missed"
+((named_hits == named_kills)) || tfail "$((named_kills - named_hits)) of $named_kills named kills missed"
 # A timed kill misses when the run was done before it: a resumed run with little left to copy.
-((timed_hits * 3 >= timed_kills * 2)) || fail "only $timed_hits of $timed_kills timed kills hit a running merge"
-((resumes_seen == resumes_expected)) || fail "$resumes_seen results said resumed, $resumes_expected runs followed a checkpoint"
+((timed_hits * 3 >= timed_kills * 2)) || tfail "only $timed_hits of $timed_kills timed kills hit a running merge"
+((resumes_seen == resumes_expected)) || tfail "$resumes_seen results said resumed, $resumes_expected runs followed a checkpoint"
 # Eight named kills leave a checkpoint (all but first-checkpoint's), the timed ones more.
-((resumes_expected >= 8)) || fail "only $resumes_expected runs resumed an interrupted one"
-((left_untouched >= 1)) || fail "no kill came before the first write"
-((resumed_past_zero >= 1)) || fail "no run resumed past a committed window"
+((resumes_expected >= 8)) || tfail "only $resumes_expected runs resumed an interrupted one"
+((left_untouched >= 1)) || tfail "no kill came before the first write"
+((resumed_past_zero >= 1)) || tfail "no run resumed past a committed window"
 summary="kills $kills (named $named_kills), hit a running merge $hits, after the job $misses;"
 summary+=" left a checkpoint $left_checkpoint, nothing written $left_untouched, job done $left_complete,"
 summary+=" leaks after $leaky_kills; runs resumed $resumes_seen of $resumes_expected expected"
@@ -390,8 +355,4 @@ summary+=" ($resumed_past_zero past a committed window), fresh $fresh_runs; comp
 echo "phases hit:"
 for p in "${!phase_count[@]}"; do echo "  ${phase_count[$p]} x $p"; done | sort -k3
 echo "merge.kill_resume: $summary; $(since "$t_begin") s"
-if ((${#failures[@]})); then
-  printf '  %s\n' "${failures[@]}" >&2
-  exit 1
-fi
-echo "merge.kill_resume: OK"
+finish "merge.kill_resume: OK"

@@ -15,68 +15,47 @@
 # usage: merge-planted-links.sh QCOMMIT
 set -euo pipefail
 QCOMMIT=$(realpath "$1")
-work=$(mktemp -d "${TMPDIR:-/var/tmp}/qcommit-links.XXXXXX")
+. "$(dirname "$(realpath "$0")")/../lib/test.sh"
+setup merge.planted_links
 loop=
-cleanup() {
-  [[ -n $loop ]] && losetup -d "$loop" 2>/dev/null || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
-cd "$work"
-failures=()
-fail() { echo "FAIL: $*" >&2; failures+=("$*"); }
-
-make_chain() {
-  rm -f base.qcow2 top.qcow2
-  qemu-img create -q -f qcow2 base.qcow2 64M
-  qemu-io -f qcow2 -c "write -P 1 0 8M" base.qcow2 >/dev/null
-  qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2 64M
-  qemu-io -f qcow2 -c "write -P 7 4M 16M" -c "write -P 9 40M 1M" top.qcow2 >/dev/null
-  qemu-img convert -O raw top.qcow2 view.raw
-}
+on_exit '[[ -z $loop ]] || losetup -d "$loop" 2>/dev/null'
 
 # (1) Links at both names.
-make_chain
+small_chain
 mkdir -p outside
 echo "precious" >outside/victim-tmp
 echo "precious too" >outside/victim-cp
-cp outside/victim-tmp victim-tmp.orig
-cp outside/victim-cp victim-cp.orig
+cp outside/victim-tmp outside/victim-cp .
 ln -s "$work/outside/victim-tmp" .base.qcow2.qcommit-merge.tmp
 ln -s "$work/outside/victim-cp" .base.qcow2.qcommit-merge
-if ! "$QCOMMIT" merge top.qcow2 --budget off >out.txt 2>err.txt; then
-  fail "(1) merge with planted links failed: $(cat err.txt)"
-fi
-cmp -s outside/victim-tmp victim-tmp.orig || fail "(1) the temporary file's link target was overwritten"
-cmp -s outside/victim-cp victim-cp.orig || fail "(1) the checkpoint's link target was overwritten"
-qemu-img compare -q view.raw base.qcow2 || fail "(1) BASE does not show TOP's view"
-[[ ! -e .base.qcow2.qcommit-merge && ! -L .base.qcow2.qcommit-merge ]] || fail "(1) checkpoint left behind"
+"$QCOMMIT" merge top.qcow2 --budget off >out.txt 2>err.txt || soft_fail "(1) merge with planted links failed: $(cat err.txt)"
+cmp -s outside/victim-tmp victim-tmp || soft_fail "(1) the temporary file's link target was overwritten"
+cmp -s outside/victim-cp victim-cp || soft_fail "(1) the checkpoint's link target was overwritten"
+same_view view.raw base.qcow2 || soft_fail "(1) BASE does not show TOP's view"
+[[ ! -e .base.qcow2.qcommit-merge && ! -L .base.qcow2.qcommit-merge ]] || soft_fail "(1) checkpoint left behind"
 
 # (2) A FIFO at the checkpoint's name.
-make_chain
+small_chain
 mkfifo .base.qcow2.qcommit-merge
-if ! timeout 60 "$QCOMMIT" merge top.qcow2 --budget off >out.txt 2>err.txt; then
-  fail "(2) merge with a FIFO at the checkpoint's name failed or blocked: $(cat err.txt)"
-fi
-qemu-img compare -q view.raw base.qcow2 || fail "(2) BASE does not show TOP's view"
+timeout 60 "$QCOMMIT" merge top.qcow2 --budget off >out.txt 2>err.txt ||
+  soft_fail "(2) merge with a FIFO at the checkpoint's name failed or blocked: $(cat err.txt)"
+same_view view.raw base.qcow2 || soft_fail "(2) BASE does not show TOP's view"
 
 # (3) A block-device BASE.
 if [[ $(id -u) -eq 0 ]] && command -v strace >/dev/null && command -v losetup >/dev/null; then
   truncate -s 256M disk.img
   if loop=$(losetup --find --show disk.img 2>/dev/null); then
-    qemu-io -f raw -c "write -P 3 0 32M" "$loop" >/dev/null
-    qemu-img create -q -f qcow2 -b "$loop" -F raw top.qcow2 256M
-    args=()
-    for ((i = 0; i < 1500; i++)); do args+=(-c "write -P $((i % 251 + 1)) $(((i * 2654435761 % 4096) * 65536)) 64k"); done
-    qemu-io -f qcow2 "${args[@]}" top.qcow2 >/dev/null
+    qio -f raw "$loop" "write -P 3 0 32M"
+    new top.qcow2 256M -f qcow2 -b "$loop" -F raw
+    scatter top.qcow2 1500 4096
     qemu-img convert -O raw top.qcow2 view.raw
     export QCOMMIT_STATE_DIR=$work/state
     strace -f -qq -e trace=openat,rename,unlink -o strace.log "$QCOMMIT" merge top.qcow2 --allow-backing-dir /dev --budget off --output=json >run.json 2>run.err ||
-      fail "(3) the merge failed: $(cat run.err)"
-    grep 'qcommit-merge' strace.log | grep -q '"/dev/' && fail "(3) the merge wrote a checkpoint under /dev"
+      soft_fail "(3) the merge failed: $(cat run.err)"
+    grep 'qcommit-merge' strace.log | grep -q '"/dev/' && soft_fail "(3) the merge wrote a checkpoint under /dev"
     grep 'qcommit-merge' strace.log | grep "$QCOMMIT_STATE_DIR" | grep -q O_CREAT ||
-      fail "(3) the merge did not keep its checkpoint in the state directory"
-    qemu-img compare -q view.raw "$loop" || fail "(3) the loop device does not show TOP's view"
+      soft_fail "(3) the merge did not keep its checkpoint in the state directory"
+    same_view view.raw "$loop" || soft_fail "(3) the loop device does not show TOP's view"
     unset QCOMMIT_STATE_DIR
   else
     echo "skip (3): no loop device"
@@ -89,51 +68,37 @@ fi
 #     refused before anything is written: BASE, TOP and the child are byte-identical afterwards.
 d=$(printf 'd%.0s' {1..200})/$(printf 'e%.0s' {1..200})
 mkdir -p "$d"
-qemu-img create -q -f qcow2 "$d/base.qcow2" 4M
-qemu-img create -q -f qcow2 -b "$d/base.qcow2" -F qcow2 top4.qcow2 4M
-qemu-io -f qcow2 -c "write -P 5 0 1M" top4.qcow2 >/dev/null
-qemu-img create -q -f qcow2 -o cluster_size=512 -b top4.qcow2 -F qcow2 child4.qcow2 4M
+layers 4M "$d/base.qcow2" top4.qcow2="write -P 5 0 1M"
+new child4.qcow2 4M -f qcow2 -o cluster_size=512 -b top4.qcow2 -F qcow2
 sha256sum "$d/base.qcow2" top4.qcow2 child4.qcow2 >sums4
-if "$QCOMMIT" merge top4.qcow2 --rebase child4.qcow2 --budget off >out4.txt 2>err4.txt; then
-  fail "(4) a child whose header cannot hold BASE's name was accepted"
-fi
-grep -q 'child4.qcow2' err4.txt || fail "(4) the error does not name the child: $(cat err4.txt)"
-sha256sum --quiet -c sums4 || fail "(4) files changed although the merge was refused"
+! "$QCOMMIT" merge top4.qcow2 --rebase child4.qcow2 --budget off >out4.txt 2>err4.txt ||
+  soft_fail "(4) a child whose header cannot hold BASE's name was accepted"
+grep -q 'child4.qcow2' err4.txt || soft_fail "(4) the error does not name the child: $(cat err4.txt)"
+sha256sum --quiet -c sums4 || soft_fail "(4) files changed although the merge was refused"
 
 # (5) merge --delete while a reader has TOP open (TOP is only read-locked) longer than --wait: TOP
 #     is not deleted under it, the wait is a JSON event ("for": "close", TOP's path, the reader's
 #     pid and command), the error names the reader; once it is closed the same command finishes
 #     (resumed).
-rm -f base.qcow2 top.qcow2
-qemu-img create -q -f qcow2 base.qcow2 64M
-qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 top.qcow2 64M
-qemu-io -f qcow2 -c "write -P 7 4M 16M" top.qcow2 >/dev/null
-qemu-img convert -O raw top.qcow2 view.raw
+small_chain
 # A reader that takes no image lock (qemu-io would lock BASE too, and the merge would wait it out).
-python3 -c 'import time; f = open("top.qcow2", "rb"); time.sleep(3)' &
+spawn python3 -c 'import time; f = open("top.qcow2", "rb"); time.sleep(3)'
 reader=$!
 # Until the reader has TOP open (a slow interpreter start must not let the merge go first).
-for ((i = 0; i < 200; i++)); do
-  ls -l "/proc/$reader/fd" 2>/dev/null | grep -q 'top\.qcow2$' && break
-  sleep 0.02
-done
-if "$QCOMMIT" merge top.qcow2 --budget off --delete --wait 1s --output=json >out5.txt 2>err5.txt; then
-  fail "(5) merge --delete succeeded while a reader had TOP open"
-fi
-[[ -e top.qcow2 ]] || fail "(5) TOP was deleted while a reader had it open"
-grep -q "pid $reader" err5.txt || fail "(5) the error does not name the reader: $(cat err5.txt)"
+reading() { ls -l "/proc/$reader/fd" 2>/dev/null | grep -q 'top\.qcow2$'; }
+wait_until 4 reading || true
+! "$QCOMMIT" merge top.qcow2 --budget off --delete --wait 1s --output=json >out5.txt 2>err5.txt ||
+  soft_fail "(5) merge --delete succeeded while a reader had TOP open"
+[[ -e top.qcow2 ]] || soft_fail "(5) TOP was deleted while a reader had it open"
+grep -q "pid $reader" err5.txt || soft_fail "(5) the error does not name the reader: $(cat err5.txt)"
 jq -se --arg top "$(pwd -P)/top.qcow2" --argjson pid "$reader" 'map(select(.event == "wait")) | length == 1 and
   (.[0] | .for == "close" and .path == $top and .holders == [{"pid": $pid, "command": "python3"}] and
    .["timeout-s"] == 1)' out5.txt >/dev/null ||
-  fail "(5) no wait event saying what it waits for (close, $(pwd -P)/top.qcow2, pid $reader python3, 1 s): $(jq -c 'select(.event == "wait")' out5.txt)"
+  soft_fail "(5) no wait event saying what it waits for (close, $(pwd -P)/top.qcow2, pid $reader python3, 1 s): $(jq -c 'select(.event == "wait")' out5.txt)"
 wait "$reader" || true
-"$QCOMMIT" merge top.qcow2 --budget off --delete --output=json >out5.json 2>err5b.txt || fail "(5) the re-run failed: $(cat err5b.txt)"
-[[ ! -e top.qcow2 ]] || fail "(5) the re-run did not delete TOP"
-jq -se 'map(select(.event == "result")) | .[0].resumed == true' out5.json >/dev/null || fail "(5) the re-run did not resume"
-qemu-img compare -q view.raw base.qcow2 || fail "(5) BASE does not show TOP's view"
+"$QCOMMIT" merge top.qcow2 --budget off --delete --output=json >out5.json 2>err5b.txt || soft_fail "(5) the re-run failed: $(cat err5b.txt)"
+[[ ! -e top.qcow2 ]] || soft_fail "(5) the re-run did not delete TOP"
+jq -se 'map(select(.event == "result")) | .[0].resumed == true' out5.json >/dev/null || soft_fail "(5) the re-run did not resume"
+same_view view.raw base.qcow2 || soft_fail "(5) BASE does not show TOP's view"
 
-if ((${#failures[@]})); then
-  printf 'merge.planted_links: %d failure(s)\n' "${#failures[@]}"
-  exit 1
-fi
-echo "merge.planted_links: all checks passed"
+finish "merge.planted_links: all checks passed"

@@ -3,29 +3,17 @@
 # merge.race_soak: a monitoring agent's `qemu-img info` (which takes a shared lock) is waited out,
 # never fatal. MERGES (default 200) merges of small chains BASE <- MID <- TOP (varied writes,
 # sometimes TOP larger than BASE; into MID or, with --base, into BASE; some with --rebase CHILD,
-# half with --delete)
-# while a background loop runs `qemu-img info` on every image every 50 ms. Asserts: every merge
-# exits 0, the image merged into shows TOP's view saved before the merge (qemu-img compare against
-# `qemu-img convert -O raw`), qemu-img check is clean, MERGES compares done; reports (and asserts
-# at least one of) the waits seen in the JSON events and on stderr.
+# half with --delete) while a background loop runs `qemu-img info` on every image every 50 ms.
+# Asserts: every merge exits 0, the image merged into shows TOP's view saved before the merge
+# (qemu-img compare against `qemu-img convert -O raw`), qemu-img check is clean, MERGES compares
+# done; reports (and asserts at least one of) the waits seen in the JSON events and on stderr.
 #
 # usage: merge-race-soak.sh QCOMMIT [MERGES]
 set -euo pipefail
 QCOMMIT=$(realpath "$1")
 merges=${2:-200}
-work=$(mktemp -d "${TMPDIR:-/var/tmp}/qcommit-racesoak.XXXXXX")
-agents=()
-cleanup() {
-  if ((${#agents[@]})); then kill "${agents[@]}" 2>/dev/null && wait "${agents[@]}" 2>/dev/null; fi
-  rm -rf "$work"
-}
-trap cleanup EXIT
-cd "$work"
-failures=0
-fail() {
-  echo "FAIL: $*" >&2
-  failures=$((failures + 1))
-}
+. "$(dirname "$(realpath "$0")")/../lib/test.sh"
+setup merge.race_soak
 
 # The agent: `qemu-img info` (shared lock, no -U) on each image every 50 ms. Its own
 # failures (an image locked by the merge, a file deleted under it) are none of the test's business.
@@ -37,7 +25,6 @@ watch_image() {
   done
 }
 
-
 # A chain of 4 MiB images (TOP 6 MiB one time in four), each layer with a few writes of its own
 # (data, zeroes, discards) at offsets from iteration `i`; the child, when asked, writes too. Made
 # in prep/, where the agent does not look (its locks would stop qemu-io), then moved into place.
@@ -47,17 +34,15 @@ make_chain() {
   rm -rf prep base.qcow2 mid.qcow2 top.qcow2 child.qcow2 view.raw child.raw
   mkdir prep
   cd prep
-  qemu-img create -q -f qcow2 base.qcow2 4M
-  qemu-img create -q -f qcow2 -b base.qcow2 -F qcow2 mid.qcow2 4M
-  qemu-img create -q -f qcow2 -b mid.qcow2 -F qcow2 top.qcow2 "${top_mib}M"
   local a=$(((i * 37) % 48)) b=$(((i * 11) % 40)) c=$(((i * 5) % 56))
-  qemu-io -f qcow2 -c "write -P $((i % 250 + 1)) 0 3M" -c "write -z $((a * 64))k 256k" base.qcow2 >/dev/null
-  qemu-io -f qcow2 -c "write -P $((i % 200 + 3)) $((b * 64))k 1M" -c "write -z $((c * 64))k 192k" mid.qcow2 >/dev/null
-  qemu-io -f qcow2 -c "write -P $((i % 100 + 7)) $((c * 64))k 512k" -c "discard $((a * 64))k 128k" \
-    -c "write -P 9 $(((top_mib - 1) * 1024))k 64k" top.qcow2 >/dev/null
+  layers 4M base.qcow2="write -P $((i % 250 + 1)) 0 3M;write -z $((a * 64))k 256k" \
+    mid.qcow2="write -P $((i % 200 + 3)) $((b * 64))k 1M;write -z $((c * 64))k 192k"
+  new top.qcow2 "${top_mib}M" -f qcow2 -b mid.qcow2 -F qcow2
+  qio -f qcow2 top.qcow2 "write -P $((i % 100 + 7)) $((c * 64))k 512k" "discard $((a * 64))k 128k" \
+    "write -P 9 $(((top_mib - 1) * 1024))k 64k"
   if ((with_child)); then
-    qemu-img create -q -f qcow2 -b top.qcow2 -F qcow2 child.qcow2 "${top_mib}M"
-    qemu-io -f qcow2 -c "write -P 5 $((b * 64))k 64k" child.qcow2 >/dev/null
+    new child.qcow2 "${top_mib}M" -f qcow2 -b top.qcow2 -F qcow2
+    qio -f qcow2 child.qcow2 "write -P 5 $((b * 64))k 64k"
     qemu-img convert -O raw child.qcow2 child.raw
   fi
   qemu-img convert -O raw top.qcow2 view.raw
@@ -65,8 +50,9 @@ make_chain() {
   cd ..
 }
 
+agents=()
 for f in base.qcow2 mid.qcow2 top.qcow2 child.qcow2; do
-  watch_image "$f" &
+  spawn watch_image "$f"
   agents+=($!)
 done
 
@@ -78,10 +64,9 @@ for ((i = 0; i < merges; i++)); do
   ((i % 4 < 2)) && args+=(--delete)
   ((json)) && args+=(--output=json)
   make_chain "$i" "$child"
-  rc=0
-  "$QCOMMIT" merge top.qcow2 --budget off "${args[@]}" >out.txt 2>err.txt || rc=$?
+  rc=0; "$QCOMMIT" merge top.qcow2 --budget off "${args[@]}" >out.txt 2>err.txt || rc=$?
   if ((rc)); then
-    fail "merge $i (${args[*]}) exited $rc: $(tail -n 3 err.txt)"
+    soft_fail "merge $i (${args[*]}) exited $rc: $(tail -n 3 err.txt)"
     continue
   fi
   json_waits=$((json_waits + $(grep -c '"event": *"wait"' out.txt || true)))
@@ -89,24 +74,17 @@ for ((i = 0; i < merges; i++)); do
   if qemu-img compare -q view.raw "$into"; then
     compares=$((compares + 1))
   else
-    fail "merge $i (${args[*]}): $into does not show TOP's view"
+    soft_fail "merge $i (${args[*]}): $into does not show TOP's view"
   fi
-  qemu-img check -q "$into" >/dev/null 2>&1 || fail "merge $i (${args[*]}): $into is not clean"
-  if ((child)); then
-    qemu-img compare -q child.raw child.qcow2 || fail "merge $i: the rebased child's view changed"
-  fi
+  qemu-img check -q "$into" >/dev/null 2>&1 || soft_fail "merge $i (${args[*]}): $into is not clean"
+  ((!child)) || qemu-img compare -q child.raw child.qcow2 || soft_fail "merge $i: the rebased child's view changed"
 done
 t1=$(date +%s.%N)
-kill "${agents[@]}" 2>/dev/null || fail "a qemu-img info loop died during the soak"
+kill "${agents[@]}" 2>/dev/null || soft_fail "a qemu-img info loop died during the soak"
 wait "${agents[@]}" 2>/dev/null || true
-agents=()
 
 echo "merge.race_soak: $merges merges in $(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }') s," \
-  "$compares compares equal, $failures failures, waits seen: $json_waits JSON events, $stderr_waits stderr lines"
-((compares == merges)) || fail "$compares compares of $merges merges"
-((json_waits + stderr_waits > 0)) || fail "no merge waited for the agent (the soak did not race)"
-if ((failures)); then
-  echo "merge.race_soak: $failures failure(s)"
-  exit 1
-fi
-echo "merge.race_soak: all checks passed"
+  "$compares compares equal, waits seen: $json_waits JSON events, $stderr_waits stderr lines"
+((compares == merges)) || soft_fail "$compares compares of $merges merges"
+((json_waits + stderr_waits > 0)) || soft_fail "no merge waited for the agent (the soak did not race)"
+finish "merge.race_soak: all checks passed"

@@ -2,35 +2,24 @@
 # SPDX-License-Identifier: GPL-2.0-or-later
 # merge.view_matrix: no merge changes the view of TOP or of a child named with --rebase, for every
 # size relation among BELOW (BASE's backing file), BASE, an intermediate layer MID, TOP and the
-# children. A child larger than a TOP shorter than BASE read zeros past TOP's end; once on BASE
-# it must still read zeros there (the merge gives the child zeros where it allocates nothing and
-# BASE shows something), and a TOP larger than a MID shorter than BASE reads zeros past MID's end,
-# which BASE must show after the merge. Each row of ROWS is one chain (sizes; "-": no such
-# layer); every layer has its own data pattern, data near its end, zero clusters; TOP has
-# compressed clusters; flags pick qcow2 v2 (compat=0.10), extended L2 or 2 MiB clusters in the
-# children for some rows; an internal snapshot in BASE (its view unchanged afterwards) or
-# persistent bitmaps in BASE (removed: they would be stale).
-# For each row: the views of TOP and of each child (qemu-img convert -O raw), then
-#   qcommit merge TOP [--base BASE] --rebase CHILD... --budget off
-# then: every child's view unchanged (qemu-img compare) and backed by BASE; BASE shows TOP's old
-# view over TOP's size and its own old view beyond; qemu-img check clean on BASE and children.
+# children (ROWS: a chain a row, "-": no such layer). A child larger than a TOP shorter than BASE
+# reads zeros past TOP's end, and must on BASE too (the merge gives the child zeros where it
+# allocates nothing and BASE shows something); a TOP larger than a MID shorter than BASE reads
+# zeros past MID's end, which BASE must show after the merge. Every layer has its own data
+# pattern, data near its end, zero clusters; TOP has compressed clusters; flags pick qcow2 v2,
+# extended L2 or 2 MiB clusters in the children, an internal snapshot in BASE (its view unchanged
+# afterwards) or persistent bitmaps in BASE (removed: they would be stale).
+# Each row is merged (`qcommit merge TOP [--base BASE] --rebase CHILD... --budget off`); then every
+# child's view is unchanged (qemu-img compare) and backed by BASE, BASE shows TOP's old view over
+# TOP's size and its own old view beyond, qemu-img check is clean on BASE and the children.
 # About 25 s of CPU; 50-80 s of wall time on 2 busy cores.
 #
 # usage: merge-view-matrix.sh QCOMMIT
 set -euo pipefail
-
 QCOMMIT=$(realpath "$1")
 [[ -x $QCOMMIT ]] || { echo "usage: $0 QCOMMIT (an executable qcommit)" >&2; exit 2; }
-. "$(dirname "$(realpath "$0")")/chain-lib.sh"  # qio, new, fmt_of
-work=$(mktemp -d "${TMPDIR:-/var/tmp}/qcommit-merge-view-matrix.XXXXXX")
-trap 'rm -rf "$work"' EXIT
-cd "$work"
-
-failures=()
-fail() {
-  echo "FAIL: $*" >&2
-  failures+=("$*")
-}
+. "$(dirname "$(realpath "$0")")/../lib/test.sh"
+setup merge.view_matrix
 
 # name            BELOW BASE   MID   TOP     CHILDREN      flags
 ROWS=(
@@ -55,14 +44,7 @@ ROWS=(
   "base-bitmaps     -   16M    6M    12M     16M,12M       base-bitmap"
 )
 
-# Bytes of a size as the table writes it (16M, 8200k).
-bytes() {
-  case $1 in
-    *M) echo $((${1%M} * 1048576)) ;;
-    *k) echo $((${1%k} * 1024)) ;;
-    *) echo "$1" ;;
-  esac
-}
+bytes() { numfmt --from=iec "${1^^}"; }  # of a size as the table writes it (16M, 8200k)
 has_flag() { [[ ",$1," == *",$2,"* ]]; }
 
 # Distinct data in qcow2 image $1 (virtual size $2 bytes, pattern $3): its start, the middle, a
@@ -76,16 +58,8 @@ fill_layer() {
     "write -P $((p + 2)) $((size - 200000)) 70000" "write -P $((p + 3)) $((size - 65536)) 65536"
 }
 
-# Image $1 with backing $2 (format $3), virtual size $4, extra create args after.
-overlay() {
-  local img=$1 backing=$2 bfmt=$3 size=$4
-  shift 4
-  new "$img" "$size" -f qcow2 -b "$backing" -F "$bfmt" "$@"
-}
-
 build_row() {  # below base mid top children flags
-  local below=$1 base=$2 mid=$3 top=$4 children=$5 flags=$6
-  local base_opts=(-o compat=1.1) child_opts=() top_opts=()
+  local below=$1 base=$2 mid=$3 top=$4 children=$5 flags=$6 base_opts=(-o compat=1.1) child_opts=() top_opts=()
   has_flag "$flags" base-v2 && base_opts=(-o compat=0.10)
   has_flag "$flags" child-v2 && child_opts=(-o compat=0.10)
   has_flag "$flags" xl2 && top_opts=(-o extended_l2=on) child_opts=(-o extended_l2=on)
@@ -114,20 +88,19 @@ build_row() {  # below base mid top children flags
   fi
   local under=$BASE ufmt=$BFMT
   if [[ $mid != - ]]; then
-    overlay mid.qcow2 "$under" "$ufmt" "$mid"
+    new mid.qcow2 "$mid" -f qcow2 -b "$under" -F "$ufmt"
     fill_layer mid.qcow2 "$(bytes "$mid")" 51
     under=mid.qcow2 ufmt=qcow2
   fi
-  overlay top.qcow2 "$under" "$ufmt" "$top" "${top_opts[@]}"
-  local tsize
+  new top.qcow2 "$top" -f qcow2 -b "$under" -F "$ufmt" "${top_opts[@]}"
+  local tsize i=0 c csize
   tsize=$(bytes "$top")
   fill_layer top.qcow2 "$tsize" 61 "write -c -P 65 $((1048576)) 64k" \
     "write -c -P 66 $((tsize / 2 / 65536 * 65536 + 1048576)) 64k" "write -P 67 $((3 * 1048576 + 1000)) 3000"
   CHILDREN=()
-  local i=0 c csize
   for c in ${children//,/ }; do
     i=$((i + 1))
-    overlay "child$i.qcow2" top.qcow2 qcow2 "$c" "${child_opts[@]}"
+    new "child$i.qcow2" "$c" -f qcow2 -b top.qcow2 -F qcow2 "${child_opts[@]}"
     csize=$(bytes "$c")
     # Data of its own on both sides of TOP's end and near its own end; a zero range past TOP's.
     local past=()
@@ -140,11 +113,9 @@ build_row() {  # below base mid top children flags
 
 run_row() {
   local name=$1 below=$2 base=$3 mid=$4 top=$5 children=$6 flags=$7
-  local dir="$work/$name"
-  mkdir "$dir"
-  pushd "$dir" >/dev/null
+  mkdir "$work/$name" && cd "$work/$name"
   build_row "$below" "$base" "$mid" "$top" "$children" "$flags"
-  local c args=() bfmt=$BFMT tsize bsize
+  local c args=() bfmt=$BFMT tsize bsize out
   tsize=$(bytes "$top")
   bsize=$(bytes "$base")
   qemu-img convert -O raw top.qcow2 before-top.raw
@@ -154,50 +125,38 @@ run_row() {
     qemu-img convert -O raw "$c" "before-$c.raw"
     args+=(--rebase "$c")
   done
-  local out
   if ! out=$("$QCOMMIT" merge top.qcow2 --base "$BASE" "${args[@]}" --budget off 2>&1); then
-    fail "$name: qcommit merge failed: $out"
-    popd >/dev/null
+    soft_fail "$name: qcommit merge failed: $out"
     return
   fi
   for c in "${CHILDREN[@]}"; do
     qemu-img compare -q -f raw -F qcow2 "before-$c.raw" "$c" 2>/dev/null ||
-      fail "$name: $c's view changed (TOP $tsize bytes, BASE $bsize): $(qemu-img compare -f raw -F qcow2 "before-$c.raw" "$c" 2>&1 | head -c 200)"
+      soft_fail "$name: $c's view changed (TOP $tsize bytes, BASE $bsize): $(qemu-img compare -f raw -F qcow2 "before-$c.raw" "$c" 2>&1 | head -c 200)"
     [[ "$(qemu-img info --output=json "$c" | jq -r '."full-backing-filename" // empty' | xargs -r realpath)" == "$(realpath "$BASE")" ]] ||
-      fail "$name: $c is not backed by BASE"
-    qemu-img check -q "$c" >/dev/null 2>&1 || fail "$name: qemu-img check $c not clean"
+      soft_fail "$name: $c is not backed by BASE"
+    qemu-img check -q "$c" >/dev/null 2>&1 || soft_fail "$name: qemu-img check $c not clean"
   done
   # BASE shows TOP's old view over TOP's size and, where it was larger, its own old view beyond.
   cp before-top.raw expect.raw
   ((bsize > tsize)) && tail -c +$((tsize + 1)) before-base.raw >>expect.raw
   qemu-img convert -f "$bfmt" -O raw "$BASE" after-base.raw
   cmp -s expect.raw after-base.raw ||
-    fail "$name: BASE does not show TOP's old view then its own: $(cmp expect.raw after-base.raw 2>&1 | head -c 200)"
-  if [[ $bfmt == qcow2 ]]; then
-    qemu-img check -q "$BASE" >/dev/null 2>&1 || fail "$name: qemu-img check BASE not clean"
-  fi
+    soft_fail "$name: BASE does not show TOP's old view then its own: $(cmp expect.raw after-base.raw 2>&1 | head -c 200)"
+  [[ $bfmt != qcow2 ]] || qemu-img check -q "$BASE" >/dev/null 2>&1 || soft_fail "$name: qemu-img check BASE not clean"
   if has_flag "$flags" base-snap; then
     qemu-img convert -f qcow2 -l snapshot.name=s0 -O raw "$BASE" after-snap.raw
-    cmp -s before-snap.raw after-snap.raw || fail "$name: BASE's internal snapshot s0 changed"
+    cmp -s before-snap.raw after-snap.raw || soft_fail "$name: BASE's internal snapshot s0 changed"
   fi
-  if has_flag "$flags" base-bitmap; then
-    [[ $(qemu-img info --output=json "$BASE" | jq '."format-specific".data.bitmaps // [] | length') == 0 ]] ||
-      fail "$name: BASE still has persistent bitmaps (stale after the merge)"
-  fi
-  popd >/dev/null
-  rm -rf "$dir"
+  ! has_flag "$flags" base-bitmap || [[ $(qemu-img info --output=json "$BASE" | jq '."format-specific".data.bitmaps // [] | length') == 0 ]] ||
+    soft_fail "$name: BASE still has persistent bitmaps (stale after the merge)"
+  cd "$work" && rm -rf "$name"
 }
 
 start=$SECONDS
-rows=0
 for row in "${ROWS[@]}"; do
   read -r -a f <<<"$row"
   run_row "${f[@]}"
-  rows=$((rows + 1))
+  cd "$work"
 done
-
-echo "merge.view_matrix: $rows chains in $((SECONDS - start)) s, ${#failures[@]} failures"
-if ((${#failures[@]})); then
-  printf '  %s\n' "${failures[@]}" >&2
-  exit 1
-fi
+echo "merge.view_matrix: ${#ROWS[@]} chains in $((SECONDS - start)) s"
+finish
