@@ -122,7 +122,7 @@ boot() {
 }
 shutoff() {
   virsh -q destroy "$LAB_DOM" >/dev/null 2>&1 || true
-  wait_until 5 _lab_shut_off "$LIBVIRT_DEFAULT_URI" "$LAB_DOM" || fail "domain does not shut off"
+  wait_until 10 _lab_shut_off "$LIBVIRT_DEFAULT_URI" "$LAB_DOM" || fail "domain does not shut off"
 }
 
 # --- The guest writes; snapshots between its phases ---------------------------------------

@@ -77,7 +77,7 @@ lab_ensure_daemons() {
   "$LAB_SOURCE_DIR/scripts/dev-kvm-mode" >&2
   pgrep -x virtlogd >/dev/null || virtlogd -d
   pgrep -x libvirtd >/dev/null || libvirtd -d
-  wait_until 20 virsh -q version >/dev/null 2>&1 || lab_die "libvirtd does not answer on $LIBVIRT_DEFAULT_URI"
+  wait_until 40 virsh -q version >/dev/null 2>&1 || lab_die "libvirtd does not answer on $LIBVIRT_DEFAULT_URI"
 }
 
 lab_init() {

@@ -46,7 +46,7 @@ live_qcd_start() {
     --trace "$LAB_DIR/qcommitd-trace.csv" ${LIVE_QCOMMITD_ARGS:-} \
     </dev/null >>"$LAB_DIR/qcommitd.log" 2>&1 &
   LIVE_QCD_PID=$!
-  wait_until 10 _live_qcd_up || lab_die "qcommitd did not connect to libvirtd: $(tail -n 3 "$LAB_DIR/qcommitd.log")"
+  wait_until 30 _live_qcd_up || lab_die "qcommitd did not connect to libvirtd: $(tail -n 3 "$LAB_DIR/qcommitd.log")"
   gone "$LIVE_QCD_PID" && lab_die "qcommitd exited: $(tail -n 3 "$LAB_DIR/qcommitd.log")"
   lab_log "qcommitd running (pid $LIVE_QCD_PID, socket $LIVE_SOCK)"
 }

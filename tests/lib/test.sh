@@ -15,6 +15,7 @@
 #   wait_until SECONDS CMD... true as soon as CMD succeeds (tried every 0.1 s), false once
 #                             SECONDS have passed without; CMD may be a function of the test.
 #   gone PID                  true when PID no longer runs (for wait_until).
+#   now_us                    microseconds since the epoch.
 #   qio [-f FMT] IMG CMD...   qemu-io commands on IMG (format FMT, else detected); false on any
 #                             error qemu-io reports.
 #   new NAME SIZE ARGS...     qemu-img create -q ARGS NAME SIZE.
@@ -64,13 +65,17 @@ spawn() {
 stop() {
   kill "$1" 2>/dev/null || true
   wait "$1" 2>/dev/null || true
+  local i
+  for i in "${!_t_spawned[@]}"; do [[ ${_t_spawned[i]} != "$1" ]] || unset '_t_spawned[i]'; done
 }
 
-# Its locals are prefixed: a command given to on_exit reads the test's own variables (pid, cmd).
+# The spawned processes are stopped first (a daemon before the domains it governs are removed),
+# then the on_exit commands run. Its locals are prefixed: an on_exit command reads the test's own
+# variables (pid, cmd).
 _t_cleanup() {
   local _t_cmd _t_pid
-  for _t_cmd in "${_t_on_exit[@]}"; do eval "$_t_cmd" || true; done
   for _t_pid in "${_t_spawned[@]}"; do kill "$_t_pid" 2>/dev/null || true; done
+  for _t_cmd in "${_t_on_exit[@]}"; do eval "$_t_cmd" || true; done
   wait 2>/dev/null || true
   if [[ -n ${work:-} ]]; then
     cd /
@@ -78,13 +83,16 @@ _t_cleanup() {
   fi
 }
 
+# Microseconds since the epoch ($EPOCHREALTIME without its decimal point, whatever the locale's).
+now_us() { echo "${EPOCHREALTIME//[!0-9]/}"; }
+
 wait_until() {
   local limit_us end
   limit_us=$(awk -v s="$1" 'BEGIN {printf "%d", s * 1000000}')
   shift
-  end=$((${EPOCHREALTIME/./} + limit_us))
+  end=$(($(now_us) + limit_us))
   until "$@"; do
-    ((${EPOCHREALTIME/./} < end)) || return 1
+    (($(now_us) < end)) || return 1
     sleep 0.1
   done
 }
@@ -161,10 +169,11 @@ small_chain() {
 # timed CMD...: runs CMD (redirected as the caller says); its exit status in rc (a failure does not
 # end the test), its wall-clock seconds in took.
 timed() {
-  local t0=$EPOCHREALTIME
+  local t0
+  t0=$(now_us)
   rc=0
   "$@" || rc=$?
-  took=$(awk -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.2f", b - a }')
+  took=$(awk -v a="$t0" -v b="$(now_us)" 'BEGIN { printf "%.2f", (b - a) / 1e6 }')
 }
 
 # scatter IMG N SPAN: qemu-io writes N distinct 64 KiB clusters into qcow2 image IMG, cluster

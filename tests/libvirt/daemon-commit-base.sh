@@ -16,7 +16,7 @@ start_domain 256M base.qcow2='write -P 1 0 32M' mid.qcow2='write -P 2 16M 32M' m
 # 1 MiB/s until qcommitd adopts the job and sets its own speed.
 virsh -q blockcommit "$dom" vda --top "$dir/mid2.qcow2" --base "$dir/mid.qcow2" --bandwidth 1 >/dev/null
 vda_target() { target=$(qstatus --output=json | jq -r '[.jobs[] | select(.disk == "vda")][0].target // ""'); [[ -n $target ]]; }
-wait_until 10 vda_target || true
+wait_until 30 vda_target || true
 echo "governed commit --top mid2 --base mid: target $target"
 [[ $target == "$dir/mid.qcow2" ]] || fail "target '$target', expected $dir/mid.qcow2"
 # The job finishes (libvirt drops it from the chain) under the daemon.

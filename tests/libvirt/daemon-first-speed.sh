@@ -29,7 +29,7 @@ if j and j[0].get("time_to_govern_ms") is not None:
           f("scan_began_after_ms"), f("job_listed_after_ms"), f("speed_taken_after_ms"))')
   [[ -n $status ]]
 }
-wait_until 10 governed || fail "no time to govern in qcommit status after 10 s"
+wait_until 30 governed || fail "no time to govern in qcommit status after 30 s"
 read -r found_by ttg speed copied scan listed taken <<<"$status"
 echo "governed ${ttg} ms after it was found by $found_by, speed $speed B/s, $copied bytes copied by then; steps: scan began $scan, job listed $listed, speed taken $taken ms"
 [[ $found_by == event || $found_by == poll ]] || fail "found_by '$found_by'"

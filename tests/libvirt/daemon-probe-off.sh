@@ -51,7 +51,7 @@ all_probed() {
   qstatus --output=json >st.json
   [[ $(jq '[.jobs[] | select(.probe == "off" or .probe_last_ms != null)] | length' st.json) == 3 ]]
 }
-wait_until 30 all_probed || true
+wait_until 60 all_probed || true
 jq -c '.jobs[] | {disk, probe, probe_off_reason, probe_last_ms, probe_period_ms}' st.json
 # The human table too: a PROBE column, vdc "on" with a latency, a line per job without a probe.
 qstatus >st.txt

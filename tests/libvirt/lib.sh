@@ -155,9 +155,8 @@ ensure_libvirtd() {
 # gone within 10 s.
 stop_libvirtd() {
   local lv
-  lv=$(host_libvirtd)
-  kill -TERM "$lv"
-  wait_until 10 gone "$lv"
+  lv=$(host_libvirtd) && [[ -n $lv ]] || return 1
+  kill -TERM "$lv" && wait_until 10 gone "$lv"
 }
 # restart_test_init NAME PREFIX: lv_setup for a test that stops this host's libvirtd: skipped (77)
 # unless it runs as a daemon of its own; libvirtd left running at exit whatever happens.

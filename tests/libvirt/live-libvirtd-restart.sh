@@ -32,7 +32,7 @@ t0=$(date +%s.%N)
   --output=json >events 2>err &
 lpid=$!
 wait_until 10 grep -qs '"progress"' events || fail "no progress from qcommit live: $(cat err)"
-stop_libvirtd || true
+stop_libvirtd || fail "libvirtd did not stop"
 sleep 2
 ensure_libvirtd || fail "libvirtd did not come back"
 echo "libvirtd restarted during the merge"

@@ -28,7 +28,7 @@ set -euo pipefail
 . "$(dirname "$0")/lib.sh"
 QCOMMIT=$(realpath "$1")
 mode=$2
-SLOWFS=${3:-}
+SLOWFS=${3:+$(realpath "$3")}
 # $work (/var/tmp): views, the ext4 image, slowfs' backing dir and logs; $dir: the pool's target.
 lv_setup "libvirt.offline_${mode}_pool" qpool /var/tmp
 [[ $(id -u) == 0 ]] || skip "needs root (losetup, mount)"
@@ -72,7 +72,7 @@ else
     --stats "$work/slowfs.stats" </dev/null >"$work/slowfs.err" 2>&1
   slowfs_pid=$!
   fuse_mounted() { grep -q " $dir fuse" /proc/mounts || gone "$slowfs_pid"; }
-  wait_until 10 fuse_mounted
+  wait_until 10 fuse_mounted || fail "qcommit-slowfs did not mount $dir in 10 s"
   gone "$slowfs_pid" && fail "qcommit-slowfs exited: $(cat "$work/slowfs.err")"
   grep -q "^lab:$export_dir $dir fuse.qcommit-slowfs " /proc/mounts ||
     fail "slowfs not mounted as lab:$export_dir on $dir: $(grep " $dir " /proc/mounts)"
