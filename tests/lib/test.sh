@@ -5,8 +5,8 @@
 #
 #   setup NAME                $work: a fresh directory (removed at exit), the current directory
 #                             from here on; NAME prefixes every failure.
-#   on_exit CMD...            CMD runs at exit, before the spawned processes are stopped and
-#                             $work is removed (the test's own clean-up: domains, mounts).
+#   on_exit CMD...            CMD runs at exit, after the spawned processes are stopped and
+#                             before $work is removed (the test's own clean-up: domains, mounts).
 #   fail MESSAGE              ends the test: "NAME: FAIL: MESSAGE".
 #   soft_fail MESSAGE         the same line, and the test goes on; `finish` ends it failed.
 #   finish [PASS_LINE]        exit 1 listing every soft failure, else prints PASS_LINE.
@@ -21,6 +21,17 @@
 #   new NAME SIZE ARGS...     qemu-img create -q ARGS NAME SIZE.
 #   fmt_of IMG                IMG's format as qemu-img detects it.
 #   same_view A B             true when qemu-img compare finds the guest views of A and B equal.
+#   try CMD... / fails_with RC TEXT CMD...
+#                             CMD's output in out.txt and err.txt, its status in $rc / the test
+#                             fails unless CMD exits RC with one line on stderr containing TEXT.
+#   timed CMD...              CMD's status in $rc and its wall-clock seconds in $took.
+#   layers SIZE IMG[=CMDS]... a qcow2 chain, each IMG over the one before, CMDS written by qio.
+#   small_chain, scatter IMG N SPAN
+#                             a 64 MiB two-layer chain with TOP's view in view.raw; N scattered
+#                             64 KiB clusters written into IMG.
+#   drop_cache FILE, cached_bytes FILE
+#                             FILE's pages dropped from / counted in the page cache.
+# Each is described again above its definition.
 
 test_name=${test_name:-$(basename "$0" .sh)}
 _t_failures=()
