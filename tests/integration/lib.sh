@@ -1,25 +1,9 @@
 # SPDX-License-Identifier: GPL-2.0-or-later
-# What the integration scripts share beyond tests/lib/test.sh, which it sources: qcow2 images, a
-# paused QEMU, socket stubs, domain XML for libvirt's test driver (test:///FILE; no libvirtd),
+# What the integration scripts share beyond tests/lib/test.sh, which it sources: a paused QEMU, socket stubs, domain XML for libvirt's test driver (test:///FILE; no libvirtd),
 # doctor's findings. Sourced (`. "$(dirname "$0")/lib.sh"`) after `set -euo pipefail`, with the
 # binaries' paths made absolute before `setup` changes the directory.
 
 . "$(dirname "${BASH_SOURCE[0]}")/../lib/test.sh"
-
-# image NAME SIZE [QEMU_IO_CMD...]: a new qcow2 image, the commands run on it (qio).
-image() {
-  qemu-img create -q -f qcow2 "$1" "$2"
-  (($# < 3)) || qio -f qcow2 "$1" "${@:3}"
-}
-# overlay NAME BACKING [SIZE] [QEMU_IO_CMD...]: the same over the qcow2 image BACKING (SIZE, digits
-# and a unit, else BACKING's size).
-overlay() {
-  local name=$1 backing=$2 size=
-  shift 2
-  [[ ${1:-} =~ ^[0-9]+[KMGT]?$ ]] && size=$1 && shift
-  qemu-img create -q -f qcow2 -b "$backing" -F qcow2 "$name" ${size:+"$size"}
-  (($# == 0)) || qio -f qcow2 "$name" "$@"
-}
 
 # qcommitd_refuses CONF TEXT: $QCOMMITD --config CONF exits, within 20 s and not 0, saying TEXT.
 qcommitd_refuses() {

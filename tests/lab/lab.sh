@@ -18,8 +18,8 @@
 #                                     storage at B (50M), the guest started with GUEST_OPTIONS
 #                                     while it is fast, probing within S (300) s, storage back at
 #                                     B and idle, then S (0) s of baseline probing
-#   lab_fail MESSAGE                  "FAIL: MESSAGE" with the tails of qcommitd's and the
-#                                     merge's logs, exit 1 (`fail` in the lab's tests)
+#   fail MESSAGE                      (tests/lib/test.sh) ends the test; fail_context adds the
+#                                     tails of qcommitd's and the merge's logs
 #   lab_mark NAME                     record host time of an event in $LAB_DIR/events
 #   lab_merge CMD...                  run a host command as the merge action (marks merge_start /
 #                                     merge_end, sets LAB_MERGE_RC, LAB_MERGE_S); CMD sees LAB_DOM,
@@ -46,7 +46,7 @@
 # qemu:///system; tests/lab/platform.sh sets these for the Debian 13 platform). Needs root,
 # /dev/fuse, qemu-system-x86, libvirt.
 
-# wait_until, gone (tests/lib/test.sh; its setup and traps are not used here: lab_init has its own).
+# wait_until, gone, fail (tests/lib/test.sh; its setup and traps are not used here: lab_init has its own).
 . "$(dirname "${BASH_SOURCE[0]}")/../lib/test.sh"
 
 LAB_SOURCE_DIR=${QCOMMIT_SOURCE_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}
@@ -62,15 +62,12 @@ lab_die() {
   exit 1
 }
 lab_now() { printf '%s' "$EPOCHREALTIME"; }
-lab_fail() {
-  echo "FAIL: $*" >&2
+fail_context() {
   local f
   for f in qcommitd.log merge.log; do
-    [ -n "${LAB_DIR:-}" ] && [ -f "$LAB_DIR/$f" ] && tail -n 20 "$LAB_DIR/$f" >&2
+    [ -z "${LAB_DIR:-}" ] || [ ! -f "$LAB_DIR/$f" ] || tail -n 20 "$LAB_DIR/$f"
   done
-  exit 1
 }
-fail() { lab_fail "$@"; }
 
 lab_ensure_daemons() {
   # /dev/kvm usable by libvirt's QEMU user, or libvirtd probes QEMU again on every define.

@@ -7,7 +7,8 @@
 #                             from here on; NAME prefixes every failure.
 #   on_exit CMD...            CMD runs at exit, after the spawned processes are stopped and
 #                             before $work is removed (the test's own clean-up: domains, mounts).
-#   fail MESSAGE              ends the test: "NAME: FAIL: MESSAGE".
+#   fail MESSAGE              ends the test: "NAME: FAIL: MESSAGE", then what the test's own
+#                             fail_context prints, where it defines one (a daemon's log tail).
 #   soft_fail MESSAGE         the same line, and the test goes on; `finish` ends it failed.
 #   finish [PASS_LINE]        exit 1 listing every soft failure, else prints PASS_LINE.
 #   spawn CMD...              runs CMD in the background ($! as usual); killed at exit.
@@ -25,6 +26,8 @@
 #                             CMD's output in out.txt and err.txt, its status in $rc / the test
 #                             fails unless CMD exits RC with one line on stderr containing TEXT.
 #   timed CMD...              CMD's status in $rc and its wall-clock seconds in $took.
+#   image NAME SIZE [CMD...], overlay NAME BACKING [SIZE] [CMD...]
+#                             a qcow2 image (over BACKING), the qemu-io CMDs written by qio.
 #   layers SIZE IMG[=CMDS]... a qcow2 chain, each IMG over the one before, CMDS written by qio.
 #   small_chain, scatter IMG N SPAN
 #                             a 64 MiB two-layer chain with TOP's view in view.raw; N scattered
@@ -51,6 +54,7 @@ on_exit() { _t_on_exit+=("$*"); }
 
 fail() {
   echo "$test_name: FAIL: $*" >&2
+  ! declare -F fail_context >/dev/null || fail_context >&2
   exit 1
 }
 
@@ -170,10 +174,8 @@ cached_bytes() { fincore --bytes --noheadings --output RES "$1"; }
 # and 40-41 MiB) in the current directory, replacing earlier ones; TOP's view in view.raw.
 small_chain() {
   rm -f base.qcow2 top.qcow2
-  new base.qcow2 64M -f qcow2
-  qio -f qcow2 base.qcow2 "write -P 1 0 8M"
-  new top.qcow2 64M -f qcow2 -b base.qcow2 -F qcow2
-  qio -f qcow2 top.qcow2 "write -P 7 4M 16M" "write -P 9 40M 1M"
+  image base.qcow2 64M "write -P 1 0 8M"
+  overlay top.qcow2 base.qcow2 64M "write -P 7 4M 16M" "write -P 9 40M 1M"
   qemu-img convert -O raw top.qcow2 view.raw
 }
 
@@ -195,19 +197,31 @@ scatter() {
   qemu-io -f qcow2 "${args[@]}" "$1" >/dev/null
 }
 
-# layers SIZE IMG[=CMDS]...: a qcow2 chain, the first IMG of SIZE, each next one over the one before
-# it (its backing file named as that one is written here: relative or absolute); each IMG given
-# CMDS gets them written by qio (qemu-io commands separated by ';').
+# image NAME SIZE [QEMU_IO_CMD...]: a new qcow2 image, the commands run on it (qio).
+image() {
+  new "$1" "$2" -f qcow2
+  (($# < 3)) || qio -f qcow2 "$1" "${@:3}"
+}
+# overlay NAME BACKING [SIZE] [QEMU_IO_CMD...]: the same over the qcow2 image BACKING (SIZE, digits
+# and a unit, else BACKING's size).
+overlay() {
+  local name=$1 backing=$2 size=
+  shift 2
+  [[ ${1:-} =~ ^[0-9]+[KMGT]?$ ]] && size=$1 && shift
+  qemu-img create -q -f qcow2 -b "$backing" -F qcow2 "$name" ${size:+"$size"}
+  (($# == 0)) || qio -f qcow2 "$name" "$@"
+}
+
+# layers SIZE IMG[=CMDS]...: a qcow2 chain, the first IMG of SIZE (image), each next one over the
+# one before it (overlay; its backing file named as that one is written here: relative or
+# absolute); each IMG given CMDS gets them written (qemu-io commands separated by ';').
 layers() {
-  local size=$1 prev='' spec img cmds
+  local size=$1 prev='' spec cmds
   shift
   for spec; do
-    img=${spec%%=*}
-    if [[ -z $prev ]]; then new "$img" "$size" -f qcow2; else qemu-img create -q -f qcow2 -b "$prev" -F qcow2 "$img"; fi
-    if [[ $spec == *=* ]]; then
-      IFS=';' read -ra cmds <<<"${spec#*=}"
-      qio -f qcow2 "$img" "${cmds[@]}"
-    fi
-    prev=$img
+    cmds=()
+    [[ $spec != *=* ]] || IFS=';' read -ra cmds <<<"${spec#*=}"
+    if [[ -z $prev ]]; then image "${spec%%=*}" "$size" "${cmds[@]}"; else overlay "${spec%%=*}" "$prev" "${cmds[@]}"; fi
+    prev=${spec%%=*}
   done
 }

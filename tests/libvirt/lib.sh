@@ -3,12 +3,8 @@
 # (`. "$(dirname "$0")/lib.sh"`) after `set -euo pipefail`, the binaries' paths made absolute.
 . "$(dirname "${BASH_SOURCE[0]}")/../lib/test.sh"
 
-# fail also shows the tail of qcommitd's log, when the test started one (start_test_qcommitd).
-fail() {
-  echo "$test_name: FAIL: $*" >&2
-  [[ -f ${dir:-}/d.log ]] && tail -n 20 "$dir/d.log" >&2
-  exit 1
-}
+# A failure also shows the tail of qcommitd's log, when the test started one (start_test_qcommitd).
+fail_context() { [[ ! -f ${dir:-}/d.log ]] || tail -n 20 "$dir/d.log"; }
 skip() { echo "SKIP: $*"; exit 77; }  # skip REASON: ctest's SKIP, saying why
 virsh_up() { virsh -q list >/dev/null 2>&1; }
 

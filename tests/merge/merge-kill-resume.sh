@@ -135,7 +135,8 @@ reset_images() {
 # Sets killed_running (1 when it died of the kill before printing its result) and phase.
 run_killed() {
   local spec=$1 rc=0 line delay calls file n paths=() decile
-  : >run.json 2>run.err # there even if the kill comes before the shell's redirection
+  : >run.json # both there even if the kill comes before the shell's redirection
+  : >run.err
   kills=$((kills + 1))
   case $spec in
     after:*)
@@ -240,8 +241,11 @@ verify_done() {
   check_base '0'
   [[ $(backing_of child.qcow2) == "$work/base.qcow2" ]] || tfail "$label: CHILD's backing file is '$(backing_of child.qcow2)', not BASE"
   [[ -e $CP || -e $CP.tmp ]] && tfail "$label: checkpoint left behind"
-  ((!deleting)) || [[ ! -e top.qcow2 ]] || tfail "$label: TOP not deleted"
-  ((deleting)) || [[ -e top.qcow2 ]] || tfail "$label: TOP deleted without --delete"
+  if ((deleting)); then
+    [[ ! -e top.qcow2 ]] || tfail "$label: TOP not deleted"
+  else
+    [[ -e top.qcow2 ]] || tfail "$label: TOP deleted without --delete"
+  fi
   completed=$((completed + 1))
 }
 
